@@ -1,0 +1,1 @@
+"""Load generator for multi-turn agentic workloads (offline rollouts and online SLO runs)."""

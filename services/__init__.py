@@ -1,0 +1,1 @@
+"""DualPath services: one sub-package per process; thin wiring over ``dualpath``."""
