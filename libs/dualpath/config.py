@@ -1,0 +1,157 @@
+"""Configuration: per-domain frozen dataclasses; the only module that reads the environment.
+
+Every field carries help text and the environment variable that sets it, so each service's
+command line (``--nats-url`` ...) and its container form (``DUALPATH_NATS_URL`` ...) are
+generated from one definition: ``add_arguments(parser, Cls)`` then ``from_args(Cls, ns)``.
+Precedence: command-line flag > environment variable > default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+__all__ = [
+    "BusConfig", "DecodeConfig", "EngineConfig", "GatewayConfig", "KvPersistenceConfig", "ModelConfigSpec",
+    "NodeConfig", "SchedulerConfig", "add_arguments", "env_vars", "from_args",
+]
+
+T = TypeVar("T")
+
+
+def opt(default: Any, help: str, env: str | None = None, **kw) -> Any:
+    """A config field with help text and an environment variable name."""
+    return field(default=default, metadata={"help": help, "env": env, **kw})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BusConfig:
+    nats_url: str = opt("nats://127.0.0.1:4222", "NATS server URL(s), comma-separated for a cluster", "DUALPATH_NATS_URL")
+    namespace: str = opt("dualpath", "subject namespace: one deployment per namespace on a shared NATS", "DUALPATH_NAMESPACE")
+    nats_creds: str = opt("", "NATS credentials file (.creds); empty = no auth", "DUALPATH_NATS_CREDS")
+    nats_tls_ca: str = opt("", "CA bundle to verify the NATS server's TLS certificate; empty = no TLS", "DUALPATH_NATS_TLS_CA")
+    nats_tls_cert: str = opt("", "client certificate for NATS mutual TLS", "DUALPATH_NATS_TLS_CERT")
+    nats_tls_key: str = opt("", "client key for NATS mutual TLS", "DUALPATH_NATS_TLS_KEY")
+
+    def urls(self) -> list[str]:
+        return [u.strip() for u in self.nats_url.split(",") if u.strip()]
+
+    def connect_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``nats.connect`` (credentials and TLS when configured)."""
+        options: dict[str, Any] = {}
+        if self.nats_creds:
+            options["user_credentials"] = self.nats_creds
+        if self.nats_tls_ca or self.nats_tls_cert:
+            import ssl
+
+            ctx = ssl.create_default_context(cafile=self.nats_tls_ca or None)
+            if self.nats_tls_cert:
+                ctx.load_cert_chain(self.nats_tls_cert, self.nats_tls_key or None)
+            options["tls"] = ctx
+        return options
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelConfigSpec:
+    model: str = opt("", "model checkpoint directory (Hugging Face layout)", "DUALPATH_MODEL")
+    model_name: str = opt("", "name served in the API (default: the directory name)", "DUALPATH_MODEL_NAME")
+    device: str = opt("cpu", "torch device for engines: cpu, cuda, cuda:N", "DUALPATH_DEVICE")
+    dtype: str = opt("", "KV/compute dtype: float32, bfloat16, float16 (default: float32 on CPU, checkpoint dtype on GPU)", "DUALPATH_DTYPE")
+    block_tokens: int = opt(64, "tokens per KV block (hash-chain granularity)", "DUALPATH_BLOCK_TOKENS")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeConfig:
+    node_id: str = opt("node0", "this node's id (subject-safe: letters, digits, _ and -)", "DUALPATH_NODE_ID")
+    storage: str = opt("./.dualpath/storage", "storage root holding Full Block files (local dir or a shared mount)", "DUALPATH_STORAGE")
+    buffer_mb: int = opt(1024, "node DRAM buffer size in MiB (PE buffer on prefill nodes, DE buffer on decode nodes)", "DUALPATH_BUFFER_MB")
+    transport: str = opt("tcp", "data-plane transport between nodes: tcp or verbs", "DUALPATH_TRANSPORT")
+    data_host: str = opt("127.0.0.1", "address the data-plane endpoint listens on and advertises", "DUALPATH_DATA_HOST")
+    report_interval: float = opt(0.2, "seconds between state reports to the scheduler", "DUALPATH_REPORT_INTERVAL")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    engine_id: str = opt("engine0", "this engine's id (one engine per GPU)", "DUALPATH_ENGINE_ID")
+    max_batch_tokens: int = opt(2048, "prefill: most new tokens computed in one batch (chunked prefill beyond)", "DUALPATH_MAX_BATCH_TOKENS")
+    kv_capacity_tokens: int = opt(65536, "decode: tokens of KV the engine may hold (its 'HBM')", "DUALPATH_KV_CAPACITY_TOKENS")
+    max_running: int = opt(64, "decode: most requests decoded together", "DUALPATH_MAX_RUNNING")
+
+
+DecodeConfig = EngineConfig
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerConfig:
+    policy: str = opt("dualpath", "scheduling policy: dualpath, round_robin, least_tokens", "DUALPATH_POLICY")
+    read_path: str = opt("auto", "which side reads hit KV: auto (scheduler decides), pe, de", "DUALPATH_READ_PATH")
+    engine_timeout: float = opt(3.0, "seconds without a report after which an engine is considered dead", "DUALPATH_ENGINE_TIMEOUT")
+    max_queue: int = opt(10000, "most requests waiting in the scheduler; more are refused with 503", "DUALPATH_MAX_QUEUE")
+    max_attempts: int = opt(3, "dispatch attempts per request before it fails", "DUALPATH_MAX_ATTEMPTS")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KvPersistenceConfig:
+    index_path: str = opt("", "trie index log file (default: <storage>/index.log)", "DUALPATH_INDEX_PATH")
+    capacity_blocks: int = opt(0, "most blocks indexed before LRU eviction of leaves (0 = unbounded)", "DUALPATH_CAPACITY_BLOCKS")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatewayConfig:
+    host: str = opt("127.0.0.1", "HTTP listen address", "DUALPATH_HOST")
+    port: int = opt(8000, "HTTP listen port", "DUALPATH_PORT")
+    api_key: str = opt("", "require 'Authorization: Bearer <key>' when set", "DUALPATH_API_KEY")
+    gateway_id: str = opt("gw0", "this gateway's id (token streams are addressed to it)", "DUALPATH_GATEWAY_ID")
+    request_timeout: float = opt(600.0, "seconds before an unfinished request fails with 504", "DUALPATH_REQUEST_TIMEOUT")
+    max_prompt_tokens: int = opt(0, "refuse longer prompts (0 = the model's context length)", "DUALPATH_MAX_PROMPT_TOKENS")
+
+
+def env_vars(*classes: type) -> dict[str, str]:
+    """All environment variable names the given config classes read, with their help text."""
+    out = {}
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("env"):
+                out[f.metadata["env"]] = f.metadata["help"]
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
+    """Add one ``--flag`` per field of ``cls`` (help text shows the env variable and default)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        env = f.metadata.get("env")
+        kind = hints[f.name]
+        help_text = f"{f.metadata.get('help', '')} [env {env}; default {f.default!r}]" if env else f.metadata.get("help", "")
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None, help=help_text)
+
+
+def from_args(cls: type[T], ns: argparse.Namespace | None = None, **overrides: Any) -> T:
+    """Build ``cls``: explicit overrides > command-line value > environment > default.
+
+    Raises:
+        ValueError: an environment variable cannot be converted to the field's type.
+    """
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in overrides and overrides[f.name] is not None:
+            values[f.name] = overrides[f.name]
+            continue
+        cli = getattr(ns, f.name, None) if ns is not None else None
+        if cli is not None:
+            values[f.name] = cli
+            continue
+        env = f.metadata.get("env")
+        if env and env in os.environ:
+            try:
+                values[f.name] = hints[f.name](os.environ[env])
+            except ValueError:
+                raise ValueError(f"environment variable {env}={os.environ[env]!r} is not a valid {hints[f.name].__name__}") from None
+    return cls(**values)

@@ -1,0 +1,96 @@
+"""The decode engine's KV memory and its continuous-batching decode step (torch, no I/O).
+
+Each running sequence owns a KV tensor ``[layers, capacity, 2, kv_heads, head_dim]`` on the
+compute device (its share of "HBM"), grown a block at a time. A step feeds every running
+sequence's last token through all layers at once (linear layers batched, attention per
+sequence over its own cache) and returns the logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["DecodeSequence", "KvMemory", "decode_step"]
+
+
+@dataclass(slots=True, kw_only=True)
+class DecodeSequence:
+    """A sequence being decoded: ``tokens`` (prompt + generated) and the KV of ``kv_len`` of them."""
+
+    request_id: str
+    tokens: list[int]
+    kv: torch.Tensor  # [layers, capacity, 2, kv_heads, head_dim]
+    kv_len: int
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[1]
+
+
+class KvMemory:
+    """Allocates per-sequence KV tensors within a token budget (the engine's HBM capacity)."""
+
+    def __init__(self, *, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 capacity_tokens: int, block_tokens: int) -> None:
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.capacity_tokens = capacity_tokens
+        self.block_tokens = block_tokens
+        self.used_tokens = 0
+
+    @property
+    def free_tokens(self) -> int:
+        return self.capacity_tokens - self.used_tokens
+
+    def _round(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens) * self.block_tokens
+
+    def allocate(self, tokens: int) -> torch.Tensor:
+        """A zeroed KV tensor for ``tokens`` (rounded up to whole blocks).
+
+        Raises:
+            MemoryError: the budget has no room (the scheduler should not have sent it).
+        """
+        n = self._round(max(tokens, 1))
+        if n > self.free_tokens:
+            raise MemoryError(f"KV memory full: need {n} tokens, {self.free_tokens} free of {self.capacity_tokens}")
+        self.used_tokens += n
+        return torch.zeros((self.layers, n, 2, self.kv_heads, self.head_dim), dtype=self.dtype, device=self.device)
+
+    def grow(self, seq: DecodeSequence, tokens: int) -> None:
+        """Make room for ``tokens`` in ``seq`` (adds whole blocks, copies the used part)."""
+        if tokens <= seq.capacity:
+            return
+        new = self.allocate(max(tokens, seq.capacity + self.block_tokens))
+        new[:, :seq.kv_len].copy_(seq.kv[:, :seq.kv_len])
+        self.release(seq.kv)
+        seq.kv = new
+
+    def release(self, kv: torch.Tensor) -> None:
+        self.used_tokens -= kv.shape[1]
+
+
+def decode_step(decoder, memory: KvMemory, seqs: list[DecodeSequence], inputs: list[int]) -> torch.Tensor:
+    """Run one token per sequence (``inputs[i]`` at position ``seqs[i].kv_len``) through the model.
+
+    Appends each token's KV to its sequence and returns logits ``[len(seqs), vocab]``.
+    """
+    device = decoder.device
+    for s in seqs:
+        memory.grow(s, s.kv_len + 1)
+    token_t = torch.tensor(inputs, dtype=torch.long, device=device)
+    pos_t = torch.tensor([s.kv_len for s in seqs], dtype=torch.long, device=device)
+    segments = [(i, 1) for i in range(len(seqs))]
+    hidden = decoder.embed(token_t)
+    for layer in range(decoder.num_layers):
+        past = [(s.kv[layer, :s.kv_len, 0], s.kv[layer, :s.kv_len, 1]) if s.kv_len else None for s in seqs]
+        hidden, k, v = decoder.forward_layer(layer, hidden, pos_t, segments, past)
+        for i, s in enumerate(seqs):
+            s.kv[layer, s.kv_len, 0].copy_(k[i])
+            s.kv[layer, s.kv_len, 1].copy_(v[i])
+    for s in seqs:
+        s.kv_len += 1
+    return decoder.logits(hidden)

@@ -1,0 +1,55 @@
+"""``SlotLayout``: byte addresses of a request's KV inside a node buffer slot.
+
+A slot is a run of Full Blocks, each ``[layers, block_tokens, bytes_per_token_layer]``
+(the block file payload layout), so:
+
+- block ``b`` starts at ``b * block_bytes``;
+- its Layer Block for layer ``l`` is the contiguous range ``[l * layer_bytes, +layer_bytes)``
+  inside it (``layer_bytes = block_tokens * bytes_per_token_layer``);
+- token ``t`` of layer ``l`` lies at ``(t // bt) * block_bytes + l * layer_bytes + (t % bt) * bpt``.
+
+Layer Blocks are views into Full Blocks: moving "layer l of tokens [s, e)" is one entry per
+block touched, never a layout conversion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SlotLayout"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlotLayout:
+    layers: int
+    block_tokens: int
+    bytes_per_token_layer: int
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.block_tokens * self.bytes_per_token_layer
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layers * self.layer_bytes
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
+
+    def slot_bytes(self, tokens: int) -> int:
+        return self.blocks_for(tokens) * self.block_bytes
+
+    def layer_runs(self, layer: int, start: int, end: int) -> list[tuple[int, int, int]]:
+        """Contiguous runs of layer ``layer`` for tokens ``[start, end)``.
+
+        Returns ``(slot_offset, token_start, ntokens)`` per block touched, in token order.
+        """
+        runs = []
+        bt, bpt = self.block_tokens, self.bytes_per_token_layer
+        t = start
+        while t < end:
+            b, i = divmod(t, bt)
+            n = min(bt - i, end - t)
+            runs.append((b * self.block_bytes + layer * self.layer_bytes + i * bpt, t, n))
+            t += n
+        return runs

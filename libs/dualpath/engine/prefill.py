@@ -1,0 +1,95 @@
+"""Layer-wise prefill of a batch: bring each layer's cached KV in just before the layer,
+compute only the new tokens, send the layer's KV out, with layer ``l+1`` in flight while
+layer ``l`` computes.
+
+``run_prefill`` is transport-agnostic: a ``LayerIO`` moves bytes (``fetch`` cached KV of one
+layer into local memory and return tensor views of it; ``store`` the layer's KV to the decode
+side). The torch work runs in a worker thread so the event loop keeps serving the bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+__all__ = ["LayerIO", "PrefillItem", "PrefillResult", "run_prefill"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillItem:
+    """One request's part of a batch: compute tokens ``[start, end)`` of ``tokens``.
+
+    Tokens ``[0, start)`` are cached: their KV comes from outside (storage hits or earlier
+    chunks). ``last`` marks the chunk that ends the prompt (its logits give the first token).
+    """
+
+    request_id: str
+    tokens: Sequence[int]
+    start: int
+    end: int
+
+    @property
+    def last(self) -> bool:
+        return self.end == len(self.tokens)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillResult:
+    logits: torch.Tensor  # [n_last, vocab] float32, one row per item with ``last`` (in batch order)
+    compute_s: float
+    wait_s: float  # time the compute thread waited for cached KV to arrive
+
+
+class LayerIO(Protocol):
+    async def fetch(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Cached KV of ``layer`` per item (k, v each ``[start, kv_heads, head_dim]``) or None."""
+
+    async def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Send the layer's KV of the batch's new tokens (``[N, kv_heads, head_dim]`` each)."""
+
+
+async def run_prefill(decoder, items: Sequence[PrefillItem], io: LayerIO) -> PrefillResult:
+    """Prefill ``items`` together through all layers; see the module docstring.
+
+    Raises whatever ``io`` raises (a lost peer fails the batch; the caller reports it).
+    """
+    loop = asyncio.get_running_loop()
+    ids = [t for it in items for t in it.tokens[it.start:it.end]]
+    positions = [p for it in items for p in range(it.start, it.end)]
+    segments, off = [], 0
+    for it in items:
+        segments.append((off, it.end - it.start))
+        off += it.end - it.start
+    device = decoder.device
+    token_t = torch.tensor(ids, dtype=torch.long, device=device)
+    pos_t = torch.tensor(positions, dtype=torch.long, device=device)
+    hidden = await asyncio.to_thread(decoder.embed, token_t)
+
+    compute_s = wait_s = 0.0
+    stores: list[asyncio.Task] = []
+    pending = asyncio.ensure_future(io.fetch(0))
+    try:
+        for layer in range(decoder.num_layers):
+            t0 = loop.time()
+            past = await pending
+            wait_s += loop.time() - t0
+            if layer + 1 < decoder.num_layers:
+                pending = asyncio.ensure_future(io.fetch(layer + 1))  # next layer in flight
+            t1 = loop.time()
+            hidden, k, v = await asyncio.to_thread(decoder.forward_layer, layer, hidden, pos_t, segments, past)
+            compute_s += loop.time() - t1
+            if len(stores) >= 2:  # double-buffered output: layer l-2's send must be done
+                await stores[-2]
+            stores.append(asyncio.ensure_future(io.store(layer, k, v)))
+        await asyncio.gather(*stores)
+    except BaseException:
+        for task in (*stores, pending):
+            task.cancel()
+        await asyncio.gather(*stores, pending, return_exceptions=True)
+        raise
+    last_rows = [s + n - 1 for (s, n), it in zip(segments, items) if it.last]
+    logits = await asyncio.to_thread(decoder.logits, hidden[last_rows]) if last_rows else torch.empty(0)
+    return PrefillResult(logits=logits, compute_s=compute_s, wait_s=wait_s)

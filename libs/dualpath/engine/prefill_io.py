@@ -1,0 +1,130 @@
+"""``BatchLayerIO``: the prefill engine's ``LayerIO`` over the data plane.
+
+Per layer, for every item of the batch:
+
+- fetch: the Layer Block runs of its cached tokens ``[0, start)`` are read from their source
+  slot (PE buffer on the PE read path, DE buffer on the DE read path or for later chunks) into
+  an input window of the engine region, in one batch per source; the window is viewed as
+  ``[start, 2, kv_heads, head_dim]`` (no copy) and moved to the compute device;
+- store: the new tokens' KV is copied into an output window and written to the DE buffer slot
+  together with, on the PE read path's first chunk, the cached tokens it fetched (PE read
+  path: hit + miss; DE read path: miss only).
+
+Windows rotate so that no transfer overwrites bytes still in use: ``run_prefill`` starts
+``fetch(l+1)`` before computing ``l`` and waits for ``store(l-2)`` before ``store(l)``; a store
+may still read the input window of its layer (forwarded hits) until then, hence four input
+windows (``fetch(l+1)`` reuses the window of ``l-3``, whose store is done) and two output ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from dualpath.engine.dataplane import EngineDataPlane
+from dualpath.engine.layout import SlotLayout
+from dualpath.engine.prefill import PrefillItem
+from dualpath.transfer import RegionDescriptor, TransferEntry
+
+__all__ = ["BatchLayerIO", "IoItem", "LayerStats"]
+
+_IN_WINDOWS = 4
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IoItem:
+    item: PrefillItem
+    source: RegionDescriptor | None  # where tokens [0, start) are (None when start == 0)
+    source_offset: int
+    dest: RegionDescriptor  # the DE buffer slot
+    dest_offset: int
+    write_from: int  # first token to write to dest this chunk (0 on the PE path's first chunk)
+
+
+@dataclass(slots=True)
+class LayerStats:
+    fetch_bytes: int = 0
+    store_bytes: int = 0
+    fetch_s: float = 0.0
+    store_s: float = 0.0
+
+
+class BatchLayerIO:
+    """Implements ``LayerIO`` for one batch; ``close()`` frees its windows."""
+
+    def __init__(self, dp: EngineDataPlane, layout: SlotLayout, items: list[IoItem], *, dtype: torch.dtype,
+                 kv_heads: int, head_dim: int, device: torch.device, owner: str) -> None:
+        self.dp, self.layout, self.items = dp, layout, items
+        self.dtype, self.kv_heads, self.head_dim, self.device = dtype, kv_heads, head_dim, device
+        bpt = layout.bytes_per_token_layer
+        self.in_bytes = sum(io.item.start for io in items) * bpt
+        self.out_bytes = sum(io.item.end - io.item.start for io in items) * bpt
+        self._owner = owner
+        self._in = [dp.pool.alloc(f"{owner}.in{i}", max(self.in_bytes, 1)).offset for i in range(_IN_WINDOWS)]
+        self._out = [dp.pool.alloc(f"{owner}.out{i}", max(self.out_bytes, 1)).offset for i in range(2)]
+        self.stats = LayerStats()
+
+    def close(self) -> None:
+        for i in range(_IN_WINDOWS):
+            self.dp.pool.free(f"{self._owner}.in{i}")
+        for i in range(2):
+            self.dp.pool.free(f"{self._owner}.out{i}")
+
+    def _view(self, offset: int, tokens: int) -> torch.Tensor:
+        bpt = self.layout.bytes_per_token_layer
+        flat = self.dp.region.as_tensor(offset, tokens * bpt, self.dtype)
+        return flat.view(tokens, 2, self.kv_heads, self.head_dim)  # [tokens, 2, kvh, hd]
+
+    async def fetch(self, layer: int):
+        t0 = time.perf_counter()
+        base = self._in[layer % _IN_WINDOWS]
+        bpt = self.layout.bytes_per_token_layer
+        by_source: dict[str, tuple[RegionDescriptor, list[TransferEntry]]] = {}
+        local = base
+        places = []
+        for io in self.items:
+            n = io.item.start
+            places.append((local, n))
+            if n:
+                _, entries = by_source.setdefault(io.source.region_id, (io.source, []))
+                for slot_off, tok, cnt in self.layout.layer_runs(layer, 0, n):
+                    entries.append(TransferEntry(local + tok * bpt, io.source.region_id, io.source_offset + slot_off, cnt * bpt))
+            local += n * bpt
+        for desc, entries in by_source.values():
+            self.stats.fetch_bytes += await self.dp.read(desc, entries)
+        past = []
+        for off, n in places:
+            if not n:
+                past.append(None)
+                continue
+            kv = self._view(off, n).to(self.device, non_blocking=True)
+            past.append((kv[:, 0], kv[:, 1]))
+        self.stats.fetch_s += time.perf_counter() - t0
+        return past
+
+    async def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        bpt = self.layout.bytes_per_token_layer
+        out_base, in_base = self._out[layer % 2], self._in[layer % _IN_WINDOWS]
+        n_new = k.shape[0]
+        if n_new:
+            self._view(out_base, n_new).copy_(torch.stack((k, v), dim=1))  # D2H on GPU
+        by_dest: dict[str, tuple[RegionDescriptor, list[TransferEntry]]] = defaultdict(lambda: (None, []))
+        new_off, in_off = out_base, in_base
+        for io in self.items:
+            it = io.item
+            desc, entries = by_dest[io.dest.region_id]
+            by_dest[io.dest.region_id] = (io.dest, entries)
+            # cached tokens this chunk must forward (PE read path, first chunk): from the input window
+            for slot_off, tok, cnt in self.layout.layer_runs(layer, io.write_from, it.start):
+                entries.append(TransferEntry(in_off + tok * bpt, io.dest.region_id, io.dest_offset + slot_off, cnt * bpt))
+            for slot_off, tok, cnt in self.layout.layer_runs(layer, it.start, it.end):
+                entries.append(TransferEntry(new_off + (tok - it.start) * bpt, io.dest.region_id, io.dest_offset + slot_off, cnt * bpt))
+            new_off += (it.end - it.start) * bpt
+            in_off += it.start * bpt
+        for desc, entries in by_dest.values():
+            self.stats.store_bytes += await self.dp.write(desc, entries)
+        self.stats.store_s += time.perf_counter() - t0

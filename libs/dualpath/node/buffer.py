@@ -1,0 +1,92 @@
+"""``BufferPool``: slots of a node's DRAM buffer, one per request (first fit, coalescing free list).
+
+A slot holds a request's KV as a run of Full Blocks ``[blocks][layers, block_tokens, bytes]``,
+so the Layer Block of block ``b`` and layer ``l`` is the contiguous byte range
+``offset + b*block_bytes + l*layer_bytes`` of length ``layer_bytes``: streaming a layer
+never converts layout, and a Full Block read from storage lands where it will be used.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+__all__ = ["BufferFullError", "BufferPool", "Slot"]
+
+_ALIGN = 4096
+
+
+class BufferFullError(Exception):
+    """Raised by ``BufferPool.alloc`` when no free run is large enough (the caller retries later)."""
+
+    def __init__(self, requested: int, free: int, largest: int) -> None:
+        super().__init__(f"buffer full: need {requested} bytes, {free} free (largest run {largest})")
+        self.requested = requested
+        self.free = free
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Slot:
+    owner: str
+    offset: int
+    nbytes: int
+
+
+class BufferPool:
+    """Allocator over ``[0, size)``; owners are request ids (one slot per owner and tag)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[tuple[int, int]] = [(0, size)]  # sorted (offset, length)
+        self._slots: dict[str, Slot] = {}
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(n for _, n in self._free)
+
+    def get(self, owner: str) -> Slot | None:
+        return self._slots.get(owner)
+
+    def alloc(self, owner: str, nbytes: int) -> Slot:
+        """Reserve ``nbytes`` (rounded up to 4 KiB) for ``owner``; idempotent per owner.
+
+        Raises:
+            BufferFullError: no free run fits.
+            ValueError: ``owner`` already holds a slot of a different size.
+        """
+        existing = self._slots.get(owner)
+        if existing is not None:
+            if existing.nbytes < nbytes:
+                raise ValueError(f"{owner} already holds {existing.nbytes} bytes, asked for {nbytes}")
+            return existing
+        need = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        for i, (off, length) in enumerate(self._free):
+            if length >= need:
+                if length == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + need, length - need)
+                slot = Slot(owner=owner, offset=off, nbytes=need)
+                self._slots[owner] = slot
+                return slot
+        largest = max((n for _, n in self._free), default=0)
+        raise BufferFullError(need, self.free_bytes, largest)
+
+    def free(self, owner: str) -> bool:
+        """Release ``owner``'s slot (False when it held none); merges neighbouring free runs."""
+        slot = self._slots.pop(owner, None)
+        if slot is None:
+            return False
+        i = bisect.bisect_left(self._free, (slot.offset, 0))
+        self._free.insert(i, (slot.offset, slot.nbytes))
+        # merge with the right neighbour, then the left one
+        if i + 1 < len(self._free) and self._free[i][0] + self._free[i][1] == self._free[i + 1][0]:
+            self._free[i] = (self._free[i][0], self._free[i][1] + self._free[i + 1][1])
+            del self._free[i + 1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == self._free[i][0]:
+            self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
+            del self._free[i]
+        return True
+
+    def owners(self) -> list[str]:
+        return list(self._slots)

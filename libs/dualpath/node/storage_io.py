@@ -1,0 +1,109 @@
+"""``StorageIO``: a node's storage reads and writes through its storage NIC, with the read queue.
+
+``read_q`` (the paper's per-node storage read queue) is the tokens (and bytes) of Full Blocks
+that were asked for and not yet read: the scheduler compares it across nodes to pick the read
+side. File I/O runs in worker threads (it blocks); when an emulated SNIC is attached (testbed),
+every byte is paced through it, so the queue it builds up is the real one the scheduler sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from dualpath.kv import BlockMissingError, BlockStore, CorruptBlockError
+from dualpath.transfer.types import TrafficClass
+
+__all__ = ["BlockFormat", "ReadResult", "StorageIO"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockFormat:
+    """Shape of one Full Block: ``[layers, block_tokens, bytes_per_token_layer]`` of ``dtype``."""
+
+    layers: int
+    block_tokens: int
+    bytes_per_token_layer: int
+    dtype: str
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layers * self.block_tokens * self.bytes_per_token_layer
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadResult:
+    loaded: int  # leading blocks that are valid in the buffer
+    bytes_read: int
+    queue_wait_s: float
+    read_s: float
+    bad: list[int]  # hashes found missing or corrupt (drop them from the index)
+
+
+class StorageIO:
+    """Reads/writes Full Block files for one node; ``nic`` is its (emulated) storage NIC or None."""
+
+    def __init__(self, store: BlockStore, *, nic=None, max_parallel: int = 4) -> None:
+        self.store = store
+        self.nic = nic
+        self._sem = asyncio.Semaphore(max_parallel)
+        self.read_q_tokens = 0
+        self.read_q_bytes = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    async def read_blocks(self, model_digest: int, hashes: list[int], fmt: BlockFormat, dest: memoryview) -> ReadResult:
+        """Read ``hashes`` in order into ``dest`` (block i at ``i*block_bytes``).
+
+        Stops at the first missing or corrupt block: the hit is the valid prefix (the rest is
+        recomputed), so a torn file is never used.
+        """
+        n = len(hashes)
+        bb = fmt.block_bytes
+        self.read_q_tokens += n * fmt.block_tokens
+        self.read_q_bytes += n * bb
+        t_enq = time.perf_counter()
+        loaded, bad, wait = 0, [], 0.0
+        try:
+            async with self._sem:
+                wait = time.perf_counter() - t_enq
+                t0 = time.perf_counter()
+                for i, h in enumerate(hashes):
+                    if self.nic is not None:
+                        await self.nic.acquire(bb, TrafficClass.KV)
+                    try:
+                        await asyncio.to_thread(self._read_one, model_digest, h, fmt, dest[i * bb:(i + 1) * bb])
+                    except (BlockMissingError, CorruptBlockError):
+                        bad.append(h)
+                        break
+                    finally:
+                        self.read_q_tokens -= fmt.block_tokens
+                        self.read_q_bytes -= bb
+                    loaded += 1
+                read_s = time.perf_counter() - t0
+        finally:
+            # blocks never attempted leave the queue too
+            left = n - loaded - len(bad)
+            self.read_q_tokens -= left * fmt.block_tokens
+            self.read_q_bytes -= left * bb
+        self.bytes_read += loaded * bb
+        return ReadResult(loaded=loaded, bytes_read=loaded * bb, queue_wait_s=wait, read_s=read_s, bad=bad)
+
+    def _read_one(self, model_digest: int, h: int, fmt: BlockFormat, dest: memoryview) -> None:
+        self.store.read_into(model_digest=model_digest, block_hash=h, layers=fmt.layers, tokens=fmt.block_tokens,
+                             bytes_per_token_layer=fmt.bytes_per_token_layer, dtype=fmt.dtype, dest=dest)
+
+    async def write_blocks(self, model_digest: int, hashes: list[int], fmt: BlockFormat, src: memoryview) -> int:
+        """Write blocks atomically (temp + fsync + rename); returns bytes written."""
+        bb = fmt.block_bytes
+        written = 0
+        for i, h in enumerate(hashes):
+            if self.nic is not None:
+                await self.nic.acquire(bb, TrafficClass.KV)
+            payload = src[i * bb:(i + 1) * bb]
+            written += await asyncio.to_thread(
+                self.store.write, model_digest=model_digest, block_hash=h, layers=fmt.layers, tokens=fmt.block_tokens,
+                bytes_per_token_layer=fmt.bytes_per_token_layer, dtype=fmt.dtype, payload=payload)
+        self.bytes_written += written
+        return written

@@ -1,0 +1,378 @@
+"""Every control message between DualPath services (and nothing else).
+
+Messages are frozen, slotted, kw-only dataclasses with explicit ``to_wire``/``from_wire``
+(see ``wire.Wire``); the codec wraps them in a versioned msgpack envelope with an integer
+type code. Wire types are not domain types: services convert at the edge.
+
+Flow of one request (subjects in ``subjects.py``)::
+
+    gateway --LookupRequest--> kv-persistence                  (hit length)
+    gateway --SubmitRequest--> scheduler                       (queue; reply = accepted)
+    scheduler --AllocRequest--> traffic-manager(DE node)       (reserve the DE buffer slot)
+    scheduler --PrefillTask--> prefill engine
+    prefill engine --LoadRequest--> traffic-manager(read side) (storage -> buffer)
+    prefill engine --TokenEvent--> gateway                     (first token)
+    prefill engine --DecodeTask--> decode engine               (KV complete in the DE buffer)
+    decode engine --PersistRequest--> traffic-manager(DE node) (buffer -> storage, commit)
+    decode engine --TokenEvent--> gateway                      (the rest, then finish)
+    engines/traffic managers --EngineReport/NodeReport--> scheduler (periodic, also liveness)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from dualpath.protocol.codec import register
+from dualpath.protocol.wire import Wire
+
+__all__ = [
+    "AllocReply", "AllocRequest", "DecodeTask", "EngineReport", "ErrorReply", "FreeRequest", "LoadReply",
+    "LoadRequest", "LookupReply", "LookupRequest", "CommitRequest", "NodeReport", "Ok", "PersistRequest",
+    "PrefillTask", "ReadPath", "Role", "SubmitReply", "SubmitRequest", "TokenEvent", "RemoveRequest",
+    "DescribeRequest", "DescribeReply", "TaskFailed", "CancelRequest", "StateRequest", "StateReply",
+]
+
+
+class Role(IntEnum):
+    """What an engine does. Integers on the wire (compact, fast to compare)."""
+
+    PREFILL = 0
+    DECODE = 1
+
+
+class ReadPath(IntEnum):
+    """Which node reads a request's hit KV from storage (paper: PE read path / DE read path)."""
+
+    AUTO = 0
+    PE = 1
+    DE = 2
+    NONE = 3  # oracle mode / no hits: nothing read from storage
+
+
+_msg = dict(frozen=True, slots=True, kw_only=True)
+
+
+# --- generic replies -----------------------------------------------------------------------
+
+@register(1)
+@dataclass(**_msg)
+class ErrorReply(Wire):
+    """Any service's answer to a request it could not serve; ``code`` is HTTP-like."""
+
+    code: int
+    message: str
+
+
+@register(2)
+@dataclass(**_msg)
+class Ok(Wire):
+    """Plain acknowledgement."""
+
+    detail: str = ""
+
+
+# --- kv-persistence -------------------------------------------------------------------------
+
+@register(10)
+@dataclass(**_msg)
+class LookupRequest(Wire):
+    """How many leading blocks of this hash chain are persisted?"""
+
+    model_digest: int
+    hashes: list[int]
+
+
+@register(11)
+@dataclass(**_msg)
+class LookupReply(Wire):
+    hit_blocks: int
+
+
+@register(12)
+@dataclass(**_msg)
+class CommitRequest(Wire):
+    """Blocks ``hashes[start:]`` are durable in storage; their parents are the earlier hashes."""
+
+    model_digest: int
+    hashes: list[int]
+    start: int = 0
+
+
+@register(13)
+@dataclass(**_msg)
+class RemoveRequest(Wire):
+    """Drop blocks from the index (their files were found corrupt or missing)."""
+
+    model_digest: int
+    hashes: list[int]
+
+
+# --- gateway -> scheduler -------------------------------------------------------------------
+
+@register(20)
+@dataclass(**_msg)
+class SubmitRequest(Wire):
+    """A tokenized request entering the scheduler's queue."""
+
+    request_id: str
+    model: str
+    model_digest: int
+    prompt_tokens: list[int]
+    block_hashes: list[int]  # hash chain of the prompt's full blocks
+    hit_blocks: int  # persisted prefix length at lookup time (in blocks)
+    sampling: dict  # dualpath.model.SamplingParams fields
+    reply_subject: str  # where TokenEvents go
+    read_path: int = ReadPath.AUTO
+    block_tokens: int = 64
+    arrival_ts: float = 0.0
+
+
+@register(21)
+@dataclass(**_msg)
+class SubmitReply(Wire):
+    queue_position: int
+
+
+# --- scheduler <-> traffic manager ------------------------------------------------------------
+
+@register(30)
+@dataclass(**_msg)
+class AllocRequest(Wire):
+    """Reserve room in a node's DRAM buffer for ``blocks`` Full Blocks of a request."""
+
+    request_id: str
+    blocks: int
+    block_bytes: int
+
+
+@register(31)
+@dataclass(**_msg)
+class AllocReply(Wire):
+    region: dict  # transfer.RegionDescriptor wire form
+    offset: int
+    nbytes: int
+
+
+@register(32)
+@dataclass(**_msg)
+class FreeRequest(Wire):
+    request_id: str
+
+
+@register(33)
+@dataclass(**_msg)
+class LoadRequest(Wire):
+    """Read hit Full Blocks from storage into the node buffer, block i at ``offset + i*block_bytes``.
+
+    If the request has no slot on that node yet, the traffic manager allocates one
+    (``allocate=True``, PE read path) and returns where it is.
+    """
+
+    request_id: str
+    model_digest: int
+    hashes: list[int]
+    layers: int
+    bytes_per_token_layer: int
+    dtype: str
+    block_tokens: int
+    allocate: bool = False
+    total_blocks: int = 0  # slot size when allocating
+
+
+@register(34)
+@dataclass(**_msg)
+class LoadReply(Wire):
+    """``loaded`` leading blocks are valid in the buffer (a missing/corrupt block ends the hit)."""
+
+    loaded: int
+    region: dict
+    offset: int
+    bytes_read: int
+    queue_wait_s: float = 0.0
+    read_s: float = 0.0
+
+
+@register(35)
+@dataclass(**_msg)
+class PersistRequest(Wire):
+    """Write Full Blocks that sit in this node's buffer to storage, then commit them.
+
+    Block ``i`` of ``hashes`` lies at ``offset + i*block_bytes`` of region ``region_id``;
+    ``chain_start`` is the index of ``hashes[0]`` in the request's hash chain and ``parent``
+    its parent hash (0 at the root). ``free_after`` releases the request's slot when done.
+    """
+
+    request_id: str
+    model_digest: int
+    region_id: str
+    offset: int
+    hashes: list[int]
+    parent_chain: list[int]  # the chain before hashes[0] (commit needs the full path)
+    layers: int
+    bytes_per_token_layer: int
+    dtype: str
+    block_tokens: int
+    free_after: bool = False
+
+
+@register(36)
+@dataclass(**_msg)
+class DescribeRequest(Wire):
+    """Ask a traffic manager for its data-plane regions (connection set-up over NATS)."""
+
+    node_id: str = ""
+
+
+@register(37)
+@dataclass(**_msg)
+class DescribeReply(Wire):
+    node_id: str
+    regions: list[dict]
+
+
+# --- scheduler -> engines ---------------------------------------------------------------------
+
+@register(40)
+@dataclass(**_msg)
+class PrefillTask(Wire):
+    """Everything a prefill engine needs to run one request and hand it to its decode engine."""
+
+    request_id: str
+    model: str  # model id: the hash chain's namespace
+    model_digest: int
+    prompt_tokens: list[int]
+    block_hashes: list[int]
+    hit_blocks: int
+    sampling: dict
+    reply_subject: str
+    read_path: int  # ReadPath.PE / DE / NONE
+    prefill_engine: str
+    prefill_node: str
+    decode_engine: str
+    decode_node: str
+    de_region: dict  # where the DE buffer slot lives
+    de_offset: int
+    attempt: int = 0
+    policy: str = ""
+
+
+@register(41)
+@dataclass(**_msg)
+class DecodeTask(Wire):
+    """Prefill is done: the request's complete prompt KV lies in the DE buffer slot."""
+
+    request_id: str
+    model: str
+    model_digest: int
+    prompt_tokens: list[int]
+    block_hashes: list[int]
+    cached_blocks: int  # blocks that were hits (already persisted)
+    first_token: int
+    first_logprob: float
+    first_top_logprobs: list  # [[token_id, logprob], ...]
+    sampling: dict
+    reply_subject: str
+    de_region_id: str
+    de_offset: int
+    read_path: int
+    prefill_engine: str
+    attempt: int = 0
+
+
+@register(42)
+@dataclass(**_msg)
+class TaskFailed(Wire):
+    """An engine could not run a task; the scheduler retries it elsewhere or fails it."""
+
+    request_id: str
+    engine_id: str
+    reason: str
+    retryable: bool = True
+
+
+@register(43)
+@dataclass(**_msg)
+class EngineReport(Wire):
+    """Periodic state of one engine (also its heartbeat); the paper's ``seq_e``/``tok_e``."""
+
+    engine_id: str
+    role: int
+    node_id: str
+    seq: int
+    tok: int
+    free_hbm_tokens: int
+    capacity_tokens: int
+    finished: list[str] = field(default_factory=list)  # requests completed since the last report
+    block_bytes: int = 0  # bytes of one Full Block in this engine's KV format
+    ts: float = 0.0
+
+
+@register(44)
+@dataclass(**_msg)
+class NodeReport(Wire):
+    """Periodic state of one node's traffic manager: the storage read queue (``read_q``)."""
+
+    node_id: str
+    read_q_tokens: int
+    read_q_bytes: int
+    buffer_free_bytes: int
+    buffer_bytes: int
+    regions: list[dict] = field(default_factory=list)
+    ts: float = 0.0
+
+
+# --- engines -> gateway -----------------------------------------------------------------------
+
+@register(50)
+@dataclass(**_msg)
+class TokenEvent(Wire):
+    """Tokens of one request, in order by ``index`` (the first token comes from the prefill engine).
+
+    ``finish_reason`` set (``stop``, ``length``, ``error``) marks the last event; then ``usage``
+    and ``info`` (the ``dualpath`` extension: read path, engines, hit tokens) are filled.
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)  # per token: [[id, logprob], ...]
+    finish_reason: str | None = None
+    error: str = ""
+    error_code: int = 0
+    cached_tokens: int = 0
+    info: dict = field(default_factory=dict)
+    ts: float = 0.0
+
+
+# --- control ---------------------------------------------------------------------------------
+
+@register(60)
+@dataclass(**_msg)
+class CancelRequest(Wire):
+    """Stop work on a request (client gone, stop string seen); broadcast to every engine."""
+
+    request_id: str
+    reason: str = ""
+
+
+@register(61)
+@dataclass(**_msg)
+class StateRequest(Wire):
+    """Ask the scheduler for a summary of the cluster (health checks, ``dualpath up``)."""
+
+    detail: bool = False
+
+
+@register(62)
+@dataclass(**_msg)
+class StateReply(Wire):
+    prefill_engines: int
+    decode_engines: int
+    nodes: int
+    queued: int
+    running: int
+    policy: str
+    engines: list[dict] = field(default_factory=list)
+    node_states: list[dict] = field(default_factory=list)

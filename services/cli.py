@@ -1,0 +1,90 @@
+"""The ``dualpath`` command: one entry point for serving, services, tools and benchmarks.
+
+    dualpath up --model DIR --topology 1P1D [--port 8000] [--storage PATH]
+    dualpath make-tiny-model DIR [--layers N --hidden H --heads A --kv-heads K --vocab V --seed S]
+    dualpath service NAME [service flags]      (gateway, scheduler, kv-persistence, traffic-manager,
+                                                prefill-engine, decode-engine)
+    dualpath demo                              (a multi-turn conversation against a fresh stack)
+    dualpath bench scheduler|transfer|loadgen [--json]
+    dualpath loadgen --url URL --dataset 32k|48k|64k|FILE ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["main"]
+
+SERVICES = {
+    "gateway": "services.gateway.service",
+    "scheduler": "services.scheduler.service",
+    "kv-persistence": "services.kv_persistence.service",
+    "traffic-manager": "services.traffic_manager.service",
+    "prefill-engine": "services.prefill_engine.service",
+    "decode-engine": "services.decode_engine.service",
+}
+
+# Sub-commands whose flags belong to another module: everything after the name is passed on.
+PASSTHROUGH = {
+    "service": None,
+    "loadgen": "loadgen.cli",
+    "up": "services.launcher.up",
+    "demo": "services.launcher.demo",
+    "bench": "services.bench",
+    "experiment": "services.experiment",
+    "trace": "services.trace",
+}
+
+
+def _make_tiny_model(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="dualpath make-tiny-model", description="write a tiny random Qwen2 checkpoint (HF layout)")
+    p.add_argument("dir", help="output directory")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-position", type=int, default=4096)
+    p.add_argument("--tie-embeddings", action="store_true")
+    ns = p.parse_args(argv)
+    from dualpath.model import make_tiny_model
+
+    try:
+        path = make_tiny_model(ns.dir, layers=ns.layers, hidden=ns.hidden, heads=ns.heads, kv_heads=ns.kv_heads, vocab=ns.vocab,
+                               seed=ns.seed, max_position=ns.max_position, tie_embeddings=ns.tie_embeddings)
+    except ValueError as exc:
+        p.error(str(exc))
+    print(f"wrote {path} (config.json, model.safetensors, tokenizer.json)")
+    return 0
+
+
+def _usage() -> int:
+    print(__doc__.strip())
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "make-tiny-model":
+        return _make_tiny_model(rest)
+    if cmd == "service":
+        if not rest or rest[0] not in SERVICES:
+            print(f"dualpath service NAME: NAME is one of {', '.join(SERVICES)}", file=sys.stderr)
+            return 2
+        return importlib.import_module(SERVICES[rest[0]]).main(rest[1:])
+    module = PASSTHROUGH.get(cmd)
+    if module is None:
+        print(f"dualpath: unknown command {cmd!r}\n", file=sys.stderr)
+        return _usage()
+    return importlib.import_module(module).main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

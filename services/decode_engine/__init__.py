@@ -1,0 +1,1 @@
+"""decode-engine: one per GPU; continuous-batching decode, token streaming, block persistence."""

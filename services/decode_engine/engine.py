@@ -1,0 +1,231 @@
+"""``DecodeEngine``: admits prefilled requests, decodes them together, streams, persists blocks.
+
+Admission moves a request's complete prompt KV from the DE buffer slot (same node: shared
+memory) into the engine's KV memory, then asks the node's traffic manager to persist the
+prompt's new full blocks from the slot and free it. Each step decodes one token for every
+running request; whenever a request's KV fills a block, the block goes to storage the same
+way (through a small staging slot). When a request ends on a token that completes a block,
+one more forward computes that token's KV so every full block of the context is persisted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dualpath.bus import Bus
+from dualpath.config import EngineConfig
+from dualpath.engine.common import EngineSetup, read_path_name
+from dualpath.engine.decode import DecodeSequence, KvMemory, decode_step
+from dualpath.kv import block_hashes
+from dualpath.model.sampling import SamplingParams, sample
+from dualpath.protocol import messages as m
+from dualpath.protocol.subjects import Subjects
+from dualpath.telemetry.logs import get_logger
+from dualpath.telemetry.tracing import get_tracer
+from dualpath.transfer import MemoryRegion
+
+__all__ = ["DecodeEngine"]
+
+log = get_logger("decode-engine")
+tracer = get_tracer("dualpath.decode")
+
+
+@dataclass(slots=True, kw_only=True)
+class Running:
+    task: m.DecodeTask
+    seq: DecodeSequence
+    params: SamplingParams
+    gen: torch.Generator | None
+    chain: list[int]  # hash chain of the persisted/persisting full blocks
+    finish: str | None = None  # set when done; the request leaves after a final KV flush if needed
+    t_start: float = field(default_factory=time.perf_counter)
+
+
+class DecodeEngine:
+    def __init__(self, bus: Bus, subjects: Subjects, cfg: EngineConfig, node_id: str, setup: EngineSetup) -> None:
+        self.bus, self.subjects, self.cfg, self.node_id, self.setup = bus, subjects, cfg, node_id, setup
+        d = setup.decoder
+        self.memory = KvMemory(layers=d.num_layers, kv_heads=d.kv_heads, head_dim=d.head_dim, dtype=d.dtype, device=d.device,
+                               capacity_tokens=cfg.kv_capacity_tokens, block_tokens=setup.layout.block_tokens)
+        self.incoming: list[m.DecodeTask] = []
+        self.running: dict[str, Running] = {}
+        self.finished: list[str] = []
+        self._regions: dict[str, MemoryRegion] = {}
+        self._wake = asyncio.Event()
+        self._persists: set[asyncio.Task] = set()
+
+    # ---- intake ----------------------------------------------------------------------------
+    async def on_task(self, task: m.DecodeTask) -> m.Ok:
+        if task.request_id in self.running or any(t.request_id == task.request_id for t in self.incoming):
+            return m.Ok(detail="duplicate")
+        self.incoming.append(task)
+        self._wake.set()
+        return m.Ok()
+
+    async def on_cancel(self, req: m.CancelRequest) -> None:
+        r = self.running.get(req.request_id)
+        if r is not None and r.finish is None:
+            r.finish = "cancelled"
+
+    def _region(self, region_id: str) -> MemoryRegion:
+        region = self._regions.get(region_id)
+        if region is None:
+            region = self._regions[region_id] = MemoryRegion.attach(region_id)
+        return region
+
+    def _admit(self, task: m.DecodeTask) -> Running:
+        """Copy the prompt KV from the DE buffer slot into KV memory (the DE's H2D)."""
+        lay = self.setup.layout
+        d = self.setup.decoder
+        n = len(task.prompt_tokens)
+        nb = lay.blocks_for(n)
+        slot = self._region(task.de_region_id).as_tensor(task.de_offset, nb * lay.block_bytes, d.dtype)
+        slot = slot.view(nb, lay.layers, lay.block_tokens, 2, d.kv_heads, d.head_dim)  # [blocks, layers, bt, 2, kvh, hd]
+        kv = self.memory.allocate(n + 1)
+        kv[:, :n].copy_(slot.permute(1, 0, 2, 3, 4, 5).reshape(lay.layers, nb * lay.block_tokens, 2, d.kv_heads, d.head_dim)[:, :n])
+        params = SamplingParams(**task.sampling)
+        gen = torch.Generator(device="cpu").manual_seed(params.seed + 1) if params.seed is not None else None
+        seq = DecodeSequence(request_id=task.request_id, tokens=list(task.prompt_tokens) + [task.first_token], kv=kv, kv_len=n,
+                             generated=[task.first_token])
+        full = n // lay.block_tokens
+        return Running(task=task, seq=seq, params=params, gen=gen, chain=list(task.block_hashes[:full]))
+
+    # ---- persistence -----------------------------------------------------------------------
+    def _persist_prompt(self, r: Running) -> None:
+        """Persist the prompt's full blocks that were not hits, straight from the slot, then free it."""
+        t, lay = r.task, self.setup.layout
+        full = len(t.prompt_tokens) // lay.block_tokens
+        new = r.chain[t.cached_blocks:full]
+        req = m.PersistRequest(request_id=t.request_id, model_digest=t.model_digest, region_id=t.de_region_id,
+                               offset=t.de_offset + t.cached_blocks * lay.block_bytes, hashes=new, parent_chain=r.chain[:t.cached_blocks],
+                               layers=lay.layers, bytes_per_token_layer=lay.bytes_per_token_layer, dtype=self.setup.dtype,
+                               block_tokens=lay.block_tokens, free_after=True)
+        self._spawn_persist(req)
+
+    async def _persist_block(self, r: Running, b: int) -> None:
+        """Stage block ``b`` of a running sequence in the node buffer and persist it."""
+        lay, d, t = self.setup.layout, self.setup.decoder, r.task
+        bt = lay.block_tokens
+        parent = r.chain[-1] if r.chain else 0
+        h = block_hashes(t.model, r.seq.tokens[b * bt:(b + 1) * bt], block_tokens=bt, parent=parent)[0]
+        parents = list(r.chain)
+        r.chain.append(h)
+        owner = f"{t.request_id}-g{b}"
+        reply = await self.bus.request(self.subjects.tm(self.node_id, "alloc"), m.AllocRequest(request_id=owner, blocks=1, block_bytes=lay.block_bytes),
+                                       m.AllocReply, timeout=5.0)
+        region = self._region(reply.region["region_id"])
+        dst = region.as_tensor(reply.offset, lay.block_bytes, d.dtype).view(lay.layers, bt, 2, d.kv_heads, d.head_dim)
+        dst.copy_(r.seq.kv[:, b * bt:(b + 1) * bt])
+        self._spawn_persist(m.PersistRequest(request_id=owner, model_digest=t.model_digest, region_id=region.region_id, offset=reply.offset,
+                                             hashes=[h], parent_chain=parents, layers=lay.layers, bytes_per_token_layer=lay.bytes_per_token_layer,
+                                             dtype=self.setup.dtype, block_tokens=bt, free_after=True))
+
+    def _spawn_persist(self, req: m.PersistRequest) -> None:
+        async def go() -> None:
+            try:
+                await self.bus.request(self.subjects.tm(self.node_id, "persist"), req, m.Ok, timeout=60.0)
+            except Exception as exc:  # noqa: BLE001 - a lost block is only a future miss
+                log.warning("persist_failed", request_id=req.request_id, error=str(exc))
+
+        task = asyncio.ensure_future(go())
+        self._persists.add(task)
+        task.add_done_callback(self._persists.discard)
+
+    # ---- the loop --------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self._admit_incoming()
+            if not self.running:
+                self._wake.clear()
+                waiter = asyncio.ensure_future(self._wake.wait())
+                stopper = asyncio.ensure_future(stop.wait())
+                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                stopper.cancel()
+                continue
+            await self._step()
+        if self._persists:
+            await asyncio.wait(list(self._persists), timeout=10.0)
+
+    async def _admit_incoming(self) -> None:
+        while self.incoming and len(self.running) < self.cfg.max_running:
+            task = self.incoming.pop(0)
+            try:
+                r = await asyncio.to_thread(self._admit, task)
+            except MemoryError as exc:
+                await self._fail_task(task, str(exc))
+                continue
+            self.running[task.request_id] = r
+            self._persist_prompt(r)
+            self._check_finish(r, task.first_token)
+
+    def _check_finish(self, r: Running, token: int) -> None:
+        p = r.params
+        n = len(r.seq.generated)
+        if n >= p.max_tokens:
+            r.finish = "length"
+        elif n >= p.min_tokens and not p.ignore_eos and (token in self.setup.eos_ids or token in p.stop_token_ids):
+            r.finish = "stop"
+
+    async def _step(self) -> None:
+        active = [r for r in self.running.values() if r.finish is None]
+        flush = [r for r in self.running.values() if r.finish not in (None, "cancelled") and self._needs_flush(r)]
+        batch = active + flush
+        if batch:
+            seqs = [r.seq for r in batch]
+            inputs = [r.seq.tokens[r.seq.kv_len] for r in batch]  # the one token without KV yet
+            logits = await asyncio.to_thread(decode_step, self.setup.decoder, self.memory, seqs, inputs)
+            if active:
+                toks = sample(logits[:len(active)].float().cpu(), [r.params for r in active], [r.gen for r in active],
+                              suppress_eos=[r.params.ignore_eos or len(r.seq.generated) < r.params.min_tokens for r in active],
+                              eos_ids=self.setup.eos_ids)
+                for r, tok in zip(active, toks):
+                    r.seq.tokens.append(tok.token_id)
+                    r.seq.generated.append(tok.token_id)
+                    self._check_finish(r, tok.token_id)
+                    await self._emit(r, [tok.token_id], [tok.logprob], [[[i, lp] for i, lp in tok.top_logprobs]])
+            for r in batch:  # a block just filled with KV: persist it
+                if r.seq.kv_len % self.setup.layout.block_tokens == 0 and r.finish != "cancelled":
+                    await self._persist_block(r, r.seq.kv_len // self.setup.layout.block_tokens - 1)
+        for r in list(self.running.values()):
+            if r.finish == "cancelled" or (r.finish is not None and not self._needs_flush(r)):
+                await self._finish(r)
+
+    def _needs_flush(self, r: Running) -> bool:
+        return len(r.seq.tokens) % self.setup.layout.block_tokens == 0 and r.seq.kv_len < len(r.seq.tokens)
+
+    async def _emit(self, r: Running, ids: list[int], lps: list[float], tops: list) -> None:
+        await self.bus.publish(r.task.reply_subject, m.TokenEvent(request_id=r.task.request_id, index=len(r.seq.generated) - len(ids),
+                                                                  token_ids=ids, logprobs=lps, top_logprobs=tops, ts=time.time()))
+
+    async def _finish(self, r: Running) -> None:
+        t = r.task
+        self.running.pop(t.request_id, None)
+        self.memory.release(r.seq.kv)
+        self.finished.append(t.request_id)
+        if r.finish == "cancelled":
+            return
+        lay = self.setup.layout
+        info = {"read_path": read_path_name(t.read_path), "prefill_engine": t.prefill_engine, "decode_engine": self.cfg.engine_id,
+                "hit_tokens": t.cached_blocks * lay.block_tokens}
+        await self.bus.publish(t.reply_subject, m.TokenEvent(request_id=t.request_id, index=len(r.seq.generated), token_ids=[],
+                                                             finish_reason=r.finish, cached_tokens=t.cached_blocks * lay.block_tokens,
+                                                             info=info, ts=time.time()))
+        log.info("decode_done", request_id=t.request_id, tokens=len(r.seq.generated), finish=r.finish,
+                 seconds=round(time.perf_counter() - r.t_start, 4))
+
+    async def _fail_task(self, task: m.DecodeTask, reason: str) -> None:
+        log.warning("decode_task_failed", request_id=task.request_id, reason=reason)
+        await self.bus.publish(self.subjects.task_failed, m.TaskFailed(request_id=task.request_id, engine_id=self.cfg.engine_id, reason=reason))
+
+    def report(self) -> m.EngineReport:
+        """``seq_e``: requests here; ``tok_e``: their context tokens; free HBM in tokens."""
+        tok = sum(len(r.seq.tokens) for r in self.running.values()) + sum(len(t.prompt_tokens) for t in self.incoming)
+        done, self.finished = self.finished, []
+        return m.EngineReport(engine_id=self.cfg.engine_id, role=m.Role.DECODE, node_id=self.node_id,
+                              seq=len(self.running) + len(self.incoming), tok=tok, free_hbm_tokens=self.memory.free_tokens,
+                              capacity_tokens=self.memory.capacity_tokens, finished=done, block_bytes=self.setup.layout.block_bytes, ts=time.time())

@@ -1,0 +1,5 @@
+import sys
+
+from services.gateway.service import main
+
+sys.exit(main())

@@ -1,0 +1,173 @@
+"""The gateway's HTTP app: OpenAI ``/v1/completions`` and ``/v1/chat/completions`` (SSE or not),
+``/v1/models``, ``/health``.
+
+A request is tokenized, its block hash chain looked up in kv-persistence (the hit), submitted
+to the scheduler, and answered from its token stream. Errors use OpenAI's JSON error body.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.gateway.api_types import ChatCompletionRequest, CompletionRequest
+from services.gateway.core import ApiError, Gateway, Prepared
+
+__all__ = ["build_app"]
+
+
+def _error(status: int, message: str, *, etype: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": etype, "param": param, "code": status}})
+
+
+def build_app(gw: Gateway) -> FastAPI:
+    app = FastAPI(title="DualPath gateway", lifespan=gw.lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_req: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        field = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            return _error(400, f"malformed JSON body: {first.get('msg', '')}")
+        return _error(422 if first.get("type") != "missing" else 400,
+                      f"{'field ' + repr(field) + ': ' if field else ''}{first.get('msg', 'invalid request')}", param=field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), etype="not_found" if exc.status_code == 404 else "invalid_request_error")
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(_req: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, exc.message, etype=exc.etype, param=exc.param)
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        if gw.cfg.api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {gw.cfg.api_key}":
+                return _error(401, "invalid or missing API key", etype="authentication_error")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        state = await gw.cluster_state()
+        ok = state is not None and state.prefill_engines > 0 and state.decode_engines > 0
+        body = {"status": "ok" if ok else "unavailable"}
+        if state is not None:
+            body.update(prefill_engines=state.prefill_engines, decode_engines=state.decode_engines,
+                        queued=state.queued, running=state.running, policy=state.policy)
+        return JSONResponse(status_code=200 if ok else 503, content=body)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": gw.model_name, "object": "model", "created": gw.started,
+                                             "owned_by": "dualpath", "max_model_len": gw.max_context}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prep = gw.prepare_completion(body)
+        return await _answer(gw, prep, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        prep = gw.prepare_chat(body)
+        return await _answer(gw, prep, request, chat=True)
+
+    return app
+
+
+async def _answer(gw: Gateway, prep: Prepared, request: Request, *, chat: bool):
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    await gw.submit(rid, prep)
+    if prep.stream:
+        return StreamingResponse(_sse(gw, rid, prep, request, chat), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+    try:
+        result = await gw.collect(rid, prep)
+    finally:
+        gw.finish(rid)
+    return JSONResponse(content=_full_body(gw, rid, prep, result, chat), headers={"X-Request-Id": rid})
+
+
+def _usage(prep: Prepared, result) -> dict:
+    return {"prompt_tokens": len(prep.prompt_tokens), "completion_tokens": len(result.token_ids),
+            "total_tokens": len(prep.prompt_tokens) + len(result.token_ids),
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+
+
+def _logprobs_chat(gw: Gateway, ids, lps, tops) -> dict:
+    content = []
+    for tid, lp, top in zip(ids, lps, tops):
+        tok = gw.tokenizer.decode([tid])
+        content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                        "top_logprobs": [{"token": gw.tokenizer.decode([t]), "logprob": l, "bytes": list(gw.tokenizer.decode([t]).encode())} for t, l in top]})
+    return {"content": content}
+
+
+def _logprobs_completion(gw: Gateway, ids, lps, tops) -> dict:
+    toks = [gw.tokenizer.decode([t]) for t in ids]
+    return {"tokens": toks, "token_logprobs": list(lps), "top_logprobs": [{gw.tokenizer.decode([t]): l for t, l in top} for top in tops],
+            "text_offset": []}
+
+
+def _full_body(gw: Gateway, rid: str, prep: Prepared, result, chat: bool) -> dict[str, Any]:
+    created = int(time.time())
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "finish_reason": result.finish_reason,
+                  "logprobs": _logprobs_chat(gw, result.token_ids, result.logprobs, result.top_logprobs) if prep.want_logprobs else None}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason,
+                  "logprobs": _logprobs_completion(gw, result.token_ids, result.logprobs, result.top_logprobs) if prep.want_logprobs else None}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": gw.model_name, "choices": [choice],
+            "usage": _usage(prep, result), "dualpath": result.info}
+
+
+async def _sse(gw: Gateway, rid: str, prep: Prepared, request: Request, chat: bool):
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta_text: str | None, finish: str | None, ids=(), lps=(), tops=(), extra: dict | None = None) -> str:
+        if chat:
+            delta = {} if delta_text is None else {"content": delta_text}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish,
+                      "logprobs": _logprobs_chat(gw, ids, lps, tops) if prep.want_logprobs and ids else None}
+        else:
+            choice = {"index": 0, "text": delta_text or "", "finish_reason": finish,
+                      "logprobs": _logprobs_completion(gw, ids, lps, tops) if prep.want_logprobs and ids else None}
+        body = {"id": rid, "object": obj, "created": created, "model": gw.model_name, "choices": [choice]}
+        if extra:
+            body.update(extra)
+        return f"data: {json.dumps(body)}\n\n"
+
+    try:
+        if chat:
+            first = {"id": rid, "object": obj, "created": created, "model": gw.model_name,
+                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}]}
+            yield f"data: {json.dumps(first)}\n\n"
+        async for part in gw.stream(rid, prep):
+            if await request.is_disconnected():
+                await gw.cancel(rid, "client disconnected")
+                return
+            if part.finish_reason is None:
+                if part.text or part.token_ids:
+                    yield chunk(part.text, None, part.token_ids, part.logprobs, part.top_logprobs)
+                continue
+            extra = {"dualpath": part.info}
+            if prep.include_usage:
+                extra["usage"] = _usage(prep, part.result)
+            if part.finish_reason == "error":
+                yield f"data: {json.dumps({'error': {'message': part.error, 'type': 'server_error', 'code': part.error_code or 500}})}\n\n"
+            else:
+                yield chunk(part.text or None, part.finish_reason, part.token_ids, part.logprobs, part.top_logprobs, extra)
+        yield "data: [DONE]\n\n"
+    finally:
+        gw.finish(rid)

@@ -1,0 +1,243 @@
+"""``Gateway``: request preparation, submission and token-stream consumption (no HTTP here)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+from dualpath.bus import Bus, BusTimeoutError
+from dualpath.config import BusConfig, GatewayConfig, ModelConfigSpec
+from dualpath.kv import block_hashes, model_digest
+from dualpath.model import ModelConfig, Tokenizer
+from dualpath.protocol import RemoteError
+from dualpath.protocol import messages as m
+from dualpath.protocol.subjects import Subjects
+from dualpath.telemetry.logs import get_logger
+from dualpath.telemetry.tracing import get_tracer
+from services.gateway.api_types import ChatCompletionRequest, CompletionRequest
+from services.gateway.detok import Detokenizer
+from services.gateway.streams import TokenStreams
+
+__all__ = ["ApiError", "Gateway", "Prepared", "StreamPart"]
+
+log = get_logger("gateway")
+tracer = get_tracer("dualpath.gateway")
+_READ_PATHS = {"auto": m.ReadPath.AUTO, "pe": m.ReadPath.PE, "de": m.ReadPath.DE}
+
+
+class ApiError(Exception):
+    """An HTTP error answer: status, OpenAI error type, the offending parameter."""
+
+    def __init__(self, status: int, message: str, *, etype: str = "invalid_request_error", param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.etype, self.param = status, message, etype, param
+
+
+@dataclass(slots=True, kw_only=True)
+class Prepared:
+    prompt_tokens: list[int]
+    sampling: dict
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+    want_logprobs: bool
+    read_path: int
+
+
+@dataclass(slots=True, kw_only=True)
+class Result:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
+    finish_reason: str = "stop"
+    cached_tokens: int = 0
+    info: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True, kw_only=True)
+class StreamPart:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list
+    finish_reason: str | None = None
+    error: str = ""
+    error_code: int = 0
+    info: dict = field(default_factory=dict)
+    result: Result | None = None
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig, bus_cfg: BusConfig, model: ModelConfigSpec) -> None:
+        if not model.model:
+            raise ValueError("the gateway needs --model (a checkpoint directory, for its tokenizer and config)")
+        self.cfg, self.bus_cfg = cfg, bus_cfg
+        self.subjects = Subjects(bus_cfg.namespace)
+        self.tokenizer = Tokenizer.from_dir(model.model)
+        self.model_config = ModelConfig.from_dir(model.model)
+        self.model_name = model.model_name or Path(model.model).resolve().name
+        self.model_digest = model_digest(self.model_name)
+        self.block_tokens = model.block_tokens
+        self.max_context = cfg.max_prompt_tokens or self.model_config.max_position_embeddings
+        self.started = int(time.time())
+        self.streams = TokenStreams()
+        self.bus: Bus | None = None
+
+    @asynccontextmanager
+    async def lifespan(self, _app):
+        self.bus = await Bus.connect(self.bus_cfg.urls(), f"gateway-{self.cfg.gateway_id}", **self.bus_cfg.connect_options())
+        await self.bus.subscribe_raw(self.subjects.tokens_wildcard(self.cfg.gateway_id), self.streams.on_message)
+        log.info("gateway_ready", model=self.model_name, port=self.cfg.port)
+        try:
+            yield
+        finally:
+            await self.bus.close()
+
+    # ---- preparation -----------------------------------------------------------------------
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
+                           etype="not_found_error", param="model")
+
+    def _sampling(self, body, max_new: int, top_logprobs: int, logprobs: bool) -> dict:
+        return {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "max_tokens": max_new,
+                "min_tokens": min(body.min_tokens, max_new), "ignore_eos": body.ignore_eos, "seed": body.seed,
+                "logprobs": logprobs, "top_logprobs": top_logprobs}
+
+    def _finish_prepare(self, body, tokens: list[int], logprobs: bool, top: int) -> Prepared:
+        if not tokens:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if len(tokens) >= self.max_context:
+            raise ApiError(400, f"this model's maximum context length is {self.max_context} tokens, but the prompt has "
+                                f"{len(tokens)} tokens; shorten the prompt", param="messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+        room = self.max_context - len(tokens)
+        asked = body.max_completion_tokens or body.max_tokens
+        if asked is not None and asked > room:
+            raise ApiError(400, f"max_tokens={asked} plus the prompt's {len(tokens)} tokens exceeds the maximum context "
+                                f"length of {self.max_context} tokens", param="max_tokens")
+        max_new = asked or min(room, 256)
+        return Prepared(prompt_tokens=tokens, sampling=self._sampling(body, max_new, top, logprobs), stops=body.stops(),
+                        stream=body.stream, include_usage=bool((body.stream_options or {}).get("include_usage")),
+                        want_logprobs=logprobs, read_path=_READ_PATHS[body.dualpath_read_path or "auto"])
+
+    def prepare_completion(self, body: CompletionRequest) -> Prepared:
+        self._check_model(body.model)
+        if isinstance(body.prompt, list):
+            if any(not (0 <= t < self.model_config.vocab_size) for t in body.prompt):
+                raise ApiError(400, f"prompt token ids must lie in [0, {self.model_config.vocab_size})", param="prompt")
+            tokens = list(body.prompt)
+        else:
+            tokens = self.tokenizer.encode(body.prompt)
+        top = body.logprobs or 0
+        return self._finish_prepare(body, tokens, body.logprobs is not None, top)
+
+    def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
+        self._check_model(body.model)
+        text = self.tokenizer.render_chat([msg.model_dump(exclude_none=True) for msg in body.messages])
+        return self._finish_prepare(body, self.tokenizer.encode(text), body.logprobs, body.top_logprobs or 0)
+
+    # ---- submission ------------------------------------------------------------------------
+    async def _lookup(self, hashes: list[int]) -> int:
+        if not hashes:
+            return 0
+        try:
+            reply = await self.bus.request(self.subjects.kv_lookup, m.LookupRequest(model_digest=self.model_digest, hashes=hashes),
+                                           m.LookupReply, timeout=2.0)
+            return reply.hit_blocks
+        except (BusTimeoutError, RemoteError) as exc:
+            log.warning("kv_lookup_failed", error=str(exc))  # serve anyway, as a full recompute
+            return 0
+
+    async def submit(self, rid: str, prep: Prepared) -> None:
+        """Look up the hit, hand the request to the scheduler, open its token stream.
+
+        Raises:
+            ApiError: 503 when no scheduler answers, 429 when it is full.
+        """
+        with tracer.start_as_current_span("gateway.admit", attributes={"request_id": rid, "prompt_tokens": len(prep.prompt_tokens)}):
+            hashes = block_hashes(self.model_name, prep.prompt_tokens, block_tokens=self.block_tokens)
+            hit = await self._lookup(hashes)
+            # The last prompt token must be computed (its logits give the first token).
+            hit = min(hit, (len(prep.prompt_tokens) - 1) // self.block_tokens)
+            self.streams.open(rid)
+            req = m.SubmitRequest(request_id=rid, model=self.model_name, model_digest=self.model_digest,
+                                  prompt_tokens=prep.prompt_tokens, block_hashes=hashes, hit_blocks=hit, sampling=prep.sampling,
+                                  reply_subject=self.subjects.tokens(self.cfg.gateway_id, rid), read_path=int(prep.read_path),
+                                  block_tokens=self.block_tokens, arrival_ts=time.time())
+            try:
+                await self.bus.request(self.subjects.submit, req, m.SubmitReply, timeout=5.0)
+            except BusTimeoutError as exc:
+                self.streams.close(rid)
+                raise ApiError(503, f"no scheduler available: {exc}", etype="server_error") from None
+            except RemoteError as exc:
+                self.streams.close(rid)
+                raise ApiError(429 if exc.code == 429 else 503, exc.message, etype="server_error") from None
+
+    async def cancel(self, rid: str, reason: str) -> None:
+        if self.bus is not None:
+            await self.bus.publish(self.subjects.cancel, m.CancelRequest(request_id=rid, reason=reason))
+
+    def finish(self, rid: str) -> None:
+        self.streams.close(rid)
+
+    async def cluster_state(self) -> m.StateReply | None:
+        try:
+            return await self.bus.request(self.subjects.sched_state, m.StateRequest(), m.StateReply, timeout=2.0)
+        except (BusTimeoutError, RemoteError):
+            return None
+
+    # ---- answers ---------------------------------------------------------------------------
+    async def stream(self, rid: str, prep: Prepared) -> AsyncIterator[StreamPart]:
+        """Text deltas as tokens arrive; the last part has ``finish_reason`` and ``result``."""
+        detok = Detokenizer(self.tokenizer, prep.stops)
+        res = Result()
+        try:
+            async for ev in self.streams.events(rid, self.cfg.request_timeout):
+                if ev.error:
+                    res.finish_reason = "error"
+                    yield StreamPart(text="", token_ids=[], logprobs=[], top_logprobs=[], finish_reason="error",
+                                     error=ev.error, error_code=ev.error_code, info=ev.info, result=res)
+                    return
+                ids = list(ev.token_ids)
+                text = detok.add(ids)
+                res.token_ids += ids
+                res.logprobs += ev.logprobs
+                res.top_logprobs += ev.top_logprobs
+                if detok.stopped:
+                    await self.cancel(rid, "stop string")
+                    res.text = detok.emitted
+                    res.cached_tokens, res.info = ev.cached_tokens, ev.info
+                    yield StreamPart(text=text, token_ids=ids, logprobs=ev.logprobs, top_logprobs=ev.top_logprobs,
+                                     finish_reason="stop", info=ev.info, result=res)
+                    return
+                if ev.finish_reason is None:
+                    yield StreamPart(text=text, token_ids=ids, logprobs=ev.logprobs, top_logprobs=ev.top_logprobs)
+                    continue
+                text += detok.flush()
+                res.text, res.finish_reason = detok.emitted, ev.finish_reason
+                res.cached_tokens, res.info = ev.cached_tokens, ev.info
+                yield StreamPart(text=text, token_ids=ids, logprobs=ev.logprobs, top_logprobs=ev.top_logprobs,
+                                 finish_reason=ev.finish_reason, info=ev.info, result=res)
+                return
+        except (TimeoutError, asyncio.TimeoutError):
+            await self.cancel(rid, "timeout")
+            yield StreamPart(text="", token_ids=[], logprobs=[], top_logprobs=[], finish_reason="error",
+                             error=f"request did not finish within {self.cfg.request_timeout:.0f}s", error_code=504, result=res)
+
+    async def collect(self, rid: str, prep: Prepared) -> Result:
+        """Wait for the whole answer (non-streaming).
+
+        Raises:
+            ApiError: the request failed in the cluster or timed out.
+        """
+        async for part in self.stream(rid, prep):
+            if part.finish_reason == "error":
+                raise ApiError(part.error_code or 500, part.error, etype="server_error")
+            if part.finish_reason is not None:
+                return part.result
+        raise ApiError(500, "token stream ended without a final event", etype="server_error")

@@ -1,0 +1,39 @@
+"""Run the gateway: ``python -m services.gateway --model DIR --nats-url URL [--port 8000]``."""
+
+from __future__ import annotations
+
+import argparse
+
+import uvicorn
+
+from dualpath.config import BusConfig, GatewayConfig, ModelConfigSpec, add_arguments, from_args
+from dualpath.telemetry.logs import configure_logging
+from dualpath.telemetry.tracing import configure_tracing, shutdown_tracing
+from services.gateway.app import build_app
+from services.gateway.core import Gateway
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dualpath service gateway", description="OpenAI-compatible HTTP gateway")
+    add_arguments(p, BusConfig)
+    add_arguments(p, GatewayConfig)
+    add_arguments(p, ModelConfigSpec, skip=("device", "dtype"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    configure_logging("gateway")
+    configure_tracing("gateway")
+    try:
+        cfg = from_args(GatewayConfig, ns)
+        gw = Gateway(cfg, from_args(BusConfig, ns), from_args(ModelConfigSpec, ns))
+    except Exception as exc:  # noqa: BLE001 - a clear message, not a traceback
+        print(f"gateway: fatal: {exc}")
+        return 1
+    try:
+        uvicorn.run(build_app(gw), host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
+                    timeout_graceful_shutdown=5)
+    finally:
+        shutdown_tracing()
+    return 0

@@ -1,0 +1,1 @@
+"""kv-persistence: the trie index of persisted Full Blocks (lookup, commit, remove)."""

@@ -1,0 +1,5 @@
+import sys
+
+from services.kv_persistence.service import main
+
+sys.exit(main())

@@ -1,0 +1,75 @@
+"""kv-persistence service: wires the ``BlockIndex`` to its NATS subjects.
+
+The index only records which blocks are durable; block files are written and read by the
+traffic managers. Commits arrive after the file was fsync'ed and renamed, so an index entry
+always names a complete file (a file that is later found corrupt is removed on report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+
+from dualpath.bus import Bus
+from dualpath.config import BusConfig, KvPersistenceConfig, NodeConfig, add_arguments, from_args
+from dualpath.kv import BlockIndex
+from dualpath.protocol import messages as m
+from dualpath.protocol.subjects import Subjects
+from dualpath.runtime import run_service
+from dualpath.telemetry.logs import get_logger
+
+log = get_logger("kv-persistence")
+
+
+class KvPersistence:
+    """Request handlers over one ``BlockIndex`` (all index calls are fast and in-loop)."""
+
+    def __init__(self, index: BlockIndex) -> None:
+        self.index = index
+
+    async def lookup(self, req: m.LookupRequest) -> m.LookupReply:
+        return m.LookupReply(hit_blocks=self.index.longest_prefix(req.model_digest, req.hashes))
+
+    async def commit(self, req: m.CommitRequest) -> m.Ok:
+        # The log append is fsync'ed: run it off the event loop.
+        await asyncio.to_thread(self.index.commit, req.model_digest, req.hashes, start=req.start)
+        return m.Ok()
+
+    async def remove(self, req: m.RemoveRequest) -> m.Ok:
+        await asyncio.to_thread(self.index.remove, req.model_digest, req.hashes)
+        log.warning("blocks_removed", count=len(req.hashes))
+        return m.Ok()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dualpath service kv-persistence", description=__doc__)
+    add_arguments(p, BusConfig)
+    add_arguments(p, KvPersistenceConfig)
+    p.add_argument("--storage", default=None, help="storage root (the index lives in it unless --index-path) [env DUALPATH_STORAGE]")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    bus_cfg = from_args(BusConfig, ns)
+    cfg = from_args(KvPersistenceConfig, ns)
+    storage = from_args(NodeConfig, None, storage=ns.storage).storage
+    index_path = cfg.index_path or os.path.join(storage, "index.log")
+    Path(index_path).parent.mkdir(parents=True, exist_ok=True)
+    subjects = Subjects(bus_cfg.namespace)
+
+    async def serve(bus: Bus, stop: asyncio.Event) -> None:
+        index = BlockIndex(index_path, capacity_blocks=cfg.capacity_blocks or None)
+        svc = KvPersistence(index)
+        log.info("index_loaded", blocks=len(index), path=index_path)
+        await bus.serve(subjects.kv_lookup, svc.lookup, m.LookupRequest, queue="kvp")
+        await bus.serve(subjects.kv_commit, svc.commit, m.CommitRequest, queue="kvp")
+        await bus.serve(subjects.kv_remove, svc.remove, m.RemoveRequest, queue="kvp")
+        try:
+            await stop.wait()
+        finally:
+            index.close()
+
+    return run_service("kv-persistence", bus_cfg, serve)

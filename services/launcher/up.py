@@ -1,0 +1,98 @@
+"""``dualpath up``: serve a model with the whole stack on this machine until Ctrl-C.
+
+    dualpath up [--model DIR] [--topology 1P1D] [--engines-per-node 1] [--port 8000]
+                [--storage PATH] [--policy dualpath] [--read-path auto|pe|de] [--device cpu]
+
+Without ``--model`` a tiny random checkpoint is made in ``<run-dir>/tiny-model`` (first run)
+and served, so the command works on a fresh machine with no downloads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from services.launcher.stack import Stack, StackConfig, StackError
+from services.launcher.topology import parse_topology
+
+__all__ = ["build_parser", "ensure_model", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dualpath up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="", help="checkpoint directory (HF layout); default: a tiny model made on first run")
+    p.add_argument("--topology", default="1P1D", help="xPyD: prefill and decode nodes (default 1P1D)")
+    p.add_argument("--engines-per-node", type=int, default=1, help="engines (GPUs) per node")
+    p.add_argument("--port", type=int, default=8000, help="gateway port on 127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="gateway listen address")
+    p.add_argument("--run-dir", default=".dualpath", help="logs, storage and the tiny model live here")
+    p.add_argument("--storage", default="", help="KV storage root (default: <run-dir>/storage); a shared mount at scale")
+    p.add_argument("--policy", default="dualpath", help="dualpath, round_robin, least_tokens, basic")
+    p.add_argument("--read-path", default="auto", choices=("auto", "pe", "de"), help="which side reads hit KV")
+    p.add_argument("--device", default="cpu", help="torch device for engines (cpu, cuda)")
+    p.add_argument("--buffer-mb", type=int, default=256, help="DRAM buffer per node, MiB")
+    p.add_argument("--nats-url", default="", help="use this NATS server instead of an embedded one")
+    p.add_argument("--api-key", default="", help="require this bearer token on /v1/*")
+    p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for every engine")
+    return p
+
+
+def ensure_model(model: str, run_dir: str) -> str:
+    """The model directory to serve: ``model`` as given, or the tiny model (made if absent)."""
+    if model:
+        if not (Path(model) / "config.json").exists():
+            raise FileNotFoundError(f"--model {model}: no config.json there (expected a Hugging Face checkpoint directory)")
+        return model
+    path = Path(run_dir) / "tiny-model"
+    if not (path / "config.json").exists():
+        from dualpath.model import make_tiny_model
+
+        print(f"making a tiny random model in {path} ...", flush=True)
+        make_tiny_model(path)
+    return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        topology = parse_topology(ns.topology, ns.engines_per_node)
+        model = ensure_model(ns.model, ns.run_dir)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"dualpath up: {exc}", file=sys.stderr)
+        return 2
+    cfg = StackConfig(model=model, topology=topology, storage=ns.storage or str(Path(ns.run_dir) / "storage"), run_dir=ns.run_dir,
+                      port=ns.port, host=ns.host, policy=ns.policy, read_path=ns.read_path, device=ns.device,
+                      buffer_mb=ns.buffer_mb, nats_url=ns.nats_url, api_key=ns.api_key)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stack = Stack(cfg)
+    t0 = time.monotonic()
+    try:
+        stack.start(timeout=ns.ready_timeout, progress=lambda msg: print(msg, flush=True))
+    except StackError as exc:
+        print(f"dualpath up: {exc}", file=sys.stderr)
+        return 1
+    name = Path(model).resolve().name
+    print(f"ready in {time.monotonic() - t0:.1f}s: topology {topology}, model {name!r}, storage {cfg.storage}\n"
+          f"  OpenAI API: {stack.url}/v1  (try: curl {stack.url}/v1/models)\n  Ctrl-C stops everything.", flush=True)
+    code = 0
+    try:
+        while not stop.is_set():
+            try:
+                stack.check_alive()
+            except StackError as exc:
+                print(f"dualpath up: {exc}", file=sys.stderr)
+                code = 1
+                break
+            stop.wait(0.5)
+    finally:
+        print("stopping ...", flush=True)
+        codes = stack.stop()
+        bad = {k: v for k, v in codes.items() if v not in (0, None) and k}
+        print("stopped" + (f" (non-zero exits: {bad})" if bad else ""), flush=True)
+    return code

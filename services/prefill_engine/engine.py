@@ -1,0 +1,217 @@
+"""``PrefillEngine``: accepts tasks, loads their hits, batches, prefills layer-wise, hands off.
+
+Life of a task here:
+1. ``on_task`` acknowledges at once and starts the storage load on the read side's traffic
+   manager (PE read path: into this node's buffer; DE read path: into the DE buffer slot);
+2. loaded tasks wait FIFO; ``run`` packs them into batches of at most ``max_batch_tokens``
+   new tokens, chunking a long prompt across batches (chunked prefill);
+3. each batch runs ``run_prefill`` over a ``BatchLayerIO`` (layer-wise fetch / compute / store);
+4. when a prompt is done: sample the first token, stream it, send ``DecodeTask`` to the DE.
+A failure fails only the tasks involved: ``TaskFailed`` lets the scheduler retry them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from dualpath.bus import Bus
+from dualpath.config import EngineConfig
+from dualpath.engine.common import EngineSetup, read_path_name
+from dualpath.engine.prefill import PrefillItem, run_prefill
+from dualpath.engine.prefill_io import BatchLayerIO, IoItem
+from dualpath.model.sampling import SamplingParams, sample
+from dualpath.protocol import messages as m
+from dualpath.protocol.subjects import Subjects
+from dualpath.telemetry.logs import get_logger
+from dualpath.telemetry.tracing import get_tracer
+from dualpath.transfer import RegionDescriptor
+
+__all__ = ["PrefillEngine"]
+
+log = get_logger("prefill-engine")
+tracer = get_tracer("dualpath.prefill")
+
+
+@dataclass(slots=True, kw_only=True)
+class Job:
+    task: m.PrefillTask
+    hit_blocks: int = 0
+    source: RegionDescriptor | None = None  # where the hits are (PE buffer or DE slot)
+    source_offset: int = 0
+    dest: RegionDescriptor | None = None
+    progress: int = 0  # tokens whose KV is in the DE slot or loaded hits
+    pe_slot: bool = False
+    t_submit: float = field(default_factory=time.perf_counter)
+
+
+class PrefillEngine:
+    def __init__(self, bus: Bus, subjects: Subjects, cfg: EngineConfig, node_id: str, setup: EngineSetup) -> None:
+        self.bus, self.subjects, self.cfg, self.node_id, self.setup = bus, subjects, cfg, node_id, setup
+        self.jobs: dict[str, Job] = {}
+        self.ready: deque[Job] = deque()
+        self._wake = asyncio.Event()
+        self._loads: set[asyncio.Task] = set()
+        self.finished: list[str] = []
+
+    # ---- intake ----------------------------------------------------------------------------
+    async def on_task(self, task: m.PrefillTask) -> m.Ok:
+        if task.request_id in self.jobs:
+            return m.Ok(detail="duplicate")
+        job = Job(task=task, dest=RegionDescriptor.from_wire(task.de_region))
+        self.jobs[task.request_id] = job
+        t = asyncio.ensure_future(self._load(job))
+        self._loads.add(t)
+        t.add_done_callback(self._loads.discard)
+        return m.Ok()
+
+    async def on_cancel(self, req: m.CancelRequest) -> None:
+        job = self.jobs.get(req.request_id)
+        if job is not None and job in self.ready:
+            self.ready.remove(job)
+            await self._drop(job)
+
+    async def _load(self, job: Job) -> None:
+        t = job.task
+        lay = self.setup.layout
+        want = t.hit_blocks if t.read_path in (m.ReadPath.PE, m.ReadPath.DE) else 0
+        try:
+            if want:
+                node = t.prefill_node if t.read_path == m.ReadPath.PE else t.decode_node
+                req = m.LoadRequest(request_id=t.request_id, model_digest=t.model_digest, hashes=t.block_hashes[:want],
+                                    layers=lay.layers, bytes_per_token_layer=lay.bytes_per_token_layer, dtype=self.setup.dtype,
+                                    block_tokens=lay.block_tokens, allocate=t.read_path == m.ReadPath.PE, total_blocks=want)
+                reply = await self.bus.request(self.subjects.tm(node, "load"), req, m.LoadReply, timeout=120.0)
+                job.pe_slot = t.read_path == m.ReadPath.PE
+                job.hit_blocks = reply.loaded
+                job.source, job.source_offset = RegionDescriptor.from_wire(reply.region), reply.offset
+            job.progress = job.hit_blocks * lay.block_tokens
+        except Exception as exc:  # noqa: BLE001 - any load failure fails this task only
+            await self._fail(job, f"KV load failed: {exc}")
+            return
+        self.ready.append(job)
+        self._wake.set()
+
+    # ---- batching --------------------------------------------------------------------------
+    def _next_batch(self) -> list[tuple[Job, int]]:
+        """FIFO packing under the token budget; the job that does not fit is chunked."""
+        budget = self.cfg.max_batch_tokens
+        batch: list[tuple[Job, int]] = []
+        for job in self.ready:
+            if budget <= 0:
+                break
+            left = len(job.task.prompt_tokens) - job.progress
+            n = min(left, budget)
+            batch.append((job, n))
+            budget -= n
+        return batch
+
+    def _io_item(self, job: Job, n: int) -> IoItem:
+        t = job.task
+        start = job.progress
+        first_chunk = start == job.hit_blocks * self.setup.layout.block_tokens
+        if first_chunk:
+            source, s_off = job.source, job.source_offset
+        else:  # earlier chunks (and forwarded hits) already sit in the DE slot
+            source, s_off = job.dest, t.de_offset
+        write_from = 0 if (first_chunk and job.pe_slot) else start
+        item = PrefillItem(request_id=t.request_id, tokens=t.prompt_tokens, start=start, end=start + n)
+        return IoItem(item=item, source=source if start else None, source_offset=s_off, dest=job.dest,
+                      dest_offset=t.de_offset, write_from=write_from)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """The engine loop: wait for ready work, run a batch, repeat until ``stop``."""
+        while not stop.is_set():
+            if not self.ready:
+                self._wake.clear()
+                waiter = asyncio.ensure_future(self._wake.wait())
+                stopper = asyncio.ensure_future(stop.wait())
+                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                stopper.cancel()
+                continue
+            batch = self._next_batch()
+            await self._run_batch(batch)
+
+    async def _run_batch(self, batch: list[tuple[Job, int]]) -> None:
+        s = self.setup
+        items = [self._io_item(job, n) for job, n in batch]
+        cached = sum(it.item.start for it in items)
+        new = sum(it.item.end - it.item.start for it in items)
+        attrs = {"requests": len(items), "cached_tokens": cached, "new_tokens": new, "engine": self.cfg.engine_id}
+        with tracer.start_as_current_span("prefill.batch", attributes=attrs) as span:
+            io = BatchLayerIO(s.dataplane, s.layout, items, dtype=s.decoder.dtype, kv_heads=s.decoder.kv_heads,
+                              head_dim=s.decoder.head_dim, device=s.decoder.device, owner=f"b{id(items):x}")
+            try:
+                result = await run_prefill(s.decoder, [it.item for it in items], io)
+            except Exception as exc:  # noqa: BLE001 - fail the batch's tasks, keep serving
+                log.warning("prefill_batch_failed", error=str(exc), requests=len(items))
+                for job, _ in batch:
+                    self.ready.remove(job)
+                    await self._fail(job, f"prefill failed: {exc}")
+                return
+            finally:
+                io.close()
+            span.set_attribute("compute_s", result.compute_s)
+            span.set_attribute("kv_wait_s", result.wait_s)
+            span.set_attribute("fetch_bytes", io.stats.fetch_bytes)
+            span.set_attribute("store_bytes", io.stats.store_bytes)
+        row = 0
+        for (job, n), it in zip(batch, items):
+            job.progress += n
+            if it.item.last:
+                self.ready.remove(job)
+                await self._handoff(job, result.logits[row:row + 1])
+                row += 1
+
+    # ---- handoff ---------------------------------------------------------------------------
+    async def _handoff(self, job: Job, logits: torch.Tensor) -> None:
+        t = job.task
+        params = SamplingParams(**t.sampling)
+        gen = torch.Generator(device="cpu").manual_seed(params.seed) if params.seed is not None else None
+        suppress = params.ignore_eos or params.min_tokens > 0
+        tok = sample(logits.float().cpu(), [params], [gen], suppress_eos=[suppress], eos_ids=self.setup.eos_ids)[0]
+        top = [[i, lp] for i, lp in tok.top_logprobs]
+        await self.bus.publish(t.reply_subject, m.TokenEvent(request_id=t.request_id, index=0, token_ids=[tok.token_id],
+                                                               logprobs=[tok.logprob], top_logprobs=[top], ts=time.time()))
+        task = m.DecodeTask(request_id=t.request_id, model=t.model, model_digest=t.model_digest, prompt_tokens=t.prompt_tokens,
+                            block_hashes=t.block_hashes, cached_blocks=job.hit_blocks, first_token=tok.token_id,
+                            first_logprob=tok.logprob, first_top_logprobs=top, sampling=t.sampling, reply_subject=t.reply_subject,
+                            de_region_id=job.dest.region_id, de_offset=t.de_offset, read_path=t.read_path,
+                            prefill_engine=self.cfg.engine_id, attempt=t.attempt)
+        try:
+            await self.bus.request(self.subjects.decode(t.decode_engine), task, m.Ok, timeout=10.0)
+        except Exception as exc:  # noqa: BLE001
+            await self._fail(job, f"handoff to {t.decode_engine} failed: {exc}")
+            return
+        await self._drop(job)
+        log.info("prefill_done", request_id=t.request_id, read_path=read_path_name(t.read_path), hit_blocks=job.hit_blocks,
+                 tokens=len(t.prompt_tokens), seconds=round(time.perf_counter() - job.t_submit, 4))
+
+    async def _drop(self, job: Job) -> None:
+        self.jobs.pop(job.task.request_id, None)
+        self.finished.append(job.task.request_id)
+        if job.pe_slot:
+            job.pe_slot = False
+            try:
+                await self.bus.request(self.subjects.tm(self.node_id, "free"), m.FreeRequest(request_id=job.task.request_id), m.Ok, timeout=5.0)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("pe_slot_free_failed", request_id=job.task.request_id, error=str(exc))
+
+    async def _fail(self, job: Job, reason: str) -> None:
+        log.warning("task_failed", request_id=job.task.request_id, reason=reason)
+        await self._drop(job)
+        await self.bus.publish(self.subjects.task_failed, m.TaskFailed(request_id=job.task.request_id,
+                                                                        engine_id=self.cfg.engine_id, reason=reason))
+
+    # ---- reporting -------------------------------------------------------------------------
+    def report(self) -> m.EngineReport:
+        """``seq_e``: unfinished tasks here; ``tok_e``: their prompt tokens still to compute."""
+        tok = sum(len(j.task.prompt_tokens) - j.progress for j in self.jobs.values())
+        done, self.finished = self.finished, []
+        return m.EngineReport(engine_id=self.cfg.engine_id, role=m.Role.PREFILL, node_id=self.node_id, seq=len(self.jobs), tok=tok,
+                              free_hbm_tokens=0, capacity_tokens=0, finished=done, block_bytes=self.setup.layout.block_bytes, ts=time.time())

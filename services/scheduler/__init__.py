@@ -1,0 +1,1 @@
+"""scheduler: cluster state from reports, the DualPath policy, queues, dispatch and re-dispatch."""

@@ -1,0 +1,237 @@
+"""``Scheduler``: the queue, the policy pass, dispatch, and recovery from failures.
+
+One pass (``schedule_pass``) hands the FIFO queue to the policy (``dualpath.policy``), applies
+each assignment to the policy state, and dispatches it: reserve the DE buffer slot on the
+decode node, then send the ``PrefillTask`` to the prefill engine. Requests that cannot be
+placed stay queued in order. A request whose engine dies or fails is re-queued at the front
+(up to ``max_attempts``), else its client gets an error event: never silence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from dualpath.bus import Bus
+from dualpath.bus.client import HandlerError
+from dualpath.config import SchedulerConfig
+from dualpath.policy import PendingRequest, Policy
+from dualpath.policy.values import ReadSide
+from dualpath.protocol import messages as m
+from dualpath.protocol.subjects import Subjects
+from dualpath.telemetry.logs import get_logger
+from dualpath.telemetry.tracing import get_tracer
+from services.scheduler.membership import Membership
+
+__all__ = ["Scheduler"]
+
+log = get_logger("scheduler")
+tracer = get_tracer("dualpath.scheduler")
+
+
+@dataclass(slots=True, kw_only=True)
+class Tracked:
+    req: m.SubmitRequest
+    num: int
+    attempt: int = 0
+    prefill_engine: str = ""
+    decode_engine: str = ""
+    decode_node: str = ""
+    prefill_done: bool = False
+
+
+class Scheduler:
+    def __init__(self, bus: Bus, subjects: Subjects, cfg: SchedulerConfig, policy: Policy) -> None:
+        self.bus, self.subjects, self.cfg, self.policy = bus, subjects, cfg, policy
+        self.members = Membership(cfg.engine_timeout)
+        self.state = None
+        self.queue: deque[Tracked] = deque()
+        self.running: dict[str, Tracked] = {}
+        self.by_num: dict[int, Tracked] = {}
+        self._next_num = 0
+        self._wake = asyncio.Event()
+        self._dispatches: set[asyncio.Task] = set()
+
+    # ---- intake ----------------------------------------------------------------------------
+    async def on_submit(self, req: m.SubmitRequest) -> m.SubmitReply:
+        if len(self.queue) >= self.cfg.max_queue:
+            raise HandlerError(429, f"scheduler queue full ({self.cfg.max_queue} requests waiting)")
+        if req.request_id in self.running or any(t.req.request_id == req.request_id for t in self.queue):
+            raise HandlerError(409, f"request {req.request_id} already submitted")
+        if not req.prompt_tokens:
+            raise HandlerError(400, "empty prompt")
+        num = self._next_num
+        self._next_num += 1
+        t = Tracked(req=req, num=num)
+        self.by_num[num] = t
+        self.queue.append(t)
+        self._wake.set()
+        return m.SubmitReply(queue_position=len(self.queue))
+
+    async def on_engine_report(self, r: m.EngineReport) -> None:
+        now = time.monotonic()
+        if self.members.engine_report(r, now):
+            log.info("engine_joined", engine=r.engine_id, node=r.node_id, role=int(r.role))
+            self._rebuild()
+        for rid in r.finished:
+            t = self.running.get(rid)
+            if t is None or self.state is None:
+                continue
+            if r.role == m.Role.PREFILL and t.prefill_engine == r.engine_id:
+                t.prefill_done = True
+                self._safe(self.state.on_prefill_finished, t.num)
+            elif r.role == m.Role.DECODE and t.decode_engine == r.engine_id:
+                self._forget(t)
+        self._wake.set()
+
+    async def on_node_report(self, r: m.NodeReport) -> None:
+        info = self.members.node_report(r, time.monotonic())
+        if self.state is not None and info.num in self.state.nodes:
+            self.state.report_node(info.num, read_q=r.read_q_tokens)
+
+    async def on_task_failed(self, f: m.TaskFailed) -> None:
+        t = self.running.get(f.request_id)
+        if t is None:
+            return
+        log.warning("task_failed", request_id=f.request_id, engine=f.engine_id, reason=f.reason)
+        await self._retry(t, f.reason)
+
+    async def on_state(self, _req: m.StateRequest) -> m.StateReply:
+        engines = [{"engine_id": e.name, "node": e.node, "role": int(e.role)} for e in self.members.engines.values()]
+        nodes = [{"node_id": n.name, "read_q_tokens": n.read_q_tokens} for n in self.members.nodes.values()]
+        return m.StateReply(prefill_engines=self.members.count(m.Role.PREFILL), decode_engines=self.members.count(m.Role.DECODE),
+                            nodes=len(self.members.nodes), queued=len(self.queue), running=len(self.running), policy=self.policy.name,
+                            engines=engines, node_states=nodes)
+
+    # ---- state -----------------------------------------------------------------------------
+    def _safe(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except LookupError:
+            pass  # the state was rebuilt after this request was placed
+
+    def _forget(self, t: Tracked) -> None:
+        self.running.pop(t.req.request_id, None)
+        self.by_num.pop(t.num, None)
+        if self.state is not None:
+            self._safe(self.state.on_finished, t.num)
+
+    def _rebuild(self) -> None:
+        """New policy state after a membership change; live requests are re-charged."""
+        self.state = self.members.cluster_state()
+        if self.state is None:
+            return
+        engine_num = {e.name: e.num for e in self.members.engines.values()}
+        for t in self.running.values():
+            a = getattr(t, "assignment", None)
+            if a is not None and t.prefill_engine in engine_num and t.decode_engine in engine_num:
+                self._safe(self.state.on_assigned, a)
+
+    async def expire(self) -> None:
+        """Drop silent engines and re-dispatch whatever they held."""
+        dead = self.members.expire(time.monotonic())
+        if not dead:
+            return
+        names = {e.name for e in dead}
+        log.warning("engines_lost", engines=sorted(names))
+        self._rebuild()
+        for t in list(self.running.values()):
+            if t.decode_engine in names or (t.prefill_engine in names and not t.prefill_done):
+                await self._retry(t, f"engine {t.prefill_engine if t.prefill_engine in names else t.decode_engine} stopped reporting")
+
+    async def _retry(self, t: Tracked, reason: str) -> None:
+        self.running.pop(t.req.request_id, None)
+        if self.state is not None:
+            self._safe(self.state.on_finished, t.num)
+        await self._free_slot(t)
+        t.attempt += 1
+        if t.attempt >= self.cfg.max_attempts:
+            self.by_num.pop(t.num, None)
+            await self.bus.publish(t.req.reply_subject, m.TokenEvent(request_id=t.req.request_id, index=0, token_ids=[], finish_reason="error",
+                                                                     error=f"request failed after {t.attempt} attempts: {reason}", error_code=503))
+            return
+        t.prefill_engine = t.decode_engine = t.decode_node = ""
+        t.prefill_done = False
+        self.queue.appendleft(t)
+        self._wake.set()
+
+    async def _free_slot(self, t: Tracked) -> None:
+        if not t.decode_node:
+            return
+        try:
+            await self.bus.request(self.subjects.tm(t.decode_node, "free"), m.FreeRequest(request_id=t.req.request_id), m.Ok, timeout=2.0)
+        except Exception:  # noqa: BLE001 - the node may be the one that died
+            pass
+
+    # ---- scheduling ------------------------------------------------------------------------
+    def _pending(self) -> list[PendingRequest]:
+        out = []
+        for t in self.queue:
+            r = t.req
+            hit = min(r.hit_blocks * r.block_tokens, len(r.prompt_tokens) - 1)
+            out.append(PendingRequest(request_id=t.num, prompt_tokens=len(r.prompt_tokens), hit_tokens=hit,
+                                      total_len=len(r.prompt_tokens) + int(r.sampling.get("max_tokens", 16))))
+        return out
+
+    async def schedule_pass(self) -> int:
+        """Place what fits now; returns how many requests were dispatched."""
+        if self.state is None or not self.queue:
+            return 0
+        assignments = self.policy.schedule(self._pending(), self.state)
+        for a in assignments:
+            t = self.queue.popleft()
+            assert t.num == a.request_id, "policy must place a FIFO prefix"
+            self.state.on_assigned(a)
+            t.assignment = a  # type: ignore[attr-defined]
+            t.prefill_engine = self.members.by_engine_num[a.prefill_engine]
+            t.decode_engine = self.members.by_engine_num[a.decode_engine]
+            t.decode_node = self.members.engines[t.decode_engine].node
+            self.running[t.req.request_id] = t
+            task = asyncio.ensure_future(self._dispatch(t, a))
+            self._dispatches.add(task)
+            task.add_done_callback(self._dispatches.discard)
+        return len(assignments)
+
+    def _read_path(self, t: Tracked, a) -> int:
+        if t.req.hit_blocks == 0:
+            return m.ReadPath.NONE
+        forced = t.req.read_path
+        if forced in (m.ReadPath.PE, m.ReadPath.DE):
+            return forced
+        return m.ReadPath.PE if a.read_side == ReadSide.PE else m.ReadPath.DE
+
+    async def _dispatch(self, t: Tracked, a) -> None:
+        r = t.req
+        read_path = self._read_path(t, a)
+        pe_node = self.members.engines[t.prefill_engine].node if t.prefill_engine in self.members.engines else ""
+        attrs = {"request_id": r.request_id, "policy": self.policy.name, "prefill_engine": t.prefill_engine,
+                 "decode_engine": t.decode_engine, "read_path": {1: "pe", 2: "de", 3: "none"}[int(read_path)],
+                 "hit_tokens": a.read_tokens, "attempt": t.attempt}
+        with tracer.start_as_current_span("scheduler.dispatch", attributes=attrs):
+            try:
+                block_bytes = self.members.engines[t.decode_engine].block_bytes
+                blocks = -(-len(r.prompt_tokens) // r.block_tokens)
+                slot = await self.bus.request(self.subjects.tm(t.decode_node, "alloc"),
+                                              m.AllocRequest(request_id=r.request_id, blocks=blocks, block_bytes=block_bytes), m.AllocReply, timeout=5.0)
+                task = m.PrefillTask(request_id=r.request_id, model=r.model, model_digest=r.model_digest, prompt_tokens=r.prompt_tokens,
+                                     block_hashes=r.block_hashes, hit_blocks=r.hit_blocks, sampling=r.sampling, reply_subject=r.reply_subject,
+                                     read_path=int(read_path), prefill_engine=t.prefill_engine, prefill_node=pe_node,
+                                     decode_engine=t.decode_engine, decode_node=t.decode_node, de_region=slot.region, de_offset=slot.offset,
+                                     attempt=t.attempt, policy=self.policy.name)
+                await self.bus.request(self.subjects.prefill(t.prefill_engine), task, m.Ok, timeout=5.0)
+            except Exception as exc:  # noqa: BLE001 - any dispatch failure is retried
+                if self.running.get(r.request_id) is t:
+                    await self._retry(t, f"dispatch failed: {exc}")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Schedule whenever something changed, and at least every 50 ms; expire silent engines."""
+        while not stop.is_set():
+            self._wake.clear()
+            await self.expire()
+            await self.schedule_pass()
+            try:
+                await asyncio.wait_for(self._wake.wait(), 0.05)
+            except asyncio.TimeoutError:
+                pass

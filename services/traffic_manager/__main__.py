@@ -1,0 +1,5 @@
+import sys
+
+from services.traffic_manager.service import main
+
+sys.exit(main())

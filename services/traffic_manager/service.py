@@ -1,0 +1,154 @@
+"""traffic-manager service: the node's DRAM buffer, storage reads/writes, data-plane endpoint.
+
+Handlers (subjects ``{ns}.tm.{node}.*``):
+
+- ``alloc``/``free``: slots of the buffer, one per request (the DE buffer slot is reserved by
+  the scheduler before dispatch, so prefill never waits for room on the decode side);
+- ``load``: Full Blocks storage -> buffer (PE read path into the PE buffer, DE read path into
+  the DE buffer slot); its queue is the node's ``read_q`` the scheduler balances;
+- ``persist``: Full Blocks buffer -> storage (atomic files), then commit to kv-persistence;
+- ``describe``: the buffer's region descriptor (connection set-up; bytes never cross NATS).
+
+Every ``report_interval`` it publishes a ``NodeReport`` (read queue, buffer room).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+from dualpath.bus import Bus
+from dualpath.bus.client import HandlerError
+from dualpath.config import BusConfig, NodeConfig, add_arguments, from_args
+from dualpath.kv import BlockStore
+from dualpath.node import BufferFullError, BufferPool, StorageIO
+from dualpath.node.storage_io import BlockFormat
+from dualpath.protocol import messages as m
+from dualpath.protocol.subjects import Subjects
+from dualpath.runtime import run_service
+from dualpath.telemetry.logs import get_logger
+from dualpath.telemetry.tracing import get_tracer
+from dualpath.transfer import MemoryRegion, create_transport
+
+log = get_logger("traffic-manager")
+tracer = get_tracer("dualpath.traffic_manager")
+
+
+class TrafficManager:
+    def __init__(self, bus: Bus, cfg: NodeConfig, subjects: Subjects, region: MemoryRegion, descriptor, storage: StorageIO) -> None:
+        self.bus, self.cfg, self.subjects = bus, cfg, subjects
+        self.region = region
+        self.descriptor = descriptor
+        self.pool = BufferPool(region.size)
+        self.io = storage
+
+    def _slot_view(self, offset: int, nbytes: int) -> memoryview:
+        self.region.check_range(offset, nbytes)
+        return self.region.buf[offset:offset + nbytes]
+
+    async def alloc(self, req: m.AllocRequest) -> m.AllocReply:
+        try:
+            slot = self.pool.alloc(req.request_id, req.blocks * req.block_bytes)
+        except BufferFullError as exc:
+            raise HandlerError(503, str(exc)) from None
+        return m.AllocReply(region=self.descriptor.to_wire(), offset=slot.offset, nbytes=slot.nbytes)
+
+    async def free(self, req: m.FreeRequest) -> m.Ok:
+        return m.Ok(detail="freed" if self.pool.free(req.request_id) else "no slot")
+
+    async def load(self, req: m.LoadRequest) -> m.LoadReply:
+        fmt = BlockFormat(layers=req.layers, block_tokens=req.block_tokens, bytes_per_token_layer=req.bytes_per_token_layer, dtype=req.dtype)
+        slot = self.pool.get(req.request_id)
+        if slot is None:
+            if not req.allocate:
+                raise HandlerError(404, f"request {req.request_id} has no buffer slot on node {self.cfg.node_id}")
+            try:
+                slot = self.pool.alloc(req.request_id, max(req.total_blocks, len(req.hashes)) * fmt.block_bytes)
+            except BufferFullError as exc:
+                raise HandlerError(503, str(exc)) from None
+        need = len(req.hashes) * fmt.block_bytes
+        if need > slot.nbytes:
+            raise HandlerError(400, f"{len(req.hashes)} blocks do not fit the request's {slot.nbytes}-byte slot")
+        attrs = {"node": self.cfg.node_id, "blocks": len(req.hashes), "bytes": need, "request_id": req.request_id}
+        with tracer.start_as_current_span("storage.read", attributes=attrs) as span:
+            res = await self.io.read_blocks(req.model_digest, req.hashes, fmt, self._slot_view(slot.offset, max(need, 0)))
+            span.set_attribute("loaded_blocks", res.loaded)
+            span.set_attribute("queue_wait_s", res.queue_wait_s)
+        if res.bad:
+            log.warning("bad_blocks", request_id=req.request_id, count=len(res.bad))
+            await self._drop_from_index(req.model_digest, res.bad)
+        return m.LoadReply(loaded=res.loaded, region=self.descriptor.to_wire(), offset=slot.offset, bytes_read=res.bytes_read,
+                           queue_wait_s=res.queue_wait_s, read_s=res.read_s)
+
+    async def _drop_from_index(self, digest: int, hashes: list[int]) -> None:
+        try:
+            await self.bus.request(self.subjects.kv_remove, m.RemoveRequest(model_digest=digest, hashes=hashes), m.Ok, timeout=5.0)
+        except Exception as exc:  # noqa: BLE001 - the index heals on the next failed read anyway
+            log.warning("index_remove_failed", error=str(exc))
+
+    async def persist(self, req: m.PersistRequest) -> m.Ok:
+        fmt = BlockFormat(layers=req.layers, block_tokens=req.block_tokens, bytes_per_token_layer=req.bytes_per_token_layer, dtype=req.dtype)
+        if req.region_id != self.region.region_id:
+            raise HandlerError(404, f"region {req.region_id} is not this node's buffer")
+        try:
+            if req.hashes:
+                src = self._slot_view(req.offset, len(req.hashes) * fmt.block_bytes)
+                attrs = {"node": self.cfg.node_id, "blocks": len(req.hashes), "bytes": len(req.hashes) * fmt.block_bytes,
+                         "request_id": req.request_id}
+                with tracer.start_as_current_span("storage.write", attributes=attrs):
+                    await self.io.write_blocks(req.model_digest, req.hashes, fmt, src)
+                chain = list(req.parent_chain) + list(req.hashes)
+                with tracer.start_as_current_span("kv.commit", attributes={"blocks": len(req.hashes)}):
+                    await self.bus.request(self.subjects.kv_commit, m.CommitRequest(model_digest=req.model_digest, hashes=chain,
+                                                                                     start=len(req.parent_chain)), m.Ok, timeout=10.0)
+        finally:
+            if req.free_after:
+                self.pool.free(req.request_id)
+        return m.Ok(detail=f"persisted {len(req.hashes)}")
+
+    async def describe(self, _req: m.DescribeRequest) -> m.DescribeReply:
+        return m.DescribeReply(node_id=self.cfg.node_id, regions=[self.descriptor.to_wire()])
+
+    def report(self) -> m.NodeReport:
+        return m.NodeReport(node_id=self.cfg.node_id, read_q_tokens=self.io.read_q_tokens, read_q_bytes=self.io.read_q_bytes,
+                            buffer_free_bytes=self.pool.free_bytes, buffer_bytes=self.region.size,
+                            regions=[self.descriptor.to_wire()], ts=time.time())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dualpath service traffic-manager", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p, BusConfig)
+    add_arguments(p, NodeConfig)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    bus_cfg, cfg = from_args(BusConfig, ns), from_args(NodeConfig, ns)
+    subjects = Subjects(bus_cfg.namespace)
+
+    async def serve(bus: Bus, stop: asyncio.Event) -> None:
+        region = MemoryRegion(f"{bus_cfg.namespace}-{cfg.node_id}-buf", cfg.buffer_mb << 20)
+        transport = create_transport(cfg.transport, node_id=cfg.node_id, host=cfg.data_host)
+        await transport.start()
+        descriptor = transport.register(region)
+        tm = TrafficManager(bus, cfg, subjects, region, descriptor, StorageIO(BlockStore(cfg.storage)))
+        for topic, handler, msg in (("alloc", tm.alloc, m.AllocRequest), ("free", tm.free, m.FreeRequest),
+                                    ("load", tm.load, m.LoadRequest), ("persist", tm.persist, m.PersistRequest),
+                                    ("describe", tm.describe, m.DescribeRequest)):
+            await bus.serve(subjects.tm(cfg.node_id, topic), handler, msg)
+        log.info("traffic_manager_ready", node=cfg.node_id, buffer_mb=cfg.buffer_mb, transport=cfg.transport)
+        try:
+            while not stop.is_set():
+                await bus.publish(subjects.node_report, tm.report())
+                try:
+                    await asyncio.wait_for(stop.wait(), cfg.report_interval)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            await transport.close()
+            region.close()
+            region.unlink()
+
+    return run_service("traffic-manager", bus_cfg, serve)
