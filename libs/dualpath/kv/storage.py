@@ -1,0 +1,262 @@
+"""Full Block files under a storage root (a local directory or a shared mount).
+
+Paths are derived from hashes only (``root/<model digest hex>/<hh>/<hh>/<hash hex>.kvb``),
+so no request-supplied string ever reaches the filesystem. Writes are atomic (temp file in
+the same directory, fsync, rename, fsync the directory): a reader sees either no file or a
+whole one, and a crashed writer leaves only a ``.tmp`` file that is never read as a block.
+Reads land directly in the caller's buffer and are verified before they are reported.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from pathlib import Path
+
+import xxhash
+
+from dualpath.kv.block import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    BlockHeader,
+    decode_header,
+    encode_header,
+)
+from dualpath.kv.errors import BlockMissingError, CorruptBlockError
+from dualpath.kv.hashing import hash_hex
+
+__all__ = ["BLOCK_SUFFIX", "TEMP_SUFFIX", "BlockStore"]
+
+BLOCK_SUFFIX = ".kvb"
+TEMP_SUFFIX = ".tmp"
+
+
+def _fsync_dir(path: Path) -> None:
+    """Flush a directory's entries so a rename or mkdir inside it survives a crash."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    """``os.write`` until every byte is written (a write may be partial on some filesystems)."""
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _as_bytes_view(buf: object, *, writable: bool) -> memoryview:
+    """A flat byte view of ``buf``. Raises ValueError if it is not contiguous (or read-only)."""
+    view = memoryview(buf)  # type: ignore[arg-type]
+    if not view.contiguous:
+        raise ValueError("buffer must be contiguous")
+    if writable and view.readonly:
+        raise ValueError("destination buffer is read-only")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class BlockStore:
+    """Full Block files under a storage root.
+
+    Paths are derived from hashes only: ``root/<model digest hex>/<hh>/<hh>/<hash hex>.kvb``
+    where ``hh`` are the first two byte pairs of the hash hex (to keep directories small).
+    Safe to share between processes and nodes: every write is an atomic rename, so
+    concurrent writers of one block (same content) are harmless.
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        """Use ``root`` as the storage root, creating it if needed.
+
+        Raises:
+            OSError: ``root`` cannot be created.
+        """
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path_for(self, model_digest: int, block_hash: int) -> Path:
+        """The file path of a block. Raises TypeError/ValueError if either is not a u64."""
+        hexed = hash_hex(block_hash)
+        return self.root / hash_hex(model_digest) / hexed[0:2] / hexed[2:4] / (hexed + BLOCK_SUFFIX)
+
+    def write(
+        self,
+        *,
+        model_digest: int,
+        block_hash: int,
+        layers: int,
+        tokens: int,
+        bytes_per_token_layer: int,
+        dtype: str,
+        payload: bytes | bytearray | memoryview,
+    ) -> int:
+        """Atomically write one Full Block; return the bytes written (header + payload).
+
+        ``payload`` is ``[layers, tokens, bytes_per_token_layer]`` bytes, layer-major.
+        Re-writing an existing block replaces it atomically (idempotent for equal content).
+
+        Raises:
+            ValueError: ``payload`` size differs from ``layers * tokens * bytes_per_token_layer``
+                or a header field is out of range.
+            OSError: the filesystem refused the write; no temp file is left behind.
+        """
+        data = _as_bytes_view(payload, writable=False)  # [layers * tokens * bytes]
+        header = BlockHeader(
+            version=FORMAT_VERSION,
+            model_digest=model_digest,
+            block_hash=block_hash,
+            layers=layers,
+            tokens=tokens,
+            bytes_per_token_layer=bytes_per_token_layer,
+            dtype=dtype,
+            checksum=xxhash.xxh3_64_intdigest(data),
+        )
+        if len(data) != header.payload_bytes:
+            raise ValueError(f"payload is {len(data)} bytes, header says {header.payload_bytes}")
+        final = self.path_for(model_digest, block_hash)
+        self._ensure_dir(final.parent)
+        tmp = final.parent / f".{final.stem}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            try:
+                _write_all(fd, memoryview(encode_header(header)))
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(final.parent)
+        return HEADER_BYTES + len(data)
+
+    def read_into(
+        self,
+        *,
+        model_digest: int,
+        block_hash: int,
+        layers: int,
+        tokens: int,
+        bytes_per_token_layer: int,
+        dtype: str,
+        dest: bytearray | memoryview,
+    ) -> int:
+        """Read a block's payload straight into ``dest``; return the payload size.
+
+        The payload goes from the file into ``dest[:payload_bytes]`` with no intermediate
+        copy, then is verified: header fields must equal the expected ones and the payload
+        checksum must match. On any error the contents of ``dest`` are unspecified and must
+        not be used.
+
+        Raises:
+            BlockMissingError: the block file does not exist.
+            CorruptBlockError: bad header, field mismatch, wrong file size (torn/truncated),
+                or checksum mismatch.
+            ValueError: ``dest`` is read-only, not contiguous, or smaller than the payload.
+        """
+        view = _as_bytes_view(dest, writable=True)
+        path = self.path_for(model_digest, block_hash)
+        expected = (model_digest, block_hash, layers, tokens, bytes_per_token_layer, dtype)
+        if min(layers, tokens, bytes_per_token_layer) < 1:
+            raise ValueError("layers, tokens and bytes_per_token_layer must be >= 1")
+        size = layers * tokens * bytes_per_token_layer
+        if len(view) < size:
+            raise ValueError(f"dest is {len(view)} bytes, block payload is {size}")
+        try:
+            f = open(path, "rb", buffering=0)  # noqa: SIM115 - raw FileIO, for readinto
+        except FileNotFoundError:
+            raise BlockMissingError(path) from None
+        with f:
+            raw = f.read(HEADER_BYTES)
+            try:
+                header = decode_header(raw)
+            except CorruptBlockError as exc:
+                raise CorruptBlockError(path, exc.reason) from None
+            found = (header.model_digest, header.block_hash, header.layers, header.tokens,
+                     header.bytes_per_token_layer, header.dtype)  # fmt: skip
+            if found != expected:
+                raise CorruptBlockError(path, f"header fields {found} != expected {expected}")
+            file_size = os.fstat(f.fileno()).st_size
+            if file_size != HEADER_BYTES + size:
+                want = HEADER_BYTES + size
+                raise CorruptBlockError(path, f"file is {file_size} bytes, want {want}")
+            target = view[:size]
+            got = 0
+            while got < size:
+                n = f.readinto(target[got:])
+                if not n:
+                    raise CorruptBlockError(path, f"payload truncated at {got} of {size} bytes")
+                got += n
+        if xxhash.xxh3_64_intdigest(target) != header.checksum:
+            raise CorruptBlockError(path, "payload checksum mismatch")
+        return size
+
+    def exists(self, model_digest: int, block_hash: int) -> bool:
+        """Whether the block's file exists (it is not verified; ``read_into`` does that)."""
+        return self.path_for(model_digest, block_hash).is_file()
+
+    def delete(self, model_digest: int, block_hash: int) -> None:
+        """Delete the block's file; a block that is already gone is not an error.
+
+        Raises:
+            OSError: the file exists but cannot be removed.
+        """
+        self.path_for(model_digest, block_hash).unlink(missing_ok=True)
+
+    def usage_bytes(self) -> int:
+        """Total size of the block files under the root (temp files are not counted)."""
+        return sum(size for _path, size in self._walk(BLOCK_SUFFIX))
+
+    def sweep_temp_files(self, *, older_than_s: float = 3600.0) -> int:
+        """Delete temp files left by crashed writers; return how many were deleted.
+
+        Only temp files older than ``older_than_s`` go, so that writers still running on
+        other nodes of a shared mount are not disturbed.
+        """
+        cutoff = time.time() - older_than_s
+        removed = 0
+        for path, _size in self._walk(TEMP_SUFFIX):
+            try:
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                continue  # its writer finished (renamed) or another sweeper got there first
+        return removed
+
+    def _walk(self, suffix: str) -> list[tuple[Path, int]]:
+        """Every file under the root whose name ends with ``suffix``, with its size."""
+        found: list[tuple[Path, int]] = []
+        stack = [self.root]
+        while stack:
+            try:
+                entries = list(os.scandir(stack.pop()))
+            except FileNotFoundError:
+                continue
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(Path(entry.path))
+                elif entry.name.endswith(suffix):
+                    try:
+                        found.append((Path(entry.path), entry.stat(follow_symlinks=False).st_size))
+                    except FileNotFoundError:
+                        continue  # deleted while we walked
+        return found
+
+    def _ensure_dir(self, directory: Path) -> None:
+        """Create ``directory`` and missing parents, fsyncing each new entry's parent."""
+        if directory.is_dir():
+            return
+        missing: list[Path] = []
+        probe = directory
+        while not probe.is_dir():
+            missing.append(probe)
+            probe = probe.parent
+        for new_dir in reversed(missing):
+            try:
+                new_dir.mkdir()
+            except FileExistsError:
+                pass  # a concurrent writer created it
+            _fsync_dir(new_dir.parent)

@@ -1,0 +1,218 @@
+"""BlockStore: atomic, verified Full Block files under a storage root."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dualpath.kv import HEADER_BYTES, BlockMissingError, BlockStore, CorruptBlockError
+from dualpath.kv import hash_hex, model_digest
+
+DIGEST = model_digest("test-model")
+LAYERS, TOKENS, BPT = 4, 64, 32
+SHAPE = dict(layers=LAYERS, tokens=TOKENS, bytes_per_token_layer=BPT, dtype="bfloat16")
+PAYLOAD_BYTES = LAYERS * TOKENS * BPT
+
+
+def payload(seed: int = 0, size: int = PAYLOAD_BYTES) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> BlockStore:
+    return BlockStore(tmp_path / "kv")
+
+
+def put(store: BlockStore, data: bytes, block_hash: int = 0xB10C, **shape: object) -> int:
+    fields = {**SHAPE, **shape, "payload": data}
+    return store.write(model_digest=DIGEST, block_hash=block_hash, **fields)  # type: ignore
+
+
+def read(
+    store: BlockStore,
+    block_hash: int = 0xB10C,
+    digest: int = DIGEST,
+    dest: object = None,
+    **shape: object,
+) -> bytearray:
+    dest = bytearray(PAYLOAD_BYTES) if dest is None else dest
+    fields = {**SHAPE, **shape}
+    store.read_into(model_digest=digest, block_hash=block_hash, dest=dest, **fields)  # type: ignore
+    return dest  # type: ignore[return-value]
+
+
+def test_written_block_reads_back_byte_for_byte(store: BlockStore) -> None:
+    data = payload(1)
+    written = put(store, data)
+    assert written == HEADER_BYTES + PAYLOAD_BYTES
+    assert store.path_for(DIGEST, 0xB10C).stat().st_size == written
+    assert bytes(read(store)) == data
+    assert store.exists(DIGEST, 0xB10C)
+    assert store.usage_bytes() == written
+
+
+def test_path_is_derived_from_the_hashes_only(store: BlockStore) -> None:
+    path = store.path_for(DIGEST, 0x0123456789ABCDEF)
+    assert path == store.root / hash_hex(DIGEST) / "01" / "23" / "0123456789abcdef.kvb"
+    with pytest.raises(ValueError):
+        store.path_for(DIGEST, -1)
+
+
+def test_layer_block_is_a_contiguous_slice_of_the_payload(store: BlockStore) -> None:
+    layers = [bytes([i]) * (TOKENS * BPT) for i in range(LAYERS)]  # [layers, tokens, bytes]
+    put(store, b"".join(layers))
+    dest = read(store)
+    for i, layer in enumerate(layers):
+        assert dest[i * TOKENS * BPT : (i + 1) * TOKENS * BPT] == layer
+
+
+def test_read_lands_in_a_typed_numpy_buffer(store: BlockStore) -> None:
+    data = payload(2)
+    put(store, data)
+    dest = np.zeros((LAYERS, TOKENS, BPT // 2), dtype=np.float16)  # [layers, tokens, elems]
+    read(store, dest=memoryview(dest))
+    assert dest.tobytes() == data
+
+
+def test_missing_block_raises_block_missing_error(store: BlockStore) -> None:
+    with pytest.raises(BlockMissingError) as info:
+        read(store)
+    assert info.value.path == store.path_for(DIGEST, 0xB10C)
+
+
+@pytest.mark.parametrize("cut", [1, PAYLOAD_BYTES, PAYLOAD_BYTES + HEADER_BYTES - 10])
+def test_truncated_file_is_corrupt(store: BlockStore, cut: int) -> None:
+    put(store, payload())
+    path = store.path_for(DIGEST, 0xB10C)
+    os.truncate(path, path.stat().st_size - cut)
+    with pytest.raises(CorruptBlockError):
+        read(store)
+
+
+def test_trailing_garbage_is_corrupt(store: BlockStore) -> None:
+    put(store, payload())
+    with open(store.path_for(DIGEST, 0xB10C), "ab") as f:
+        f.write(b"x")
+    with pytest.raises(CorruptBlockError, match="bytes"):
+        read(store)
+
+
+@pytest.mark.parametrize("offset", [0, PAYLOAD_BYTES // 2, PAYLOAD_BYTES - 1])
+def test_flipped_payload_byte_is_corrupt(store: BlockStore, offset: int) -> None:
+    put(store, payload())
+    path = store.path_for(DIGEST, 0xB10C)
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_BYTES + offset] ^= 0x40
+    path.write_bytes(raw)
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        read(store)
+
+
+@pytest.mark.parametrize(
+    "expected",
+    [
+        {"layers": LAYERS - 1},
+        {"tokens": TOKENS // 2},
+        {"bytes_per_token_layer": BPT // 2},
+        {"dtype": "float16"},
+    ],
+)
+def test_header_fields_that_differ_from_the_expected_are_corrupt(
+    store: BlockStore, expected: dict[str, object]
+) -> None:
+    put(store, payload())
+    with pytest.raises(CorruptBlockError, match="header fields"):
+        read(store, **expected)
+
+
+def test_a_file_at_another_blocks_path_is_corrupt_not_served(store: BlockStore) -> None:
+    """A misplaced file (wrong model or wrong hash in its header) must not be served."""
+    put(store, payload())
+    for digest, block_hash in [(DIGEST + 1, 0xB10C), (DIGEST, 0xB10D)]:
+        target = store.path_for(digest, block_hash)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(store.path_for(DIGEST, 0xB10C), target)
+        with pytest.raises(CorruptBlockError, match="header fields"):
+            read(store, block_hash=block_hash, digest=digest)
+
+
+def test_no_temp_files_are_left_after_writes(store: BlockStore) -> None:
+    for h in range(1, 6):
+        put(store, payload(h), block_hash=h)
+    put(store, payload(1), block_hash=1)
+    names = [p.name for p in store.root.rglob("*") if p.is_file()]
+    assert sorted(names) == sorted(f"{hash_hex(h)}.kvb" for h in range(1, 6))
+
+
+def test_crash_before_rename_leaves_no_block_and_no_temp_file(
+    store: BlockStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def crash(src: object, dst: object) -> None:
+        raise OSError("simulated crash before rename")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="simulated"):
+        put(store, payload())
+    assert not store.exists(DIGEST, 0xB10C)
+    assert [p for p in store.root.rglob("*") if p.is_file()] == []
+
+
+def test_a_leftover_temp_file_is_never_read_as_a_block(store: BlockStore) -> None:
+    """A writer killed after writing its temp file but before the rename."""
+    put(store, payload())
+    final = store.path_for(DIGEST, 0xB10C)
+    tmp = final.parent / f".{final.stem}.999.deadbeef.tmp"
+    final.rename(tmp)
+    assert not store.exists(DIGEST, 0xB10C)
+    with pytest.raises(BlockMissingError):
+        read(store)
+    assert store.usage_bytes() == 0
+    assert store.sweep_temp_files(older_than_s=3600) == 0  # too young: maybe a live writer
+    os.utime(tmp, (0, 0))
+    assert store.sweep_temp_files(older_than_s=3600) == 1
+    assert not tmp.exists()
+
+
+def test_delete_removes_the_block_and_is_idempotent(store: BlockStore) -> None:
+    put(store, payload())
+    store.delete(DIGEST, 0xB10C)
+    store.delete(DIGEST, 0xB10C)
+    with pytest.raises(BlockMissingError):
+        read(store)
+    assert store.usage_bytes() == 0
+
+
+def test_bad_payload_and_destination_sizes_are_refused(store: BlockStore) -> None:
+    with pytest.raises(ValueError, match="payload"):
+        put(store, b"short")
+    put(store, payload())
+    with pytest.raises(ValueError, match="dest"):
+        read(store, dest=bytearray(10))
+    with pytest.raises(ValueError, match="read-only"):
+        read(store, dest=memoryview(bytes(PAYLOAD_BYTES)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layers=st.integers(1, 5),
+    tokens=st.integers(1, 70),
+    bpt=st.integers(1, 40),
+    seed=st.integers(0, 9),
+)
+def test_any_block_shape_round_trips(layers: int, tokens: int, bpt: int, seed: int) -> None:
+    shape = dict(layers=layers, tokens=tokens, bytes_per_token_layer=bpt, dtype="uint8")
+    data = payload(seed, layers * tokens * bpt)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = BlockStore(tmp)
+        put(store, data, block_hash=seed + 1, **shape)
+        dest = bytearray(len(data) + 7)  # a larger buffer: only the payload prefix is written
+        read(store, block_hash=seed + 1, dest=dest, **shape)
+        assert bytes(dest[: len(data)]) == data
+        assert dest[len(data) :] == bytearray(7)
