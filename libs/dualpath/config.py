@@ -108,6 +108,25 @@ class GatewayConfig:
     gateway_id: str = opt("gw0", "this gateway's id (token streams are addressed to it)", "DUALPATH_GATEWAY_ID")
     request_timeout: float = opt(600.0, "seconds before an unfinished request fails with 504", "DUALPATH_REQUEST_TIMEOUT")
     max_prompt_tokens: int = opt(0, "refuse longer prompts (0 = the model's context length)", "DUALPATH_MAX_PROMPT_TOKENS")
+    prefix_cache: bool = opt(True, "reuse persisted KV blocks (false: every prompt is a full recompute)", "DUALPATH_PREFIX_CACHE")
+
+
+def parse_bool(text: str) -> bool:
+    """``true/1/yes/on`` or ``false/0/no/off`` (any case).
+
+    Raises:
+        ValueError: anything else.
+    """
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean (use true or false)")
+
+
+def _converter(kind: type):
+    return parse_bool if kind is bool else kind
 
 
 def env_vars(*classes: type) -> dict[str, str]:
@@ -129,7 +148,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str
         env = f.metadata.get("env")
         kind = hints[f.name]
         help_text = f"{f.metadata.get('help', '')} [env {env}; default {f.default!r}]" if env else f.metadata.get("help", "")
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None, help=help_text)
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_converter(kind), default=None, help=help_text)
 
 
 def from_args(cls: type[T], ns: argparse.Namespace | None = None, **overrides: Any) -> T:
@@ -151,7 +170,7 @@ def from_args(cls: type[T], ns: argparse.Namespace | None = None, **overrides: A
         env = f.metadata.get("env")
         if env and env in os.environ:
             try:
-                values[f.name] = hints[f.name](os.environ[env])
+                values[f.name] = _converter(hints[f.name])(os.environ[env])
             except ValueError:
                 raise ValueError(f"environment variable {env}={os.environ[env]!r} is not a valid {hints[f.name].__name__}") from None
     return cls(**values)

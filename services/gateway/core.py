@@ -143,7 +143,7 @@ class Gateway:
 
     # ---- submission ------------------------------------------------------------------------
     async def _lookup(self, hashes: list[int]) -> int:
-        if not hashes:
+        if not hashes or not self.cfg.prefix_cache:
             return 0
         try:
             reply = await self.bus.request(self.subjects.kv_lookup, m.LookupRequest(model_digest=self.model_digest, hashes=hashes),

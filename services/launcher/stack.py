@@ -45,6 +45,7 @@ class StackConfig:
     max_batch_tokens: int = 2048
     kv_capacity_tokens: int = 65536
     api_key: str = ""
+    prefix_cache: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -100,7 +101,8 @@ class Stack:
                 self._spawn(f"decode-{engine}", "services.decode_engine",
                             [*model, "--engine-id", engine, "--node-id", node, "--device", c.device,
                              "--kv-capacity-tokens", str(c.kv_capacity_tokens)])
-        self._spawn("gateway", "services.gateway", [*model, "--host", c.host, "--port", str(c.port), "--api-key", c.api_key])
+        self._spawn("gateway", "services.gateway", [*model, "--host", c.host, "--port", str(c.port), "--api-key", c.api_key,
+                                                       "--prefix-cache", str(c.prefix_cache).lower()])
         say(f"{len(self.procs)} services starting (logs in {self.logs})")
         try:
             self._wait_ready(timeout)
@@ -138,23 +140,34 @@ class Stack:
             return ""
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
-    def stop(self, timeout: float = 10.0) -> dict[str, int | None]:
-        """SIGTERM every service (reverse order), wait, kill leftovers, stop NATS; returns exit codes."""
-        for _name, proc in reversed(self.procs):
-            if proc.poll() is None:
-                try:
-                    proc.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + timeout
+    def stop(self, timeout: float = 15.0) -> dict[str, int | None]:
+        """Stop in stages so in-flight work drains: gateway, engines, traffic managers, scheduler,
+        kv-persistence, NATS. Each stage gets SIGTERM, then SIGKILL after ``timeout``.
+
+        Returns each service's exit code (None when it had to be killed).
+        """
+        stages = ("gateway", ("prefill-", "decode-"), "traffic-manager", "scheduler", "kv-persistence")
         codes: dict[str, int | None] = {}
-        for name, proc in self.procs:
-            try:
-                codes[name] = proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        for stage in stages:
+            group = [(n, p) for n, p in self.procs if n.startswith(stage)]
+            for _name, proc in group:
+                if proc.poll() is None:
+                    try:
+                        proc.send_signal(signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + timeout
+            for name, proc in group:
+                try:
+                    codes[name] = proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                    codes[name] = None
+        for name, proc in self.procs:  # anything not in a stage
+            if name not in codes:
                 proc.kill()
-                proc.wait()
-                codes[name] = None
+                codes[name] = proc.wait()
         self.procs.clear()
         if self.nats is not None:
             self.nats.stop()
