@@ -1,0 +1,95 @@
+"""Baseline inter-engine policies, for comparison with DualPath.
+
+Both keep DualPath's admission rules, so a comparison isolates the *selection* rule:
+a prefill engine with ``tok_e > β`` is skipped, a decode engine without HBM room for the
+request is never chosen, and a pass stops at the first request that cannot be placed
+(FIFO). Neither looks at ``read_q`` or at decode groups.
+
+- ``round_robin``: the n-th decision ever (n = ``state.assigned_total`` + its index in the
+  pass) starts at prefill engine ``n mod |PE|`` and decode engine ``n mod |DE|`` and takes
+  the first qualifying engine in cyclic id order. Deriving the cursor from the state keeps
+  the policy pure: a pass whose decisions are not applied does not move it.
+- ``least_tokens``: the prefill engine with the lowest ``tok_e`` (if ≤ β) and, flat over
+  all decode engines, the one with the lowest ``tok_e`` that has room; ties go to the
+  lowest id; ``tok_e`` grows within the pass.
+
+The read side is chosen by ``inter.choose_read_sides`` as for DualPath (``read_path``
+selects shorter-queue, PE-only or DE-only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from dualpath.policy.index import Candidates
+from dualpath.policy.inter import assemble, choose_read_sides
+from dualpath.policy.state import ClusterState, EngineState
+from dualpath.policy.thresholds import Thresholds
+from dualpath.policy.values import Assignment, PendingRequest, ReadPath
+
+__all__ = ["schedule_least_tokens", "schedule_round_robin"]
+
+
+def _next_fit(engines: tuple[EngineState, ...], start: int, ok: Callable[[EngineState], bool]) -> int | None:
+    """Index of the first engine from ``start`` on, cyclically, that ``ok`` accepts."""
+    n = len(engines)
+    for step in range(n):
+        k = (start + step) % n
+        if ok(engines[k]):
+            return k
+    return None
+
+
+def schedule_round_robin(
+    waiting: Sequence[PendingRequest], state: ClusterState, thresholds: Thresholds,
+    read_path: ReadPath = ReadPath.AUTO,
+) -> list[Assignment]:
+    """One round-robin pass (see the module docstring). Does not mutate ``state``."""
+    pes, des = state.prefill_engines, state.decode_engines
+    beta = thresholds.beta_tokens
+    tok: dict[int, int] = {}  # tentative PE tok_e
+    free: dict[int, int] = {}  # tentative DE free HBM
+    prefill: list[int] = []
+    decode: list[int] = []
+    for i, r in enumerate(waiting):
+        n = state.assigned_total + i
+        k = _next_fit(pes, n % len(pes), lambda e: tok.get(e.engine_id, e.tok) <= beta)
+        need = r.total_len
+        j = _next_fit(des, n % len(des), lambda e: free.get(e.engine_id, e.free_hbm_tokens) >= need)
+        if k is None or j is None:
+            break
+        pe, de = pes[k], des[j]
+        tok[pe.engine_id] = tok.get(pe.engine_id, pe.tok) + r.miss_tokens
+        free[de.engine_id] = free.get(de.engine_id, de.free_hbm_tokens) - need
+        prefill.append(pe.engine_id)
+        decode.append(de.engine_id)
+    sides = choose_read_sides(waiting, prefill, decode, state, read_path)
+    return assemble(waiting, prefill, decode, sides, state)
+
+
+def schedule_least_tokens(
+    waiting: Sequence[PendingRequest], state: ClusterState, thresholds: Thresholds,
+    read_path: ReadPath = ReadPath.AUTO,
+) -> list[Assignment]:
+    """One least-tokens pass (see the module docstring). Does not mutate ``state``."""
+    engines = state.engines
+    free: dict[int, int] = {}  # tentative DE free HBM
+    pe_cands = Candidates(state.prefill_index.walk())
+    de_cands = Candidates(state.decode_index.walk())
+    prefill: list[int] = []
+    decode: list[int] = []
+    for r in waiting:
+        pe = pe_cands.first()
+        if pe is None or pe[0] > thresholds.beta_tokens:
+            break
+        need = r.total_len
+        de = de_cands.first(ok=lambda e, need=need: free.get(e[1], engines[e[1]].free_hbm_tokens) >= need)
+        if de is None:
+            break
+        pe_cands.take(0, pe, pe[0] + r.miss_tokens)
+        de_cands.take(0, de, de[0] + need)
+        free[de[1]] = free.get(de[1], engines[de[1]].free_hbm_tokens) - need
+        prefill.append(pe[1])
+        decode.append(de[1])
+    sides = choose_read_sides(waiting, prefill, decode, state, read_path)
+    return assemble(waiting, prefill, decode, sides, state)

@@ -1,0 +1,157 @@
+"""Sorted views that let a scheduling pass find "the lowest ``tok_e``" without touching
+every engine: at 1,152 GPUs, rebuilding a heap of 384 prefill engines on every pass costs
+more than the whole rest of a decision.
+
+``LazyIndex`` is a min-heap of ``(key, member)`` that the ``ClusterState`` keeps current:
+it marks a member dirty when its key changes, and the next walk pushes one fresh entry
+per dirty member (lazy deletion: an entry is stale when its key no longer equals the
+member's key). ``walk`` then enumerates the valid entries in ascending order without
+popping (a best-first walk over the heap array), so a pass only reads the state; the
+flush is a cache refresh that changes no observable value.
+
+``Candidates`` is a pass's tentative view on top of a walk: entries whose key the pass
+raised (a tentative assignment) move to a small local heap; the rest are pulled from the
+walk on demand, split into classes (e.g. prefill engines on short- and long-queue nodes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from heapq import heapify, heappop, heappush, heapreplace
+
+__all__ = ["Candidates", "LazyIndex"]
+
+Entry = tuple[int, int]  # (key, member id); ties go to the lower member id
+
+
+class LazyIndex:
+    """Min-index of members (ints) by an integer key read through ``key_of``."""
+
+    __slots__ = ("_dirty", "_heap", "_key_of", "_members")
+
+    def __init__(self, members: Iterable[int], key_of: Callable[[int], int]) -> None:
+        self._members = tuple(members)
+        self._key_of = key_of
+        self._heap: list[Entry] = []
+        self._dirty: set[int] = set()
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Drop every stale entry: one fresh entry per member."""
+        self._heap = [(self._key_of(m), m) for m in self._members]
+        heapify(self._heap)
+        self._dirty.clear()
+
+    def update(self, member: int) -> None:
+        """Record that ``member``'s key changed. O(1): the entry is pushed when the next
+        walk starts, once however often the key changed in between."""
+        self._dirty.add(member)
+
+    def _flush(self) -> None:
+        heap, key_of = self._heap, self._key_of
+        for member in self._dirty:
+            heappush(heap, (key_of(member), member))
+        self._dirty.clear()
+        # Stale entries at the top would be walked past by every pass: drop them now.
+        while key_of(heap[0][1]) != heap[0][0]:
+            heappop(heap)
+        if len(heap) > 2 * len(self._members) + 64:
+            self.rebuild()
+
+    def walk(self) -> Iterator[Entry]:
+        """Valid entries in ascending ``(key, member)`` order, each member once. Keys must
+        not change while a walk is in progress (a pass only reads the state)."""
+        if self._dirty:
+            self._flush()
+        heap, key_of = self._heap, self._key_of
+        n = len(heap)
+        if not n:
+            return
+        frontier = [(heap[0], 0)]  # [(entry, position in heap)]
+        seen: set[int] = set()
+        while frontier:
+            entry, i = heappop(frontier)
+            child = 2 * i + 1
+            if child < n:
+                heappush(frontier, (heap[child], child))
+                if child + 1 < n:
+                    heappush(frontier, (heap[child + 1], child + 1))
+            member = entry[1]
+            if member not in seen and key_of(member) == entry[0]:
+                seen.add(member)
+                yield entry
+
+
+def _empty_lists(n: int) -> list[list[Entry]]:
+    if n == 1:
+        return [[]]
+    if n == 2:
+        return [[], []]
+    return [[] for _ in range(n)]
+
+
+class Candidates:
+    """Ascending candidates of one pass, per class, with tentative key increases."""
+
+    __slots__ = ("_buffers", "_classify", "_local", "_next")
+
+    def __init__(self, walk: Iterator[Entry], classify: Callable[[int], int] | None = None, classes: int = 1) -> None:
+        self._next: Callable[[], Entry] | None = walk.__next__
+        self._classify = classify
+        # A pass builds two of these; literal lists avoid a comprehension's call (~1 µs each
+        # on CPython 3.11, a measurable share of a 1,152-GPU decision).
+        self._buffers: list[list[Entry]] = _empty_lists(classes)  # untouched, ascending
+        self._local: list[list[Entry]] = _empty_lists(classes)  # touched, heaps
+
+    def _pull(self) -> bool:
+        """Move the walk's next entry into its class's buffer; False when exhausted."""
+        if self._next is None:
+            return False
+        try:
+            entry = self._next()
+        except StopIteration:
+            self._next = None
+            return False
+        self._buffers[self._classify(entry[1]) if self._classify else 0].append(entry)
+        return True
+
+    def first(self, cls: int = 0, ok: Callable[[Entry], bool] | None = None) -> Entry | None:
+        """The smallest entry of class ``cls`` (with its tentative key) that ``ok``
+        accepts, or None."""
+        local = self._local[cls]
+        best = None
+        if local:
+            if ok is None or ok(local[0]):
+                best = local[0]
+            else:  # rare: the lowest touched member does not qualify; scan them all
+                best = min((e for e in local if ok(e)), default=None)
+        buf = self._buffers[cls]
+        i = 0
+        while i < len(buf) or self._pull():
+            if i == len(buf):  # the pull fed another class
+                continue
+            entry = buf[i]
+            if best is not None and best < entry:
+                break
+            if ok is None or ok(entry):
+                return entry
+            i += 1
+        return best
+
+    def take(self, cls: int, entry: Entry, new_key: int) -> None:
+        """Tentatively raise ``entry``'s member (just returned by ``first``) to
+        ``new_key``."""
+        buf, local = self._buffers[cls], self._local[cls]
+        fresh = (new_key, entry[1])
+        if buf and buf[0] == entry:
+            del buf[0]
+            heappush(local, fresh)
+        elif entry in buf:
+            buf.remove(entry)
+            heappush(local, fresh)
+        elif local[0] == entry:
+            heapreplace(local, fresh)
+        else:
+            local.remove(entry)
+            local.append(fresh)
+            heapify(local)

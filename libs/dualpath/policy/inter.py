@@ -1,0 +1,208 @@
+"""The DualPath inter-engine policy (paper §6.1): prefill engine, decode engine, read side.
+
+One scheduling pass runs four stages over the waiting queue in FIFO order. Each stage
+returns a decision per request for a *prefix* of the queue; a stage that cannot place a
+request stops there, and the pass keeps only the prefix every stage placed (the paper:
+"stop when no engine qualifies"; later requests keep waiting, FIFO order is never broken).
+
+1. ``select_prefill_engines``: skip PEs with ``tok_e > β``; prefer PEs on nodes with
+   ``read_q ≤ α``, lowest ``tok_e``; else PEs on nodes with ``read_q > α``, lowest
+   ``tok_e``; ``tok_e`` grows after each assignment. ``read_q`` is the snapshot the pass
+   started from (the paper updates only ``tok_e`` within a pass).
+2. ``select_decode_groups`` (phase 1): the DE group with the smallest Σ``tok_e`` among
+   groups whose total free HBM holds the request and that have a DE big enough for it.
+3. ``place_in_groups`` (phase 2): inside the group, with R = the requests phase 1 gave it,
+   ``Z = 1.05 × (Σ_{r∈R} len_r + Σ_e tok_e) / |E|``; among DEs with HBM room prefer
+   ``tok_e + len ≤ Z`` by smallest ``seq_e``, else smallest ``tok_e``.
+4. ``choose_read_sides``: the node (PE's or DE's) with the shorter read queue; a tie goes
+   to the PE side (the classic path). Queues grow by each decision's hit tokens within
+   the pass, so a burst between one PE/DE pair alternates sides instead of piling up.
+
+Ties inside every "smallest" rule go to the lowest engine or node id. Nothing here
+mutates the ``ClusterState``; tentative values live in per-pass heaps and dicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dualpath.policy.index import Candidates
+from dualpath.policy.state import ClusterState, EngineState, NodeState
+from dualpath.policy.thresholds import Thresholds
+from dualpath.policy.values import Assignment, PendingRequest, ReadPath, ReadSide
+
+__all__ = [
+    "Z_SLACK_PERCENT",
+    "assemble",
+    "choose_read_sides",
+    "place_in_groups",
+    "schedule_dualpath",
+    "select_decode_groups",
+    "select_prefill_engines",
+]
+
+Z_SLACK_PERCENT = 105  # the paper's 1.05, kept integral so Z comparisons are exact
+
+
+def select_prefill_engines(waiting: Sequence[PendingRequest], state: ClusterState, th: Thresholds) -> list[int]:
+    """Prefill engine ids for the longest placeable prefix of ``waiting`` (stage 1)."""
+    alpha, beta = th.alpha_tokens, th.beta_tokens
+    engines, nodes = state.engines, state.nodes
+
+    def queue_class(engine_id: int) -> int:  # 0: node read_q <= alpha (short), 1: long
+        return 0 if nodes[engines[engine_id].node_id].read_q <= alpha else 1
+
+    cands = Candidates(state.prefill_index.walk(), queue_class, classes=2)
+    chosen: list[int] = []
+    for request in waiting:
+        # A class whose lowest tok_e is over beta has no engine that qualifies.
+        for cls in (0, 1):
+            best = cands.first(cls)
+            if best is not None and best[0] <= beta:
+                break
+        else:
+            break
+        cands.take(cls, best, best[0] + request.miss_tokens)
+        chosen.append(best[1])
+    return chosen
+
+
+def select_decode_groups(waiting: Sequence[PendingRequest], count: int, state: ClusterState) -> list[NodeState]:
+    """Decode groups (nodes) for the first ``count`` requests, phase 1; may return fewer."""
+    nodes = state.nodes
+    free_total: dict[int, int] = {}  # tentative Σ free HBM per group looked at this pass
+    max_free: dict[int, int] = {}  # largest single-DE free HBM at pass start
+
+    def room(node_id: int, need: int) -> bool:
+        biggest = max_free.get(node_id)
+        if biggest is None:
+            biggest = total = 0
+            for engine in nodes[node_id].engines:
+                free = engine.free_hbm_tokens
+                total += free
+                if free > biggest:
+                    biggest = free
+            max_free[node_id], free_total[node_id] = biggest, total
+        return biggest >= need and free_total[node_id] >= need
+
+    cands = Candidates(state.decode_group_index.walk())
+    chosen: list[NodeState] = []
+    for i in range(count):
+        need = waiting[i].total_len
+        best = cands.first(ok=lambda entry, need=need: room(entry[1], need))
+        if best is None:
+            break
+        cands.take(0, best, best[0] + need)
+        free_total[best[1]] -= need
+        chosen.append(nodes[best[1]])
+    return chosen
+
+
+def place_in_groups(
+    waiting: Sequence[PendingRequest], groups: Sequence[NodeState], slack_percent: int = Z_SLACK_PERCENT
+) -> list[int]:
+    """Decode engine ids inside each request's group (phase 2); may return fewer than
+    ``len(groups)`` when a group's HBM is too fragmented for a request."""
+    demand: dict[int, int] = {}  # Σ len_r over R, per group
+    for i, node in enumerate(groups):
+        demand[node.node_id] = demand.get(node.node_id, 0) + waiting[i].total_len
+    tentative: dict[int, tuple[int, int, int]] = {}  # engine -> (tok, seq, free) after this pass's picks
+    chosen: list[int] = []
+    for i, node in enumerate(groups):
+        need = waiting[i].total_len
+        # tok + len <= Z  <=>  100·|E|·(tok + len) <= slack·(ΣR + Σtok): exact integers.
+        z_num = slack_percent * (demand[node.node_id] + node.tok_sum)
+        engine = _pick_decode_engine(node, need, z_num, tentative)
+        if engine is None:
+            break
+        tok, seq, free = tentative.get(engine.engine_id) or (engine.tok, engine.seq, engine.free_hbm_tokens)
+        tentative[engine.engine_id] = (tok + need, seq + 1, free - need)
+        chosen.append(engine.engine_id)
+    return chosen
+
+
+def _pick_decode_engine(
+    node: NodeState, need: int, z_num: int, tentative: dict[int, tuple[int, int, int]]
+) -> EngineState | None:
+    """The DE of ``node`` for a request of ``need`` tokens: HBM room required;
+    ``tok + need <= Z`` by smallest (seq, tok), else smallest tok; ties to the lower id.
+    ``node.tok_sum`` in ``z_num`` is the pass-start sum, so Z stays fixed for the pass."""
+    scale = 100 * len(node.engines)
+    preferred = fallback = None
+    for engine in node.engines:  # ascending engine id
+        over = tentative.get(engine.engine_id) if tentative else None
+        if over is None:
+            tok, seq, free = engine.tok, engine.seq, engine.free_hbm_tokens
+        else:
+            tok, seq, free = over
+        if free < need:
+            continue
+        if scale * (tok + need) <= z_num:
+            if preferred is None or (seq, tok) < preferred[:2]:
+                preferred = (seq, tok, engine)
+        elif fallback is None or tok < fallback[0]:
+            fallback = (tok, engine)
+    if preferred is not None:
+        return preferred[2]
+    return fallback[1] if fallback is not None else None
+
+
+def choose_read_sides(
+    waiting: Sequence[PendingRequest],
+    prefill: Sequence[int],
+    decode: Sequence[int],
+    state: ClusterState,
+    read_path: ReadPath = ReadPath.AUTO,
+) -> list[ReadSide]:
+    """The read side per placed request (stage 4); ``read_path`` forces a side."""
+    engines, nodes = state.engines, state.nodes
+    queue: dict[int, int] = {}  # tentative read_q of nodes touched this pass
+    sides: list[ReadSide] = []
+    for i in range(len(decode)):
+        pe_node, de_node = engines[prefill[i]].node_id, engines[decode[i]].node_id
+        q_pe = queue.get(pe_node, nodes[pe_node].read_q)
+        q_de = queue.get(de_node, nodes[de_node].read_q)
+        if read_path is ReadPath.PE or (read_path is ReadPath.AUTO and q_pe <= q_de):
+            sides.append(ReadSide.PE)
+            queue[pe_node] = q_pe + waiting[i].hit_tokens
+        else:
+            sides.append(ReadSide.DE)
+            queue[de_node] = q_de + waiting[i].hit_tokens
+    return sides
+
+
+def assemble(
+    waiting: Sequence[PendingRequest],
+    prefill: Sequence[int],
+    decode: Sequence[int],
+    sides: Sequence[ReadSide],
+    state: ClusterState,
+) -> list[Assignment]:
+    """Zip per-request choices into ``Assignment`` objects carrying their charges."""
+    engines = state.engines
+    out = []
+    for i, side in enumerate(sides):
+        r = waiting[i]
+        read_engine = prefill[i] if side is ReadSide.PE else decode[i]
+        out.append(Assignment(
+            request_id=r.request_id, prefill_engine=prefill[i], decode_engine=decode[i],
+            read_side=side, read_node=engines[read_engine].node_id,
+            prefill_tokens=r.miss_tokens, decode_tokens=r.total_len, read_tokens=r.hit_tokens,
+        ))
+    return out
+
+
+def schedule_dualpath(
+    waiting: Sequence[PendingRequest],
+    state: ClusterState,
+    thresholds: Thresholds,
+    read_path: ReadPath = ReadPath.AUTO,
+    slack_percent: int = Z_SLACK_PERCENT,
+) -> list[Assignment]:
+    """One DualPath scheduling pass: assignments for the longest FIFO prefix of
+    ``waiting`` that every stage could place. Does not mutate ``state``."""
+    prefill = select_prefill_engines(waiting, state, thresholds)
+    groups = select_decode_groups(waiting, len(prefill), state)
+    decode = place_in_groups(waiting, groups, slack_percent)
+    sides = choose_read_sides(waiting, prefill, decode, state, read_path)
+    return assemble(waiting, prefill, decode, sides, state)

@@ -1,0 +1,287 @@
+"""The cluster state the policy reads: engines, nodes (each node is one engine group with a
+leader), and the requests live in them.
+
+The policy never mutates it. The caller (scheduler service, testbed, simulator) applies
+each decision with ``on_assigned`` and each completion with ``on_read_finished``,
+``on_prefill_finished`` and ``on_finished``; group leaders' reports overwrite the
+bookkeeping with ``report_engine`` / ``report_node``. Because a report may already count a
+completion the caller applies afterwards, completions clamp at zero (and free HBM at the
+engine's capacity) rather than go negative.
+
+Not thread-safe: one owner (the scheduler loop, the simulator) drives it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dualpath.policy.errors import (
+    DuplicateRequestError,
+    InsufficientHbmError,
+    InvalidTopologyError,
+    RoleMismatchError,
+    UnknownEngineError,
+    UnknownNodeError,
+    UnknownRequestError,
+)
+from dualpath.policy.index import LazyIndex
+from dualpath.policy.values import Assignment, NodeSpec, Role
+
+__all__ = ["ClusterState", "EngineState", "NodeState"]
+
+_DECODE = Role.DECODE
+
+
+class EngineState:
+    """One engine (GPU): ``seq`` unfinished requests, ``tok`` their tokens (see
+    ``values`` for the unit per role), ``free_hbm_tokens`` of ``hbm_tokens`` KV capacity
+    (decode engines; prefill engines have 0 and are never checked). Read-only for
+    callers: change it through ``ClusterState``, which keeps sums and indices current."""
+
+    __slots__ = ("engine_id", "free_hbm_tokens", "hbm_tokens", "node_id", "role", "seq", "tok")
+
+    def __init__(self, engine_id: int, node_id: int, role: Role, hbm_tokens: int) -> None:
+        self.engine_id = engine_id
+        self.node_id = node_id
+        self.role = role
+        self.hbm_tokens = hbm_tokens
+        self.free_hbm_tokens = hbm_tokens
+        self.seq = 0
+        self.tok = 0
+
+    def __repr__(self) -> str:
+        return (f"EngineState(id={self.engine_id}, node={self.node_id}, seq={self.seq}, "
+                f"tok={self.tok}, free_hbm={self.free_hbm_tokens})")
+
+
+class NodeState:
+    """One node and its engine group: ``read_q`` hit tokens queued on its storage NIC,
+    ``tok_sum`` = Σ ``tok`` of its engines. Read-only for callers, like ``EngineState``."""
+
+    __slots__ = ("engines", "leader", "node_id", "read_q", "role", "tok_sum")
+
+    def __init__(self, spec: NodeSpec) -> None:
+        self.node_id = spec.node_id
+        self.role = spec.role
+        self.engines = tuple(
+            EngineState(eid, spec.node_id, spec.role, spec.hbm_tokens) for eid in sorted(spec.engine_ids)
+        )
+        self.leader = self.engines[0].engine_id
+        self.read_q = 0
+        self.tok_sum = 0
+
+    def __repr__(self) -> str:
+        return f"NodeState(id={self.node_id}, role={self.role.name}, read_q={self.read_q}, tok_sum={self.tok_sum})"
+
+
+@dataclass(slots=True)
+class _Live:
+    assignment: Assignment
+    read_pending: bool = True
+    prefill_pending: bool = True
+
+
+class ClusterState:
+    """Engines and nodes of a PD-disaggregated cluster plus the live requests' charges.
+
+    Raises:
+        InvalidTopologyError: when a node or engine id repeats, or either role is missing.
+    """
+
+    def __init__(self, nodes: Sequence[NodeSpec]) -> None:
+        self.nodes: dict[int, NodeState] = {}
+        self.engines: dict[int, EngineState] = {}
+        for spec in sorted(nodes, key=lambda s: s.node_id):
+            if spec.node_id in self.nodes:
+                raise InvalidTopologyError(f"node id {spec.node_id} repeats")
+            node = NodeState(spec)
+            self.nodes[spec.node_id] = node
+            for engine in node.engines:
+                if engine.engine_id in self.engines:
+                    raise InvalidTopologyError(f"engine id {engine.engine_id} repeats")
+                self.engines[engine.engine_id] = engine
+        self.prefill_nodes = tuple(n for n in self.nodes.values() if n.role is Role.PREFILL)
+        self.decode_nodes = tuple(n for n in self.nodes.values() if n.role is Role.DECODE)
+        if not self.prefill_nodes or not self.decode_nodes:
+            raise InvalidTopologyError("a cluster needs at least one prefill and one decode node")
+        self.prefill_engines = tuple(e for n in self.prefill_nodes for e in n.engines)
+        self.decode_engines = tuple(e for n in self.decode_nodes for e in n.engines)
+        self.max_decode_hbm_tokens = max(e.hbm_tokens for e in self.decode_engines)
+        # Sorted views for the policies, kept current by _charge (see index.py).
+        engines, by_node = self.engines, self.nodes
+        self.prefill_index = LazyIndex((e.engine_id for e in self.prefill_engines), lambda m: engines[m].tok)
+        self.decode_index = LazyIndex((e.engine_id for e in self.decode_engines), lambda m: engines[m].tok)
+        self.decode_group_index = LazyIndex((n.node_id for n in self.decode_nodes), lambda m: by_node[m].tok_sum)
+        self.assigned_total = 0  # decisions ever applied; round robin's cursor
+        self._live: dict[int, _Live] = {}
+
+    @classmethod
+    def from_topology(
+        cls, *, prefill_nodes: int, decode_nodes: int, gpus_per_node: int = 8, decode_hbm_tokens: int
+    ) -> ClusterState:
+        """Build ``prefill_nodes`` PE nodes then ``decode_nodes`` DE nodes of
+        ``gpus_per_node`` engines each, numbered densely from 0 (nodes and engines).
+
+        Raises:
+            InvalidTopologyError: on a count below one or a non-positive HBM capacity.
+        """
+        if min(prefill_nodes, decode_nodes, gpus_per_node) < 1:
+            raise InvalidTopologyError("node and GPU counts must be at least 1")
+        specs = []
+        for node_id in range(prefill_nodes + decode_nodes):
+            role = Role.PREFILL if node_id < prefill_nodes else Role.DECODE
+            first = node_id * gpus_per_node
+            specs.append(NodeSpec(
+                node_id=node_id, role=role, engine_ids=tuple(range(first, first + gpus_per_node)),
+                hbm_tokens=decode_hbm_tokens if role is Role.DECODE else 0,
+            ))
+        return cls(specs)
+
+    # -- decisions and completions -------------------------------------------------
+    def on_assigned(self, a: Assignment) -> None:
+        """Apply a decision: charge the PE, the DE (tokens, one sequence, HBM) and the
+        read node's queue.
+
+        Raises:
+            DuplicateRequestError: the request is already live.
+            UnknownEngineError, UnknownNodeError: an id is not in the cluster.
+            RoleMismatchError: the PE is not a prefill engine or the DE not a decode one.
+            InsufficientHbmError: the DE no longer has room (a stale decision).
+        """
+        if a.request_id in self._live:
+            raise DuplicateRequestError(a.request_id)
+        pe, de = self._engine(a.prefill_engine), self._engine(a.decode_engine)
+        if pe.role is _DECODE:
+            raise RoleMismatchError(pe.engine_id, "prefill")
+        if de.role is not _DECODE:
+            raise RoleMismatchError(de.engine_id, "decode")
+        read_node = self.nodes.get(a.read_node)
+        if read_node is None:
+            raise UnknownNodeError(a.read_node)
+        if de.free_hbm_tokens < a.decode_tokens:
+            raise InsufficientHbmError(de.engine_id, a.decode_tokens, de.free_hbm_tokens)
+        self._charge(pe, 1, a.prefill_tokens)
+        self._charge(de, 1, a.decode_tokens)
+        de.free_hbm_tokens -= a.decode_tokens
+        read_node.read_q += a.read_tokens
+        self.assigned_total += 1
+        self._live[a.request_id] = _Live(a)
+
+    def on_read_finished(self, request_id: int) -> None:
+        """The request's hit tokens are read: take them off the read node's queue.
+        Idempotent per request.
+
+        Raises:
+            UnknownRequestError: the request is not live.
+        """
+        self._release_read(self._get(request_id))
+
+    def on_prefill_finished(self, request_id: int) -> None:
+        """The prefill is done: release the PE's charge (and the read, which precedes it).
+        Idempotent per request.
+
+        Raises:
+            UnknownRequestError: the request is not live.
+        """
+        live = self._get(request_id)
+        self._release_read(live)
+        self._release_prefill(live)
+
+    def on_finished(self, request_id: int) -> None:
+        """The request left the cluster (decode done, aborted or failed): release every
+        charge still held and forget it.
+
+        Raises:
+            UnknownRequestError: the request is not live.
+        """
+        live = self._live.pop(request_id, None)
+        if live is None:
+            raise UnknownRequestError(request_id)
+        self._release_read(live)
+        self._release_prefill(live)
+        a = live.assignment
+        de = self.engines[a.decode_engine]
+        self._charge(de, -1, -a.decode_tokens)
+        free = de.free_hbm_tokens + a.decode_tokens
+        de.free_hbm_tokens = free if free < de.hbm_tokens else de.hbm_tokens
+
+    def _release_read(self, live: _Live) -> None:
+        if live.read_pending:
+            live.read_pending = False
+            node = self.nodes[live.assignment.read_node]
+            q = node.read_q - live.assignment.read_tokens
+            node.read_q = q if q > 0 else 0
+
+    def _release_prefill(self, live: _Live) -> None:
+        if live.prefill_pending:
+            live.prefill_pending = False
+            a = live.assignment
+            self._charge(self.engines[a.prefill_engine], -1, -a.prefill_tokens)
+
+    # -- reports from group leaders ------------------------------------------------
+    def report_engine(self, engine_id: int, *, seq: int, tok: int, free_hbm_tokens: int | None = None) -> None:
+        """Overwrite an engine's counters with what its group leader reported.
+
+        Raises:
+            UnknownEngineError: no such engine.
+        """
+        engine = self._engine(engine_id)
+        self._charge(engine, seq - engine.seq, tok - engine.tok)
+        if free_hbm_tokens is not None:
+            engine.free_hbm_tokens = max(0, min(engine.hbm_tokens, free_hbm_tokens))
+
+    def report_node(self, node_id: int, *, read_q: int) -> None:
+        """Overwrite a node's storage read queue (tokens) with its traffic manager's figure.
+
+        Raises:
+            UnknownNodeError: no such node.
+        """
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise UnknownNodeError(node_id)
+        node.read_q = max(0, read_q)
+
+    # -- queries -------------------------------------------------------------------
+    def live_assignment(self, request_id: int) -> Assignment:
+        """The decision a live request was placed with.
+
+        Raises:
+            UnknownRequestError: the request is not live.
+        """
+        return self._get(request_id).assignment
+
+    @property
+    def live_count(self) -> int:
+        """Requests assigned and not yet finished."""
+        return len(self._live)
+
+    def _engine(self, engine_id: int) -> EngineState:
+        engine = self.engines.get(engine_id)
+        if engine is None:
+            raise UnknownEngineError(engine_id)
+        return engine
+
+    def _get(self, request_id: int) -> _Live:
+        live = self._live.get(request_id)
+        if live is None:
+            raise UnknownRequestError(request_id)
+        return live
+
+    def _charge(self, engine: EngineState, seq: int, tok: int) -> None:
+        """Add ``seq``/``tok`` to an engine (clamped at zero, see the module docstring) and
+        keep its node's ``tok_sum`` and the sorted views current."""
+        s = engine.seq + seq
+        engine.seq = s if s > 0 else 0
+        t = engine.tok + tok
+        if t < 0:
+            t = 0
+        if t == engine.tok:
+            return
+        self.nodes[engine.node_id].tok_sum += t - engine.tok
+        engine.tok = t
+        if engine.role is _DECODE:
+            self.decode_index.update(engine.engine_id)
+            self.decode_group_index.update(engine.node_id)
+        else:
+            self.prefill_index.update(engine.engine_id)

@@ -1,0 +1,132 @@
+"""Value types of the policy: what goes in (requests, topology) and what comes out
+(assignments). All are frozen, slotted, keyword-only and hold integers only, so the
+scheduler service can put them on the wire and the simulator can hash them.
+
+Token accounting (the unit of every ``tok``/``read_q`` figure in this package is TOKENS):
+
+- a prefill engine's ``tok_e`` is the sum of ``miss_tokens`` (tokens it must *compute*)
+  over its unfinished requests. The paper's β is "tokens one GPU processes in 5 s", a
+  compute budget, so ``tok_e`` must count the same thing; hit tokens cost storage
+  bandwidth, and that is what the node's ``read_q`` measures.
+- a decode engine's ``tok_e`` is the sum of ``total_len`` (prompt + most new tokens) over
+  its unfinished requests, and ``total_len`` is also what it reserves in HBM: the
+  decode engine holds the whole context and grows it up to that length.
+- a node's ``read_q`` is the number of hit tokens queued for reading from storage
+  through that node's storage NIC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, IntEnum
+
+from dualpath.policy.errors import InvalidRequestError, InvalidTopologyError
+
+__all__ = ["Assignment", "NodeSpec", "PendingRequest", "ReadPath", "ReadSide", "Role"]
+
+
+class Role(IntEnum):
+    """What the engines of a node do (a node hosts one role only, as in the paper)."""
+
+    PREFILL = 0
+    DECODE = 1
+
+
+class ReadSide(IntEnum):
+    """Which node reads a request's hit KV from storage: the prefill engine's node (the
+    classic PE read path) or the decode engine's node (the DE read path)."""
+
+    PE = 0
+    DE = 1
+
+
+class ReadPath(str, Enum):
+    """How a policy picks the read side (``SchedulerConfig.read_path``): ``auto`` = the
+    node with the shorter storage read queue (DualPath), ``pe`` = always the prefill
+    side (the paper's Basic), ``de`` = always the decode side (for experiments)."""
+
+    AUTO = "auto"
+    PE = "pe"
+    DE = "de"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PendingRequest:
+    """A request waiting to be placed.
+
+    ``prompt_tokens`` is the prompt length, ``hit_tokens`` the persisted prefix (read from
+    storage, not computed), ``total_len`` the prompt plus the most new tokens it may
+    generate. The last prompt token is always computed (its logits give the first output
+    token), so ``hit_tokens < prompt_tokens``.
+
+    Raises:
+        InvalidRequestError: on a negative count, ``hit_tokens >= prompt_tokens`` or
+            ``total_len < prompt_tokens``.
+    """
+
+    request_id: int
+    prompt_tokens: int
+    hit_tokens: int
+    total_len: int
+
+    def __post_init__(self) -> None:
+        if self.hit_tokens < 0:
+            raise InvalidRequestError(self.request_id, f"negative hit_tokens {self.hit_tokens}")
+        if self.hit_tokens >= self.prompt_tokens:
+            raise InvalidRequestError(
+                self.request_id,
+                f"hit_tokens {self.hit_tokens} leaves nothing to compute of a "
+                f"{self.prompt_tokens}-token prompt",
+            )
+        if self.total_len < self.prompt_tokens:
+            raise InvalidRequestError(
+                self.request_id, f"total_len {self.total_len} < prompt_tokens {self.prompt_tokens}"
+            )
+
+    @property
+    def miss_tokens(self) -> int:
+        """Tokens the prefill engine computes: the charge to its ``tok_e``."""
+        return self.prompt_tokens - self.hit_tokens
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Assignment:
+    """One placement decision, with the charges the cluster state applies for it.
+
+    ``prefill_tokens`` is added to the prefill engine's ``tok_e``, ``decode_tokens`` to the
+    decode engine's ``tok_e`` and reserved in its HBM, ``read_tokens`` to ``read_q`` of
+    ``read_node`` (the node on ``read_side``).
+    """
+
+    request_id: int
+    prefill_engine: int
+    decode_engine: int
+    read_side: ReadSide
+    read_node: int
+    prefill_tokens: int
+    decode_tokens: int
+    read_tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeSpec:
+    """One node of the cluster: its engines (one per GPU) and, for decode nodes, each
+    engine's KV capacity in HBM in tokens. The node is also its engine *group*; the
+    group's leader is its lowest engine id.
+
+    Raises:
+        InvalidTopologyError: on an empty node or a negative capacity.
+    """
+
+    node_id: int
+    role: Role
+    engine_ids: tuple[int, ...]
+    hbm_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.engine_ids:
+            raise InvalidTopologyError(f"node {self.node_id} has no engines")
+        if self.hbm_tokens < 0:
+            raise InvalidTopologyError(f"node {self.node_id} has negative hbm_tokens")
+        if self.role is Role.DECODE and self.hbm_tokens == 0:
+            raise InvalidTopologyError(f"decode node {self.node_id} has no HBM for KV-cache")

@@ -1,0 +1,59 @@
+"""``dualpath bench scheduler|transfer|loadgen [--json]``: benchmarks that print measured figures.
+
+A benchmark is not a test: it asserts nothing, it measures and reports (compare ratios
+measured in the same run; absolute timings on shared machines are noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["main"]
+
+
+def _scheduler(ns) -> dict:
+    from dualpath.policy.bench import format_report, run_bench
+
+    kw = {"engines": ns.engines}
+    if ns.seconds:
+        kw["seconds"] = ns.seconds
+    result = run_bench(**kw)
+    return result, format_report
+
+
+def _transfer(ns) -> dict:
+    from dualpath.transfer.bench import format_report, run_bench
+
+    kw = {}
+    if ns.quick:
+        kw["quick"] = True
+    return run_bench(**kw), format_report
+
+
+def _loadgen(ns) -> dict:
+    from loadgen.overhead import format_report, run_overhead_bench
+
+    return run_overhead_bench(agents=ns.agents), format_report
+
+
+BENCHES = {"scheduler": _scheduler, "transfer": _transfer, "loadgen": _loadgen}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dualpath bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=sorted(BENCHES))
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--engines", type=int, default=1152, help="scheduler: cluster size in GPUs (engines)")
+    p.add_argument("--seconds", type=float, default=0.0, help="scheduler: measuring time (0 = the benchmark's default)")
+    p.add_argument("--agents", type=int, default=1000, help="loadgen: concurrent agent sessions")
+    p.add_argument("--quick", action="store_true", help="transfer: fewer points (a smoke run)")
+    ns = p.parse_args(argv)
+    result, fmt = BENCHES[ns.what](ns)
+    if ns.json:
+        json.dump(result, sys.stdout, indent=2, default=str)
+        print()
+    else:
+        print(fmt(result))
+    return 0
