@@ -42,6 +42,7 @@ class Running:
     gen: torch.Generator | None
     chain: list[int]  # hash chain of the persisted/persisting full blocks
     finish: str | None = None  # set when done; the request leaves after a final KV flush if needed
+    persist_tail: asyncio.Task | None = None  # the request's last persist: commits must go parent first
     t_start: float = field(default_factory=time.perf_counter)
 
 
@@ -104,7 +105,7 @@ class DecodeEngine:
                                offset=t.de_offset + t.cached_blocks * lay.block_bytes, hashes=new, parent_chain=r.chain[:t.cached_blocks],
                                layers=lay.layers, bytes_per_token_layer=lay.bytes_per_token_layer, dtype=self.setup.dtype,
                                block_tokens=lay.block_tokens, free_after=True)
-        self._spawn_persist(req)
+        self._spawn_persist(r, req)
 
     async def _persist_block(self, r: Running, b: int) -> None:
         """Stage block ``b`` of a running sequence in the node buffer and persist it."""
@@ -120,18 +121,25 @@ class DecodeEngine:
         region = self._region(reply.region["region_id"])
         dst = region.as_tensor(reply.offset, lay.block_bytes, d.dtype).view(lay.layers, bt, 2, d.kv_heads, d.head_dim)
         dst.copy_(r.seq.kv[:, b * bt:(b + 1) * bt])
-        self._spawn_persist(m.PersistRequest(request_id=owner, model_digest=t.model_digest, region_id=region.region_id, offset=reply.offset,
+        self._spawn_persist(r, m.PersistRequest(request_id=owner, model_digest=t.model_digest, region_id=region.region_id, offset=reply.offset,
                                              hashes=[h], parent_chain=parents, layers=lay.layers, bytes_per_token_layer=lay.bytes_per_token_layer,
                                              dtype=self.setup.dtype, block_tokens=bt, free_after=True))
 
-    def _spawn_persist(self, req: m.PersistRequest) -> None:
+    def _spawn_persist(self, r: Running, req: m.PersistRequest) -> None:
+        """Persist in the background, after the request's previous persist (the index links a
+        block only when its parent is already committed)."""
+        previous = r.persist_tail
+
         async def go() -> None:
+            if previous is not None:
+                await asyncio.wait([previous])
             try:
                 await self.bus.request(self.subjects.tm(self.node_id, "persist"), req, m.Ok, timeout=60.0)
             except Exception as exc:  # noqa: BLE001 - a lost block is only a future miss
                 log.warning("persist_failed", request_id=req.request_id, error=str(exc))
 
         task = asyncio.ensure_future(go())
+        r.persist_tail = task
         self._persists.add(task)
         task.add_done_callback(self._persists.discard)
 
@@ -203,18 +211,29 @@ class DecodeEngine:
                                                                   token_ids=ids, logprobs=lps, top_logprobs=tops, ts=time.time()))
 
     async def _finish(self, r: Running) -> None:
+        """Release the request's KV memory; its final event goes out once its blocks are durable."""
         t = r.task
         self.running.pop(t.request_id, None)
         self.memory.release(r.seq.kv)
-        self.finished.append(t.request_id)
         if r.finish == "cancelled":
+            self.finished.append(t.request_id)
             return
-        lay = self.setup.layout
+        task = asyncio.ensure_future(self._final_event(r))
+        self._persists.add(task)
+        task.add_done_callback(self._persists.discard)
+
+    async def _final_event(self, r: Running) -> None:
+        # Waiting for the last persist makes "answer received" imply "the next turn hits
+        # every full block of this context" (a few ms of fsync on the last block only).
+        if r.persist_tail is not None:
+            await asyncio.wait([r.persist_tail], timeout=30.0)
+        t, lay = r.task, self.setup.layout
         info = {"read_path": read_path_name(t.read_path), "prefill_engine": t.prefill_engine, "decode_engine": self.cfg.engine_id,
                 "hit_tokens": t.cached_blocks * lay.block_tokens}
         await self.bus.publish(t.reply_subject, m.TokenEvent(request_id=t.request_id, index=len(r.seq.generated), token_ids=[],
                                                              finish_reason=r.finish, cached_tokens=t.cached_blocks * lay.block_tokens,
                                                              info=info, ts=time.time()))
+        self.finished.append(t.request_id)
         log.info("decode_done", request_id=t.request_id, tokens=len(r.seq.generated), finish=r.finish,
                  seconds=round(time.perf_counter() - r.t_start, 4))
 

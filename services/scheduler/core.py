@@ -18,7 +18,7 @@ from dualpath.bus import Bus
 from dualpath.bus.client import HandlerError
 from dualpath.config import SchedulerConfig
 from dualpath.policy import PendingRequest, Policy
-from dualpath.policy.values import ReadSide
+from dualpath.policy.values import Assignment, ReadSide
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.telemetry.logs import get_logger
@@ -40,6 +40,7 @@ class Tracked:
     decode_engine: str = ""
     decode_node: str = ""
     prefill_done: bool = False
+    assignment: Assignment | None = None
 
 
 class Scheduler:
@@ -62,6 +63,11 @@ class Scheduler:
             raise HandlerError(409, f"request {req.request_id} already submitted")
         if not req.prompt_tokens:
             raise HandlerError(400, "empty prompt")
+        need = len(req.prompt_tokens) + int(req.sampling.get("max_tokens", 16))
+        if self.state is not None and need > self.state.max_decode_hbm_tokens:
+            # It could never be placed and would block the FIFO queue behind it.
+            raise HandlerError(400, f"prompt plus max_tokens ({need} tokens) exceeds the KV capacity of every decode engine "
+                                    f"({self.state.max_decode_hbm_tokens} tokens)")
         num = self._next_num
         self._next_num += 1
         t = Tracked(req=req, num=num)
@@ -125,7 +131,7 @@ class Scheduler:
             return
         engine_num = {e.name: e.num for e in self.members.engines.values()}
         for t in self.running.values():
-            a = getattr(t, "assignment", None)
+            a = t.assignment
             if a is not None and t.prefill_engine in engine_num and t.decode_engine in engine_num:
                 self._safe(self.state.on_assigned, a)
 
@@ -154,6 +160,7 @@ class Scheduler:
             return
         t.prefill_engine = t.decode_engine = t.decode_node = ""
         t.prefill_done = False
+        t.assignment = None
         self.queue.appendleft(t)
         self._wake.set()
 
@@ -184,7 +191,7 @@ class Scheduler:
             t = self.queue.popleft()
             assert t.num == a.request_id, "policy must place a FIFO prefix"
             self.state.on_assigned(a)
-            t.assignment = a  # type: ignore[attr-defined]
+            t.assignment = a
             t.prefill_engine = self.members.by_engine_num[a.prefill_engine]
             t.decode_engine = self.members.by_engine_num[a.decode_engine]
             t.decode_node = self.members.engines[t.decode_engine].node
@@ -229,8 +236,11 @@ class Scheduler:
         """Schedule whenever something changed, and at least every 50 ms; expire silent engines."""
         while not stop.is_set():
             self._wake.clear()
-            await self.expire()
-            await self.schedule_pass()
+            try:
+                await self.expire()
+                await self.schedule_pass()
+            except Exception:  # noqa: BLE001 - a bug in one pass must not stop scheduling
+                log.exception("schedule_pass_failed")
             try:
                 await asyncio.wait_for(self._wake.wait(), 0.05)
             except asyncio.TimeoutError:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,7 +56,11 @@ class EmbeddedNats:
         Raises:
             RuntimeError: the server exited or did not listen within ``timeout``.
         """
-        cmd = [nats_server_binary(), "-a", self.host, "-p", str(self.port), "--max_payload", "8MB"]
+        # Long prompts (token ids + block hashes) exceed NATS's 1 MiB default payload.
+        self._conf = tempfile.NamedTemporaryFile("w", prefix="nats-", suffix=".conf", delete=False)
+        self._conf.write("max_payload: 8388608\n")
+        self._conf.close()
+        cmd = [nats_server_binary(), "-a", self.host, "-p", str(self.port), "-c", self._conf.name]
         if self._jetstream_dir:
             cmd += ["-js", "-sd", self._jetstream_dir]
         out = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL
@@ -82,6 +86,10 @@ class EmbeddedNats:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
+        conf = getattr(self, "_conf", None)
+        if conf is not None:
+            Path(conf.name).unlink(missing_ok=True)
+            self._conf = None
 
     def __enter__(self) -> "EmbeddedNats":
         return self.start()
@@ -90,5 +98,5 @@ class EmbeddedNats:
         self.stop()
 
     def __del__(self) -> None:  # a crashed test must not leave a server behind
-        if getattr(self, "_proc", None) is not None and os.getpid() == getattr(self, "_pid", os.getpid()):
+        if getattr(self, "_proc", None) is not None:
             self.stop()

@@ -8,6 +8,8 @@ node, else through the inter-node transport (tcp or verbs). Descriptors arrive o
 
 from __future__ import annotations
 
+import dataclasses
+
 from dualpath.node.buffer import BufferPool
 from dualpath.transfer import MemoryRegion, RegionDescriptor, Transport, TransferEntry, TrafficClass
 
@@ -27,7 +29,12 @@ class EngineDataPlane:
         """The transport that reaches ``desc`` (connecting on first use)."""
         t = self._known.get(desc.region_id)
         if t is None:
-            t = self._local if desc.node_id == self.node_id else self._remote
+            if desc.node_id == self.node_id:
+                # Same node: map the owner's shared memory directly, whatever it serves remotely.
+                t = self._local
+                desc = dataclasses.replace(desc, transport=t.name, address={})
+            else:
+                t = self._remote
             await t.connect(desc)
             self._known[desc.region_id] = t
         return t

@@ -53,7 +53,8 @@ def configure_logging(service: str, *, level: str | None = None, stream=None) ->
 
 def get_logger(name: str | None = None):
     """A structlog logger (``name`` becomes the ``logger`` field)."""
-    return structlog.get_logger(name) if name is None else structlog.get_logger().bind(logger=name)
+    # Lazy proxy: module-level loggers created before configure_logging still use its settings.
+    return structlog.get_logger() if name is None else structlog.get_logger(component=name)
 
 
 @contextmanager
