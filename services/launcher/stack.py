@@ -83,6 +83,7 @@ class Stack:
         c = self.cfg
         say = progress or (lambda _msg: None)
         Path(c.storage).mkdir(parents=True, exist_ok=True)
+        Path(c.run_dir).mkdir(parents=True, exist_ok=True)
         if not c.nats_url:
             self.nats = EmbeddedNats(log_file=str(Path(c.run_dir) / "nats.log")).start()
             say(f"nats-server on {self.nats.url}")

@@ -93,6 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         print("stopping ...", flush=True)
         codes = stack.stop()
-        bad = {k: v for k, v in codes.items() if v not in (0, None) and k}
+        bad = {k: v for k, v in codes.items() if v not in (0, None, -signal.SIGTERM)}
         print("stopped" + (f" (non-zero exits: {bad})" if bad else ""), flush=True)
     return code

@@ -64,7 +64,11 @@ class EmbeddedNats:
         if self._jetstream_dir:
             cmd += ["-js", "-sd", self._jetstream_dir]
         out = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL
-        self._proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True)
+        try:
+            self._proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True)
+        finally:
+            if self._log_file:
+                out.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
