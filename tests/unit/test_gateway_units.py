@@ -1,0 +1,81 @@
+"""Gateway pieces that need no stack: incremental detokenization with stop strings, token
+stream re-ordering, configuration from flags and environment, topology strings."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+
+from dualpath.config import GatewayConfig, add_arguments, from_args
+from dualpath.protocol import encode
+from dualpath.protocol.messages import TokenEvent
+from services.gateway.detok import Detokenizer
+from services.gateway.streams import TokenStreams
+from services.launcher.topology import parse_topology
+
+
+class CharTok:
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_detokenizer_holds_back_a_possible_stop_string_and_cuts_at_it():
+    d = Detokenizer(CharTok(), ["STOP"])
+    out = [d.add([ord(c)]) for c in "abST"]
+    assert "".join(out) == "ab"  # "ST" may become "STOP"
+    assert d.add([ord("O")]) == ""
+    assert d.add([ord("P")]) == "" and d.stopped
+    assert d.emitted == "ab"
+
+
+def test_detokenizer_releases_held_text_when_it_was_not_a_stop():
+    d = Detokenizer(CharTok(), ["STOP"])
+    assert d.add([ord(c) for c in "xST"]) == "x"
+    assert d.add([ord("x")]) == "STx"
+    assert d.flush() == ""
+
+
+class Raw:
+    def __init__(self, ev):
+        self.data = encode(ev)
+
+
+def test_token_streams_reorder_events_from_two_publishers():
+    async def go():
+        s = TokenStreams()
+        s.open("r")
+        await s.on_message(Raw(TokenEvent(request_id="r", index=1, token_ids=[11])))
+        await s.on_message(Raw(TokenEvent(request_id="r", index=2, token_ids=[], finish_reason="length")))
+        await s.on_message(Raw(TokenEvent(request_id="r", index=0, token_ids=[10])))
+        await s.on_message(Raw(TokenEvent(request_id="r", index=0, token_ids=[10])))  # a duplicate after a retry
+        return [(e.index, e.token_ids, e.finish_reason) async for e in s.events("r", timeout=2)]
+
+    assert asyncio.run(go()) == [(0, [10], None), (1, [11], None), (2, [], "length")]
+
+
+def test_config_precedence_is_flag_then_environment_then_default(monkeypatch):
+    p = argparse.ArgumentParser()
+    add_arguments(p, GatewayConfig)
+    monkeypatch.setenv("DUALPATH_PORT", "9100")
+    monkeypatch.setenv("DUALPATH_PREFIX_CACHE", "false")
+    assert from_args(GatewayConfig, p.parse_args([])).port == 9100
+    assert from_args(GatewayConfig, p.parse_args([])).prefix_cache is False
+    assert from_args(GatewayConfig, p.parse_args(["--port", "9200"])).port == 9200
+    monkeypatch.setenv("DUALPATH_PORT", "eighty")
+    with pytest.raises(ValueError, match="DUALPATH_PORT"):
+        from_args(GatewayConfig, p.parse_args([]))
+
+
+@pytest.mark.parametrize("text,expected", [("1P1D", (1, 1)), ("2p4d", (2, 4)), (" 48P96D ", (48, 96))])
+def test_topology_strings_parse(text, expected):
+    t = parse_topology(text, 2)
+    assert (t.prefill_nodes, t.decode_nodes) == expected
+    assert len(t.engines()) == 2 * sum(expected)
+
+
+@pytest.mark.parametrize("text", ["1P", "0P1D", "PD", "1P0D", "x"])
+def test_bad_topology_strings_are_refused(text):
+    with pytest.raises(ValueError, match="1P1D"):
+        parse_topology(text)
