@@ -1,0 +1,260 @@
+"""``dualpath bench transfer``: throughput and per-batch latency of every transport present.
+
+For each block size × batch size, one initiator reads (or writes) batches of blocks from a
+region served by a peer process, one batch at a time, and reports GB/s and the median
+batch latency, next to a plain memcpy of the same blocks (the limit on this machine) and,
+when ``mooncake-transfer-engine`` is importable, Mooncake's Transfer Engine over TCP on
+loopback. Successive batches of a point rotate through up to 256 windows of a
+``region_bytes`` region, so large copies come from memory rather than the CPU cache (for
+every column alike). Each point stops after ``point_seconds`` or ``point_bytes`` (at least
+3 batches), and batches larger than ``max_batch_bytes`` are skipped, which keeps a run near a
+minute. A benchmark prints figures; the tests assert behaviour.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dualpath.transfer.base import create_transport
+from dualpath.transfer.bench_mooncake import MooncakeLoopback, mooncake_status
+from dualpath.transfer.peer import spawn_peer
+from dualpath.transfer.region import MemoryRegion
+from dualpath.transfer.types import TransferEntry
+
+__all__ = ["DEFAULT_BATCHES", "DEFAULT_BLOCKS", "format_report", "layouts", "run_bench"]
+
+KIB, MIB = 1 << 10, 1 << 20
+DEFAULT_BLOCKS = (4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB)
+DEFAULT_BATCHES = (1, 4, 16, 64, 256)
+MOONCAKE = "mooncake-tcp"
+
+
+def run_bench(
+    *,
+    transports: Sequence[str] | None = None,
+    block_sizes: Sequence[int] = DEFAULT_BLOCKS,
+    batch_sizes: Sequence[int] = DEFAULT_BATCHES,
+    op: str = "read",
+    max_batch_bytes: int = 64 * MIB,
+    region_bytes: int = 128 * MIB,
+    point_seconds: float = 0.2,
+    point_bytes: int = 256 * MIB,
+    with_mooncake: bool = True,
+) -> dict[str, Any]:
+    """Measure every (block, batch) point for memcpy, each transport and Mooncake; return
+    a msgpack/JSON-able dict (see ``format_report``).
+
+    Raises:
+        ValueError: ``op`` is neither "read" nor "write".
+    """
+    if op not in ("read", "write"):
+        raise ValueError(f"op must be 'read' or 'write', not {op!r}")
+    from dualpath.transfer import available_transports
+
+    present = available_transports()
+    wanted = list(transports) if transports is not None else list(present)
+    columns = ["memcpy"] + [t for t in wanted if not present.get(t, "unknown transport")]
+    unavailable = {t: present.get(t, "unknown transport") for t in wanted if present.get(t, "?")}
+    mooncake_ok, mooncake_note = mooncake_status() if with_mooncake else (False, "not requested")
+    if mooncake_ok:
+        columns.append(MOONCAKE)
+    else:
+        unavailable[MOONCAKE] = mooncake_note
+    shapes = [(b, n) for b in block_sizes for n in batch_sizes if b * n <= max_batch_bytes]
+    size = max(region_bytes, max_batch_bytes)
+    started = time.perf_counter()
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for column in columns:
+        results[column] = _measure_column(column, op, shapes, size, point_seconds, point_bytes)
+    return {
+        "op": op,
+        "cpus": os.cpu_count(),
+        "block_sizes": list(block_sizes),
+        "batch_sizes": list(batch_sizes),
+        "max_batch_bytes": max_batch_bytes,
+        "columns": columns,
+        "results": results,
+        "unavailable": unavailable,
+        "mooncake": {"available": mooncake_ok, "note": mooncake_note},
+        "elapsed_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def _key(block: int, batch: int) -> str:
+    return f"{block}x{batch}"
+
+
+def layouts(block: int, batch: int, size: int) -> list[list[tuple[int, int, int]]]:
+    """Per window, the (local offset, remote offset, length) of each block of a batch.
+
+    Windows are spread over the region so consecutive batches touch different memory; the
+    remote blocks of a batch are scattered (a request's layer blocks are not contiguous).
+    """
+    span = block * batch
+    count = max(1, min(size // span, 256, 65536 // batch))
+    out = []
+    for w in range(count):
+        base = w * (size // count) // block * block
+        out.append(
+            [(base + i * block, base + ((i * 7919) % batch) * block, block) for i in range(batch)]
+        )
+    return out
+
+
+def _time_point(
+    run: Callable[[int], object], nbytes: int, seconds: float, max_bytes: int
+) -> dict[str, float]:
+    run(0)  # warm-up: connections, page faults
+    laps: list[float] = []
+    total = 0.0
+    while len(laps) < 3 or (total < seconds and nbytes * len(laps) < max_bytes):
+        t0 = time.perf_counter()
+        run(len(laps) + 1)
+        laps.append(time.perf_counter() - t0)
+        total += laps[-1]
+    return {"gbps": nbytes * len(laps) / total / 1e9, "latency_us": statistics.median(laps) * 1e6}
+
+
+def _measure_column(
+    column: str, op: str, shapes: list[tuple[int, int]], size: int, seconds: float, max_bytes: int
+) -> dict[str, dict[str, float]]:
+    if column == "memcpy":
+        return _measure_memcpy(op, shapes, size, seconds, max_bytes)
+    if column == MOONCAKE:
+        with MooncakeLoopback(size) as mc:
+            out = {}
+            for b, n in shapes:
+                windows = layouts(b, n, size)
+                out[_key(b, n)] = _time_point(
+                    lambda i, w=windows: mc.batch(op, w[i % len(w)]), b * n, seconds, max_bytes
+                )
+            return out
+    return asyncio.run(_measure_transport(column, op, shapes, size, seconds, max_bytes))
+
+
+def _measure_memcpy(
+    op: str, shapes: list[tuple[int, int]], size: int, seconds: float, max_bytes: int
+) -> dict[str, dict[str, float]]:
+    tag = uuid.uuid4().hex[:10]
+    with (
+        MemoryRegion(f"bench-memcpy-a-{tag}", size) as a,
+        MemoryRegion(f"bench-memcpy-b-{tag}", size) as b,
+    ):
+        a.as_array()[:] = 1  # fault every page in now, not inside the timed copies
+        b.as_array()[:] = 2
+        src, dst = (b.buf, a.buf) if op == "read" else (a.buf, b.buf)
+        out = {}
+        for block, batch in shapes:
+            windows = layouts(block, batch, size)
+
+            def copy(i: int, windows: list[list[tuple[int, int, int]]] = windows) -> None:
+                for lo, ro, n in windows[i % len(windows)]:
+                    dst[lo : lo + n] = src[ro : ro + n]
+
+            out[_key(block, batch)] = _time_point(copy, block * batch, seconds, max_bytes)
+        return out
+
+
+async def _measure_transport(
+    name: str, op: str, shapes: list[tuple[int, int]], size: int, seconds: float, max_bytes: int
+) -> dict[str, dict[str, float]]:
+    rid = f"bench-{name}-{uuid.uuid4().hex[:10]}"
+    transport = create_transport(name, node_id="bench")
+    await transport.start()
+    local = MemoryRegion(f"{rid}-local", size)
+    local.as_array()[:] = 1  # fault every page in now, not inside the timed transfers
+    peer = spawn_peer(name, {rid: size}, node_id="bench-peer")
+    try:
+        await transport.connect(peer.descriptors[rid])
+        move = transport.read if op == "read" else transport.write
+        out = {}
+        for block, batch in shapes:
+            windows = [
+                [TransferEntry(lo, rid, ro, n) for lo, ro, n in layout]
+                for layout in layouts(block, batch, size)
+            ]
+            out[_key(block, batch)] = await _time_point_async(
+                lambda i, w=windows: move(local, w[i % len(w)]), block * batch, seconds, max_bytes
+            )
+        return out
+    finally:
+        await transport.close()
+        peer.stop()
+        local.close()
+        local.unlink()
+
+
+async def _time_point_async(
+    run: Callable, nbytes: int, seconds: float, max_bytes: int
+) -> dict[str, float]:
+    await run(0)
+    laps: list[float] = []
+    total = 0.0
+    while len(laps) < 3 or (total < seconds and nbytes * len(laps) < max_bytes):
+        t0 = time.perf_counter()
+        await run(len(laps) + 1)
+        laps.append(time.perf_counter() - t0)
+        total += laps[-1]
+    return {"gbps": nbytes * len(laps) / total / 1e9, "latency_us": statistics.median(laps) * 1e6}
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"
+
+
+def format_report(d: dict[str, Any]) -> str:
+    """The human-readable table of a ``run_bench`` result."""
+    columns = d["columns"]
+    lines = [
+        f"dualpath bench transfer: {d['op']} of batches of blocks, one batch at a time "
+        f"({d['cpus']} CPUs, batches up to {_size(d['max_batch_bytes'])}, {d['elapsed_s']} s)",
+        "cells: GB/s  median batch latency (us); tcp/memcpy = tcp GB/s over memcpy GB/s",
+        "",
+    ]
+    head = f"{'block':>7} {'batch':>5} " + "".join(f"{c:>22}" for c in columns)
+    if "tcp" in columns:
+        head += f"{'tcp/memcpy':>12}"
+    lines += [head, "-" * len(head)]
+    first = d["results"][columns[0]]
+    for block in d["block_sizes"]:
+        for batch in d["batch_sizes"]:
+            key = _key(block, batch)
+            if key not in first:
+                continue
+            row = f"{_size(block):>7} {batch:>5} "
+            for c in columns:
+                r = d["results"][c][key]
+                row += f"{r['gbps']:>9.3f} {r['latency_us']:>10.0f} us"
+            if "tcp" in columns:
+                row += f"{d['results']['tcp'][key]['gbps'] / first[key]['gbps']:>11.0%}"
+            lines.append(row)
+    lines.append("")
+    for name, reason in d["unavailable"].items():
+        lines.append(f"{name}: not measured ({reason})")
+    lines += _verdicts(d)
+    return "\n".join(lines)
+
+
+def _verdicts(d: dict[str, Any]) -> list[str]:
+    res, out = d["results"], []
+    if "tcp" not in res:
+        return out
+    big = [k for k in res["tcp"] if int(k.split("x")[0]) >= 256 * KIB]
+    if big:
+        worst = min(big, key=lambda k: res["tcp"][k]["gbps"] / res["memcpy"][k]["gbps"])
+        ratio = res["tcp"][worst]["gbps"] / res["memcpy"][worst]["gbps"]
+        out.append(f"tcp vs memcpy, blocks >= 256 KiB: worst {ratio:.0%} (at {worst}); aim >= 50%")
+    if MOONCAKE in res:
+        batched = [k for k in res["tcp"] if int(k.split("x")[1]) >= 16]
+        worst = min(batched, key=lambda k: res["tcp"][k]["gbps"] / res[MOONCAKE][k]["gbps"])
+        ratio = res["tcp"][worst]["gbps"] / res[MOONCAKE][worst]["gbps"]
+        out.append(
+            f"tcp vs Mooncake TCP, batches >= 16 blocks: worst {ratio:.2f}x (at {worst}); aim >= 1x"
+        )
+    return out

@@ -1,0 +1,172 @@
+"""The same-node transport: an engine and its node's buffer share memory, so a one-sided
+read or write is a memcpy between two mappings of shared memory.
+
+``connect`` maps the remote region (by its id, see ``MemoryRegion.attach``); batches then
+copy with memoryview slice assignment (a plain ``memcpy``). Batches of at least
+``thread_copy_bytes`` are copied in a worker thread through numpy, which releases the GIL,
+so a large copy does not stall the event loop. A peer that dies leaves its shared memory
+mapped here: transfers to it still complete (there is nothing that could hang).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import anyio
+import numpy as np
+
+from dualpath.transfer.base import Transport, check_entries
+from dualpath.transfer.errors import RegionInUseError, UnknownRegionError
+from dualpath.transfer.nic import EmulatedNic, split_entries
+from dualpath.transfer.region import MemoryRegion
+from dualpath.transfer.types import RegionDescriptor, TrafficClass, TransferEntry
+
+__all__ = ["ShmTransport"]
+
+
+class ShmTransport(Transport):
+    """One-sided transfers between regions of processes on the same host."""
+
+    name = "shm"
+
+    def __init__(
+        self, *, node_id: str, nic: EmulatedNic | None = None, thread_copy_bytes: int = 1 << 20
+    ) -> None:
+        super().__init__(node_id=node_id, nic=nic)
+        self.thread_copy_bytes = thread_copy_bytes
+        self._mapped: dict[str, MemoryRegion] = {}  # attached remote regions, by id
+
+    async def start(self) -> None:
+        """Nothing to open: shared memory needs no listener."""
+
+    async def close(self) -> None:
+        """Unmap every attached remote region (idempotent); regions still viewed elsewhere
+        stay mapped until those views are gone."""
+        for region in self._mapped.values():
+            _close_quietly(region)
+        self._mapped.clear()
+        self._remote.clear()
+
+    def register(self, region: MemoryRegion) -> RegionDescriptor:
+        """Serve ``region`` to same-node peers.
+
+        Raises:
+            ValueError: another region with the same id is registered.
+        """
+        self._add_local(region)
+        return RegionDescriptor(
+            region_id=region.region_id,
+            node_id=self.node_id,
+            size=region.size,
+            transport=self.name,
+            address={"shm_name": region.shm_name},
+        )
+
+    async def connect(self, remote: RegionDescriptor) -> None:
+        """Map the remote region (idempotent).
+
+        Raises:
+            ValueError: the descriptor is for another transport.
+            UnknownRegionError: no shared memory exists for the region on this host.
+            OutOfBoundsError: the segment is smaller than the descriptor says.
+        """
+        await super().connect(remote)
+        current = self._mapped.get(remote.region_id)
+        if current is not None and current.size == remote.size:
+            return
+        if remote.region_id in self._local:
+            return  # our own region: copy within this process's mapping
+        try:
+            mapped = MemoryRegion.attach(remote.region_id, remote.size)
+        except BaseException:
+            self._remote.pop(remote.region_id, None)
+            raise
+        if current is not None:
+            _close_quietly(current)  # the region was re-created with another size
+        self._mapped[remote.region_id] = mapped
+
+    async def read(
+        self,
+        local: MemoryRegion,
+        entries: Sequence[TransferEntry],
+        *,
+        traffic_class: TrafficClass = TrafficClass.KV,
+    ) -> int:
+        """Remote ranges → ``local``; see ``Transport.read``."""
+        return await self._transfer(local, entries, traffic_class, to_local=True)
+
+    async def write(
+        self,
+        local: MemoryRegion,
+        entries: Sequence[TransferEntry],
+        *,
+        traffic_class: TrafficClass = TrafficClass.KV,
+    ) -> int:
+        """``local`` → remote ranges; see ``Transport.write``."""
+        return await self._transfer(local, entries, traffic_class, to_local=False)
+
+    async def _transfer(
+        self,
+        local: MemoryRegion,
+        entries: Sequence[TransferEntry],
+        cls: TrafficClass,
+        *,
+        to_local: bool,
+    ) -> int:
+        total = check_entries(self, local, entries)
+        if total == 0:
+            return 0
+        chunks = (
+            [list(entries)] if self.nic is None else split_entries(entries, self.nic.chunk_bytes)
+        )
+        for chunk in chunks:
+            nbytes = sum(e.length for e in chunk)
+            if self.nic is not None:
+                await self.nic.acquire(nbytes, cls)
+            if nbytes >= self.thread_copy_bytes:
+                await anyio.to_thread.run_sync(self._copy_numpy, local, chunk, to_local)
+            else:
+                self._copy(local, chunk, to_local)
+        return total
+
+    def _region(self, region_id: str) -> MemoryRegion:
+        region = self._mapped.get(region_id) or self._local.get(region_id)
+        if region is None:  # connected, then the mapping was dropped by close()
+            raise UnknownRegionError(region_id, "not mapped on this transport")
+        return region
+
+    def _copy(self, local: MemoryRegion, entries: list[TransferEntry], to_local: bool) -> None:
+        lbuf = local.buf
+        for e in entries:
+            rbuf = self._region(e.remote_region).buf
+            if to_local:
+                lbuf[e.local_offset : e.local_offset + e.length] = rbuf[
+                    e.remote_offset : e.remote_offset + e.length
+                ]
+            else:
+                rbuf[e.remote_offset : e.remote_offset + e.length] = lbuf[
+                    e.local_offset : e.local_offset + e.length
+                ]
+
+    def _copy_numpy(
+        self, local: MemoryRegion, entries: list[TransferEntry], to_local: bool
+    ) -> None:
+        larr = local.as_array()  # [size] uint8
+        arrays: dict[str, np.ndarray] = {}
+        for e in entries:
+            rarr = arrays.get(e.remote_region)
+            if rarr is None:
+                rarr = arrays[e.remote_region] = self._region(e.remote_region).as_array()
+            lview = larr[e.local_offset : e.local_offset + e.length]
+            rview = rarr[e.remote_offset : e.remote_offset + e.length]
+            if to_local:
+                np.copyto(lview, rview)
+            else:
+                np.copyto(rview, lview)
+
+
+def _close_quietly(region: MemoryRegion) -> None:
+    # A caller still holding views keeps the mapping alive until they are gone.
+    with contextlib.suppress(RegionInUseError):
+        region.close()

@@ -1,0 +1,231 @@
+"""Frames of the tcp transport and scatter/gather socket I/O.
+
+One request frame carries a whole batch; one reply frame answers it (one round trip per
+batch). Request::
+
+    REQUEST header (32 B) | region table (NUL-joined utf-8 ids) | entries [n, 20 B] | payload
+    payload: a write's bytes, entries concatenated in order; empty for a read
+
+Reply::
+
+    REPLY header (32 B) | error body (msgpack, only when status != OK) | payload
+    payload: a read's bytes, entries concatenated in order; empty otherwise
+
+Payload bytes go straight between sockets and region memory with ``sendmsg`` /
+``recvmsg_into`` over lists of memoryviews: no intermediate copies, one syscall for many
+small entries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import socket
+import struct
+from collections.abc import Sequence
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+
+from dualpath.transfer.errors import OutOfBoundsError, TransferError, UnknownRegionError
+from dualpath.transfer.types import TransferEntry
+
+__all__ = [
+    "ENTRY",
+    "MAX_ENTRIES",
+    "MAX_TABLE_BYTES",
+    "REPLY",
+    "REQUEST",
+    "Op",
+    "Status",
+    "decode_error",
+    "encode_error",
+    "encode_request",
+    "recv_exactly",
+    "recv_into",
+    "send_buffers",
+]
+
+REQUEST = struct.Struct("<4sBBHIIQQ")  # magic, op, class, n_regions, n_entries, table, id, payload
+REPLY = struct.Struct("<4sBBHIQQ")  # magic, status, op, reserved, error_len, id, payload
+REQUEST_MAGIC = b"DPq1"
+REPLY_MAGIC = b"DPr1"
+ENTRY = struct.Struct("<IQQ")  # region slot, offset, length: 20 B per entry
+MAX_ENTRIES = 1 << 20  # bounds the entry table a server will buffer (20 MiB)
+MAX_TABLE_BYTES = 1 << 20  # bounds the region-id table
+MAX_ERROR_BYTES = 1 << 16
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
+
+
+class Op(IntEnum):
+    """What a request asks for."""
+
+    READ = 1
+    WRITE = 2
+
+
+class Status(IntEnum):
+    """How a reply answers."""
+
+    OK = 0
+    ERROR = 1
+
+
+@functools.lru_cache(maxsize=64)
+def _entries_struct(n: int) -> struct.Struct:
+    return struct.Struct("<" + "IQQ" * n)
+
+
+def encode_request(
+    op: Op, traffic_class: int, batch_id: int, entries: Sequence[TransferEntry], payload_len: int
+) -> bytes:
+    """Header, region table and entry table of a request (the payload is sent after it).
+
+    Raises:
+        ValueError: a region id contains NUL, or the batch exceeds the frame limits.
+    """
+    index: dict[str, int] = {}
+    flat: list[int] = []  # [n_entries * 3]
+    for entry in entries:
+        rid = entry.remote_region
+        slot = index.get(rid)
+        if slot is None:
+            if "\0" in rid:
+                raise ValueError(f"region id {rid!r} contains NUL")
+            slot = index[rid] = len(index)
+        flat += (slot, entry.remote_offset, entry.length)
+    table = "\0".join(index).encode()
+    if len(entries) > MAX_ENTRIES or len(table) > MAX_TABLE_BYTES:
+        raise ValueError(f"batch of {len(entries)} entries exceeds the tcp frame limits")
+    head = REQUEST.pack(
+        REQUEST_MAGIC,
+        op,
+        traffic_class,
+        len(index),
+        len(entries),
+        len(table),
+        batch_id,
+        payload_len,
+    )
+    return head + table + _entries_struct(len(entries)).pack(*flat)
+
+
+def encode_error(exc: TransferError) -> bytes:
+    """The msgpack error body for a reply."""
+    body: dict[str, Any] = {"message": str(exc)}
+    if isinstance(exc, UnknownRegionError):
+        body.update(kind="unknown_region", region_id=exc.region_id, detail=exc.detail)
+    elif isinstance(exc, OutOfBoundsError):
+        body.update(
+            kind="out_of_bounds",
+            region_id=exc.region_id,
+            offset=exc.offset,
+            length=exc.length,
+            size=exc.size,
+        )
+    else:
+        body.update(kind="error")
+    return msgpack.packb(body)
+
+
+def decode_error(raw: bytes, peer: str) -> TransferError:
+    """The exception an error body describes."""
+    try:
+        body = msgpack.unpackb(raw)
+        kind = body.get("kind")
+        if kind == "unknown_region":
+            return UnknownRegionError(body["region_id"], body.get("detail", ""))
+        if kind == "out_of_bounds":
+            return OutOfBoundsError(body["region_id"], body["offset"], body["length"], body["size"])
+        return TransferError(f"{peer}: {body.get('message', 'unknown error')}")
+    except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+        return TransferError(f"{peer}: undecodable error reply ({exc})")
+
+
+async def _wait(loop: asyncio.AbstractEventLoop, fd: int, *, write: bool) -> None:
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    if write:
+        loop.add_writer(fd, wake)
+    else:
+        loop.add_reader(fd, wake)
+    try:
+        await fut
+    finally:
+        if write:
+            loop.remove_writer(fd)
+        else:
+            loop.remove_reader(fd)
+
+
+async def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
+    """Send every buffer, in order, with as few ``sendmsg`` calls as the kernel allows.
+
+    Raises:
+        OSError: the connection broke (``BrokenPipeError``, ``ConnectionResetError``...).
+    """
+    loop = asyncio.get_running_loop()
+    fd = sock.fileno()
+    bufs = [memoryview(b).cast("B") for b in buffers if len(b)]
+    i = 0
+    while i < len(bufs):
+        try:
+            sent = sock.sendmsg(bufs[i : i + _IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            await _wait(loop, fd, write=True)
+            continue
+        while sent:
+            size = bufs[i].nbytes
+            if sent >= size:
+                sent -= size
+                i += 1
+            else:
+                bufs[i] = bufs[i][sent:]
+                sent = 0
+
+
+async def recv_into(sock: socket.socket, buffers: Sequence[memoryview]) -> None:
+    """Fill every buffer, in order, from the socket (scatter receive).
+
+    Raises:
+        ConnectionResetError: the peer closed the connection before all bytes arrived.
+        OSError: the connection broke.
+    """
+    loop = asyncio.get_running_loop()
+    fd = sock.fileno()
+    bufs = [b for b in buffers if b.nbytes]
+    i = 0
+    while i < len(bufs):
+        try:
+            got = sock.recvmsg_into(bufs[i : i + _IOV_MAX])[0]
+        except (BlockingIOError, InterruptedError):
+            await _wait(loop, fd, write=False)
+            continue
+        if got == 0:
+            raise ConnectionResetError("connection closed by peer")
+        while got:
+            size = bufs[i].nbytes
+            if got >= size:
+                got -= size
+                i += 1
+            else:
+                bufs[i] = bufs[i][got:]
+                got = 0
+
+
+async def recv_exactly(sock: socket.socket, nbytes: int) -> bytearray:
+    """Receive exactly ``nbytes`` into a new buffer.
+
+    Raises:
+        ConnectionResetError: the peer closed the connection first.
+    """
+    out = bytearray(nbytes)
+    if nbytes:
+        await recv_into(sock, [memoryview(out)])
+    return out

@@ -1,0 +1,86 @@
+"""Value types of the data plane: traffic classes, batch entries, region descriptors.
+
+A ``RegionDescriptor`` is what a peer needs to reach a registered region: it travels over
+the control plane (NATS, msgpack) as the plain dict ``to_wire()`` returns; the region's bytes
+never do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+__all__ = ["DESCRIPTOR_VERSION", "RegionDescriptor", "TrafficClass", "TransferEntry"]
+
+DESCRIPTOR_VERSION = 1
+
+
+class TrafficClass(IntEnum):
+    """The two classes every NIC schedules (the paper's §5, CNIC-centric management).
+
+    ``MODEL`` (model-execution traffic: collectives, layer hand-offs) has strict priority and
+    gets its demand; ``KV`` (KV-cache loads and stores) uses all remaining and idle capacity
+    and keeps a small guaranteed share so it never starves.
+    """
+
+    MODEL = 0
+    KV = 1
+
+
+@dataclass(frozen=True, slots=True)
+class TransferEntry:
+    """One contiguous piece of a batch: ``length`` bytes at ``local_offset`` of the local
+    region and ``remote_offset`` of ``remote_region``."""
+
+    local_offset: int
+    remote_region: str
+    remote_offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegionDescriptor:
+    """How to reach a registered region: its id, owner node, size, transport and the
+    transport-specific ``address`` (host/port for tcp, segment name for shm, QP endpoint and
+    rkey for verbs). ``address`` holds only msgpack-able values."""
+
+    region_id: str
+    node_id: str
+    size: int
+    transport: str
+    address: dict[str, Any] = field(default_factory=dict)
+    version: int = DESCRIPTOR_VERSION
+
+    def to_wire(self) -> dict[str, Any]:
+        """The descriptor as a plain msgpack-able dict."""
+        return {
+            "v": self.version,
+            "region_id": self.region_id,
+            "node_id": self.node_id,
+            "size": self.size,
+            "transport": self.transport,
+            "address": dict(self.address),
+        }
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> RegionDescriptor:
+        """Rebuild a descriptor from ``to_wire()`` output.
+
+        Raises:
+            ValueError: the dict is from an unknown descriptor version or misses a field.
+        """
+        version = wire.get("v")
+        if version != DESCRIPTOR_VERSION:
+            raise ValueError(f"unsupported region descriptor version {version!r}")
+        try:
+            return cls(
+                region_id=str(wire["region_id"]),
+                node_id=str(wire["node_id"]),
+                size=int(wire["size"]),
+                transport=str(wire["transport"]),
+                address=dict(wire["address"]),
+                version=version,
+            )
+        except KeyError as exc:
+            raise ValueError(f"region descriptor misses field {exc.args[0]!r}") from exc
