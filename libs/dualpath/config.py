@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 __all__ = [
-    "BusConfig", "DecodeConfig", "EngineConfig", "GatewayConfig", "KvPersistenceConfig", "ModelConfigSpec",
+    "BusConfig", "DecodeConfig", "EmulationConfig", "EngineConfig", "GatewayConfig", "KvPersistenceConfig", "ModelConfigSpec",
     "NodeConfig", "SchedulerConfig", "add_arguments", "env_vars", "from_args",
 ]
 
@@ -83,6 +83,33 @@ class EngineConfig:
 
 
 DecodeConfig = EngineConfig
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EmulationConfig:
+    compute: str = opt("torch", "compute backend: torch (real model) or modeled (cost-model time, no math)", "DUALPATH_COMPUTE")
+    target: str = opt("ds27b", "modeled target model: ds27b, ds660b, qwen32b, dsv3", "DUALPATH_TARGET")
+    gpu: str = opt("h800", "modeled GPU: h800, h100", "DUALPATH_GPU")
+    scale: float = opt(1.0, "testbed scale factor: bytes and bandwidths are divided by it (times preserved)", "DUALPATH_SCALE")
+    gpus_per_node: int = opt(8, "emulated GPUs per node (the SNIC is shared by them)", "DUALPATH_GPUS_PER_NODE")
+    engines_per_node: int = opt(0, "engine processes per node (0 = gpus per node); the SNIC shrinks in proportion", "DUALPATH_ENGINES_PER_NODE")
+    snic_gbps: float = opt(0.0, "emulated storage NIC per node, Gbit/s before scaling (0 = not emulated)", "DUALPATH_SNIC_GBPS")
+    cnic_gbps: float = opt(0.0, "emulated compute NIC per GPU, Gbit/s before scaling (0 = not emulated)", "DUALPATH_CNIC_GBPS")
+    oracle: bool = opt(False, "oracle mode: no storage reads and no KV transfers (hits are free)", "DUALPATH_ORACLE")
+
+    @property
+    def modeled(self) -> bool:
+        return self.compute == "modeled"
+
+    def profile(self):
+        """The ``HardwareProfile`` these settings describe (NIC figures 400 Gbit/s when unset)."""
+        from dualpath.testbed.profile import HardwareProfile
+
+        return HardwareProfile(gpus_per_node=self.gpus_per_node, cnic_gbps=self.cnic_gbps or 400.0,
+                               snic_gbps=self.snic_gbps or 400.0, scale=self.scale)
+
+    def engines(self) -> int:
+        return self.engines_per_node or self.gpus_per_node
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

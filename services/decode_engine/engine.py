@@ -84,10 +84,11 @@ class DecodeEngine:
         d = self.setup.decoder
         n = len(task.prompt_tokens)
         nb = lay.blocks_for(n)
-        slot = self._region(task.de_region_id).as_tensor(task.de_offset, nb * lay.block_bytes, d.dtype)
-        slot = slot.view(nb, lay.layers, lay.block_tokens, 2, d.kv_heads, d.head_dim)  # [blocks, layers, bt, 2, kvh, hd]
         kv = self.memory.allocate(n + 1)
-        kv[:, :n].copy_(slot.permute(1, 0, 2, 3, 4, 5).reshape(lay.layers, nb * lay.block_tokens, 2, d.kv_heads, d.head_dim)[:, :n])
+        if not self.setup.oracle:
+            slot = self._region(task.de_region_id).as_tensor(task.de_offset, nb * lay.block_bytes, d.dtype)
+            slot = slot.view(nb, lay.layers, lay.block_tokens, 2, d.kv_heads, d.head_dim)  # [blocks, layers, bt, 2, kvh, hd]
+            kv[:, :n].copy_(slot.permute(1, 0, 2, 3, 4, 5).reshape(lay.layers, nb * lay.block_tokens, 2, d.kv_heads, d.head_dim)[:, :n])
         params = SamplingParams(**task.sampling)
         gen = torch.Generator(device="cpu").manual_seed(params.seed + 1) if params.seed is not None else None
         seq = DecodeSequence(request_id=task.request_id, tokens=list(task.prompt_tokens) + [task.first_token], kv=kv, kv_len=n,
@@ -163,6 +164,9 @@ class DecodeEngine:
         while self.incoming and len(self.running) < self.cfg.max_running:
             task = self.incoming.pop(0)
             try:
+                if self.setup.nic is not None and not self.setup.oracle:  # the H2D copy goes through the GPU's CNIC
+                    lay = self.setup.layout
+                    await self.setup.nic.acquire(lay.blocks_for(len(task.prompt_tokens)) * lay.block_bytes)
                 r = await asyncio.to_thread(self._admit, task)
             except MemoryError as exc:
                 await self._fail_task(task, str(exc))

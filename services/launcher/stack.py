@@ -8,6 +8,7 @@ first, NATS last), waits, then kills whatever is left, so no process outlives th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from dualpath.bus.embedded import EmbeddedNats, free_port
+from dualpath.config import EmulationConfig
 from services.launcher.topology import Topology
 
 __all__ = ["Stack", "StackConfig", "StackError"]
@@ -46,7 +48,17 @@ class StackConfig:
     kv_capacity_tokens: int = 65536
     api_key: str = ""
     prefix_cache: bool = True
+    emulation: EmulationConfig | None = None  # testbed: modeled compute, emulated NICs, oracle
     extra_env: dict[str, str] = field(default_factory=dict)
+
+    def env(self) -> dict[str, str]:
+        """Environment for every service: the emulation settings as their DUALPATH_* variables."""
+        out = dict(self.extra_env)
+        if self.emulation is not None:
+            for f in dataclasses.fields(self.emulation):
+                value = getattr(self.emulation, f.name)
+                out[f.metadata["env"]] = str(value).lower() if isinstance(value, bool) else str(value)
+        return out
 
 
 class Stack:
@@ -68,7 +80,7 @@ class Stack:
     def _spawn(self, name: str, module: str, args: list[str]) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         log = open(self.logs / f"{name}.log", "ab")
-        env = {**os.environ, **self.cfg.extra_env, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **self.cfg.env(), "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", module, "--nats-url", self.nats_url, "--namespace", self.namespace, *args]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()

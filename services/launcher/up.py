@@ -38,21 +38,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats-url", default="", help="use this NATS server instead of an embedded one")
     p.add_argument("--api-key", default="", help="require this bearer token on /v1/*")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for every engine")
+    t = p.add_argument_group("testbed (emulated cluster hardware, modeled compute)")
+    t.add_argument("--compute", default="torch", choices=("torch", "modeled"), help="real torch model or cost-model time")
+    t.add_argument("--target", default="ds27b", help="modeled target: ds27b, ds660b, qwen32b, dsv3")
+    t.add_argument("--scale", type=float, default=1000.0, help="testbed scale factor (bytes and bandwidths / scale)")
+    t.add_argument("--snic-gbps", type=float, default=0.0, help="emulated storage NIC per node (0 = none; testbed default 400)")
+    t.add_argument("--cnic-gbps", type=float, default=0.0, help="emulated compute NIC per GPU (0 = none; testbed default 400)")
+    t.add_argument("--gpus-per-node", type=int, default=8, help="emulated GPUs per node (SNIC share per engine)")
+    t.add_argument("--mode", default="", choices=("", "basic", "dualpath", "oracle"),
+                   help="paper modes: basic (PE read path, round robin), dualpath, oracle (no reads or KV transfers)")
     return p
 
 
-def ensure_model(model: str, run_dir: str) -> str:
-    """The model directory to serve: ``model`` as given, or the tiny model (made if absent)."""
+def emulation_from(ns):
+    """The ``EmulationConfig`` the flags describe (None for a plain real-model deployment)."""
+    from dualpath.config import EmulationConfig
+
+    if ns.compute != "modeled" and not ns.snic_gbps and not ns.cnic_gbps and ns.mode != "oracle":
+        return None
+    modeled = ns.compute == "modeled"
+    return EmulationConfig(compute=ns.compute, target=ns.target, scale=ns.scale if modeled else 1.0,
+                           gpus_per_node=ns.gpus_per_node, engines_per_node=ns.engines_per_node,
+                           snic_gbps=ns.snic_gbps or (400.0 if modeled else 0.0), cnic_gbps=ns.cnic_gbps or (400.0 if modeled else 0.0),
+                           oracle=ns.mode == "oracle")
+
+
+def mode_policy(mode: str, policy: str, read_path: str) -> tuple[str, str]:
+    """(policy, read path) for a paper mode; explicit flags otherwise."""
+    if mode == "basic":
+        return "basic", "pe"
+    if mode in ("dualpath", "oracle"):
+        return "dualpath", "auto"
+    return policy, read_path
+
+
+def ensure_model(model: str, run_dir: str, *, long_context: bool = False) -> str:
+    """The model directory to serve: ``model`` as given, or the tiny model (made if absent).
+
+    ``long_context``: a tiny model whose context fits the testbed's 64K+ token agents (modeled
+    compute uses only its tokenizer and config).
+    """
     if model:
         if not (Path(model) / "config.json").exists():
             raise FileNotFoundError(f"--model {model}: no config.json there (expected a Hugging Face checkpoint directory)")
         return model
-    path = Path(run_dir) / "tiny-model"
+    path = Path(run_dir) / ("tiny-model-long" if long_context else "tiny-model")
     if not (path / "config.json").exists():
         from dualpath.model import make_tiny_model
 
         print(f"making a tiny random model in {path} ...", flush=True)
-        make_tiny_model(path)
+        make_tiny_model(path, max_position=262144 if long_context else 4096)
     return str(path)
 
 
@@ -60,13 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         topology = parse_topology(ns.topology, ns.engines_per_node)
-        model = ensure_model(ns.model, ns.run_dir)
+        model = ensure_model(ns.model, ns.run_dir, long_context=ns.compute == "modeled")
     except (ValueError, FileNotFoundError) as exc:
         print(f"dualpath up: {exc}", file=sys.stderr)
         return 2
+    emu = emulation_from(ns)
+    policy, read_path = mode_policy(ns.mode, ns.policy, ns.read_path)
     cfg = StackConfig(model=model, topology=topology, storage=ns.storage or str(Path(ns.run_dir) / "storage"), run_dir=ns.run_dir,
-                      port=ns.port, host=ns.host, policy=ns.policy, read_path=ns.read_path, device=ns.device,
-                      buffer_mb=ns.buffer_mb, nats_url=ns.nats_url, api_key=ns.api_key)
+                      port=ns.port, host=ns.host, policy=policy, read_path=read_path, device=ns.device,
+                      buffer_mb=ns.buffer_mb, nats_url=ns.nats_url, api_key=ns.api_key, emulation=emu)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -80,7 +80,9 @@ class PrefillEngine:
         lay = self.setup.layout
         want = t.hit_blocks if t.read_path in (m.ReadPath.PE, m.ReadPath.DE) else 0
         try:
-            if want:
+            if self.setup.oracle:  # hits are free: nothing is read, nothing moves
+                job.hit_blocks = t.hit_blocks
+            elif want:
                 node = t.prefill_node if t.read_path == m.ReadPath.PE else t.decode_node
                 req = m.LoadRequest(request_id=t.request_id, model_digest=t.model_digest, hashes=t.block_hashes[:want],
                                     layers=lay.layers, bytes_per_token_layer=lay.bytes_per_token_layer, dtype=self.setup.dtype,
@@ -145,7 +147,7 @@ class PrefillEngine:
         attrs = {"requests": len(items), "cached_tokens": cached, "new_tokens": new, "engine": self.cfg.engine_id}
         with tracer.start_as_current_span("prefill.batch", attributes=attrs) as span:
             io = BatchLayerIO(s.dataplane, s.layout, items, dtype=s.decoder.dtype, kv_heads=s.decoder.kv_heads,
-                              head_dim=s.decoder.head_dim, device=s.decoder.device, owner=f"b{id(items):x}")
+                              head_dim=s.decoder.head_dim, device=s.decoder.device, owner=f"b{id(items):x}", oracle=s.oracle)
             try:
                 result = await run_prefill(s.decoder, [it.item for it in items], io)
             except Exception as exc:  # noqa: BLE001 - fail the batch's tasks, keep serving

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 from dualpath.bus import Bus
-from dualpath.config import BusConfig, EngineConfig, ModelConfigSpec, NodeConfig, add_arguments, from_args
+from dualpath.config import BusConfig, EmulationConfig, EngineConfig, ModelConfigSpec, NodeConfig, add_arguments, from_args
 from dualpath.engine.common import build_engine
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, ModelConfigSpec)
     add_arguments(p, EngineConfig, skip=("kv_capacity_tokens", "max_running"))
     add_arguments(p, NodeConfig, skip=("storage", "buffer_mb"))
+    add_arguments(p, EmulationConfig, skip=("snic_gbps",))
     p.add_argument("--window-mb", type=int, default=256, help="engine transfer window (stand-in for registered HBM), MiB")
     return p
 
@@ -27,11 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     bus_cfg, cfg = from_args(BusConfig, ns), from_args(EngineConfig, ns)
-    model, node = from_args(ModelConfigSpec, ns), from_args(NodeConfig, ns)
+    model, node, emu = from_args(ModelConfigSpec, ns), from_args(NodeConfig, ns), from_args(EmulationConfig, ns)
     subjects = Subjects(bus_cfg.namespace)
 
     async def serve(bus: Bus, stop: asyncio.Event) -> None:
-        setup = await build_engine(engine_id=cfg.engine_id, namespace=bus_cfg.namespace, model=model, node=node, window_mb=ns.window_mb)
+        setup = await build_engine(engine_id=cfg.engine_id, namespace=bus_cfg.namespace, model=model, node=node, window_mb=ns.window_mb,
+                                  emu=emu, role="prefill")
         engine = PrefillEngine(bus, subjects, cfg, node.node_id, setup)
         await bus.serve(subjects.prefill(cfg.engine_id), engine.on_task, m.PrefillTask)
         await bus.serve(subjects.cancel, engine.on_cancel, m.CancelRequest)

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 from dualpath.bus import Bus
-from dualpath.config import BusConfig, SchedulerConfig, add_arguments, from_args
+from dualpath.config import BusConfig, EmulationConfig, SchedulerConfig, add_arguments, from_args
 from dualpath.policy import Thresholds, get_policy
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
@@ -18,18 +18,33 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dualpath service scheduler", description="the DualPath scheduler (one active per deployment)")
     add_arguments(p, BusConfig)
     add_arguments(p, SchedulerConfig)
-    p.add_argument("--alpha-tokens", type=int, default=1 << 22,
-                   help="α: tokens a node reads from storage in 3 s (short-queue threshold); derive from the hardware profile")
-    p.add_argument("--beta-tokens", type=int, default=1 << 22,
-                   help="β: tokens one engine computes in 5 s (overload threshold); derive from profiling")
+    add_arguments(p, EmulationConfig, skip=("cnic_gbps", "oracle"))
+    p.add_argument("--alpha-tokens", type=int, default=0,
+                   help="α: tokens a node reads from storage in 3 s (default: from the testbed profile, else 4M)")
+    p.add_argument("--beta-tokens", type=int, default=0,
+                   help="β: tokens one engine computes in 5 s (default: from the cost model, else 4M)")
     return p
+
+
+def thresholds(ns, emu: EmulationConfig) -> Thresholds:
+    """α and β: given, else derived from the emulated hardware and the cost model (paper §6.1)."""
+    alpha, beta = ns.alpha_tokens, ns.beta_tokens
+    if emu.modeled:
+        from dualpath.cost import cost_model
+        from dualpath.policy import alpha_tokens, beta_tokens
+
+        cost = cost_model(emu.target, emu.gpu)
+        snic = emu.profile().snic_bytes_per_s(emu.engines()) * emu.scale  # unscaled bytes/s and bytes/token
+        alpha = alpha or alpha_tokens(snic, cost.target.kv_bytes_per_token())
+        beta = beta or beta_tokens(cost.prefill_tokens_per_s())
+    return Thresholds(alpha_tokens=alpha or 1 << 22, beta_tokens=beta or 1 << 22)
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    bus_cfg, cfg = from_args(BusConfig, ns), from_args(SchedulerConfig, ns)
+    bus_cfg, cfg, emu = from_args(BusConfig, ns), from_args(SchedulerConfig, ns), from_args(EmulationConfig, ns)
     try:
-        policy = get_policy(cfg.policy, Thresholds(alpha_tokens=ns.alpha_tokens, beta_tokens=ns.beta_tokens), read_path=cfg.read_path)
+        policy = get_policy(cfg.policy, thresholds(ns, emu), read_path=cfg.read_path)
     except (LookupError, ValueError) as exc:
         print(f"scheduler: {exc}")
         return 2

@@ -20,7 +20,7 @@ import time
 
 from dualpath.bus import Bus
 from dualpath.bus.client import HandlerError
-from dualpath.config import BusConfig, NodeConfig, add_arguments, from_args
+from dualpath.config import BusConfig, EmulationConfig, NodeConfig, add_arguments, from_args
 from dualpath.kv import BlockStore
 from dualpath.node import BufferFullError, BufferPool, StorageIO
 from dualpath.node.storage_io import BlockFormat
@@ -30,6 +30,7 @@ from dualpath.runtime import run_service
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.tracing import get_tracer
 from dualpath.transfer import MemoryRegion, create_transport
+from dualpath.transfer.nic import EmulatedNic
 
 log = get_logger("traffic-manager")
 tracer = get_tracer("dualpath.traffic_manager")
@@ -113,19 +114,31 @@ class TrafficManager:
     def report(self) -> m.NodeReport:
         return m.NodeReport(node_id=self.cfg.node_id, read_q_tokens=self.io.read_q_tokens, read_q_bytes=self.io.read_q_bytes,
                             buffer_free_bytes=self.pool.free_bytes, buffer_bytes=self.region.size,
-                            regions=[self.descriptor.to_wire()], ts=time.time())
+                            regions=[self.descriptor.to_wire()], bytes_read=self.io.bytes_read, bytes_written=self.io.bytes_written,
+                            ts=time.time())
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dualpath service traffic-manager", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p, BusConfig)
     add_arguments(p, NodeConfig)
+    add_arguments(p, EmulationConfig, skip=("compute", "target", "gpu", "cnic_gbps"))
     return p
+
+
+def storage_io(cfg: NodeConfig, emu: EmulationConfig) -> StorageIO:
+    """The node's storage I/O: through an emulated SNIC (both directions) when one is configured."""
+    read_nic = write_nic = None
+    if emu.snic_gbps:
+        rate = emu.profile().snic_bytes_per_s(emu.engines())
+        read_nic = EmulatedNic(rate, name=f"{cfg.node_id}-snic-read")
+        write_nic = EmulatedNic(rate, name=f"{cfg.node_id}-snic-write")
+    return StorageIO(BlockStore(cfg.storage), read_nic=read_nic, write_nic=write_nic, oracle=emu.oracle)
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    bus_cfg, cfg = from_args(BusConfig, ns), from_args(NodeConfig, ns)
+    bus_cfg, cfg, emu = from_args(BusConfig, ns), from_args(NodeConfig, ns), from_args(EmulationConfig, ns)
     subjects = Subjects(bus_cfg.namespace)
 
     async def serve(bus: Bus, stop: asyncio.Event) -> None:
@@ -133,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         transport = create_transport(cfg.transport, node_id=cfg.node_id, host=cfg.data_host)
         await transport.start()
         descriptor = transport.register(region)
-        tm = TrafficManager(bus, cfg, subjects, region, descriptor, StorageIO(BlockStore(cfg.storage)))
+        tm = TrafficManager(bus, cfg, subjects, region, descriptor, storage_io(cfg, emu))
         for topic, handler, msg in (("alloc", tm.alloc, m.AllocRequest), ("free", tm.free, m.FreeRequest),
                                     ("load", tm.load, m.LoadRequest), ("persist", tm.persist, m.PersistRequest),
                                     ("describe", tm.describe, m.DescribeRequest)):

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import torch
 
-from dualpath.config import ModelConfigSpec, NodeConfig
+from dualpath.config import EmulationConfig, ModelConfigSpec, NodeConfig
 from dualpath.engine.dataplane import EngineDataPlane
 from dualpath.engine.layout import SlotLayout
 from dualpath.model import Decoder, Tokenizer
 from dualpath.model.config import dtype_from_name
 from dualpath.transfer import MemoryRegion, create_transport
+from dualpath.transfer.nic import EmulatedNic
 
 __all__ = ["EngineSetup", "build_engine", "dtype_name", "read_path_name"]
 
@@ -35,24 +36,41 @@ class EngineSetup:
     dtype: str
     model_name: str
     eos_ids: frozenset[int]
+    oracle: bool = False
+    nic: EmulatedNic | None = None  # the GPU's emulated compute NIC (testbed)
 
     async def close(self) -> None:
         await self.dataplane.close()
 
 
-async def build_engine(*, engine_id: str, namespace: str, model: ModelConfigSpec, node: NodeConfig, window_mb: int) -> EngineSetup:
-    """Load the model and open the engine's data plane (its own region + node-local and remote transports)."""
-    dtype = dtype_from_name(model.dtype) if model.dtype else None
-    decoder = Decoder.load(model.model, device=model.device, dtype=dtype)
+def _decoder(model: ModelConfigSpec, emu: EmulationConfig, role: str, vocab_size: int):
+    if not emu.modeled:
+        dtype = dtype_from_name(model.dtype) if model.dtype else None
+        return Decoder.load(model.model, device=model.device, dtype=dtype)
+    from dualpath.cost import cost_model
+    from dualpath.testbed import ModeledDecoder, scaled_bytes_per_token_layer
+
+    cost = cost_model(emu.target, emu.gpu)
+    bpt = scaled_bytes_per_token_layer(cost.target.kv_bytes_per_token_layer, emu.scale)
+    return ModeledDecoder(cost, role=role, vocab_size=vocab_size, bytes_per_token_layer=bpt)
+
+
+async def build_engine(*, engine_id: str, namespace: str, model: ModelConfigSpec, node: NodeConfig, window_mb: int,
+                       emu: EmulationConfig | None = None, role: str = "prefill") -> EngineSetup:
+    """Load the model (or its cost model) and open the engine's data plane (its own region +
+    node-local and remote transports, through an emulated CNIC when the testbed sets one)."""
+    emu = emu or EmulationConfig()
+    tokenizer = Tokenizer.from_dir(model.model)
+    decoder = _decoder(model, emu, role, tokenizer.vocab_size)
     layout = SlotLayout(layers=decoder.num_layers, block_tokens=model.block_tokens,
                         bytes_per_token_layer=decoder.config.kv_bytes_per_token_layer(decoder.dtype))
+    nic = EmulatedNic(emu.profile().cnic_bytes_per_s(), name=f"{engine_id}-cnic") if emu.cnic_gbps else None
     region = MemoryRegion(f"{namespace}-{engine_id}-win", window_mb << 20)
-    local = create_transport("shm", node_id=node.node_id)
-    remote = create_transport(node.transport, node_id=node.node_id, host=node.data_host)
+    local = create_transport("shm", node_id=node.node_id, nic=nic)
+    remote = create_transport(node.transport, node_id=node.node_id, host=node.data_host, nic=nic)
     await local.start()
     await remote.start()
     dp = EngineDataPlane(node_id=node.node_id, region=region, local=local, remote=remote)
     name = model.model_name or Path(model.model).resolve().name
-    eos = frozenset(Tokenizer.from_dir(model.model).eos_token_ids)
     return EngineSetup(decoder=decoder, layout=layout, dataplane=dp, dtype=dtype_name(decoder.dtype), model_name=name,
-                       eos_ids=eos)
+                       eos_ids=frozenset(tokenizer.eos_token_ids), oracle=emu.oracle, nic=nic)

@@ -46,6 +46,7 @@ CODE_FRAC = 0.25
 CODE_NORM = 1.0
 CODE_PENALTY = 10.0
 VERBOSE = False
+GATE_SCALE = 1.0
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
     " + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
@@ -151,6 +152,7 @@ def _weights(cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
         t[p + "self_attn.o_proj.weight"] = o_w
         gate_up = randn(2 * inter, h, std=1.0 / math.sqrt(rest))
         gate_up[:, rest:] = 0.0
+        gate_up[:inter] *= GATE_SCALE
         t[p + "mlp.gate_proj.weight"] = gate_up[:inter].clone()
         t[p + "mlp.up_proj.weight"] = gate_up[inter:].clone()
         down = randn(h, inter, std=MLP_GAIN / math.sqrt(inter))

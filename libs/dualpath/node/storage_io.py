@@ -42,11 +42,17 @@ class ReadResult:
 
 
 class StorageIO:
-    """Reads/writes Full Block files for one node; ``nic`` is its (emulated) storage NIC or None."""
+    """Reads/writes Full Block files for one node.
 
-    def __init__(self, store: BlockStore, *, nic=None, max_parallel: int = 4) -> None:
+    ``read_nic``/``write_nic`` are the two directions of its (emulated) storage NIC, or None.
+    ``oracle``: no file I/O at all (reads report every block loaded; writes do nothing).
+    """
+
+    def __init__(self, store: BlockStore, *, read_nic=None, write_nic=None, max_parallel: int = 4, oracle: bool = False) -> None:
         self.store = store
-        self.nic = nic
+        self.nic = read_nic
+        self.write_nic = write_nic
+        self.oracle = oracle
         self._sem = asyncio.Semaphore(max_parallel)
         self.read_q_tokens = 0
         self.read_q_bytes = 0
@@ -61,6 +67,8 @@ class StorageIO:
         """
         n = len(hashes)
         bb = fmt.block_bytes
+        if self.oracle:
+            return ReadResult(loaded=n, bytes_read=0, queue_wait_s=0.0, read_s=0.0, bad=[])
         self.read_q_tokens += n * fmt.block_tokens
         self.read_q_bytes += n * bb
         t_enq = time.perf_counter()
@@ -98,9 +106,11 @@ class StorageIO:
         """Write blocks atomically (temp + fsync + rename); returns bytes written."""
         bb = fmt.block_bytes
         written = 0
+        if self.oracle:
+            return 0
         for i, h in enumerate(hashes):
-            if self.nic is not None:
-                await self.nic.acquire(bb, TrafficClass.KV)
+            if self.write_nic is not None:
+                await self.write_nic.acquire(bb, TrafficClass.KV)
             payload = src[i * bb:(i + 1) * bb]
             written += await asyncio.to_thread(
                 self.store.write, model_digest=model_digest, block_hash=h, layers=fmt.layers, tokens=fmt.block_tokens,

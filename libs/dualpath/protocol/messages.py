@@ -319,6 +319,8 @@ class NodeReport(Wire):
     buffer_free_bytes: int
     buffer_bytes: int
     regions: list[dict] = field(default_factory=list)
+    bytes_read: int = 0  # cumulative storage bytes read (SNIC read direction)
+    bytes_written: int = 0  # cumulative storage bytes written
     ts: float = 0.0
 
 

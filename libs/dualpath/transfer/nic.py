@@ -157,6 +157,9 @@ class EmulatedNic:
         now = time.monotonic()
         # Work queued while the host was slow to wake us is granted now, up to max_lag_s.
         self._busy_until = max(self._busy_until, now - self.max_lag_s)
+        # One grant per call: when several are due (catching up, or a burst after idle), the
+        # next waits one loop iteration, so the tasks just granted can queue again first and
+        # the priority order holds within the burst.
         while self._busy_until <= now:
             picked = self._pick()
             if picked is None:
@@ -172,6 +175,7 @@ class EmulatedNic:
             self._sent[cls] += waiter.nbytes
             self._grants.append((start, start + duration, cls, waiter.nbytes))
             waiter.future.set_result(None)
+            break
         while self._grants and self._grants[0][1] < now - _HISTORY_S:
             self._grants.popleft()
         waiting = any(self._queues[c] for c in TrafficClass)

@@ -1,0 +1,95 @@
+"""``ModeledDecoder``: the decoder interface with no math — each call takes the cost model's time.
+
+The engines call ``embed``/``forward_layer``/``logits`` exactly as with the torch decoder, so
+batching, layer-wise transfers and KV bookkeeping are the real code. Here a prefill layer
+sleeps ``CostModel.prefill_layer_time`` of the batch's ``(cached, new)`` pairs, and a decode
+step sleeps ``decode_step_time`` of the batch's context lengths (spread over its layers).
+KV is ``uint8`` with ``bytes_per_token_layer`` scaled bytes (``[N, 2, 1, bpt/2]``), filled
+with a token-derived pattern so transfers are real bytes. Sampling produces printable ASCII.
+
+``overhead_s`` accumulates how much longer each call took than its modeled time: the
+emulation's own cost (Python, scheduling), reported by the testbed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from dualpath.cost import CostModel
+
+__all__ = ["ModeledDecoder"]
+
+
+class _ModeledConfig:
+    """The slice of ``ModelConfig`` the engines read."""
+
+    def __init__(self, vocab_size: int, bytes_per_token_layer: int, max_position: int) -> None:
+        self.vocab_size = vocab_size
+        self.max_position_embeddings = max_position
+        self._bpt = bytes_per_token_layer
+
+    def kv_bytes_per_token_layer(self, dtype: torch.dtype) -> int:
+        return self._bpt
+
+
+class ModeledDecoder:
+    modeled = True
+
+    def __init__(self, cost: CostModel, *, role: str, vocab_size: int, bytes_per_token_layer: int, max_position: int = 1 << 20) -> None:
+        self.cost = cost
+        self.role = role
+        self.device = torch.device("cpu")
+        self.dtype = torch.uint8
+        self.num_layers = cost.target.layers
+        self.kv_heads = 1
+        self.head_dim = bytes_per_token_layer // 2
+        self.config = _ModeledConfig(vocab_size, bytes_per_token_layer, max_position)
+        self.modeled_s = 0.0  # time the cost model asked for
+        self.busy_s = 0.0  # time the calls actually took
+        self.attention_s = 0.0  # modeled attention time (load-balance figure)
+        self._decode_context: list[int] = []
+
+    @property
+    def overhead_s(self) -> float:
+        return max(0.0, self.busy_s - self.modeled_s)
+
+    def _sleep(self, seconds: float, t0: float) -> None:
+        deadline = t0 + seconds
+        while True:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            time.sleep(left if left > 0.002 else 0)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return token_ids.to(torch.float32).unsqueeze(1)  # [N, 1]: the token id rides along
+
+    def forward_layer(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, segments: Sequence[tuple[int, int]],
+                      past: Sequence[tuple[torch.Tensor, torch.Tensor] | None]):
+        t0 = time.perf_counter()
+        cached = [0 if p is None else p[0].shape[0] for p in past]
+        if self.role == "decode":
+            seconds = self.cost.decode_step_time([c + 1 for c in cached]) / self.num_layers
+        else:
+            batch = [(c, n) for c, (_, n) in zip(cached, segments)]
+            seconds = self.cost.prefill_layer_time(batch, layer=layer)
+            if layer == 0:
+                self.attention_s += self.cost.attention_time(batch)
+        n = hidden.shape[0]
+        pattern = (positions.to(torch.int64) * 31 + layer) % 251  # [N]
+        kv = pattern.to(torch.uint8).view(n, 1, 1).expand(n, 2, self.head_dim).contiguous()
+        self._sleep(seconds, t0)
+        self.modeled_s += seconds
+        self.busy_s += time.perf_counter() - t0
+        return hidden, kv[:, 0].unsqueeze(1), kv[:, 1].unsqueeze(1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A peaked distribution over printable letters, varying with the input token."""
+        m = hidden.shape[0]
+        out = torch.zeros((m, self.config.vocab_size), dtype=torch.float32)
+        ids = (hidden[:, 0].to(torch.int64) * 7 + 3) % 26 + ord("a")
+        out[torch.arange(m), ids] = 20.0
+        return out

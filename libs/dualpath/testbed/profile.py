@@ -1,0 +1,53 @@
+"""``HardwareProfile``: the emulated cluster's node, NIC and memory figures, in one place.
+
+Defaults follow the paper's testbed (PAPER.md "Evaluation setup"): 8 Hopper GPUs per node,
+one 400 Gbps compute NIC (CNIC) per GPU, one 400 Gbps storage NIC (SNIC) per node, 80 GB of
+node DRAM buffer. ``scale`` divides bytes and bandwidths together, so transfer *times* are
+preserved while the machine running the emulation moves ``1/scale`` of the bytes.
+
+When a node runs fewer engine processes than it has GPUs (``engines_per_node < gpus_per_node``,
+to fit a laptop), the node's SNIC is shrunk in the same proportion so that storage bandwidth
+per engine — the ratio that makes a workload I/O-bound — stays the cluster's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["HardwareProfile", "scaled_bytes_per_token_layer"]
+
+GBPS = 1e9 / 8  # bytes per second in one Gbit/s
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HardwareProfile:
+    gpus_per_node: int = 8
+    cnic_gbps: float = 400.0
+    snic_gbps: float = 400.0
+    dram_buffer_gb: float = 80.0
+    scale: float = 1000.0
+
+    def __post_init__(self) -> None:
+        if self.scale < 1:
+            raise ValueError(f"scale must be >= 1, got {self.scale}")
+        if min(self.gpus_per_node, self.cnic_gbps, self.snic_gbps, self.dram_buffer_gb) <= 0:
+            raise ValueError("hardware figures must be positive")
+
+    def snic_bytes_per_s(self, engines_per_node: int) -> float:
+        """Emulated SNIC rate of one node running ``engines_per_node`` engines (scaled)."""
+        share = min(1.0, engines_per_node / self.gpus_per_node)
+        return self.snic_gbps * GBPS * share / self.scale
+
+    def cnic_bytes_per_s(self) -> float:
+        """Emulated CNIC rate of one GPU (scaled)."""
+        return self.cnic_gbps * GBPS / self.scale
+
+    def buffer_bytes(self, engines_per_node: int) -> int:
+        share = min(1.0, engines_per_node / self.gpus_per_node)
+        return int(self.dram_buffer_gb * 1e9 * share / self.scale)
+
+
+def scaled_bytes_per_token_layer(kv_bytes_per_token_layer: int, scale: float) -> int:
+    """KV bytes per token per layer after scaling: even (K and V halves), at least 2."""
+    b = max(2, round(kv_bytes_per_token_layer / scale))
+    return b + (b % 2)
