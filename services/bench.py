@@ -32,22 +32,20 @@ def _transfer(ns) -> dict:
     return run_bench(**kw), format_report
 
 
-def _loadgen(ns) -> dict:
-    from loadgen.overhead import format_report, run_overhead_bench
-
-    return run_overhead_bench(agents=ns.agents), format_report
-
-
-BENCHES = {"scheduler": _scheduler, "transfer": _transfer, "loadgen": _loadgen}
+BENCHES = {"scheduler": _scheduler, "transfer": _transfer}
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(argv or [])
+    if argv[:1] == ["loadgen"]:  # the load generator's own overhead benchmark has its own flags
+        from loadgen.overhead import main as loadgen_bench
+
+        return loadgen_bench(argv[1:])
     p = argparse.ArgumentParser(prog="dualpath bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=sorted(BENCHES))
+    p.add_argument("what", choices=sorted([*BENCHES, "loadgen"]))
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--engines", type=int, default=1152, help="scheduler: cluster size in GPUs (engines)")
     p.add_argument("--seconds", type=float, default=0.0, help="scheduler: measuring time (0 = the benchmark's default)")
-    p.add_argument("--agents", type=int, default=1000, help="loadgen: concurrent agent sessions")
     p.add_argument("--quick", action="store_true", help="transfer: fewer points (a smoke run)")
     ns = p.parse_args(argv)
     result, fmt = BENCHES[ns.what](ns)

@@ -58,6 +58,7 @@ class DecodeEngine:
         self._regions: dict[str, MemoryRegion] = {}
         self._wake = asyncio.Event()
         self._persists: set[asyncio.Task] = set()
+        self.busy_s = 0.0  # wall time inside decode steps
 
     # ---- intake ----------------------------------------------------------------------------
     async def on_task(self, task: m.DecodeTask) -> m.Ok:
@@ -156,7 +157,9 @@ class DecodeEngine:
                 waiter.cancel()
                 stopper.cancel()
                 continue
+            t0 = time.perf_counter()
             await self._step()
+            self.busy_s += time.perf_counter() - t0
         if self._persists:
             await asyncio.wait(list(self._persists), timeout=10.0)
 
@@ -251,4 +254,5 @@ class DecodeEngine:
         done, self.finished = self.finished, []
         return m.EngineReport(engine_id=self.cfg.engine_id, role=m.Role.DECODE, node_id=self.node_id,
                               seq=len(self.running) + len(self.incoming), tok=tok, free_hbm_tokens=self.memory.free_tokens,
-                              capacity_tokens=self.memory.capacity_tokens, finished=done, block_bytes=self.setup.layout.block_bytes, ts=time.time())
+                              capacity_tokens=self.memory.capacity_tokens, finished=done, block_bytes=self.setup.layout.block_bytes,
+                              stats={"busy_s": self.busy_s, "modeled_s": getattr(self.setup.decoder, "modeled_s", 0.0)}, ts=time.time())

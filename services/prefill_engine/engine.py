@@ -57,6 +57,8 @@ class PrefillEngine:
         self._wake = asyncio.Event()
         self._loads: set[asyncio.Task] = set()
         self.finished: list[str] = []
+        self.busy_s = 0.0  # wall time inside batches
+        self.kv_wait_s = 0.0  # of which: waiting for cached KV to arrive
 
     # ---- intake ----------------------------------------------------------------------------
     async def on_task(self, task: m.PrefillTask) -> m.Ok:
@@ -137,7 +139,9 @@ class PrefillEngine:
                 stopper.cancel()
                 continue
             batch = self._next_batch()
+            t0 = time.perf_counter()
             await self._run_batch(batch)
+            self.busy_s += time.perf_counter() - t0
 
     async def _run_batch(self, batch: list[tuple[Job, int]]) -> None:
         s = self.setup
@@ -158,6 +162,7 @@ class PrefillEngine:
                 return
             finally:
                 io.close()
+            self.kv_wait_s += result.wait_s
             span.set_attribute("compute_s", result.compute_s)
             span.set_attribute("kv_wait_s", result.wait_s)
             span.set_attribute("fetch_bytes", io.stats.fetch_bytes)
@@ -216,4 +221,10 @@ class PrefillEngine:
         tok = sum(len(j.task.prompt_tokens) - j.progress for j in self.jobs.values())
         done, self.finished = self.finished, []
         return m.EngineReport(engine_id=self.cfg.engine_id, role=m.Role.PREFILL, node_id=self.node_id, seq=len(self.jobs), tok=tok,
-                              free_hbm_tokens=0, capacity_tokens=0, finished=done, block_bytes=self.setup.layout.block_bytes, ts=time.time())
+                              free_hbm_tokens=0, capacity_tokens=0, finished=done, block_bytes=self.setup.layout.block_bytes,
+                              stats=self._stats(), ts=time.time())
+
+    def _stats(self) -> dict:
+        d = self.setup.decoder
+        return {"busy_s": self.busy_s, "kv_wait_s": self.kv_wait_s, "modeled_s": getattr(d, "modeled_s", 0.0),
+                "attention_s": getattr(d, "attention_s", 0.0)}

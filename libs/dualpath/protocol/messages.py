@@ -305,6 +305,7 @@ class EngineReport(Wire):
     capacity_tokens: int
     finished: list[str] = field(default_factory=list)  # requests completed since the last report
     block_bytes: int = 0  # bytes of one Full Block in this engine's KV format
+    stats: dict = field(default_factory=dict)  # cumulative seconds: busy, modeled, attention, kv_wait
     ts: float = 0.0
 
 

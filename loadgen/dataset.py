@@ -1,0 +1,59 @@
+"""The agents of a run: a synthetic set by name, or a JSONL trajectory file.
+
+A file with fewer trajectories than ``agents`` is cycled. Copies after the first of a
+recorded (text-carrying) trajectory get their first segment prefixed with an agent tag,
+so copies never share a prompt prefix (the paper gives extra agents "a synthetic random
+first round" for the same reason). Length-only agents get unique text at replay time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from loadgen.errors import InputError
+from loadgen.synthetic import SPECS, generate
+from loadgen.trajectory import Trajectory, load_trajectories
+
+__all__ = ["load_dataset", "DEFAULT_AGENTS"]
+
+DEFAULT_AGENTS = 500  # the paper's set size
+
+
+def load_dataset(name: str, *, agents: int | None = None, seed: int = 0, turns: int | None = None,
+                 scale: float = 1.0) -> list[Trajectory]:
+    """Trajectories for ``agents`` agents, capped to ``turns`` and scaled by ``scale``.
+
+    ``name`` is 32k, 48k, 64k (synthetic, drawn with ``seed``) or a JSONL file path
+    (``agents`` defaults to the number of lines). Raises InputError for an unknown name,
+    bad ``agents``/``turns``/``scale``, and TrajectoryFormatError for a malformed file.
+    """
+    if agents is not None and agents < 1:
+        raise InputError(f"--agents must be >= 1, got {agents}")
+    if turns is not None and turns < 1:
+        raise InputError(f"--turns must be >= 1, got {turns}")
+    if not scale > 0:
+        raise InputError(f"--scale must be > 0, got {scale}")
+    key = name.lower()
+    if key in SPECS:
+        base = generate(SPECS[key], agents or DEFAULT_AGENTS, seed)
+    elif Path(name).is_file():
+        recorded = load_trajectories(name)
+        count = agents or len(recorded)
+        base = [_copy(recorded[i % len(recorded)], i, i // len(recorded)) for i in range(count)]
+    else:
+        raise InputError(f"--dataset must be one of {', '.join(SPECS)} or a trajectory JSONL file; "
+                         f"{name!r} is neither")
+    return [t.capped(turns).scaled(scale) for t in base]
+
+
+def _copy(t: Trajectory, agent: int, copy: int) -> Trajectory:
+    if copy == 0:
+        return t
+    t = replace(t, id=f"{t.id}#{copy}")
+    tag = f"agent{agent}: "
+    if t.system_text:
+        return replace(t, system_text=tag + t.system_text)
+    if t.append_texts is not None:
+        return replace(t, append_texts=(tag + t.append_texts[0],) + t.append_texts[1:])
+    return t

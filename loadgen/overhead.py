@@ -1,0 +1,291 @@
+"""Benchmark: how much latency does the load generator itself add to measured TTFT?
+
+Method. An instant server (``loadgen.instant_server``) runs in its own process and, for
+every request, stamps on ``CLOCK_MONOTONIC`` (one clock for every process on the host)
+``recv``, when the request's last byte reached it, and ``sent``, just before it hands the
+first token to the kernel; it returns both in its ``Server-Timing`` header. The client
+stamps ``send`` just before writing the request and ``first`` when the first token
+reaches it. So a turn's TTFT splits into
+
+* send leg ``recv - send``: the client's write, kernel transit, the *server's* wake-up;
+* server time ``sent - recv`` (the server's own work and pacing: not client overhead);
+* receive leg ``first - sent``: kernel transit, the client's wake-up, and the time the
+  client's event loop spent on other agents' data before this one's. This is where a
+  busy load generator would hurt, and it bounds the error it adds on the receive side.
+
+*Added latency* = send leg + receive leg = TTFT - server time. To separate what the
+host costs any client from what the load generator costs, a probe process sends one
+minimal request every ``probe_interval_s`` (from several connections when the server is
+slow to answer) over raw asyncio sockets with prebuilt bytes, and measures the same legs
+at the same moments. **Overhead** = load generator's added latency - probe's, over the
+same time window.
+
+Phases: *idle*, the load generator with one agent (fast transport, then httpx for
+comparison) against a server that answers at once: the per-request cost of each client.
+*Load*: ``agents`` agents arrive over one turn's duration and run their turns back to back
+against a server paced like a real one (``ttft_s`` before the first token, ``tpot_s``
+between tokens), so all of them are active at once; figures cover the steady window
+(every agent launched, none finished). The probe sleeps between requests while the load
+generator is busy, so the probe pays wake-up costs the load generator often does not:
+on a small VM the idle overhead can come out negative. The receive leg is reported too
+because it needs no probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from urllib.parse import urlsplit
+
+import anyio
+import numpy as np
+
+from loadgen.arrivals import arrival_times
+from loadgen.client import Endpoint
+from loadgen.instant_server import start_instant_server
+from loadgen.prompts import PromptText
+from loadgen.runner import LoadSpec, RunState, run_load
+from loadgen.trajectory import Trajectory
+
+__all__ = ["run_overhead_bench", "main"]
+
+
+def _ms(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    a = np.asarray(values) * 1000
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"n": len(a), "p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(a.mean())}
+
+
+def _timing(server_timing: str | None) -> tuple[float, float, float] | None:
+    """(proc, recv, sent) in seconds from an instant server's Server-Timing header."""
+    if not server_timing or 'recv;desc="' not in server_timing:
+        return None
+    recv = int(server_timing.split('recv;desc="', 1)[1].split('"', 1)[0]) / 1e9
+    sent = int(server_timing.split('sent;desc="', 1)[1].split('"', 1)[0]) / 1e9
+    return sent - recv, recv, sent
+
+
+async def _probe_connection(url: str, period_s: float, offset_s: float) -> None:
+    parts = urlsplit(url)
+    await asyncio.sleep(offset_s)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    body = json.dumps({"model": "probe", "prompt": " probe", "max_tokens": 1, "stream": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nhost: {parts.netloc}\r\ncontent-type: application/json\r\n"
+               f"content-length: {len(body)}\r\n\r\n").encode() + body
+    while True:
+        t_send = time.monotonic()
+        writer.write(request)
+        buf, t_first = b"", None
+        while not buf.endswith(b"\r\n0\r\n\r\n"):
+            data = await reader.read(65536)
+            now = time.monotonic()
+            if not data:
+                return
+            buf += data
+            if t_first is None and b"data: {" in buf:
+                t_first = now
+        _, recv, sent = _timing(buf.split(b"server-timing:", 1)[1].split(b"\r\n", 1)[0].decode())
+        print(json.dumps([t_send, recv - t_send, t_first - sent]), flush=True)
+        await asyncio.sleep(max(0.0, t_send + period_s - time.monotonic()))
+
+
+async def _probe(url: str, interval_s: float, connections: int) -> None:
+    """Probe: ``connections`` staggered loops, one request per ``interval_s`` in all.
+
+    Prints ``[send, send_leg, receive_leg]`` (seconds) per answered request.
+    """
+    async with anyio.create_task_group() as group:
+        for i in range(connections):
+            group.start_soon(_probe_connection, url, interval_s * connections, i * interval_s)
+
+
+def _start_probe(url: str, interval_s: float, connections: int, sink) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "loadgen.overhead", "--probe", url, "--probe-interval", str(interval_s),
+           "--probe-connections", str(connections)]
+    return subprocess.Popen(cmd, stdout=sink, stderr=subprocess.DEVNULL)
+
+
+def _window(samples: list[tuple[float, float, float]], lo: float, hi: float) -> dict:
+    """Probe legs (and their sum) for samples sent within [lo, hi]."""
+    rows = [(a, b) for t, a, b in samples if lo <= t <= hi]
+    return {"added": [a + b for a, b in rows], "send": [a for a, _ in rows], "receive": [b for _, b in rows]}
+
+
+async def _loadgen(url: str, *, agents: int, turns: int, gen: int, rate: float | None, transport: str,
+                   prompts: PromptText, seed: int) -> RunState:
+    trajectories = tuple(Trajectory(id=str(i), system_tokens=64, append_tokens=(32,) * turns, gen_tokens=(gen,) * turns)
+                         for i in range(agents))
+    arrivals = arrival_times(agents, rate=rate, seed=seed)
+    spec = LoadSpec(endpoint=Endpoint.parse(url, chat=False, model="instant", timeout_s=120.0),
+                    trajectories=trajectories, arrivals=tuple(arrivals.tolist()), offline=rate is None,
+                    transport=transport, text_seed=seed, max_errors=max(20, agents))
+    state = RunState()
+    await run_load(spec, prompts, state)
+    return state
+
+
+def _legs(state: RunState, lo: float = -np.inf, hi: float = np.inf) -> dict:
+    """Added latency and its legs (seconds) of the turns sent within [lo, hi]."""
+    out: dict[str, list[float]] = {"added": [], "send": [], "receive": []}
+    for t in state.turns:
+        timing = _timing(t.server_timing)
+        send = state.t0 + t.t_start
+        if t.ok and t.ttft is not None and timing is not None and lo <= send <= hi:
+            proc, recv, sent = timing
+            out["added"].append(t.ttft - proc)
+            out["send"].append(recv - send)
+            out["receive"].append(send + t.ttft - sent)
+    return out
+
+
+def _compare(loadgen: dict, probe: dict) -> dict:
+    """Per leg: loadgen and probe distributions (ms) and the overhead (difference)."""
+    out = {}
+    for leg in ("added", "send", "receive"):
+        lg, pr = _ms(loadgen[leg]), _ms(probe[leg])
+        out[leg] = {"loadgen_ms": lg, "probe_ms": pr,
+                    "overhead_ms": {k: lg[k] - pr[k] for k in ("p50", "p90", "p99", "mean")} if lg["n"] and pr["n"] else {}}
+    return out
+
+
+class _Phase:
+    """An instant server with a probe next to it; collects the probe's samples."""
+
+    def __init__(self, probe_interval_s: float, **server: float) -> None:
+        self.interval, self.server_options = probe_interval_s, server
+        # Enough probe connections that one request leaves every interval even when the
+        # server holds each answer for ttft_s.
+        self.connections = 1 + int(server.get("ttft_s", 0.0) / probe_interval_s) + 1
+        self.samples: list[tuple[float, float, float]] = []
+
+    def __enter__(self) -> str:
+        self.server = start_instant_server(**self.server_options)
+        self.sink = tempfile.TemporaryFile("w+")
+        self.probe = _start_probe(self.server.url, self.interval, self.connections, self.sink)
+        time.sleep(1.0)  # let the probe connect and settle
+        return self.server.url
+
+    def server_cpu_s(self) -> float | None:
+        """CPU seconds the server process has used so far (None off Linux)."""
+        try:
+            fields = open(f"/proc/{self.server.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    def __exit__(self, *exc: object) -> None:
+        self.probe.send_signal(signal.SIGTERM)
+        self.probe.wait(10)
+        self.server.stop()
+        self.sink.seek(0)
+        self.samples = [tuple(json.loads(line)) for line in self.sink if line.startswith("[")]
+        self.sink.close()
+
+
+def run_overhead_bench(agents: int = 1000, *, turns: int = 6, gen_tokens: int = 16, ttft_s: float = 0.5,
+                       tpot_s: float = 0.05, idle_turns: int = 1000, probe_interval_s: float = 0.02,
+                       compare_httpx: bool = True, seed: int = 0, target_ms: float = 1.0) -> dict:
+    """Run the benchmark described in the module docstring and return its figures (ms).
+
+    ``meets_target``: under load, the overhead's p50 and mean are below ``target_ms``, no
+    turn failed, and at least min(agents, 1000) agents were active at once. Raises
+    RuntimeError when the instant server or the probe cannot be started.
+    """
+    prompts = PromptText()
+    loadavg_before = list(os.getloadavg())
+    idle_phase = _Phase(probe_interval_s)  # answers at once: per-request cost only
+    with idle_phase as url:
+        idle = anyio.run(lambda: _loadgen(url, agents=1, turns=idle_turns, gen=1, rate=None,
+                                          transport="fast", prompts=prompts, seed=seed))
+        httpx_idle = None
+        if compare_httpx:
+            httpx_idle = anyio.run(lambda: _loadgen(url, agents=1, turns=idle_turns, gen=1, rate=None,
+                                                    transport="httpx", prompts=prompts, seed=seed + 1))
+    load_phase = _Phase(probe_interval_s, ttft_s=ttft_s, tpot_s=tpot_s)
+    with load_phase as url:
+        turn_s = ttft_s + gen_tokens * tpot_s
+        rate = agents / turn_s if turn_s > 0 else None  # arrivals spread over one turn
+        cpu0, server0 = time.process_time(), load_phase.server_cpu_s()
+        load = anyio.run(lambda: _loadgen(url, agents=agents, turns=turns, gen=gen_tokens, rate=rate,
+                                          transport="fast", prompts=prompts, seed=seed + 2))
+        cpu, server1 = time.process_time() - cpu0, load_phase.server_cpu_s()
+        server_cpu = None if server0 is None or server1 is None else server1 - server0
+    config = dict(agents=agents, turns=turns, gen_tokens=gen_tokens, server_ttft_s=ttft_s, server_tpot_s=tpot_s,
+                  idle_turns=idle_turns, probe_interval_s=probe_interval_s, seed=seed)
+    result = {"method": "legs from CLOCK_MONOTONIC stamps of client and server; overhead = load generator's "
+                        "added latency - a raw-socket probe's, same server, same window (see loadgen.overhead)",
+              "config": config,
+              "host": {"cpus": os.cpu_count(), "loadavg_before": loadavg_before, "loadavg_after": list(os.getloadavg())},
+              "idle": _idle_figures(idle, httpx_idle, idle_phase.samples),
+              "load": _load_figures(load, load_phase.samples, cpu, server_cpu)}
+    overhead = result["load"]["legs"]["added"]["overhead_ms"]
+    result["target_ms"] = target_ms
+    result["meets_target"] = (bool(overhead) and overhead["p50"] < target_ms and overhead["mean"] < target_ms
+                              and load.errors == 0 and load.max_active >= min(1000, agents))
+    return result
+
+
+def _state_window(state: RunState) -> tuple[float, float]:
+    return state.t0, state.t0 + (state.wall_s or 0.0)
+
+
+def _idle_figures(idle: RunState, httpx_idle: RunState | None, samples) -> dict:
+    out = {"fast": _compare(_legs(idle), _window(samples, *_state_window(idle)))}
+    if httpx_idle is not None:
+        out["httpx"] = _compare(_legs(httpx_idle), _window(samples, *_state_window(httpx_idle)))
+    return out
+
+
+def _load_figures(load: RunState, samples, cpu_s: float, server_cpu_s: float | None) -> dict:
+    starts = [load.t0 + a.started for a in load.agents]
+    ends = [load.t0 + a.ended for a in load.agents if a.status == "done"]
+    lo, hi = max(starts, default=load.t0), min(ends, default=load.t0)
+    if hi <= lo:  # no steady window (very short turns): use the whole run
+        lo, hi = _state_window(load)
+    grid = np.linspace(lo, hi, 200)
+    active = [sum(1 for a in load.agents if load.t0 + a.started <= t < load.t0 + a.ended) for t in grid]
+    done = [t for t in load.turns if t.ok]
+    wall = load.wall_s or 1e-9
+    lag = {k: (v * 1000 if k != "n" and v is not None else v) for k, v in load.loop_lag.summary().items()}
+    return {"window_s": hi - lo, "active_sessions": {"max": load.max_active, "mean_in_window": float(np.mean(active))},
+            "turns": len(done), "errors": load.errors, "first_error": load.first_error,
+            "requests_per_s": len(done) / wall, "tokens_per_s": sum(t.completion_tokens or 0 for t in done) / wall,
+            "client_cpu_share": cpu_s / wall, "loop_lag_ms": lag,
+            "server_cpu_share": None if server_cpu_s is None else server_cpu_s / wall,
+            "legs": _compare(_legs(load, lo, hi), _window(samples, lo, hi))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loadgen.overhead``: run the benchmark and print its JSON (or run a probe)."""
+    p = argparse.ArgumentParser(prog="python -m loadgen.overhead", description=__doc__.split("\n")[0])
+    p.add_argument("--agents", type=int, default=1000, help="concurrent agent sessions")
+    p.add_argument("--turns", type=int, default=6, help="turns per agent")
+    p.add_argument("--gen-tokens", type=int, default=16, help="tokens per answer")
+    p.add_argument("--ttft", type=float, default=0.5, help="server delay before the first token, s")
+    p.add_argument("--tpot", type=float, default=0.05, help="server delay between tokens, s")
+    p.add_argument("--no-httpx", action="store_true", help="skip the httpx comparison")
+    p.add_argument("--probe", help=argparse.SUPPRESS)  # internal: run as the probe process
+    p.add_argument("--probe-interval", type=float, default=0.02, help="seconds between probe requests")
+    p.add_argument("--probe-connections", type=int, default=1, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.probe:
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+        anyio.run(_probe, a.probe, a.probe_interval, a.probe_connections)
+        return 0
+    result = run_overhead_bench(a.agents, turns=a.turns, gen_tokens=a.gen_tokens, ttft_s=a.ttft, tpot_s=a.tpot,
+                                probe_interval_s=a.probe_interval, compare_httpx=not a.no_httpx)
+    print(json.dumps(result, indent=2))
+    return 0 if result["meets_target"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""SLO attainment, goodput and percentile definitions of the report."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loadgen.report import AgentRecord, LogHistogram, Slo, TurnRecord, distribution, summarize
+from loadgen.sweep import SweepPlan, SweepState, next_rate
+
+SLO = Slo(ttft_s=1.0, tpot_s=0.1, attainment=0.75)
+
+
+def _turn(**kw) -> TurnRecord:
+    base = dict(agent=0, turn=0, t_start=0.0, expected_prompt_tokens=10, expected_gen_tokens=5)
+    return TurnRecord(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    ("turn", "outcome"),
+    [
+        (_turn(ttft=0.5, tpot=0.05), True),
+        (_turn(ttft=0.5, tpot=None), True),  # one token: no TPOT to break
+        (_turn(ttft=1.5, tpot=0.05), False),
+        (_turn(ttft=0.5, tpot=0.2), False),
+        (_turn(error_kind="http", error="500"), False),
+        (_turn(error_kind="cancelled", e2e=2.0), False),  # cut off after its TTFT bound passed
+        (_turn(error_kind="cancelled", ttft=1.2, e2e=2.0), False),
+        (_turn(error_kind="cancelled", e2e=0.3), None),  # cut off early: not counted
+        (_turn(error_kind="cancelled", ttft=0.2, e2e=3.0), None),
+    ],
+)
+def test_slo_outcome_of_a_turn(turn: TurnRecord, outcome: bool | None) -> None:
+    assert turn.slo_outcome(SLO) is outcome
+
+
+def test_summary_counts_attainment_goodput_and_errors() -> None:
+    turns = [_turn(ttft=0.2, tpot=0.05, completion_tokens=5, prompt_tokens=10, cached_tokens=5),
+             _turn(ttft=0.4, tpot=0.05, completion_tokens=5, prompt_tokens=10, cached_tokens=0),
+             _turn(ttft=3.0, tpot=0.05, completion_tokens=4, prompt_tokens=10),
+             _turn(error_kind="timeout", error="slow"),
+             _turn(error_kind="cancelled", e2e=0.1)]
+    agents = [AgentRecord(agent=0, scheduled=0.0, started=0.0, ended=2.0, turns_done=3, turns_total=4, status="failed")]
+    s = summarize(turns, agents, slo=SLO, wall_s=2.0, itl=LogHistogram(), launched_at=[0.5], offline=False)
+    assert s["slo"]["turns_counted"] == 4 and s["slo"]["attainment"] == 0.5 and s["slo"]["met"] is False
+    assert s["goodput"] == {"turns_per_s": 1.0, "output_tokens_per_s": 5.0}
+    assert s["turns"]["errors"] == {"timeout": 1, "cancelled": 1} and s["turns"]["completed"] == 3
+    assert s["turns"]["gen_length_mismatches"] == 1
+    assert s["cache"]["hit_rate"] == pytest.approx(5 / 30)
+    assert s["throughput"]["output_tokens_per_s"] == 7.0
+    assert s["latency_s"]["ttft"]["p50"] == pytest.approx(0.4) and s["aps"]["achieved"] == 2.0
+    assert s["jct_s"] is None and s["agents"]["failed"] == 1
+
+
+def test_log_histogram_percentiles_are_within_one_percent() -> None:
+    values = np.random.default_rng(0).lognormal(mean=-4, sigma=1, size=20_000)
+    h = LogHistogram()
+    for v in values:
+        h.add(float(v))
+    for q in (50, 90, 99):
+        assert h.percentile(q) == pytest.approx(np.percentile(values, q), rel=0.01)
+    h.add(0.0)
+    assert h.summary()["n"] == 20_001 and h.summary()["max"] == pytest.approx(values.max())
+
+
+def test_distribution_of_nothing_is_just_a_zero_count() -> None:
+    assert distribution([]) == {"n": 0}
+    d = distribution([1.0, 2.0, 3.0])
+    assert (d["p50"], d["mean"], d["max"], d["n"]) == (2.0, 2.0, 3.0, 3)
+
+
+def test_sweep_doubles_until_a_failure_then_bisects_to_the_tolerance() -> None:
+    plan = SweepPlan(start_rate=1.0, max_probes=20, tolerance=0.1)
+    state = SweepState()
+    capacity = 5.0
+    while (rate := next_rate(plan, state)) is not None:
+        state.points.append({"rate": rate})
+        if rate <= capacity:
+            state.best = max(rate, state.best or 0)
+        else:
+            state.lowest_failure = min(rate, state.lowest_failure or np.inf)
+    assert [p["rate"] for p in state.points[:4]] == [1.0, 2.0, 4.0, 8.0]
+    assert 4.5 <= state.best <= capacity < state.lowest_failure <= 1.1 * state.best
+
+
+def test_sweep_halves_when_the_start_rate_fails_and_respects_the_probe_budget() -> None:
+    plan = SweepPlan(start_rate=8.0, max_probes=3)
+    state = SweepState()
+    while (rate := next_rate(plan, state)) is not None:
+        state.points.append({"rate": rate})
+        state.lowest_failure = rate
+    assert [p["rate"] for p in state.points] == [8.0, 4.0, 2.0] and state.best is None
