@@ -81,6 +81,12 @@ def decode_step(decoder, memory: KvMemory, seqs: list[DecodeSequence], inputs: l
     device = decoder.device
     for s in seqs:
         memory.grow(s, s.kv_len + 1)
+    if getattr(decoder, "modeled", False):
+        # Testbed: the step takes the cost model's time; KV content is irrelevant there.
+        logits = decoder.decode_step([s.kv_len + 1 for s in seqs], inputs)
+        for s in seqs:
+            s.kv_len += 1
+        return logits
     token_t = torch.tensor(inputs, dtype=torch.long, device=device)
     pos_t = torch.tensor([s.kv_len for s in seqs], dtype=torch.long, device=device)
     segments = [(i, 1) for i in range(len(seqs))]

@@ -50,7 +50,6 @@ class ModeledDecoder:
         self.modeled_s = 0.0  # time the cost model asked for
         self.busy_s = 0.0  # time the calls actually took
         self.attention_s = 0.0  # modeled attention time (load-balance figure)
-        self._decode_context: list[int] = []
 
     @property
     def overhead_s(self) -> float:
@@ -85,6 +84,16 @@ class ModeledDecoder:
         self.modeled_s += seconds
         self.busy_s += time.perf_counter() - t0
         return hidden, kv[:, 0].unsqueeze(1), kv[:, 1].unsqueeze(1)
+
+    def decode_step(self, context_lens: Sequence[int], inputs: Sequence[int]) -> torch.Tensor:
+        """One decode step of the whole batch in one call: the modeled time, then the logits."""
+        t0 = time.perf_counter()
+        seconds = self.cost.decode_step_time(context_lens)
+        logits = self.logits(torch.tensor(inputs, dtype=torch.float32).unsqueeze(1))
+        self._sleep(seconds, t0)
+        self.modeled_s += seconds
+        self.busy_s += time.perf_counter() - t0
+        return logits
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """A peaked distribution over printable letters, varying with the input token."""

@@ -1,0 +1,20 @@
+"""``dualpath experiment offline|online``: the paper's experiments on the real services with
+emulated cluster hardware (modes basic / dualpath / oracle on the same stack)."""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(argv or [])
+    if not argv or argv[0] not in ("offline", "online"):
+        print("usage: dualpath experiment offline|online [flags]  (--help after the name lists them)", file=sys.stderr)
+        return 2
+    if argv[0] == "offline":
+        from services.experiment.offline import main as run
+    else:
+        from services.experiment.online import main as run
+    return run(argv[1:])

@@ -1,0 +1,99 @@
+"""``dualpath experiment offline``: Basic vs DualPath vs Oracle, an RL-rollout-style offline run.
+
+Every agent starts at once and runs its turns back to back (job completion time, JCT), on the
+real services with modeled compute and emulated NICs. Reports the JCT table with ratios next to
+the I/O bound ((P+D)/P for a fully I/O-bound job) and the paper's figures, SNIC utilisation and
+balance, attention balance and the emulation's own overhead; writes result.json and PNGs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from services.experiment.analysis import mode_figures
+from services.experiment.plots import plot_jct, plot_snic
+from services.experiment.runner import MODES, TestbedSpec, run_mode
+from services.launcher.topology import parse_topology
+from services.launcher.up import ensure_model
+
+__all__ = ["main"]
+
+PAPER = {"ds27b": "1.78x max over Basic (1P1D); 1.64x average over 1P1D/2P1D/1P2D, up to 2.46x", "ds660b": "1.87x over Basic"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dualpath experiment offline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="ds27b", help="modeled model: ds27b, ds660b, qwen32b, dsv3")
+    p.add_argument("--topology", default="1P1D", help="xPyD nodes")
+    p.add_argument("--engines-per-node", type=int, default=2, help="engine processes per node (SNIC scaled to match the GPUs)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--dataset", default="64k", help="32k, 48k, 64k or a trajectory JSONL file")
+    p.add_argument("--agents", type=int, default=8)
+    p.add_argument("--turns", type=int, default=6, help="turns per agent (the sets have 60-157)")
+    p.add_argument("--modes", default="basic,dualpath,oracle")
+    p.add_argument("--scale", type=float, default=1000.0, help="bytes and bandwidths divided by this (times preserved)")
+    p.add_argument("--snic-gbps", type=float, default=400.0)
+    p.add_argument("--cnic-gbps", type=float, default=400.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/offline", help="result.json, PNGs and per-mode logs")
+    p.add_argument("--json", action="store_true", help="print result.json instead of the table")
+    return p
+
+
+def format_table(result: dict) -> str:
+    rows = result["modes"]
+    lines = [f"offline {result['target']} {result['topology']} {result['dataset']}: {result['agents']} agents x {result['turns']} turns",
+             f"{'mode':<9} {'JCT s':>8} {'hit %':>6} {'SNIC util (per node)':<28} {'SNIC max/avg':>12} {'attn max/avg':>12} {'overhead':>9}"]
+    for r in rows.values():
+        util = " ".join(f"{n}:{u:.0%}" for n, u in sorted(r["snic_read_utilisation"].items()))
+        hit = f"{100 * r['cache_hit_rate']:.1f}" if r["cache_hit_rate"] is not None else "-"
+        f = lambda v: f"{v:.2f}" if isinstance(v, (int, float)) else "-"  # noqa: E731
+        lines.append(f"{r['mode']:<9} {r['jct_s']:>8.1f} {hit:>6} {util:<28} {f(r['snic_bytes_max_over_avg']):>12} "
+                     f"{f(r['attention_max_over_avg']):>12} {f(r['overhead_share']['mean']):>9}")
+    ratios = result["ratios"]
+    for k, v in ratios.items():
+        lines.append(f"{k}: {v:.2f}x" if v else f"{k}: -")
+    lines.append(f"I/O bound (P+D)/P = {result['io_bound']:.2f}x; paper: {result['paper']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    try:
+        topology = parse_topology(ns.topology, ns.engines_per_node)
+        if bad:
+            raise ValueError(f"unknown mode(s) {bad}; choose from {sorted(MODES)}")
+    except ValueError as exc:
+        print(f"dualpath experiment offline: {exc}", file=sys.stderr)
+        return 2
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = ensure_model("", str(out), long_context=True)
+    spec = TestbedSpec(model=model, topology=topology, target=ns.target, scale=ns.scale, gpus_per_node=ns.gpus_per_node,
+                       snic_gbps=ns.snic_gbps, cnic_gbps=ns.cnic_gbps, dataset=ns.dataset, agents=ns.agents, turns=ns.turns,
+                       seed=ns.seed, out=out)
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True))
+    results = {}
+    for mode in modes:
+        r = run_mode(spec, mode, say=say)
+        results[mode] = r
+        say(f"[{mode}] JCT {mode_figures(r)['jct_s']:.1f}s")
+    rows = {m: mode_figures(r) for m, r in results.items()}
+    jct = {m: r["jct_s"] for m, r in rows.items()}
+    result = {"target": ns.target, "topology": ns.topology, "engines_per_node": ns.engines_per_node, "dataset": ns.dataset,
+              "agents": ns.agents, "turns": ns.turns, "scale": ns.scale, "modes": rows,
+              "ratios": {"basic/dualpath": jct["basic"] / jct["dualpath"] if {"basic", "dualpath"} <= jct.keys() else None,
+                         "dualpath/oracle": jct["dualpath"] / jct["oracle"] if {"dualpath", "oracle"} <= jct.keys() else None},
+              "io_bound": (topology.prefill_nodes + topology.decode_nodes) / topology.prefill_nodes,
+              "paper": PAPER.get(ns.target, "-")}
+    (out / "result.json").write_text(json.dumps(result, indent=2))
+    plot_jct(rows, out / "jct.png")
+    plot_snic({m: (r.nodes, r.snic_rate) for m, r in results.items()}, out / "snic_utilisation.png")
+    print(json.dumps(result, indent=2) if ns.json else format_table(result))
+    say(f"wrote {out / 'result.json'}, {out / 'jct.png'}, {out / 'snic_utilisation.png'}")
+    return 0 if all(r.loadgen_exit == 0 for r in results.values()) else 1

@@ -1,0 +1,41 @@
+"""PNGs of a testbed run: JCT per mode, SNIC read utilisation over time per node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from services.experiment.analysis import snic_series  # noqa: E402
+
+__all__ = ["plot_jct", "plot_snic"]
+
+
+def plot_jct(rows: dict, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    names = list(rows)
+    ax.bar(names, [rows[n]["jct_s"] for n in names], color=["#c44", "#48c", "#4a4"][: len(names)])
+    ax.set_ylabel("job completion time (s)")
+    ax.set_title("offline rollout JCT per mode")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_snic(per_mode: dict, path: Path) -> None:
+    fig, axes = plt.subplots(len(per_mode), 1, figsize=(7, 2.2 * len(per_mode)), sharex=True, squeeze=False)
+    for ax, (mode, (nodes, rate)) in zip(axes[:, 0], per_mode.items()):
+        for node, samples in sorted(nodes.items()):
+            series = [(t, u) for t, u in snic_series(samples, rate) if t >= 0]
+            if series:
+                ax.plot([t for t, _ in series], [100 * u for _, u in series], label=node, lw=1)
+        ax.set_ylabel(f"{mode}\nSNIC read %")
+        ax.set_ylim(0, 105)
+        ax.legend(loc="upper right", fontsize=7)
+    axes[-1, 0].set_xlabel("seconds since the agents started")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

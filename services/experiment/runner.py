@@ -1,0 +1,97 @@
+"""Run one testbed mode: a stack with emulated hardware, the load generator against it, and
+the cluster figures sampled meanwhile."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dualpath.bus.embedded import free_port
+from dualpath.config import EmulationConfig
+from services.experiment.sampler import ClusterSampler
+from services.launcher.stack import Stack, StackConfig
+from services.launcher.topology import Topology
+
+__all__ = ["ModeResult", "TestbedSpec", "run_mode"]
+
+MODES = {  # mode -> (policy, read path, oracle)
+    "basic": ("basic", "pe", False),
+    "dualpath": ("dualpath", "auto", False),
+    "oracle": ("dualpath", "auto", True),
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TestbedSpec:
+    model: str
+    topology: Topology
+    target: str
+    scale: float
+    gpus_per_node: int
+    snic_gbps: float
+    cnic_gbps: float
+    dataset: str
+    agents: int
+    turns: int
+    seed: int
+    out: Path
+    online_rate: float = 0.0  # 0 = offline (all agents at once)
+    duration: float = 0.0
+    extra_loadgen: tuple[str, ...] = ()
+
+
+@dataclass(slots=True, kw_only=True)
+class ModeResult:
+    mode: str
+    report: dict
+    nodes: dict[str, list[tuple[float, int, int]]]
+    engines: dict[str, dict]
+    wall_s: float
+    loadgen_exit: int
+    snic_rate: float  # emulated bytes/s of one node's SNIC
+    extra: dict = field(default_factory=dict)
+
+
+def _emulation(spec: TestbedSpec, oracle: bool) -> EmulationConfig:
+    return EmulationConfig(compute="modeled", target=spec.target, scale=spec.scale, gpus_per_node=spec.gpus_per_node,
+                           engines_per_node=spec.topology.engines_per_node, snic_gbps=spec.snic_gbps, cnic_gbps=spec.cnic_gbps,
+                           oracle=oracle)
+
+
+def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
+    """Start a fresh stack (empty storage) for ``mode``, run the agents, stop; return the figures."""
+    policy, read_path, oracle = MODES[mode]
+    emu = _emulation(spec, oracle)
+    out = spec.out / mode
+    out.mkdir(parents=True, exist_ok=True)
+    buffer_mb = max(64, emu.profile().buffer_bytes(spec.topology.engines_per_node) >> 20)
+    cfg = StackConfig(model=spec.model, topology=spec.topology, storage=str(out / "storage"), run_dir=str(out / "run"), port=free_port(),
+                      policy=policy, read_path=read_path, emulation=emu, buffer_mb=buffer_mb, max_batch_tokens=16384,
+                      kv_capacity_tokens=1 << 22)
+    say(f"[{mode}] starting {spec.topology} stack ({policy}, read path {read_path}{', oracle' if oracle else ''})")
+    stack = Stack(cfg).start(timeout=300)
+    sampler = ClusterSampler(stack.nats_url, stack.namespace).start()
+    try:
+        cmd = [sys.executable, "-m", "loadgen.cli", "--url", stack.url, "--dataset", spec.dataset, "--agents", str(spec.agents),
+               "--turns", str(spec.turns), "--tokenizer", spec.model, "--out", str(out / "loadgen"), "--progress", "never",
+               "--no-plots", "--seed", str(spec.seed), "--request-timeout", "1800", *spec.extra_loadgen]
+        cmd += ["--rate", str(spec.online_rate), "--duration", str(spec.duration)] if spec.online_rate else ["--offline"]
+        say(f"[{mode}] {spec.agents} agents x {spec.turns} turns of the {spec.dataset} set" + (" (all at once)" if not spec.online_rate else f" at {spec.online_rate} APS"))
+        sampler.reset_clock()
+        t0 = time.monotonic()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.monotonic() - t0
+        time.sleep(2 * 0.2 + 0.1)  # one more round of reports
+    finally:
+        sampler.stop()
+        stack.stop()
+    report_path = out / "loadgen" / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else {}
+    if proc.returncode != 0:
+        say(f"[{mode}] load generator exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
+    return ModeResult(mode=mode, report=report, nodes=sampler.nodes, engines=sampler.engines, wall_s=wall,
+                      loadgen_exit=proc.returncode, snic_rate=emu.profile().snic_bytes_per_s(spec.topology.engines_per_node))
