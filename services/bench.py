@@ -28,7 +28,7 @@ def _transfer(ns) -> dict:
 
     kw = {}
     if ns.quick:
-        kw["quick"] = True
+        kw.update(block_sizes=(4096, 262144, 1 << 20), batch_sizes=(1, 16, 256), point_seconds=0.05, with_mooncake=False)
     return run_bench(**kw), format_report
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dualpath.bus import Bus
+from dualpath.bus import Bus, BusTimeoutError
 from dualpath.config import EngineConfig
 from dualpath.engine.common import EngineSetup, read_path_name
 from dualpath.engine.prefill import PrefillItem, run_prefill
@@ -193,7 +193,8 @@ class PrefillEngine:
         try:
             await self.bus.request(self.subjects.decode(t.decode_engine), task, m.Ok, timeout=10.0)
         except Exception as exc:  # noqa: BLE001
-            await self._fail(job, f"handoff to {t.decode_engine} failed: {exc}")
+            await self._fail(job, f"handoff to {t.decode_engine} failed: {exc}",
+                             unreachable=t.decode_engine if isinstance(exc, BusTimeoutError) else "")
             return
         await self._drop(job)
         log.info("prefill_done", request_id=t.request_id, read_path=read_path_name(t.read_path), hit_blocks=job.hit_blocks,
@@ -209,11 +210,11 @@ class PrefillEngine:
             except Exception as exc:  # noqa: BLE001
                 log.warning("pe_slot_free_failed", request_id=job.task.request_id, error=str(exc))
 
-    async def _fail(self, job: Job, reason: str) -> None:
+    async def _fail(self, job: Job, reason: str, unreachable: str = "") -> None:
         log.warning("task_failed", request_id=job.task.request_id, reason=reason)
         await self._drop(job)
-        await self.bus.publish(self.subjects.task_failed, m.TaskFailed(request_id=job.task.request_id,
-                                                                        engine_id=self.cfg.engine_id, reason=reason))
+        await self.bus.publish(self.subjects.task_failed, m.TaskFailed(request_id=job.task.request_id, engine_id=self.cfg.engine_id,
+                                                                        reason=reason, unreachable=unreachable))
 
     # ---- reporting -------------------------------------------------------------------------
     def report(self) -> m.EngineReport:

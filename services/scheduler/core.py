@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from dualpath.bus import Bus
+from dualpath.bus import Bus, BusTimeoutError
 from dualpath.bus.client import HandlerError
 from dualpath.config import SchedulerConfig
 from dualpath.policy import PendingRequest, Policy
@@ -102,7 +102,10 @@ class Scheduler:
         if t is None:
             return
         log.warning("task_failed", request_id=f.request_id, engine=f.engine_id, reason=f.reason)
-        await self._retry(t, f.reason)
+        if f.unreachable:
+            await self._expel([f.unreachable])
+        if self.running.get(f.request_id) is t:
+            await self._retry(t, f.reason)
 
     async def on_state(self, _req: m.StateRequest) -> m.StateReply:
         engines = [{"engine_id": e.name, "node": e.node, "role": int(e.role)} for e in self.members.engines.values()]
@@ -138,9 +141,16 @@ class Scheduler:
     async def expire(self) -> None:
         """Drop silent engines and re-dispatch whatever they held."""
         dead = self.members.expire(time.monotonic())
-        if not dead:
-            return
-        names = {e.name for e in dead}
+        if dead:
+            await self._lost({e.name for e in dead})
+
+    async def _expel(self, names: list[str]) -> None:
+        """Stop using engines that did not answer (they re-join with their next report)."""
+        gone = {n for n in names if self.members.engines.pop(n, None) is not None}
+        if gone:
+            await self._lost(gone)
+
+    async def _lost(self, names: set[str]) -> None:
         log.warning("engines_lost", engines=sorted(names))
         self._rebuild()
         for t in list(self.running.values()):
@@ -148,6 +158,7 @@ class Scheduler:
                 await self._retry(t, f"engine {t.prefill_engine if t.prefill_engine in names else t.decode_engine} stopped reporting")
 
     async def _retry(self, t: Tracked, reason: str) -> None:
+        log.warning("request_retried", request_id=t.req.request_id, attempt=t.attempt + 1, reason=reason)
         self.running.pop(t.req.request_id, None)
         if self.state is not None:
             self._safe(self.state.on_finished, t.num)
@@ -229,6 +240,8 @@ class Scheduler:
                                      attempt=t.attempt, policy=self.policy.name)
                 await self.bus.request(self.subjects.prefill(t.prefill_engine), task, m.Ok, timeout=5.0)
             except Exception as exc:  # noqa: BLE001 - any dispatch failure is retried
+                if isinstance(exc, BusTimeoutError) and exc.subject == self.subjects.prefill(t.prefill_engine):
+                    await self._expel([t.prefill_engine])  # nobody listens there: do not send it more
                 if self.running.get(r.request_id) is t:
                     await self._retry(t, f"dispatch failed: {exc}")
 

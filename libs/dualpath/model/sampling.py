@@ -1,21 +1,36 @@
-"""Sampling: greedy, temperature, top-k, top-p, with OpenAI-style logprobs.
+"""Token sampling: greedy, temperature, top-k, top-p, with OpenAI-style logprobs.
 
-Logprobs are ``log_softmax`` of the raw logits (temperature-independent, as OpenAI and vLLM
-report them). ``temperature == 0`` is greedy (ties to the lowest id).
+Logprobs are ``log_softmax`` of the raw logits, before temperature, top-k/top-p or EOS
+suppression (what OpenAI and vLLM report), so they do not change with the sampling knobs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
-__all__ = ["SampledToken", "SamplingParams", "sample"]
+from dualpath.model.errors import ModelInputError
+
+__all__ = ["MAX_TOP_LOGPROBS", "SampledToken", "SamplingParams", "sample"]
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for `top_logprobs`
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
+    """Per-request sampling settings (OpenAI / vLLM semantics).
+
+    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` are off. ``min_tokens``
+    and ``ignore_eos`` are enforced by the caller through ``sample(suppress_eos=...)``.
+
+    Raises:
+        ModelInputError: a field out of range (negative temperature, ``top_p`` outside
+            ``(0, 1]``, ``max_tokens < 1``, ``min_tokens > max_tokens``, ``top_logprobs``
+            outside ``[0, 20]``, a negative stop token id).
+    """
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -27,49 +42,90 @@ class SamplingParams:
     top_logprobs: int = 0
     stop_token_ids: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        checks = (
+            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
+            (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+             f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"),
+            (all(t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be >= 0: {self.stop_token_ids}"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ModelInputError(message)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SampledToken:
+    """One chosen token, its logprob and the most likely alternatives (best first)."""
+
     token_id: int
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...]
 
 
-def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    x = logits / p.temperature
-    if p.top_k and p.top_k < x.shape[-1]:
-        kth = torch.topk(x, p.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_x, idx = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix reaching top_p
-        x = x.scatter(-1, idx, sorted_x.masked_fill(drop, float("-inf")))
-    return x
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    *,
+    suppress_eos: Sequence[bool] | None = None,
+    eos_ids: Collection[int] = frozenset(),
+) -> list[SampledToken]:
+    """Choose one token per row of ``logits [B, V]``.
 
+    Row ``i`` uses ``params[i]`` and draws from ``generators[i]`` (``None``: torch's default
+    generator; pass a seeded one for reproducible sampling; it must live on the logits'
+    device or on CPU). Greedy rows take the argmax, ties going to the lowest id. Where
+    ``suppress_eos[i]`` is true the ids in ``eos_ids`` cannot be chosen (min_tokens,
+    ignore_eos). ``top_logprobs`` is filled only when ``params[i].logprobs`` is set.
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None], *,
-           suppress_eos: Sequence[bool] | None = None, eos_ids: frozenset[int] = frozenset()) -> list[SampledToken]:
-    """One token per row of ``logits`` ``[B, V]`` (float32, any device)."""
-    logits = logits.float()
-    if suppress_eos is not None and eos_ids:
-        rows = [i for i, s in enumerate(suppress_eos) if s]
-        if rows:
-            logits = logits.clone()
-            cols = torch.tensor(sorted(eos_ids), device=logits.device)
-            logits[torch.tensor(rows, device=logits.device)[:, None], cols[None, :]] = float("-inf")
-    logp = torch.log_softmax(logits, dim=-1)
+    Raises:
+        ModelInputError: ``logits`` not 2-D, or lengths of ``params``, ``generators`` or
+            ``suppress_eos`` differing from ``B``.
+    """
+    if logits.dim() != 2:
+        raise ModelInputError(f"logits must be [B, V], got {tuple(logits.shape)}")
+    batch, vocab = logits.shape
+    suppress = list(suppress_eos) if suppress_eos is not None else [False] * batch
+    if not len(params) == len(generators) == len(suppress) == batch:
+        raise ModelInputError(f"{batch} logit rows but {len(params)} params, {len(generators)} generators, "
+                              f"{len(suppress)} suppress_eos entries")
+    raw = logits.float()
+    logprobs = torch.log_softmax(raw, dim=-1)  # [B, V]
+    eos = torch.tensor(sorted(i for i in eos_ids if 0 <= i < vocab), dtype=torch.long, device=raw.device)
     out = []
     for i, p in enumerate(params):
-        row = logits[i]
-        if p.temperature <= 0:
-            token = int(torch.argmax(row))  # first maximum: lowest id on ties
-        else:
-            probs = torch.softmax(_filter(row, p), dim=-1).cpu()
-            token = int(torch.multinomial(probs, 1, generator=generators[i]))
-        top = ()
-        if p.top_logprobs:
-            vals, ids = torch.topk(logp[i], min(p.top_logprobs, logp.shape[-1]))
-            top = tuple((int(t), float(v)) for t, v in zip(ids.tolist(), vals.tolist()))
-        out.append(SampledToken(token_id=token, logprob=float(logp[i, token]), top_logprobs=top))
+        row = raw[i]
+        if suppress[i] and eos.numel():
+            row = row.index_fill(0, eos, float("-inf"))
+        token = int(row.argmax()) if p.temperature == 0.0 else _draw(row, p, generators[i])
+        top: tuple[tuple[int, float], ...] = ()
+        if p.logprobs and p.top_logprobs:
+            # Stable sort: equal logprobs are listed lowest id first, like the greedy choice.
+            values, ids = torch.sort(logprobs[i], descending=True, stable=True)
+            top = tuple(zip(ids[: p.top_logprobs].tolist(), values[: p.top_logprobs].tolist()))
+        out.append(SampledToken(token_id=token, logprob=float(logprobs[i, token]), top_logprobs=top))
     return out
+
+
+def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    """Sample from ``row [V]`` after temperature, top-k and top-p."""
+    scaled = row / p.temperature
+    if 0 < p.top_k < scaled.numel():
+        kth = torch.topk(scaled, p.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True, stable=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
+        scaled = scaled.index_fill(0, order[drop], float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if generator is not None and generator.device != probs.device:
+        probs = probs.to(generator.device)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -42,11 +42,13 @@ ROPE_THETA = 10000.0
 LOGIT_SCALE = 3000.0  # std of a target logit, nats
 ATTENTION_SHARPNESS = 14.0
 MLP_GAIN = 12.0
-CODE_FRAC = 0.25
+CODE_FRAC = 0.0
 CODE_NORM = 1.0
 CODE_PENALTY = 10.0
 VERBOSE = False
 GATE_SCALE = 1.0
+PEAKS = 2
+PEAK_SPACING = 4
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
     " + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
@@ -194,32 +196,35 @@ def _calibrate(cfg, t, rest, targets):
     if VERBOSE: print("rms", float(rms))
 
 
-def _positional_biases(hd: int, nh: int, nkv: int, max_position: int):
-    """q/k biases whose RoPE'd dot product peaks at relative offset ``d`` per query head.
+def _head_offsets(layer: int, head: int, nh: int) -> tuple[int, ...]:
+    k = layer * nh + head
+    d = 1 + k % 4
+    return tuple(d + PEAK_SPACING * j for j in range(PEAKS))
 
-    With k's pair ``i`` at phase 0 and q's at ``-d * theta_i``, the score of a key ``delta``
-    tokens back is ``sum_i a_i^2 cos((delta - d) theta_i)``: maximal at ``delta = d``.
-    Only pairs with period <= 64 tokens are used (slower ones cannot tell neighbours apart);
-    the gain sets the gap to the best other offset in ``[0, max_position]`` to
-    ``ATTENTION_SHARPNESS`` nats.
-    """
+
+def _positional_biases(hd: int, nh: int, nkv: int, max_position: int):
+    """q/k biases whose RoPE'd dot product peaks at relative offsets ``D`` per query head."""
     inv = inverse_frequencies(hd, ROPE_THETA, None).double()  # [hd/2]
     used = (2 * math.pi / inv <= 64.0) | (torch.arange(hd // 2) == 0)
-    deltas = torch.arange(-8, max_position + 1, dtype=torch.float64)
-    deltas = deltas[deltas != 0]
-    score = torch.cos(deltas[:, None] * inv[used][None, :]).sum(-1)  # [deltas]
-    gap = float(used.sum() - score.max())
-    amp = torch.zeros(hd // 2, dtype=torch.float64)
-    amp[used] = math.sqrt(ATTENTION_SHARPNESS / gap * math.sqrt(hd))  # a_i^2 / sqrt(hd) per unit
-    k_head = torch.cat((amp, torch.zeros(hd // 2, dtype=torch.float64)))  # [hd] phase 0
-    k_bias = k_head.repeat(nkv).float()  # [nkv * hd]
+    k_amp = torch.where(used, torch.tensor(2.0 * hd ** 0.25, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
+    k_bias = torch.cat((k_amp, torch.zeros(hd // 2, dtype=torch.float64))).repeat(nkv).float()  # [nkv * hd]
+    deltas = torch.arange(0, max_position + 1, dtype=torch.float64)
+
+    def q_head(offsets: tuple[int, ...]) -> torch.Tensor:
+        unit = torch.zeros(hd // 2, dtype=torch.complex128)
+        for d in offsets:
+            unit = unit + torch.exp(-1j * d * inv)
+        unit = unit * used
+        score = (unit[None, :] * torch.exp(1j * deltas[:, None] * inv[None, :])).real.sum(-1)  # [deltas]
+        inside = torch.zeros_like(score, dtype=torch.bool)
+        inside[list(offsets)] = True
+        gap = float(score[inside].min() - score[~inside].max())
+        scale = ATTENTION_SHARPNESS / gap * math.sqrt(hd) / (2.0 * hd ** 0.25)
+        q = unit * scale
+        return torch.cat((q.real, q.imag))
 
     def q_bias(layer: int) -> torch.Tensor:
-        rows = []
-        for head in range(nh):
-            d = 1 + (layer * nh + head) % 4
-            rows.append(torch.cat((amp * torch.cos(-d * inv), amp * torch.sin(-d * inv))))
-        return torch.cat(rows).float()  # [nh * hd]
+        return torch.cat([q_head(_head_offsets(layer, h, nh)) for h in range(nh)]).float()  # [nh * hd]
 
     return q_bias, k_bias
 

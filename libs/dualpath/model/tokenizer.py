@@ -1,75 +1,135 @@
-"""``Tokenizer``: a Hugging Face ``tokenizer.json`` (through the ``tokenizers`` library) plus chat rendering.
+"""``Tokenizer``: a ``tokenizer.json`` (Hugging Face ``tokenizers``) plus the ChatML format.
 
-Chat prompts use the ChatML layout that Qwen2 models are trained on; special tokens written
-in the text (``<|im_start|>`` ...) encode as single ids.
+The serving path re-tokenizes the whole conversation every turn and relies on the ids of
+earlier turns being reproduced exactly (that is what makes their KV blocks hits), so
+``encode`` never adds special tokens of its own and ``render_chat`` is a pure function of
+the messages.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from dualpath.model.errors import ModelLoadError
+from dualpath.model.errors import ModelInputError, ModelLoadError
 
-__all__ = ["Tokenizer"]
+__all__ = ["CHATML_EOS", "Tokenizer"]
 
-_EOS_NAMES = ("<|im_end|>", "<|endoftext|>", "</s>", "<|eot_id|>", "<|end_of_text|>")
+CHATML_EOS = ("<|im_end|>", "<|endoftext|>")
 
 
-def _text(content: Any) -> str:
+class Tokenizer:
+    """Text <-> token ids for one checkpoint, and ChatML rendering of chat messages.
+
+    Special tokens such as ``<|im_start|>`` are matched as single tokens wherever they
+    appear in the text given to ``encode``.
+    """
+
+    def __init__(self, tokenizer: HFTokenizer, *, eos_token_ids: frozenset[int]) -> None:
+        self._tok = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load ``<path>/tokenizer.json``; EOS ids come from ``<|im_end|>``/``<|endoftext|>``
+        and the ``eos_token(_id)`` of ``tokenizer_config.json``, ``generation_config.json``
+        and ``config.json`` where present.
+
+        Raises:
+            ModelLoadError: ``tokenizer.json`` missing or unparsable, or one of the optional
+                JSON files present but not a JSON object.
+        """
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise ModelLoadError(file, "tokenizer.json not found")
+        try:
+            tok = HFTokenizer.from_file(str(file))
+        except Exception as exc:  # the Rust side raises a bare Exception on bad JSON
+            raise ModelLoadError(file, f"cannot load tokenizer.json: {exc}") from None
+        eos: set[int] = {i for name in CHATML_EOS if (i := tok.token_to_id(name)) is not None}
+        tok_config = _optional_json(path / "tokenizer_config.json")
+        name = tok_config.get("eos_token")
+        if isinstance(name, dict):  # older files store an AddedToken object
+            name = name.get("content")
+        if isinstance(name, str) and (i := tok.token_to_id(name)) is not None:
+            eos.add(i)
+        for extra in ("generation_config.json", "config.json"):
+            value = _optional_json(path / extra).get("eos_token_id")
+            eos.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
+        return cls(tok, eos_token_ids=frozenset(eos))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; no BOS/EOS or other special tokens are added."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, leaving out special tokens.
+
+        Ids past the tokenizer's vocabulary (a model's padded embedding rows) decode to
+        nothing, as in transformers.
+
+        Raises:
+            ModelInputError: an id is negative.
+        """
+        ids = [int(i) for i in ids]
+        if any(i < 0 for i in ids):
+            raise ModelInputError("negative token id")
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a vocabulary entry (e.g. ``"<|im_end|>"``), or ``None``."""
+        return self._tok.token_to_id(token)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """ChatML text of ``messages``.
+
+        Each message becomes ``"<|im_start|>{role}\\n{content}<|im_end|>\\n"``; with
+        ``add_generation_prompt`` the text ends in ``"<|im_start|>assistant\\n"``. Content is
+        a string, ``None`` (e.g. an assistant turn carrying only tool calls) or a list of
+        ``{"type": "text", "text": ...}`` parts, which are concatenated.
+
+        Raises:
+            ModelInputError: a message is not a dict with a string ``role``, or its content
+                is of another type or holds a non-text part.
+        """
+        parts = []
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ModelInputError(f"message {index} needs a string 'role'")
+            parts.append(f"<|im_start|>{message['role']}\n{_content_text(message.get('content'), index)}<|im_end|>\n")
+        if add_generation_prompt:
+            parts.append("<|im_start|>assistant\n")
+        return "".join(parts)
+
+
+def _content_text(content: Any, index: int) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type", "text") == "text")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ModelInputError(f"message {index}: only text content parts are supported, got {part!r}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ModelInputError(f"message {index}: content must be a string or a list of text parts")
 
 
-class Tokenizer:
-    def __init__(self, tok: HFTokenizer, eos_ids: frozenset[int]) -> None:
-        self._tok = tok
-        self.eos_token_ids = eos_ids
-        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
-        """Load ``tokenizer.json`` (and the eos token from ``tokenizer_config.json`` if present).
-
-        Raises:
-            ModelLoadError: no or unreadable ``tokenizer.json``.
-        """
-        path = Path(path)
-        file = path / "tokenizer.json"
-        if not file.exists():
-            raise ModelLoadError(file, "missing tokenizer.json")
-        try:
-            tok = HFTokenizer.from_file(str(file))
-        except Exception as exc:  # noqa: BLE001 - the library raises a bare Exception
-            raise ModelLoadError(file, f"unreadable: {exc}") from None
-        names = set(_EOS_NAMES)
-        cfg = path / "tokenizer_config.json"
-        if cfg.exists():
-            eos = json.loads(cfg.read_text()).get("eos_token")
-            if isinstance(eos, dict):
-                eos = eos.get("content")
-            if isinstance(eos, str):
-                names.add(eos)
-        ids = frozenset(i for i in (tok.token_to_id(n) for n in names) if i is not None)
-        return cls(tok, ids)
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no BOS/EOS added; special tokens in the text are single ids)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``, special tokens skipped."""
-        return self._tok.decode(list(ids), skip_special_tokens=True)
-
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then the assistant prompt."""
-        parts = [f"<|im_start|>{m['role']}\n{_text(m.get('content'))}<|im_end|>\n" for m in messages]
-        if add_generation_prompt:
-            parts.append("<|im_start|>assistant\n")
-        return "".join(parts)
+def _optional_json(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        return {}
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(file, f"cannot read {file.name}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(file, f"{file.name} is not a JSON object")
+    return value

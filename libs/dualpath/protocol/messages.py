@@ -289,6 +289,7 @@ class TaskFailed(Wire):
     engine_id: str
     reason: str
     retryable: bool = True
+    unreachable: str = ""  # an engine that did not answer (the scheduler stops using it until it reports)
 
 
 @register(43)
