@@ -86,7 +86,7 @@ def ensure_model(model: str, run_dir: str, *, long_context: bool = False) -> str
     if not (path / "config.json").exists():
         from dualpath.model import make_tiny_model
 
-        print(f"making a tiny random model in {path} ...", flush=True)
+        print(f"making a tiny random model in {path} ...", file=sys.stderr, flush=True)
         make_tiny_model(path, max_position=262144 if long_context else 4096)
     return str(path)
 
