@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agents", type=int, default=8)
     p.add_argument("--turns", type=int, default=6, help="turns per agent (the sets have 60-157)")
     p.add_argument("--modes", default="basic,dualpath,oracle")
+    p.add_argument("--warmup-turns", type=int, default=1,
+                   help="untimed first turns per agent (their KV is then in storage, as mid-rollout); 0 = time from scratch")
     p.add_argument("--scale", type=float, default=1000.0, help="bytes and bandwidths divided by this (times preserved)")
     p.add_argument("--snic-gbps", type=float, default=400.0)
     p.add_argument("--cnic-gbps", type=float, default=400.0)
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     model = ensure_model("", str(out), long_context=True)
     spec = TestbedSpec(model=model, topology=topology, target=ns.target, scale=ns.scale, gpus_per_node=ns.gpus_per_node,
                        snic_gbps=ns.snic_gbps, cnic_gbps=ns.cnic_gbps, dataset=ns.dataset, agents=ns.agents, turns=ns.turns,
-                       seed=ns.seed, out=out)
+                       seed=ns.seed, out=out, warmup_turns=ns.warmup_turns)
     say = (lambda msg: print(msg, file=sys.stderr, flush=True))
     results = {}
     for mode in modes:
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {m: mode_figures(r) for m, r in results.items()}
     jct = {m: r["jct_s"] for m, r in rows.items()}
     result = {"target": ns.target, "topology": ns.topology, "engines_per_node": ns.engines_per_node, "dataset": ns.dataset,
-              "agents": ns.agents, "turns": ns.turns, "scale": ns.scale, "modes": rows,
+              "agents": ns.agents, "turns": ns.turns, "warmup_turns": ns.warmup_turns, "scale": ns.scale, "modes": rows,
               "ratios": {"basic/dualpath": jct["basic"] / jct["dualpath"] if {"basic", "dualpath"} <= jct.keys() else None,
                          "dualpath/oracle": jct["dualpath"] / jct["oracle"] if {"dualpath", "oracle"} <= jct.keys() else None},
               "io_bound": (topology.prefill_nodes + topology.decode_nodes) / topology.prefill_nodes,

@@ -39,6 +39,7 @@ class TestbedSpec:
     turns: int
     seed: int
     out: Path
+    warmup_turns: int = 0  # offline: run each agent's first turns before the clock starts
     online_rate: float = 0.0  # 0 = offline (all agents at once)
     duration: float = 0.0
     extra_loadgen: tuple[str, ...] = ()
@@ -76,9 +77,17 @@ def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
     stack = Stack(cfg).start(timeout=300)
     sampler = ClusterSampler(stack.nats_url, stack.namespace).start()
     try:
-        cmd = [sys.executable, "-m", "loadgen.cli", "--url", stack.url, "--dataset", spec.dataset, "--agents", str(spec.agents),
-               "--turns", str(spec.turns), "--tokenizer", spec.model, "--out", str(out / "loadgen"), "--progress", "never",
-               "--no-plots", "--seed", str(spec.seed), "--request-timeout", "1800", *spec.extra_loadgen]
+        def loadgen(turns: int, dest: str) -> list[str]:
+            return [sys.executable, "-m", "loadgen.cli", "--url", stack.url, "--dataset", spec.dataset, "--agents", str(spec.agents),
+                    "--turns", str(turns), "--tokenizer", spec.model, "--out", str(out / dest), "--progress", "never",
+                    "--no-plots", "--seed", str(spec.seed), "--request-timeout", "1800", *spec.extra_loadgen]
+
+        if spec.warmup_turns and not spec.online_rate:
+            # The same agents' first turns, untimed: their KV is then in storage, as it is for the
+            # agents of a long rollout, whose first turn is a small share of 60-157 turns.
+            say(f"[{mode}] warm-up: the first {spec.warmup_turns} turn(s) of every agent, untimed")
+            subprocess.run([*loadgen(spec.warmup_turns, "warmup"), "--offline"], capture_output=True, text=True)
+        cmd = loadgen(spec.turns, "loadgen")
         cmd += ["--rate", str(spec.online_rate), "--duration", str(spec.duration)] if spec.online_rate else ["--offline"]
         say(f"[{mode}] {spec.agents} agents x {spec.turns} turns of the {spec.dataset} set" + (" (all at once)" if not spec.online_rate else f" at {spec.online_rate} APS"))
         sampler.reset_clock()
