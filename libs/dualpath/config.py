@@ -36,6 +36,8 @@ class BusConfig:
     nats_tls_ca: str = opt("", "CA bundle to verify the NATS server's TLS certificate; empty = no TLS", "DUALPATH_NATS_TLS_CA")
     nats_tls_cert: str = opt("", "client certificate for NATS mutual TLS", "DUALPATH_NATS_TLS_CERT")
     nats_tls_key: str = opt("", "client key for NATS mutual TLS", "DUALPATH_NATS_TLS_KEY")
+    metrics_port: int = opt(0, "serve Prometheus metrics on this port, all interfaces (0 = no metrics endpoint)",
+                            "DUALPATH_METRICS_PORT")
 
     def urls(self) -> list[str]:
         return [u.strip() for u in self.nats_url.split(",") if u.strip()]

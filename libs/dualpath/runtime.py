@@ -1,4 +1,4 @@
-"""Process runtime shared by every service: logging, tracing, bus connection, clean shutdown.
+"""Process runtime shared by every service: logging, tracing, metrics, bus connection, clean shutdown.
 
 A service is an ``async def main(bus, stop: asyncio.Event)`` coroutine; ``run_service``
 configures the process, connects to NATS, runs it, and on SIGINT/SIGTERM sets ``stop`` so the
@@ -15,6 +15,7 @@ from typing import Awaitable, Callable
 from dualpath.bus import Bus
 from dualpath.config import BusConfig
 from dualpath.telemetry.logs import configure_logging, get_logger
+from dualpath.telemetry.metrics import configure_metrics, shutdown_metrics
 from dualpath.telemetry.tracing import configure_tracing, shutdown_tracing
 
 __all__ = ["ServiceMain", "periodic", "run_service"]
@@ -42,6 +43,7 @@ def run_service(name: str, bus_cfg: BusConfig, main: ServiceMain) -> int:
     configure_logging(name)
     configure_tracing(name)
     try:
+        configure_metrics(name, bus_cfg.metrics_port)
         asyncio.run(_run(name, bus_cfg, main))
         return 0
     except KeyboardInterrupt:
@@ -51,6 +53,7 @@ def run_service(name: str, bus_cfg: BusConfig, main: ServiceMain) -> int:
         print(f"{name}: fatal: {exc}", file=sys.stderr)
         return 1
     finally:
+        shutdown_metrics()
         shutdown_tracing()
 
 

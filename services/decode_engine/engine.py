@@ -6,6 +6,10 @@ prompt's new full blocks from the slot and free it. Each step decodes one token 
 running request; whenever a request's KV fills a block, the block goes to storage the same
 way (through a small staging slot). When a request ends on a token that completes a block,
 one more forward computes that token's KV so every full block of the context is persisted.
+
+Tracing: each request has a ``decode.request`` span (child of the request's root, from the
+task's ``trace`` carrier) from arrival to its final event, with ``decode.admit`` and one
+``kv.persist`` per persist request under it; no span per step or token.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from dualpath.bus import Bus
 from dualpath.config import EngineConfig
@@ -25,7 +31,7 @@ from dualpath.model.sampling import SamplingParams, sample
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.telemetry.logs import get_logger
-from dualpath.telemetry.tracing import get_tracer
+from dualpath.telemetry.tracing import context_from, get_tracer
 from dualpath.transfer import MemoryRegion
 
 __all__ = ["DecodeEngine"]
@@ -44,6 +50,8 @@ class Running:
     finish: str | None = None  # set when done; the request leaves after a final KV flush if needed
     persist_tail: asyncio.Task | None = None  # the request's last persist: commits must go parent first
     t_start: float = field(default_factory=time.perf_counter)
+    decode_s: float = 0.0  # admission to last token (set when it leaves)
+    span: trace.Span = trace.INVALID_SPAN  # decode.request
 
 
 class DecodeEngine:
@@ -58,6 +66,7 @@ class DecodeEngine:
         self._regions: dict[str, MemoryRegion] = {}
         self._wake = asyncio.Event()
         self._persists: set[asyncio.Task] = set()
+        self._arrived_ns: dict[str, int] = {}  # task arrival, where decode.request spans start
         self.busy_s = 0.0  # wall time inside decode steps
 
     # ---- intake ----------------------------------------------------------------------------
@@ -65,6 +74,7 @@ class DecodeEngine:
         if task.request_id in self.running or any(t.request_id == task.request_id for t in self.incoming):
             return m.Ok(detail="duplicate")
         self.incoming.append(task)
+        self._arrived_ns[task.request_id] = time.time_ns()
         self._wake.set()
         return m.Ok()
 
@@ -135,10 +145,15 @@ class DecodeEngine:
         async def go() -> None:
             if previous is not None:
                 await asyncio.wait([previous])
-            try:
-                await self.bus.request(self.subjects.tm(self.node_id, "persist"), req, m.Ok, timeout=60.0)
-            except Exception as exc:  # noqa: BLE001 - a lost block is only a future miss
-                log.warning("persist_failed", request_id=req.request_id, error=str(exc))
+            with tracer.start_as_current_span("kv.persist", context=trace.set_span_in_context(r.span)) as span:
+                if span.is_recording():
+                    span.set_attributes({"request_id": req.request_id, "blocks": len(req.hashes),
+                                         "bytes": len(req.hashes) * self.setup.layout.block_bytes, "node": self.node_id})
+                try:
+                    await self.bus.request(self.subjects.tm(self.node_id, "persist"), req, m.Ok, timeout=60.0)
+                except Exception as exc:  # noqa: BLE001 - a lost block is only a future miss
+                    span.set_status(Status(StatusCode.ERROR, str(exc)))
+                    log.warning("persist_failed", request_id=req.request_id, error=str(exc))
 
         task = asyncio.ensure_future(go())
         r.persist_tail = task
@@ -166,17 +181,31 @@ class DecodeEngine:
     async def _admit_incoming(self) -> None:
         while self.incoming and len(self.running) < self.cfg.max_running:
             task = self.incoming.pop(0)
+            span = self._request_span(task)
             try:
-                if self.setup.nic is not None and not self.setup.oracle:  # the H2D copy goes through the GPU's CNIC
-                    lay = self.setup.layout
-                    await self.setup.nic.acquire(lay.blocks_for(len(task.prompt_tokens)) * lay.block_bytes)
-                r = await asyncio.to_thread(self._admit, task)
+                with tracer.start_as_current_span("decode.admit", context=trace.set_span_in_context(span)):
+                    if self.setup.nic is not None and not self.setup.oracle:  # the H2D copy goes through the GPU's CNIC
+                        lay = self.setup.layout
+                        await self.setup.nic.acquire(lay.blocks_for(len(task.prompt_tokens)) * lay.block_bytes)
+                    r = await asyncio.to_thread(self._admit, task)
             except MemoryError as exc:
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+                span.end()
                 await self._fail_task(task, str(exc))
                 continue
+            r.span = span
             self.running[task.request_id] = r
             self._persist_prompt(r)
             self._check_finish(r, task.first_token)
+
+    def _request_span(self, task: m.DecodeTask) -> trace.Span:
+        """``decode.request``, from the task's arrival; it ends with the request's final event."""
+        arrived = self._arrived_ns.pop(task.request_id, None)
+        span = tracer.start_span("decode.request", context=context_from(task.trace), start_time=arrived)
+        if span.is_recording():
+            span.set_attributes({"request_id": task.request_id, "engine": self.cfg.engine_id, "prompt_tokens": len(task.prompt_tokens),
+                                 "cached_blocks": task.cached_blocks, "read_path": read_path_name(task.read_path)})
+        return span
 
     def _check_finish(self, r: Running, token: int) -> None:
         p = r.params
@@ -222,8 +251,10 @@ class DecodeEngine:
         t = r.task
         self.running.pop(t.request_id, None)
         self.memory.release(r.seq.kv)
+        r.decode_s = time.perf_counter() - r.t_start
         if r.finish == "cancelled":
             self.finished.append(t.request_id)
+            self._end_span(r)
             return
         task = asyncio.ensure_future(self._final_event(r))
         self._persists.add(task)
@@ -241,8 +272,18 @@ class DecodeEngine:
                                                              finish_reason=r.finish, cached_tokens=t.cached_blocks * lay.block_tokens,
                                                              info=info, ts=time.time()))
         self.finished.append(t.request_id)
+        self._end_span(r)
         log.info("decode_done", request_id=t.request_id, tokens=len(r.seq.generated), finish=r.finish,
                  seconds=round(time.perf_counter() - r.t_start, 4))
+
+    @staticmethod
+    def _end_span(r: Running) -> None:
+        """Close ``decode.request`` with its tokens and TPOT (the first token came from prefill)."""
+        if r.span.is_recording():
+            n = len(r.seq.generated)
+            r.span.set_attributes({"tokens": n, "finish_reason": r.finish or "", "decode_s": r.decode_s,
+                                   "tpot_s": r.decode_s / (n - 1) if n > 1 else 0.0})
+        r.span.end()
 
     async def _fail_task(self, task: m.DecodeTask, reason: str) -> None:
         log.warning("decode_task_failed", request_id=task.request_id, reason=reason)

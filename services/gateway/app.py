@@ -7,6 +7,7 @@ to the scheduler, and answered from its token stream. Errors use OpenAI's JSON e
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 import uuid
@@ -28,7 +29,11 @@ def _error(status: int, message: str, *, etype: str = "invalid_request_error", p
 
 
 def build_app(gw: Gateway) -> FastAPI:
-    app = FastAPI(title="DualPath gateway", lifespan=gw.lifespan)
+    # FastAPI >= 0.16x traces every HTTP request on its own when a tracer provider is set: a
+    # second trace per request beside the gateway's own root span (services.gateway.observe),
+    # and one per health probe. Its HTTP metrics stay on.
+    own = {"telemetry": {"tracing": False, "operation_spans": False}} if "telemetry" in inspect.signature(FastAPI).parameters else {}
+    app = FastAPI(title="DualPath gateway", lifespan=gw.lifespan, **own)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_req: Request, exc: RequestValidationError) -> JSONResponse:

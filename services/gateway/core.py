@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
+from opentelemetry import trace
+
 from dualpath.bus import Bus, BusTimeoutError
 from dualpath.config import BusConfig, GatewayConfig, ModelConfigSpec
 from dualpath.kv import block_hashes, model_digest
@@ -17,9 +19,10 @@ from dualpath.protocol import RemoteError
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.telemetry.logs import get_logger
-from dualpath.telemetry.tracing import get_tracer
+from dualpath.telemetry.tracing import carrier, flush_tracing, get_tracer
 from services.gateway.api_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.detok import Detokenizer
+from services.gateway.observe import RequestTelemetry
 from services.gateway.streams import TokenStreams
 
 __all__ = ["ApiError", "Gateway", "Prepared", "StreamPart"]
@@ -46,6 +49,8 @@ class Prepared:
     include_usage: bool
     want_logprobs: bool
     read_path: int
+    t_start_ns: int = 0  # arrival (epoch ns): the request's root span starts here
+    t_tokenized_ns: int = 0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -86,6 +91,7 @@ class Gateway:
         self.max_context = cfg.max_prompt_tokens or self.model_config.max_position_embeddings
         self.started = int(time.time())
         self.streams = TokenStreams()
+        self.telemetry = RequestTelemetry()
         self.bus: Bus | None = None
 
     @asynccontextmanager
@@ -97,6 +103,9 @@ class Gateway:
             yield
         finally:
             await self.bus.close()
+            # uvicorn re-raises SIGTERM once shut down, ending the process before main's
+            # shutdown_tracing: the last requests' spans must be out by now.
+            flush_tracing()
 
     # ---- preparation -----------------------------------------------------------------------
     def _check_model(self, name: str) -> None:
@@ -109,7 +118,7 @@ class Gateway:
                 "min_tokens": min(body.min_tokens, max_new), "ignore_eos": body.ignore_eos, "seed": body.seed,
                 "logprobs": logprobs, "top_logprobs": top_logprobs}
 
-    def _finish_prepare(self, body, tokens: list[int], logprobs: bool, top: int) -> Prepared:
+    def _finish_prepare(self, body, tokens: list[int], logprobs: bool, top: int, t_start_ns: int = 0) -> Prepared:
         if not tokens:
             raise ApiError(400, "the prompt is empty", param="prompt")
         if len(tokens) >= self.max_context:
@@ -123,9 +132,11 @@ class Gateway:
         max_new = asked or min(room, 256)
         return Prepared(prompt_tokens=tokens, sampling=self._sampling(body, max_new, top, logprobs), stops=body.stops(),
                         stream=body.stream, include_usage=bool((body.stream_options or {}).get("include_usage")),
-                        want_logprobs=logprobs, read_path=_READ_PATHS[body.dualpath_read_path or "auto"])
+                        want_logprobs=logprobs, read_path=_READ_PATHS[body.dualpath_read_path or "auto"],
+                        t_start_ns=t_start_ns, t_tokenized_ns=time.time_ns())
 
     def prepare_completion(self, body: CompletionRequest) -> Prepared:
+        t_start_ns = time.time_ns()
         self._check_model(body.model)
         if isinstance(body.prompt, list):
             if any(not (0 <= t < self.model_config.vocab_size) for t in body.prompt):
@@ -134,12 +145,13 @@ class Gateway:
         else:
             tokens = self.tokenizer.encode(body.prompt)
         top = body.logprobs or 0
-        return self._finish_prepare(body, tokens, body.logprobs is not None, top)
+        return self._finish_prepare(body, tokens, body.logprobs is not None, top, t_start_ns)
 
     def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
+        t_start_ns = time.time_ns()
         self._check_model(body.model)
         text = self.tokenizer.render_chat([msg.model_dump(exclude_none=True) for msg in body.messages])
-        return self._finish_prepare(body, self.tokenizer.encode(text), body.logprobs, body.top_logprobs or 0)
+        return self._finish_prepare(body, self.tokenizer.encode(text), body.logprobs, body.top_logprobs or 0, t_start_ns)
 
     # ---- submission ------------------------------------------------------------------------
     async def _lookup(self, hashes: list[int]) -> int:
@@ -156,19 +168,34 @@ class Gateway:
     async def submit(self, rid: str, prep: Prepared) -> None:
         """Look up the hit, hand the request to the scheduler, open its token stream.
 
+        Opens the request's root span; ``finish`` closes it.
+
         Raises:
             ApiError: 503 when no scheduler answers, 429 when it is full.
         """
-        with tracer.start_as_current_span("gateway.admit", attributes={"request_id": rid, "prompt_tokens": len(prep.prompt_tokens)}):
+        root = self.telemetry.start(rid, prompt_tokens=len(prep.prompt_tokens), read_path=prep.read_path, stream=prep.stream,
+                                    t_start_ns=prep.t_start_ns, t_tokenized_ns=prep.t_tokenized_ns)
+        try:
+            await self._admit(rid, prep, root)
+        except Exception as exc:
+            self.telemetry.outcome(rid, "error", error=exc.message if isinstance(exc, ApiError) else str(exc))
+            self.telemetry.end(rid)
+            raise
+
+    async def _admit(self, rid: str, prep: Prepared, root: trace.Span) -> None:
+        attrs = {"request_id": rid, "prompt_tokens": len(prep.prompt_tokens)}
+        with tracer.start_as_current_span("gateway.admit", context=trace.set_span_in_context(root), attributes=attrs) as span:
             hashes = block_hashes(self.model_name, prep.prompt_tokens, block_tokens=self.block_tokens)
             hit = await self._lookup(hashes)
             # The last prompt token must be computed (its logits give the first token).
             hit = min(hit, (len(prep.prompt_tokens) - 1) // self.block_tokens)
+            if span.is_recording():
+                span.set_attributes({"blocks": len(hashes), "hit_blocks": hit})
             self.streams.open(rid)
             req = m.SubmitRequest(request_id=rid, model=self.model_name, model_digest=self.model_digest,
                                   prompt_tokens=prep.prompt_tokens, block_hashes=hashes, hit_blocks=hit, sampling=prep.sampling,
                                   reply_subject=self.subjects.tokens(self.cfg.gateway_id, rid), read_path=int(prep.read_path),
-                                  block_tokens=self.block_tokens, arrival_ts=time.time())
+                                  block_tokens=self.block_tokens, arrival_ts=time.time(), trace=carrier(root))
             try:
                 await self.bus.request(self.subjects.submit, req, m.SubmitReply, timeout=5.0)
             except BusTimeoutError as exc:
@@ -183,7 +210,9 @@ class Gateway:
             await self.bus.publish(self.subjects.cancel, m.CancelRequest(request_id=rid, reason=reason))
 
     def finish(self, rid: str) -> None:
+        """The answer went out (or the client left): close the stream and the request's span."""
         self.streams.close(rid)
+        self.telemetry.end(rid)
 
     async def cluster_state(self) -> m.StateReply | None:
         try:
@@ -198,6 +227,7 @@ class Gateway:
         res = Result()
         try:
             async for ev in self.streams.events(rid, self.cfg.request_timeout):
+                self.telemetry.on_event(rid, ev)
                 if ev.error:
                     res.finish_reason = "error"
                     yield StreamPart(text="", token_ids=[], logprobs=[], top_logprobs=[], finish_reason="error",
@@ -209,6 +239,7 @@ class Gateway:
                 res.logprobs += ev.logprobs
                 res.top_logprobs += ev.top_logprobs
                 if detok.stopped:
+                    self.telemetry.outcome(rid, "stop", info=ev.info, cached_tokens=ev.cached_tokens)
                     await self.cancel(rid, "stop string")
                     res.text = detok.emitted
                     res.cached_tokens, res.info = ev.cached_tokens, ev.info
@@ -225,6 +256,7 @@ class Gateway:
                                  finish_reason=ev.finish_reason, info=ev.info, result=res)
                 return
         except (TimeoutError, asyncio.TimeoutError):
+            self.telemetry.outcome(rid, "error", error="timeout")
             await self.cancel(rid, "timeout")
             yield StreamPart(text="", token_ids=[], logprobs=[], top_logprobs=[], finish_reason="error",
                              error=f"request did not finish within {self.cfg.request_timeout:.0f}s", error_code=504, result=res)

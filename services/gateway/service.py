@@ -8,6 +8,7 @@ import uvicorn
 
 from dualpath.config import BusConfig, GatewayConfig, ModelConfigSpec, add_arguments, from_args
 from dualpath.telemetry.logs import configure_logging
+from dualpath.telemetry.metrics import configure_metrics, shutdown_metrics
 from dualpath.telemetry.tracing import configure_tracing, shutdown_tracing
 from services.gateway.app import build_app
 from services.gateway.core import Gateway
@@ -26,14 +27,17 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("gateway")
     configure_tracing("gateway")
     try:
-        cfg = from_args(GatewayConfig, ns)
-        gw = Gateway(cfg, from_args(BusConfig, ns), from_args(ModelConfigSpec, ns))
+        cfg, bus_cfg = from_args(GatewayConfig, ns), from_args(BusConfig, ns)
+        configure_metrics("gateway", bus_cfg.metrics_port)
+        gw = Gateway(cfg, bus_cfg, from_args(ModelConfigSpec, ns))
     except Exception as exc:  # noqa: BLE001 - a clear message, not a traceback
         print(f"gateway: fatal: {exc}")
+        shutdown_tracing()
         return 1
     try:
         uvicorn.run(build_app(gw), host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
                     timeout_graceful_shutdown=5)
     finally:
-        shutdown_tracing()
+        shutdown_metrics()
+        shutdown_tracing()  # flush: spans of the last requests must not be lost
     return 0

@@ -19,8 +19,11 @@ from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.runtime import run_service
 from dualpath.telemetry.logs import get_logger
+from dualpath.telemetry.metrics import observe
+from dualpath.telemetry.tracing import get_tracer
 
 log = get_logger("kv-persistence")
+tracer = get_tracer("dualpath.kv_persistence")
 
 
 class KvPersistence:
@@ -28,19 +31,37 @@ class KvPersistence:
 
     def __init__(self, index: BlockIndex) -> None:
         self.index = index
+        self.looked_up = 0  # blocks asked about (the hit rate's denominator)
+        self.hits = 0  # of which persisted
 
     async def lookup(self, req: m.LookupRequest) -> m.LookupReply:
-        return m.LookupReply(hit_blocks=self.index.longest_prefix(req.model_digest, req.hashes))
+        with tracer.start_as_current_span("index.lookup") as span:
+            hit = self.index.longest_prefix(req.model_digest, req.hashes)
+            if span.is_recording():
+                span.set_attributes({"blocks": len(req.hashes), "hit_blocks": hit})
+        self.looked_up += len(req.hashes)
+        self.hits += hit
+        return m.LookupReply(hit_blocks=hit)
 
     async def commit(self, req: m.CommitRequest) -> m.Ok:
-        # The log append is fsync'ed: run it off the event loop.
-        await asyncio.to_thread(self.index.commit, req.model_digest, req.hashes, start=req.start)
+        with tracer.start_as_current_span("index.commit", attributes={"blocks": len(req.hashes) - req.start}):
+            # The log append is fsync'ed: run it off the event loop.
+            await asyncio.to_thread(self.index.commit, req.model_digest, req.hashes, start=req.start)
         return m.Ok()
 
     async def remove(self, req: m.RemoveRequest) -> m.Ok:
         await asyncio.to_thread(self.index.remove, req.model_digest, req.hashes)
         log.warning("blocks_removed", count=len(req.hashes))
         return m.Ok()
+
+
+def register_metrics(svc: KvPersistence) -> None:
+    """Index size and the lookup hit rate in blocks (read at scrape time)."""
+    observe("dualpath.index.blocks", "blocks recorded as persisted", lambda: [(len(svc.index), {})])
+    observe("dualpath.index.lookup_blocks", "blocks looked up, and how many were hits",
+            lambda: [(svc.looked_up, {"result": "asked"}), (svc.hits, {"result": "hit"})], kind="counter")
+    observe("dualpath.index.hit_rate", "persisted fraction of the blocks looked up",
+            lambda: [(svc.hits / svc.looked_up if svc.looked_up else 0.0, {})], unit="1")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     async def serve(bus: Bus, stop: asyncio.Event) -> None:
         index = BlockIndex(index_path, capacity_blocks=cfg.capacity_blocks or None)
         svc = KvPersistence(index)
+        register_metrics(svc)
         log.info("index_loaded", blocks=len(index), path=index_path)
         await bus.serve(subjects.kv_lookup, svc.lookup, m.LookupRequest, queue="kvp")
         await bus.serve(subjects.kv_commit, svc.commit, m.CommitRequest, queue="kvp")

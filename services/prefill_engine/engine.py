@@ -8,6 +8,11 @@ Life of a task here:
 3. each batch runs ``run_prefill`` over a ``BatchLayerIO`` (layer-wise fetch / compute / store);
 4. when a prompt is done: sample the first token, stream it, send ``DecodeTask`` to the DE.
 A failure fails only the tasks involved: ``TaskFailed`` lets the scheduler retry them.
+
+Tracing: each task has a ``prefill.request`` span (child of the request's root, from the
+task's ``trace`` carrier) with ``prefill.load`` and ``prefill.handoff`` under it. A batch
+serves several requests, so its ``prefill.batch`` span is a child of its first request's
+span and links to the others; the per-layer ``kv.fetch``/``kv.store`` spans are its children.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from dualpath.bus import Bus, BusTimeoutError
 from dualpath.config import EngineConfig
@@ -28,7 +35,7 @@ from dualpath.model.sampling import SamplingParams, sample
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.telemetry.logs import get_logger
-from dualpath.telemetry.tracing import get_tracer
+from dualpath.telemetry.tracing import context_from, get_tracer
 from dualpath.transfer import RegionDescriptor
 
 __all__ = ["PrefillEngine"]
@@ -47,6 +54,7 @@ class Job:
     progress: int = 0  # tokens whose KV is in the DE slot or loaded hits
     pe_slot: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
+    span: trace.Span = trace.INVALID_SPAN  # prefill.request: open from arrival to hand-off (or failure)
 
 
 class PrefillEngine:
@@ -59,12 +67,19 @@ class PrefillEngine:
         self.finished: list[str] = []
         self.busy_s = 0.0  # wall time inside batches
         self.kv_wait_s = 0.0  # of which: waiting for cached KV to arrive
+        self.kv_in_bytes = 0  # cached KV fetched into the engine (metrics)
+        self.kv_out_bytes = 0  # KV stored to decode buffers (metrics)
+        self._s_per_token = 0.0  # measured batch seconds per new token: the prediction without a cost model
 
     # ---- intake ----------------------------------------------------------------------------
     async def on_task(self, task: m.PrefillTask) -> m.Ok:
         if task.request_id in self.jobs:
             return m.Ok(detail="duplicate")
         job = Job(task=task, dest=RegionDescriptor.from_wire(task.de_region))
+        job.span = tracer.start_span("prefill.request", context=context_from(task.trace))
+        if job.span.is_recording():
+            job.span.set_attributes({"request_id": task.request_id, "engine": self.cfg.engine_id, "prompt_tokens": len(task.prompt_tokens),
+                                     "hit_blocks": task.hit_blocks, "read_path": read_path_name(task.read_path), "attempt": task.attempt})
         self.jobs[task.request_id] = job
         t = asyncio.ensure_future(self._load(job))
         self._loads.add(t)
@@ -89,7 +104,11 @@ class PrefillEngine:
                 req = m.LoadRequest(request_id=t.request_id, model_digest=t.model_digest, hashes=t.block_hashes[:want],
                                     layers=lay.layers, bytes_per_token_layer=lay.bytes_per_token_layer, dtype=self.setup.dtype,
                                     block_tokens=lay.block_tokens, allocate=t.read_path == m.ReadPath.PE, total_blocks=want)
-                reply = await self.bus.request(self.subjects.tm(node, "load"), req, m.LoadReply, timeout=120.0)
+                with tracer.start_as_current_span("prefill.load", context=trace.set_span_in_context(job.span)) as span:
+                    reply = await self.bus.request(self.subjects.tm(node, "load"), req, m.LoadReply, timeout=120.0)
+                    if span.is_recording():
+                        span.set_attributes({"node": node, "read_path": read_path_name(t.read_path), "blocks": want, "loaded_blocks": reply.loaded,
+                                             "bytes": reply.bytes_read, "queue_wait_s": reply.queue_wait_s, "read_s": reply.read_s})
                 job.pe_slot = t.read_path == m.ReadPath.PE
                 job.hit_blocks = reply.loaded
                 job.source, job.source_offset = RegionDescriptor.from_wire(reply.region), reply.offset
@@ -125,7 +144,7 @@ class PrefillEngine:
         write_from = 0 if (first_chunk and job.pe_slot) else start
         item = PrefillItem(request_id=t.request_id, tokens=t.prompt_tokens, start=start, end=start + n)
         return IoItem(item=item, source=source if start else None, source_offset=s_off, dest=job.dest,
-                      dest_offset=t.de_offset, write_from=write_from)
+                      dest_offset=t.de_offset, write_from=write_from, path=read_path_name(t.read_path))
 
     async def run(self, stop: asyncio.Event) -> None:
         """The engine loop: wait for ready work, run a batch, repeat until ``stop``."""
@@ -143,15 +162,31 @@ class PrefillEngine:
             await self._run_batch(batch)
             self.busy_s += time.perf_counter() - t0
 
+    def _batch_span(self, batch: list[tuple[Job, int]], items: list[IoItem]):
+        """``prefill.batch``: child of the first request's span, linked to the others'."""
+        first = batch[0][0].span
+        if not first.is_recording():
+            return tracer.start_as_current_span("prefill.batch", context=trace.set_span_in_context(first))
+        cached = sum(it.item.start for it in items)
+        new = sum(it.item.end - it.item.start for it in items)
+        attrs = {"requests": len(items), "cached_tokens": cached, "new_tokens": new, "engine": self.cfg.engine_id,
+                 "request_ids": [job.task.request_id for job, _ in batch]}
+        cost = getattr(self.setup.decoder, "cost", None)  # the modeled backend's roofline model
+        if cost is not None:
+            attrs.update(predicted_s=cost.prefill_time([(it.item.start, it.item.end - it.item.start) for it in items]), predicted_by="cost_model")
+        elif self._s_per_token:
+            attrs.update(predicted_s=self._s_per_token * new, predicted_by="measured_rate")
+        links = [trace.Link(job.span.get_span_context()) for job, _ in batch[1:]]
+        return tracer.start_as_current_span("prefill.batch", context=trace.set_span_in_context(first), links=links, attributes=attrs)
+
     async def _run_batch(self, batch: list[tuple[Job, int]]) -> None:
         s = self.setup
         items = [self._io_item(job, n) for job, n in batch]
-        cached = sum(it.item.start for it in items)
-        new = sum(it.item.end - it.item.start for it in items)
-        attrs = {"requests": len(items), "cached_tokens": cached, "new_tokens": new, "engine": self.cfg.engine_id}
-        with tracer.start_as_current_span("prefill.batch", attributes=attrs) as span:
+        t0 = time.perf_counter()
+        with self._batch_span(batch, items) as span:
             io = BatchLayerIO(s.dataplane, s.layout, items, dtype=s.decoder.dtype, kv_heads=s.decoder.kv_heads,
-                              head_dim=s.decoder.head_dim, device=s.decoder.device, owner=f"b{id(items):x}", oracle=s.oracle)
+                              head_dim=s.decoder.head_dim, device=s.decoder.device, owner=f"b{id(items):x}", oracle=s.oracle,
+                              record=span.is_recording())
             try:
                 result = await run_prefill(s.decoder, [it.item for it in items], io)
             except Exception as exc:  # noqa: BLE001 - fail the batch's tasks, keep serving
@@ -163,10 +198,10 @@ class PrefillEngine:
             finally:
                 io.close()
             self.kv_wait_s += result.wait_s
-            span.set_attribute("compute_s", result.compute_s)
-            span.set_attribute("kv_wait_s", result.wait_s)
-            span.set_attribute("fetch_bytes", io.stats.fetch_bytes)
-            span.set_attribute("store_bytes", io.stats.store_bytes)
+            self.kv_in_bytes += io.stats.fetch_bytes
+            self.kv_out_bytes += io.stats.store_bytes
+            if span.is_recording():
+                self._trace_batch(span, io, result, time.perf_counter() - t0, sum(it.item.end - it.item.start for it in items))
         row = 0
         for (job, n), it in zip(batch, items):
             job.progress += n
@@ -175,26 +210,41 @@ class PrefillEngine:
                 await self._handoff(job, result.logits[row:row + 1])
                 row += 1
 
+    def _trace_batch(self, span, io: BatchLayerIO, result, actual_s: float, new_tokens: int) -> None:
+        """The batch's figures and its layer spans; ``layer_trace_s`` is what the layer spans cost."""
+        t0 = time.perf_counter()
+        layer_spans = io.emit_layer_spans(tracer, result.fetch_wait_s, result.store_wait_s)
+        span.set_attributes({"actual_s": actual_s, "compute_s": result.compute_s, "kv_wait_s": result.wait_s,
+                             "fetch_bytes": io.stats.fetch_bytes, "store_bytes": io.stats.store_bytes, "layer_spans": layer_spans,
+                             "layer_trace_s": time.perf_counter() - t0})
+        if new_tokens:
+            rate = actual_s / new_tokens
+            self._s_per_token = rate if not self._s_per_token else 0.8 * self._s_per_token + 0.2 * rate
+
     # ---- handoff ---------------------------------------------------------------------------
     async def _handoff(self, job: Job, logits: torch.Tensor) -> None:
         t = job.task
         params = SamplingParams(**t.sampling)
         gen = torch.Generator(device="cpu").manual_seed(params.seed) if params.seed is not None else None
         suppress = params.ignore_eos or params.min_tokens > 0
-        tok = sample(logits.float().cpu(), [params], [gen], suppress_eos=[suppress], eos_ids=self.setup.eos_ids)[0]
-        top = [[i, lp] for i, lp in tok.top_logprobs]
-        await self.bus.publish(t.reply_subject, m.TokenEvent(request_id=t.request_id, index=0, token_ids=[tok.token_id],
-                                                               logprobs=[tok.logprob], top_logprobs=[top], ts=time.time()))
-        task = m.DecodeTask(request_id=t.request_id, model=t.model, model_digest=t.model_digest, prompt_tokens=t.prompt_tokens,
-                            block_hashes=t.block_hashes, cached_blocks=job.hit_blocks, first_token=tok.token_id,
-                            first_logprob=tok.logprob, first_top_logprobs=top, sampling=t.sampling, reply_subject=t.reply_subject,
-                            de_region_id=job.dest.region_id, de_offset=t.de_offset, read_path=t.read_path,
-                            prefill_engine=self.cfg.engine_id, attempt=t.attempt)
-        try:
-            await self.bus.request(self.subjects.decode(t.decode_engine), task, m.Ok, timeout=10.0)
-        except Exception as exc:  # noqa: BLE001
-            await self._fail(job, f"handoff to {t.decode_engine} failed: {exc}",
-                             unreachable=t.decode_engine if isinstance(exc, BusTimeoutError) else "")
+        failure: Exception | None = None
+        with tracer.start_as_current_span("prefill.handoff", context=trace.set_span_in_context(job.span)):
+            tok = sample(logits.float().cpu(), [params], [gen], suppress_eos=[suppress], eos_ids=self.setup.eos_ids)[0]
+            top = [[i, lp] for i, lp in tok.top_logprobs]
+            await self.bus.publish(t.reply_subject, m.TokenEvent(request_id=t.request_id, index=0, token_ids=[tok.token_id],
+                                                                   logprobs=[tok.logprob], top_logprobs=[top], ts=time.time()))
+            task = m.DecodeTask(request_id=t.request_id, model=t.model, model_digest=t.model_digest, prompt_tokens=t.prompt_tokens,
+                                block_hashes=t.block_hashes, cached_blocks=job.hit_blocks, first_token=tok.token_id,
+                                first_logprob=tok.logprob, first_top_logprobs=top, sampling=t.sampling, reply_subject=t.reply_subject,
+                                de_region_id=job.dest.region_id, de_offset=t.de_offset, read_path=t.read_path,
+                                prefill_engine=self.cfg.engine_id, attempt=t.attempt, trace=t.trace)
+            try:
+                await self.bus.request(self.subjects.decode(t.decode_engine), task, m.Ok, timeout=10.0)
+            except Exception as exc:  # noqa: BLE001
+                failure = exc
+        if failure is not None:
+            await self._fail(job, f"handoff to {t.decode_engine} failed: {failure}",
+                             unreachable=t.decode_engine if isinstance(failure, BusTimeoutError) else "")
             return
         await self._drop(job)
         log.info("prefill_done", request_id=t.request_id, read_path=read_path_name(t.read_path), hit_blocks=job.hit_blocks,
@@ -203,6 +253,8 @@ class PrefillEngine:
     async def _drop(self, job: Job) -> None:
         self.jobs.pop(job.task.request_id, None)
         self.finished.append(job.task.request_id)
+        job.span.end()
+        job.span = trace.INVALID_SPAN
         if job.pe_slot:
             job.pe_slot = False
             try:
@@ -212,6 +264,7 @@ class PrefillEngine:
 
     async def _fail(self, job: Job, reason: str, unreachable: str = "") -> None:
         log.warning("task_failed", request_id=job.task.request_id, reason=reason)
+        job.span.set_status(Status(StatusCode.ERROR, reason))
         await self._drop(job)
         await self.bus.publish(self.subjects.task_failed, m.TaskFailed(request_id=job.task.request_id, engine_id=self.cfg.engine_id,
                                                                         reason=reason, unreachable=unreachable))

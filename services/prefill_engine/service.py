@@ -11,6 +11,7 @@ from dualpath.engine.common import build_engine
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.runtime import periodic, run_service
+from dualpath.telemetry.metrics import nic_observations, observe
 from services.prefill_engine.engine import PrefillEngine
 
 
@@ -25,6 +26,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def register_metrics(engine: PrefillEngine) -> None:
+    """seq_e/tok_e, the ready queue, KV bytes moved, transfer-window occupancy and the CNIC (read at scrape time)."""
+    me = {"engine": engine.cfg.engine_id, "role": "prefill"}
+    observe("dualpath.engine.seq", "unfinished requests on the engine (seq_e)", lambda: [(len(engine.jobs), me)])
+    observe("dualpath.engine.tok", "tokens the engine still has to compute (tok_e)",
+            lambda: [(sum(len(j.task.prompt_tokens) - j.progress for j in list(engine.jobs.values())), me)])
+    observe("dualpath.engine.ready", "requests whose KV is loaded, waiting for a batch", lambda: [(len(engine.ready), me)])
+    observe("dualpath.engine.busy", "seconds spent in batches", lambda: [(engine.busy_s, me)], unit="s", kind="counter")
+    observe("dualpath.engine.kv_bytes", "KV bytes moved by layer-wise prefill",
+            lambda: [(engine.kv_in_bytes, {**me, "direction": "fetch"}), (engine.kv_out_bytes, {**me, "direction": "store"})],
+            unit="By", kind="counter")
+    pool = engine.setup.dataplane.pool
+    observe("dualpath.engine.window_used", "bytes of the engine transfer window held by batches",
+            lambda: [(pool.size - pool.free_bytes, me)], unit="By")
+    nic_observations(lambda: [engine.setup.nic] if engine.setup.nic is not None else [])
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     bus_cfg, cfg = from_args(BusConfig, ns), from_args(EngineConfig, ns)
@@ -35,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         setup = await build_engine(engine_id=cfg.engine_id, namespace=bus_cfg.namespace, model=model, node=node, window_mb=ns.window_mb,
                                   emu=emu, role="prefill")
         engine = PrefillEngine(bus, subjects, cfg, node.node_id, setup)
+        register_metrics(engine)
         await bus.serve(subjects.prefill(cfg.engine_id), engine.on_task, m.PrefillTask)
         await bus.serve(subjects.cancel, engine.on_cancel, m.CancelRequest)
 

@@ -22,7 +22,7 @@ from dualpath.policy.values import Assignment, ReadSide
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.telemetry.logs import get_logger
-from dualpath.telemetry.tracing import get_tracer
+from dualpath.telemetry.tracing import context_from, get_tracer, tracing_enabled
 from services.scheduler.membership import Membership
 
 __all__ = ["Scheduler"]
@@ -41,6 +41,8 @@ class Tracked:
     decode_node: str = ""
     prefill_done: bool = False
     assignment: Assignment | None = None
+    enqueued_ns: int = 0  # when it (re-)entered the queue, for its trace
+    seen: dict | None = None  # what the policy compared when it placed it (traced runs only)
 
 
 class Scheduler:
@@ -70,7 +72,7 @@ class Scheduler:
                                     f"({self.state.max_decode_hbm_tokens} tokens)")
         num = self._next_num
         self._next_num += 1
-        t = Tracked(req=req, num=num)
+        t = Tracked(req=req, num=num, enqueued_ns=time.time_ns())
         self.by_num[num] = t
         self.queue.append(t)
         self._wake.set()
@@ -172,6 +174,7 @@ class Scheduler:
         t.prefill_engine = t.decode_engine = t.decode_node = ""
         t.prefill_done = False
         t.assignment = None
+        t.enqueued_ns = time.time_ns()
         self.queue.appendleft(t)
         self._wake.set()
 
@@ -201,6 +204,7 @@ class Scheduler:
         for a in assignments:
             t = self.queue.popleft()
             assert t.num == a.request_id, "policy must place a FIFO prefix"
+            t.seen = self._seen(a) if tracing_enabled() else None
             self.state.on_assigned(a)
             t.assignment = a
             t.prefill_engine = self.members.by_engine_num[a.prefill_engine]
@@ -212,6 +216,22 @@ class Scheduler:
             task.add_done_callback(self._dispatches.discard)
         return len(assignments)
 
+    def _seen(self, a: Assignment) -> dict:
+        """The figures the policy compared for ``a``, before ``a`` is charged (span attributes).
+
+        Earlier placements of the same pass are already charged, as in the policy's own pass.
+        """
+        st = self.state
+        pe, de = st.engines[a.prefill_engine], st.engines[a.decode_engine]
+        seen = {"read_q_pe": st.nodes[pe.node_id].read_q, "read_q_de": st.nodes[de.node_id].read_q,
+                "tok_e_prefill": pe.tok, "seq_e_prefill": pe.seq, "tok_e_decode": de.tok, "seq_e_decode": de.seq,
+                "free_hbm_decode": de.free_hbm_tokens}
+        if len(st.engines) <= 32:  # the whole field the policy chose from, while it stays readable
+            names = self.members.by_engine_num
+            seen["prefill_candidates"] = [f"{names.get(e.engine_id, e.engine_id)}:{e.tok}" for e in st.prefill_engines]
+            seen["decode_candidates"] = [f"{names.get(e.engine_id, e.engine_id)}:{e.tok}" for e in st.decode_engines]
+        return seen
+
     def _read_path(self, t: Tracked, a) -> int:
         if t.req.hit_blocks == 0:
             return m.ReadPath.NONE
@@ -220,14 +240,26 @@ class Scheduler:
             return forced
         return m.ReadPath.PE if a.read_side == ReadSide.PE else m.ReadPath.DE
 
+    def _trace_decision(self, t: Tracked, a: Assignment, read_path: int, pe_node: str):
+        """The queue wait as a span, then the decision span (current until dispatch ends)."""
+        parent = context_from(t.req.trace)
+        now = time.time_ns()
+        queued = tracer.start_span("scheduler.queue", context=parent, start_time=t.enqueued_ns or now)
+        if queued.is_recording():
+            queued.set_attributes({"request_id": t.req.request_id, "attempt": t.attempt, "queue_len": len(self.queue)})
+        queued.end(end_time=now)
+        attrs = {"request_id": t.req.request_id, "policy": self.policy.name, "prefill_engine": t.prefill_engine,
+                 "decode_engine": t.decode_engine, "prefill_node": pe_node, "decode_node": t.decode_node,
+                 "read_side": "pe" if a.read_side == ReadSide.PE else "de",
+                 "read_path": {1: "pe", 2: "de", 3: "none"}[int(read_path)], "hit_tokens": a.read_tokens,
+                 "prefill_tokens": a.prefill_tokens, "decode_tokens": a.decode_tokens, "attempt": t.attempt, **(t.seen or {})}
+        return tracer.start_as_current_span("scheduler.decision", context=parent, attributes=attrs)
+
     async def _dispatch(self, t: Tracked, a) -> None:
         r = t.req
         read_path = self._read_path(t, a)
         pe_node = self.members.engines[t.prefill_engine].node if t.prefill_engine in self.members.engines else ""
-        attrs = {"request_id": r.request_id, "policy": self.policy.name, "prefill_engine": t.prefill_engine,
-                 "decode_engine": t.decode_engine, "read_path": {1: "pe", 2: "de", 3: "none"}[int(read_path)],
-                 "hit_tokens": a.read_tokens, "attempt": t.attempt}
-        with tracer.start_as_current_span("scheduler.dispatch", attributes=attrs):
+        with self._trace_decision(t, a, read_path, pe_node):
             try:
                 block_bytes = self.members.engines[t.decode_engine].block_bytes
                 blocks = -(-len(r.prompt_tokens) // r.block_tokens)
@@ -237,7 +269,7 @@ class Scheduler:
                                      block_hashes=r.block_hashes, hit_blocks=r.hit_blocks, sampling=r.sampling, reply_subject=r.reply_subject,
                                      read_path=int(read_path), prefill_engine=t.prefill_engine, prefill_node=pe_node,
                                      decode_engine=t.decode_engine, decode_node=t.decode_node, de_region=slot.region, de_offset=slot.offset,
-                                     attempt=t.attempt, policy=self.policy.name)
+                                     attempt=t.attempt, policy=self.policy.name, trace=r.trace)
                 await self.bus.request(self.subjects.prefill(t.prefill_engine), task, m.Ok, timeout=5.0)
             except Exception as exc:  # noqa: BLE001 - any dispatch failure is retried
                 if isinstance(exc, BusTimeoutError) and exc.subject == self.subjects.prefill(t.prefill_engine):

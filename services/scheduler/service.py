@@ -11,6 +11,7 @@ from dualpath.policy import Thresholds, get_policy
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.runtime import run_service
+from dualpath.telemetry.metrics import observe
 from services.scheduler.core import Scheduler
 
 
@@ -40,6 +41,16 @@ def thresholds(ns, emu: EmulationConfig) -> Thresholds:
     return Thresholds(alpha_tokens=alpha or 1 << 22, beta_tokens=beta or 1 << 22)
 
 
+def register_metrics(sched: Scheduler) -> None:
+    """Queue lengths and the cluster as the scheduler sees it (read at scrape time)."""
+    observe("dualpath.scheduler.queue", "requests waiting to be placed", lambda: [(len(sched.queue), {})])
+    observe("dualpath.scheduler.running", "requests placed and not finished", lambda: [(len(sched.running), {})])
+    observe("dualpath.scheduler.engines", "live engines by role",
+            lambda: [(sched.members.count(role), {"role": role.name.lower()}) for role in m.Role])
+    observe("dualpath.scheduler.read_q", "hit tokens queued for storage reads per node, as last reported",
+            lambda: [(n.read_q_tokens, {"node": n.name}) for n in list(sched.members.nodes.values())])
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     bus_cfg, cfg, emu = from_args(BusConfig, ns), from_args(SchedulerConfig, ns), from_args(EmulationConfig, ns)
@@ -52,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def serve(bus: Bus, stop: asyncio.Event) -> None:
         sched = Scheduler(bus, subjects, cfg, policy)
+        register_metrics(sched)
         await bus.serve(subjects.submit, sched.on_submit, m.SubmitRequest)
         await bus.serve(subjects.engine_report, sched.on_engine_report, m.EngineReport)
         await bus.serve(subjects.node_report, sched.on_node_report, m.NodeReport)

@@ -28,6 +28,7 @@ from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.runtime import run_service
 from dualpath.telemetry.logs import get_logger
+from dualpath.telemetry.metrics import nic_observations, observe
 from dualpath.telemetry.tracing import get_tracer
 from dualpath.transfer import MemoryRegion, create_transport
 from dualpath.transfer.nic import EmulatedNic
@@ -74,8 +75,9 @@ class TrafficManager:
         attrs = {"node": self.cfg.node_id, "blocks": len(req.hashes), "bytes": need, "request_id": req.request_id}
         with tracer.start_as_current_span("storage.read", attributes=attrs) as span:
             res = await self.io.read_blocks(req.model_digest, req.hashes, fmt, self._slot_view(slot.offset, max(need, 0)))
-            span.set_attribute("loaded_blocks", res.loaded)
-            span.set_attribute("queue_wait_s", res.queue_wait_s)
+            if span.is_recording():
+                span.set_attributes({"loaded_blocks": res.loaded, "bytes_read": res.bytes_read, "queue_wait_s": res.queue_wait_s,
+                                     "read_s": res.read_s, "bad_blocks": len(res.bad)})
         if res.bad:
             log.warning("bad_blocks", request_id=req.request_id, count=len(res.bad))
             await self._drop_from_index(req.model_digest, res.bad)
@@ -118,6 +120,21 @@ class TrafficManager:
                             ts=time.time())
 
 
+def register_metrics(tm: TrafficManager) -> None:
+    """The node's storage read queue, buffer occupancy, storage bytes and SNIC (read at scrape time)."""
+    node = {"node": tm.cfg.node_id}
+    io = tm.io
+    observe("dualpath.storage.read_q", "hit tokens queued for reading from storage (read_q)", lambda: [(io.read_q_tokens, node)])
+    observe("dualpath.storage.read_q_bytes", "bytes queued for reading from storage", lambda: [(io.read_q_bytes, node)], unit="By")
+    observe("dualpath.storage.bytes", "bytes moved between storage and the node buffer",
+            lambda: [(io.bytes_read, {**node, "direction": "read"}), (io.bytes_written, {**node, "direction": "write"})],
+            unit="By", kind="counter")
+    observe("dualpath.buffer.used", "bytes of the node DRAM buffer held by requests",
+            lambda: [(tm.region.size - tm.pool.free_bytes, node)], unit="By")
+    observe("dualpath.buffer.size", "bytes of the node DRAM buffer", lambda: [(tm.region.size, node)], unit="By")
+    nic_observations(lambda: [n for n in (io.nic, io.write_nic) if n is not None])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dualpath service traffic-manager", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p, BusConfig)
@@ -147,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         await transport.start()
         descriptor = transport.register(region)
         tm = TrafficManager(bus, cfg, subjects, region, descriptor, storage_io(cfg, emu))
+        register_metrics(tm)
         for topic, handler, msg in (("alloc", tm.alloc, m.AllocRequest), ("free", tm.free, m.FreeRequest),
                                     ("load", tm.load, m.LoadRequest), ("persist", tm.persist, m.PersistRequest),
                                     ("describe", tm.describe, m.DescribeRequest)):

@@ -41,6 +41,11 @@ class PrefillResult:
     logits: torch.Tensor  # [n_last, vocab] float32, one row per item with ``last`` (in batch order)
     compute_s: float
     wait_s: float  # time the compute thread waited for cached KV to arrive
+    # Per layer, how long the layer loop stood still for that layer's transfer: its fetch
+    # (cached KV not there yet) and its store (the output window still in flight, or the
+    # batch's last stores); what layer-wise overlap failed to hide. Trace attributes.
+    fetch_wait_s: tuple[float, ...] = ()
+    store_wait_s: tuple[float, ...] = ()
 
 
 class LayerIO(Protocol):
@@ -69,22 +74,30 @@ async def run_prefill(decoder, items: Sequence[PrefillItem], io: LayerIO) -> Pre
     hidden = await asyncio.to_thread(decoder.embed, token_t)
 
     compute_s = wait_s = 0.0
+    fetch_wait = [0.0] * decoder.num_layers
+    store_wait = [0.0] * decoder.num_layers
     stores: list[asyncio.Task] = []
     pending = asyncio.ensure_future(io.fetch(0))
     try:
         for layer in range(decoder.num_layers):
             t0 = loop.time()
             past = await pending
-            wait_s += loop.time() - t0
+            fetch_wait[layer] = loop.time() - t0
+            wait_s += fetch_wait[layer]
             if layer + 1 < decoder.num_layers:
                 pending = asyncio.ensure_future(io.fetch(layer + 1))  # next layer in flight
             t1 = loop.time()
             hidden, k, v = await asyncio.to_thread(decoder.forward_layer, layer, hidden, pos_t, segments, past)
             compute_s += loop.time() - t1
             if len(stores) >= 2:  # double-buffered output: layer l-2's send must be done
+                t2 = loop.time()
                 await stores[-2]
+                store_wait[layer - 2] = loop.time() - t2
             stores.append(asyncio.ensure_future(io.store(layer, k, v)))
-        await asyncio.gather(*stores)
+        t_tail = loop.time()
+        for layer in range(max(0, len(stores) - 2), len(stores)):  # the stores not awaited above
+            await stores[layer]
+            store_wait[layer] = loop.time() - t_tail
     except BaseException:
         for task in (*stores, pending):
             task.cancel()
@@ -92,4 +105,5 @@ async def run_prefill(decoder, items: Sequence[PrefillItem], io: LayerIO) -> Pre
         raise
     last_rows = [s + n - 1 for (s, n), it in zip(segments, items) if it.last]
     logits = await asyncio.to_thread(decoder.logits, hidden[last_rows]) if last_rows else torch.empty(0)
-    return PrefillResult(logits=logits, compute_s=compute_s, wait_s=wait_s)
+    return PrefillResult(logits=logits, compute_s=compute_s, wait_s=wait_s, fetch_wait_s=tuple(fetch_wait),
+                         store_wait_s=tuple(store_wait))

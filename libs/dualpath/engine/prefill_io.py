@@ -14,6 +14,11 @@ Windows rotate so that no transfer overwrites bytes still in use: ``run_prefill`
 ``fetch(l+1)`` before computing ``l`` and waits for ``store(l-2)`` before ``store(l)``; a store
 may still read the input window of its layer (forwarded hits) until then, hence four input
 windows (``fetch(l+1)`` reuses the window of ``l-3``, whose store is done) and two output ones.
+
+Tracing: with ``record=True`` every data-plane batch notes its layer, peer, bytes and epoch
+times (two clock reads, no span on the hot path); ``emit_layer_spans`` turns them into one
+``kv.fetch`` / ``kv.store`` span per layer per peer region after the batch, when the
+compute loop's wait for each layer is known too.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 from dualpath.engine.dataplane import EngineDataPlane
 from dualpath.engine.layout import SlotLayout
 from dualpath.engine.prefill import PrefillItem
-from dualpath.transfer import RegionDescriptor, TransferEntry
+from dualpath.transfer import RegionDescriptor, TrafficClass, TransferEntry
 
 __all__ = ["BatchLayerIO", "IoItem", "LayerStats"]
 
@@ -42,6 +47,7 @@ class IoItem:
     dest: RegionDescriptor  # the DE buffer slot
     dest_offset: int
     write_from: int  # first token to write to dest this chunk (0 on the PE path's first chunk)
+    path: str = ""  # the request's read path (pe, de, none): a trace attribute
 
 
 @dataclass(slots=True)
@@ -56,7 +62,8 @@ class BatchLayerIO:
     """Implements ``LayerIO`` for one batch; ``close()`` frees its windows."""
 
     def __init__(self, dp: EngineDataPlane, layout: SlotLayout, items: list[IoItem], *, dtype: torch.dtype,
-                 kv_heads: int, head_dim: int, device: torch.device, owner: str, oracle: bool = False) -> None:
+                 kv_heads: int, head_dim: int, device: torch.device, owner: str, oracle: bool = False,
+                 record: bool = False) -> None:
         self.dp, self.layout, self.items = dp, layout, items
         self.oracle = oracle  # testbed upper bound: cached KV appears for free, nothing is sent
         self.dtype, self.kv_heads, self.head_dim, self.device = dtype, kv_heads, head_dim, device
@@ -67,6 +74,8 @@ class BatchLayerIO:
         self._in = [dp.pool.alloc(f"{owner}.in{i}", max(self.in_bytes, 1)).offset for i in range(_IN_WINDOWS)]
         self._out = [dp.pool.alloc(f"{owner}.out{i}", max(self.out_bytes, 1)).offset for i in range(2)]
         self.stats = LayerStats()
+        self.record = record  # note each transfer for emit_layer_spans
+        self._transfers: list[tuple[str, int, RegionDescriptor, int, int, int]] = []  # name, layer, peer, t0_ns, t1_ns, bytes
 
     def close(self) -> None:
         for i in range(_IN_WINDOWS):
@@ -101,7 +110,11 @@ class BatchLayerIO:
                     entries.append(TransferEntry(local + tok * bpt, io.source.region_id, io.source_offset + slot_off, cnt * bpt))
             local += n * bpt
         for desc, entries in by_source.values():
-            self.stats.fetch_bytes += await self.dp.read(desc, entries)
+            t_ns = time.time_ns() if self.record else 0
+            n = await self.dp.read(desc, entries)
+            self.stats.fetch_bytes += n
+            if self.record:
+                self._transfers.append(("kv.fetch", layer, desc, t_ns, time.time_ns(), n))
         past = []
         for off, n in places:
             if not n:
@@ -135,5 +148,35 @@ class BatchLayerIO:
             new_off += (it.end - it.start) * bpt
             in_off += it.start * bpt
         for desc, entries in by_dest.values():
-            self.stats.store_bytes += await self.dp.write(desc, entries)
+            t_ns = time.time_ns() if self.record else 0
+            n = await self.dp.write(desc, entries)
+            self.stats.store_bytes += n
+            if self.record:
+                self._transfers.append(("kv.store", layer, desc, t_ns, time.time_ns(), n))
         self.stats.store_s += time.perf_counter() - t0
+
+    def emit_layer_spans(self, tracer, fetch_wait_s: tuple[float, ...], store_wait_s: tuple[float, ...]) -> int:
+        """Spans of the recorded transfers, children of the current span; returns how many.
+
+        Attributes: ``layer``, ``bytes``, ``src`` -> ``dst`` (node ids), ``path`` (the read paths
+        of the requests whose KV moved), ``traffic_class``, ``transfer_s`` (the data-plane call)
+        and ``wait_s`` (how long the layer loop waited for this layer's fetch or store).
+        """
+        me = self.dp.node_id
+        for name, layer, peer, t0_ns, t1_ns, nbytes in self._transfers:
+            fetch = name == "kv.fetch"
+            waits = fetch_wait_s if fetch else store_wait_s
+            span = tracer.start_span(name, start_time=t0_ns, attributes={
+                "layer": layer, "bytes": nbytes, "src": peer.node_id if fetch else me, "dst": me if fetch else peer.node_id,
+                "region": peer.region_id, "path": self._paths(fetch, peer.region_id), "traffic_class": TrafficClass.KV.name.lower(),
+                "transfer_s": (t1_ns - t0_ns) / 1e9, "wait_s": waits[layer] if layer < len(waits) else 0.0})
+            span.end(end_time=t1_ns)
+        return len(self._transfers)
+
+    def _paths(self, fetch: bool, region_id: str) -> str:
+        """Read paths of the items whose KV a transfer with ``region_id`` carried."""
+        if fetch:
+            moved = [io for io in self.items if io.item.start and io.source.region_id == region_id]
+        else:
+            moved = [io for io in self.items if io.dest.region_id == region_id]
+        return ",".join(sorted({io.path for io in moved}))

@@ -126,6 +126,7 @@ class SubmitRequest(Wire):
     read_path: int = ReadPath.AUTO
     block_tokens: int = 64
     arrival_ts: float = 0.0
+    trace: dict = field(default_factory=dict)  # W3C trace context of the request (traceparent/tracestate)
 
 
 @register(21)
@@ -255,6 +256,7 @@ class PrefillTask(Wire):
     de_offset: int
     attempt: int = 0
     policy: str = ""
+    trace: dict = field(default_factory=dict)  # the request's trace context (its work outlives this message)
 
 
 @register(41)
@@ -278,6 +280,7 @@ class DecodeTask(Wire):
     read_path: int
     prefill_engine: str
     attempt: int = 0
+    trace: dict = field(default_factory=dict)  # the request's trace context (decode outlives this message)
 
 
 @register(42)

@@ -4,11 +4,17 @@ Exporters, chosen by standard environment variables:
 
 - ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` set: OTLP over HTTP
   (what Jaeger ingests);
-- else ``DUALPATH_TRACE_FILE`` set: one JSON object per span appended to that file;
-- else tracing stays a no-op (spans cost almost nothing).
+- ``DUALPATH_TRACE_FILE`` set: one JSON object per span appended to that file (both when both
+  are set);
+- neither: tracing stays a no-op (spans cost almost nothing, nothing goes on the wire).
 
-Sampling follows ``OTEL_TRACES_SAMPLER``/``OTEL_TRACES_SAMPLER_ARG`` (the SDK reads them).
+Sampling follows ``OTEL_TRACES_SAMPLER``/``OTEL_TRACES_SAMPLER_ARG`` and batching the
+``OTEL_BSP_*`` variables (the SDK reads them).
+
 Trace context crosses NATS in message headers (W3C ``traceparent``), see ``dualpath.bus``.
+Work that waits in a queue (scheduler, engine batches) outlives the message that brought it,
+so the messages that start such work also carry their request's context in a ``trace`` field:
+``carrier()`` fills it, ``context_from()`` turns it back into a parent for new spans.
 """
 
 from __future__ import annotations
@@ -18,12 +24,16 @@ import os
 import threading
 from typing import Sequence
 
-from opentelemetry import trace
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-__all__ = ["JsonLinesSpanExporter", "configure_tracing", "get_tracer", "shutdown_tracing"]
+__all__ = [
+    "JsonLinesSpanExporter", "carrier", "configure_tracing", "context_from", "flush_tracing", "get_tracer", "shutdown_tracing",
+    "tracing_enabled",
+]
 
 _provider: TracerProvider | None = None
 
@@ -48,6 +58,7 @@ class JsonLinesSpanExporter(SpanExporter):
                 "start_ns": s.start_time,
                 "end_ns": s.end_time,
                 "attributes": dict(s.attributes or {}),
+                "links": [format(link.context.span_id, "016x") for link in s.links],
                 "status": s.status.status_code.name,
             }, default=str))
         with self._lock, open(self._path, "a", encoding="utf-8") as f:
@@ -70,7 +81,7 @@ def configure_tracing(service: str) -> bool:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    else:
+    if path:
         provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(path)))
     trace.set_tracer_provider(provider)
     _provider = provider
@@ -83,5 +94,36 @@ def shutdown_tracing() -> None:
         _provider.shutdown()
 
 
+def flush_tracing(timeout_ms: int = 5000) -> None:
+    """Export every finished span now (for a process about to end without ``shutdown_tracing``)."""
+    if _provider is not None:
+        _provider.force_flush(timeout_ms)
+
+
+def tracing_enabled() -> bool:
+    """True when this process exports spans (gate for gathering span-only figures)."""
+    return _provider is not None
+
+
 def get_tracer(name: str = "dualpath"):
+    """The tracer for ``name`` (a no-op one until ``configure_tracing`` installs a provider)."""
     return trace.get_tracer(name)
+
+
+def carrier(span: trace.Span | None = None) -> dict[str, str]:
+    """W3C trace context (``traceparent``/``tracestate``) of ``span``, default the current span.
+
+    Empty when nothing is traced, so messages stay as small as without tracing.
+    """
+    out: dict[str, str] = {}
+    propagate.inject(out, context=trace.set_span_in_context(span) if span is not None else None)
+    return out
+
+
+def context_from(trace_carrier: dict[str, str] | None) -> Context:
+    """The parent context a ``carrier()`` describes; an empty context (a new root) when it is empty.
+
+    Never the caller's current context: queued work must not hang under whatever message
+    happened to wake the loop that runs it.
+    """
+    return propagate.extract(trace_carrier or {})

@@ -1,0 +1,104 @@
+"""``dualpath trace``: read request traces, measure what tracing costs.
+
+    dualpath trace show REQUEST_ID --file spans.jsonl       (DUALPATH_TRACE_FILE of the services)
+    dualpath trace show REQUEST_ID --jaeger http://HOST:16686
+    dualpath trace overhead [--model DIR] [--conversations 12] [--turns 4] [--json]
+
+``show`` prints the request's trace as a tree: start offset and duration in ms per span, the
+service that recorded it, key attributes (scheduling decision, per-layer transfers...).
+The request id is the ``id`` of the OpenAI answer (also the ``X-Request-Id`` header).
+``overhead`` runs the same kind of conversations with tracing on and off on one stack and
+prints how much prefill time tracing adds (see ``services.trace_overhead``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dualpath.telemetry.errors import TraceError, TraceSourceError
+from dualpath.telemetry.traceview import SpanRecord, find_trace, from_jaeger, linked_spans, load_jsonl, render_tree
+
+__all__ = ["fetch_jaeger", "main", "show"]
+
+
+def fetch_jaeger(url: str, request_id: str, *, timeout: float = 10.0) -> list[SpanRecord]:
+    """The spans Jaeger's query API returns for traces whose gateway span has ``request_id``.
+
+    Raises:
+        TraceSourceError: Jaeger cannot be reached or answers with an error or garbage.
+    """
+    import httpx
+
+    params = {"service": "gateway", "tags": json.dumps({"request_id": request_id}), "limit": "5"}
+    try:
+        r = httpx.get(url.rstrip("/") + "/api/traces", params=params, timeout=timeout)
+        r.raise_for_status()
+        payload = r.json()
+    except httpx.HTTPError as exc:
+        raise TraceSourceError(url, str(exc)) from None
+    except ValueError:
+        raise TraceSourceError(url, "the answer is not JSON") from None
+    if not isinstance(payload, dict):
+        raise TraceSourceError(url, "the answer is not a JSON object")
+    return from_jaeger(payload)
+
+
+def show(request_id: str, *, file: str = "", jaeger: str = "", attr_width: int = 160) -> str:
+    """The rendered tree of ``request_id``'s trace from a span file or Jaeger.
+
+    Raises:
+        TraceSourceError: the source cannot be read.
+        TraceNotFoundError: the request has no trace there.
+    """
+    source = file or jaeger
+    spans = load_jsonl(file) if file else fetch_jaeger(jaeger, request_id)
+    trace = find_trace(spans, request_id, source)
+    out = render_tree(trace, attr_width=attr_width)
+    shared = linked_spans(spans, trace)
+    if shared:
+        out += "\nlinked from other traces (shared work):\n" + "\n".join(
+            f"  {s.name} [{s.service}] {s.duration_ms:.2f} ms  trace {s.trace_id}" for s in shared)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dualpath trace", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("show", help="print one request's trace as a tree with durations")
+    s.add_argument("request_id", help="the request id (OpenAI answer id, X-Request-Id header)")
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--file", default="", help="JSON-lines span file (what DUALPATH_TRACE_FILE pointed the services to)")
+    src.add_argument("--jaeger", default="", help="Jaeger query base URL, e.g. http://127.0.0.1:16686")
+    s.add_argument("--width", type=int, default=160, help="most characters of attributes per line")
+    o = sub.add_parser("overhead", help="tracing on vs off, same run: how much prefill time tracing adds")
+    o.add_argument("--model", default="", help="checkpoint directory (default: a tiny 8-layer model made in a temp dir)")
+    o.add_argument("--conversations", type=int, default=12, help="conversations (each is traced or not, at random)")
+    o.add_argument("--turns", type=int, default=4, help="turns per conversation")
+    o.add_argument("--turn-tokens", type=int, default=384, help="new prompt tokens per turn")
+    o.add_argument("--max-tokens", type=int, default=8, help="tokens generated per turn")
+    o.add_argument("--run-dir", default="", help="logs and span file go here (default: a temp dir)")
+    o.add_argument("--json", action="store_true", help="print the figures as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    if ns.cmd == "show":
+        try:
+            print(show(ns.request_id, file=ns.file, jaeger=ns.jaeger, attr_width=ns.width))
+        except TraceError as exc:
+            print(f"dualpath trace: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    from services.trace_overhead import format_report, measure
+
+    try:
+        report = measure(model=ns.model, conversations=ns.conversations, turns=ns.turns, turn_tokens=ns.turn_tokens,
+                         max_tokens=ns.max_tokens, run_dir=ns.run_dir)
+    except Exception as exc:  # noqa: BLE001 - a benchmark reports why it could not run
+        print(f"dualpath trace overhead: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2) if ns.json else format_report(report))
+    return 0

@@ -1,0 +1,53 @@
+"""``run_prefill`` reports, per layer, how long the layer loop waited for each transfer (trace attributes)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from dualpath.engine.prefill import PrefillItem, run_prefill
+
+LAYERS = 4
+
+
+class FakeDecoder:
+    device = torch.device("cpu")
+    num_layers = LAYERS
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids.float().unsqueeze(1)  # [N, 1]
+
+    def forward_layer(self, layer, hidden, positions, segments, past):
+        return hidden + 1, hidden.clone(), hidden.clone()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.repeat(1, 3)  # [n, vocab=3]
+
+
+class SlowIO:
+    """Layer 2's fetch and layer 3's store take ``delay`` seconds; everything else is instant."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    async def fetch(self, layer: int):
+        if layer == 2:
+            await asyncio.sleep(self.delay)
+        return [None]
+
+    async def store(self, layer: int, k, v) -> None:
+        if layer == 3:
+            await asyncio.sleep(self.delay)
+
+
+@pytest.mark.anyio
+async def test_a_slow_fetch_and_a_slow_last_store_show_up_on_their_own_layers():
+    item = PrefillItem(request_id="r", tokens=[1, 2, 3], start=0, end=3)
+    result = await run_prefill(FakeDecoder(), [item], SlowIO(0.2))
+    assert len(result.fetch_wait_s) == LAYERS and len(result.store_wait_s) == LAYERS
+    assert result.fetch_wait_s[2] >= 0.15 and max(result.fetch_wait_s[:2] + result.fetch_wait_s[3:]) < 0.1
+    assert result.store_wait_s[3] >= 0.15 and max(result.store_wait_s[:3]) < 0.1
+    assert result.wait_s == pytest.approx(sum(result.fetch_wait_s))
+    assert result.logits.shape == (1, 3)
