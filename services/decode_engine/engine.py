@@ -52,6 +52,7 @@ class Running:
     t_start: float = field(default_factory=time.perf_counter)
     decode_s: float = 0.0  # admission to last token (set when it leaves)
     span: trace.Span = trace.INVALID_SPAN  # decode.request
+    unsent: list = field(default_factory=list)  # (token, logprob, top) not yet streamed (stream interval)
 
 
 class DecodeEngine:
@@ -231,7 +232,9 @@ class DecodeEngine:
                     r.seq.tokens.append(tok.token_id)
                     r.seq.generated.append(tok.token_id)
                     self._check_finish(r, tok.token_id)
-                    await self._emit(r, [tok.token_id], [tok.logprob], [[[i, lp] for i, lp in tok.top_logprobs]])
+                    r.unsent.append((tok.token_id, tok.logprob, [[i, lp] for i, lp in tok.top_logprobs]))
+                    if len(r.unsent) >= self.cfg.stream_interval or r.finish is not None:
+                        await self._emit(r)
             for r in batch:  # a block just filled with KV: persist it
                 if r.seq.kv_len % self.setup.layout.block_tokens == 0 and r.finish != "cancelled":
                     await self._persist_block(r, r.seq.kv_len // self.setup.layout.block_tokens - 1)
@@ -242,7 +245,10 @@ class DecodeEngine:
     def _needs_flush(self, r: Running) -> bool:
         return len(r.seq.tokens) % self.setup.layout.block_tokens == 0 and r.seq.kv_len < len(r.seq.tokens)
 
-    async def _emit(self, r: Running, ids: list[int], lps: list[float], tops: list) -> None:
+    async def _emit(self, r: Running) -> None:
+        """Stream the request's unsent tokens as one event (``stream_interval`` tokens at a time)."""
+        ids, lps, tops = (list(x) for x in zip(*r.unsent))
+        r.unsent.clear()
         await self.bus.publish(r.task.reply_subject, m.TokenEvent(request_id=r.task.request_id, index=len(r.seq.generated) - len(ids),
                                                                   token_ids=ids, logprobs=lps, top_logprobs=tops, ts=time.time()))
 

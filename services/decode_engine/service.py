@@ -3,27 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
-from dualpath.bus import Bus
-from dualpath.config import BusConfig, EmulationConfig, EngineConfig, ModelConfigSpec, NodeConfig, add_arguments, from_args
-from dualpath.engine.common import build_engine
+from dualpath.engine.service import engine_parser, run_engine
 from dualpath.protocol import messages as m
-from dualpath.protocol.subjects import Subjects
-from dualpath.runtime import periodic, run_service
 from dualpath.telemetry.metrics import nic_observations, observe
 from services.decode_engine.engine import DecodeEngine
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dualpath service decode-engine", description="continuous-batching decode engine (one per GPU)")
-    add_arguments(p, BusConfig)
-    add_arguments(p, ModelConfigSpec)
-    add_arguments(p, EngineConfig, skip=("max_batch_tokens",))
-    add_arguments(p, NodeConfig, skip=("storage", "buffer_mb"))
-    add_arguments(p, EmulationConfig, skip=("snic_gbps",))
-    p.add_argument("--window-mb", type=int, default=16, help="engine transfer window, MiB")
-    return p
+    return engine_parser("decode", "continuous-batching decode engine (one per GPU)", window_mb=16)
 
 
 def register_metrics(engine: DecodeEngine) -> None:
@@ -43,25 +31,4 @@ def register_metrics(engine: DecodeEngine) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
-    bus_cfg, cfg = from_args(BusConfig, ns), from_args(EngineConfig, ns)
-    model, node, emu = from_args(ModelConfigSpec, ns), from_args(NodeConfig, ns), from_args(EmulationConfig, ns)
-    subjects = Subjects(bus_cfg.namespace)
-
-    async def serve(bus: Bus, stop: asyncio.Event) -> None:
-        setup = await build_engine(engine_id=cfg.engine_id, namespace=bus_cfg.namespace, model=model, node=node, window_mb=ns.window_mb,
-                                  emu=emu, role="decode")
-        engine = DecodeEngine(bus, subjects, cfg, node.node_id, setup)
-        register_metrics(engine)
-        await bus.serve(subjects.decode(cfg.engine_id), engine.on_task, m.DecodeTask)
-        await bus.serve(subjects.cancel, engine.on_cancel, m.CancelRequest)
-
-        async def report() -> None:
-            await bus.publish(subjects.engine_report, engine.report())
-
-        try:
-            await asyncio.gather(engine.run(stop), periodic(stop, node.report_interval, report))
-        finally:
-            await setup.close()
-
-    return run_service(f"decode-engine-{cfg.engine_id}", bus_cfg, serve)
+    return run_engine(build_parser().parse_args(argv), "decode", DecodeEngine, m.DecodeTask, register_metrics)

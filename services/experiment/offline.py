@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=float, default=1000.0, help="bytes and bandwidths divided by this (times preserved)")
     p.add_argument("--snic-gbps", type=float, default=400.0)
     p.add_argument("--cnic-gbps", type=float, default=400.0)
+    p.add_argument("--stream-interval", type=int, default=16, help="decode tokens per streamed event (JCT needs no per-token events)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/offline", help="result.json, PNGs and per-mode logs")
     p.add_argument("--json", action="store_true", help="print result.json instead of the table")
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     model = ensure_model("", str(out), long_context=True)
     spec = TestbedSpec(model=model, topology=topology, target=ns.target, scale=ns.scale, gpus_per_node=ns.gpus_per_node,
                        snic_gbps=ns.snic_gbps, cnic_gbps=ns.cnic_gbps, dataset=ns.dataset, agents=ns.agents, turns=ns.turns,
-                       seed=ns.seed, out=out, warmup_turns=ns.warmup_turns)
+                       seed=ns.seed, out=out, warmup_turns=ns.warmup_turns, stream_interval=ns.stream_interval)
     say = (lambda msg: print(msg, file=sys.stderr, flush=True))
     results = {}
     for mode in modes:

@@ -8,7 +8,6 @@ node's shared memory, and Dockerfiles that copy what the build context does not 
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import fnmatch
 import functools
@@ -117,19 +116,11 @@ def _global_vars() -> frozenset[str]:
 
 @functools.cache
 def _module_vars(module: str) -> frozenset[str]:
-    """The ``DUALPATH_*`` variables ``module``'s ``build_parser()`` offers (read from its source)."""
-    tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
-    parser = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "build_parser")
+    """The ``DUALPATH_*`` variables ``module``'s ``build_parser()`` offers (each flag's help names its variable)."""
+    parser = importlib.import_module(module).build_parser()
     found: set[str] = set()
-    for call in (n for n in ast.walk(parser) if isinstance(n, ast.Call)):
-        name = getattr(call.func, "id", None) or getattr(call.func, "attr", None)
-        keywords = {k.arg: k.value for k in call.keywords}
-        if name == "add_arguments":
-            skip = ast.literal_eval(keywords["skip"]) if "skip" in keywords else ()
-            cls = getattr(config, call.args[1].id)
-            found |= {f.metadata["env"] for f in dataclasses.fields(cls) if f.metadata.get("env") and f.name not in skip}
-        elif name == "add_argument" and isinstance(keywords.get("help"), ast.Constant):
-            found |= set(re.findall(r"env (DUALPATH_[A-Z0-9_]+)", keywords["help"].value))
+    for action in parser._actions:
+        found |= set(re.findall(r"env (DUALPATH_[A-Z0-9_]+)", action.help or ""))
     return frozenset(found)
 
 

@@ -45,6 +45,7 @@ class Decoder:
     """
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+        """Wrap already loaded tensors (HF names, one dtype, on ``device``); see ``load``."""
         self.config = config
         self.device = device
         self.dtype = tensors["model.embed_tokens.weight"].dtype
@@ -162,6 +163,11 @@ class Decoder:
             mask = cols[None, :] <= rows[:, None]  # [n, P + n]
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
         return out.transpose(0, 1)  # [n, heads, hd]
+
+    @torch.no_grad()
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's last RMSNorm: ``[M, H]`` -> ``[M, H]``, the input of the LM head."""
+        return self._rms_norm(hidden, self._norm)
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ class RotaryEmbedding:
         Angles are formed in float32 elementwise (never a matmul, whose blocking could
         depend on N), then cast, as transformers does.
         """
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [N, hd/2]
+        freqs = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None, :]  # [N, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [N, 1, hd]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -82,7 +82,8 @@ def sample(
     generator; pass a seeded one for reproducible sampling; it must live on the logits'
     device or on CPU). Greedy rows take the argmax, ties going to the lowest id. Where
     ``suppress_eos[i]`` is true the ids in ``eos_ids`` cannot be chosen (min_tokens,
-    ignore_eos). ``top_logprobs`` is filled only when ``params[i].logprobs`` is set.
+    ignore_eos). ``top_logprobs`` holds ``params[i].top_logprobs`` entries (none when 0); the
+    chosen token's ``logprob`` is always filled, since it costs nothing.
 
     Raises:
         ModelInputError: ``logits`` not 2-D, or lengths of ``params``, ``generators`` or
@@ -105,7 +106,7 @@ def sample(
             row = row.index_fill(0, eos, float("-inf"))
         token = int(row.argmax()) if p.temperature == 0.0 else _draw(row, p, generators[i])
         top: tuple[tuple[int, float], ...] = ()
-        if p.logprobs and p.top_logprobs:
+        if p.top_logprobs:
             # Stable sort: equal logprobs are listed lowest id first, like the greedy choice.
             values, ids = torch.sort(logprobs[i], descending=True, stable=True)
             top = tuple(zip(ids[: p.top_logprobs].tolist(), values[: p.top_logprobs].tolist()))

@@ -17,9 +17,10 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from dualpath.model.errors import ModelInputError, ModelLoadError
 
-__all__ = ["CHATML_EOS", "Tokenizer"]
+__all__ = ["EOS_NAMES", "Tokenizer"]
 
-CHATML_EOS = ("<|im_end|>", "<|endoftext|>")
+# End-of-turn / end-of-text names of the Qwen2 (ChatML) and Llama families.
+EOS_NAMES = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
 
 
 class Tokenizer:
@@ -36,9 +37,11 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load ``<path>/tokenizer.json``; EOS ids come from ``<|im_end|>``/``<|endoftext|>``
-        and the ``eos_token(_id)`` of ``tokenizer_config.json``, ``generation_config.json``
-        and ``config.json`` where present.
+        """Load ``<path>/tokenizer.json``.
+
+        EOS ids are the special tokens named in ``EOS_NAMES`` plus the ``eos_token`` /
+        ``eos_token_id`` of ``tokenizer_config.json``, ``generation_config.json`` and
+        ``config.json`` where present.
 
         Raises:
             ModelLoadError: ``tokenizer.json`` missing or unparsable, or one of the optional
@@ -52,7 +55,9 @@ class Tokenizer:
             tok = HFTokenizer.from_file(str(file))
         except Exception as exc:  # the Rust side raises a bare Exception on bad JSON
             raise ModelLoadError(file, f"cannot load tokenizer.json: {exc}") from None
-        eos: set[int] = {i for name in CHATML_EOS if (i := tok.token_to_id(name)) is not None}
+        # Only added special tokens count: in some vocabularies "</s>" is ordinary text.
+        specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        eos: set[int] = {specials[name] for name in EOS_NAMES if name in specials}
         tok_config = _optional_json(path / "tokenizer_config.json")
         name = tok_config.get("eos_token")
         if isinstance(name, dict):  # older files store an AddedToken object

@@ -1,0 +1,60 @@
+"""What both engine services share: their command line and their process wiring.
+
+The prefill and decode services differ only in the engine class, the message they take and
+their metrics; ``engine_parser`` and ``run_engine`` hold the rest, once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Callable
+
+from dualpath.bus import Bus
+from dualpath.config import BusConfig, EmulationConfig, EngineConfig, ModelConfigSpec, NodeConfig, add_arguments, from_args
+from dualpath.engine.common import build_engine
+from dualpath.protocol import messages as m
+from dualpath.protocol.subjects import Subjects
+from dualpath.runtime import periodic, run_service
+
+__all__ = ["engine_parser", "run_engine"]
+
+_SKIP = {"prefill": ("kv_capacity_tokens", "max_running", "stream_interval"), "decode": ("max_batch_tokens",)}
+
+
+def engine_parser(role: str, description: str, window_mb: int) -> argparse.ArgumentParser:
+    """Flags of a ``role`` ("prefill"/"decode") engine: bus, model, engine, node, emulation, window."""
+    p = argparse.ArgumentParser(prog=f"dualpath service {role}-engine", description=description)
+    add_arguments(p, BusConfig)
+    add_arguments(p, ModelConfigSpec)
+    add_arguments(p, EngineConfig, skip=_SKIP[role])
+    add_arguments(p, NodeConfig, skip=("storage", "buffer_mb"))
+    add_arguments(p, EmulationConfig, skip=("snic_gbps",))
+    p.add_argument("--window-mb", type=int, default=window_mb, help="engine transfer window (stand-in for registered HBM), MiB")
+    return p
+
+
+def run_engine(ns: argparse.Namespace, role: str, engine_cls, task_type: type, register_metrics: Callable) -> int:
+    """Run one engine process: build it, serve its task subject and cancels, report periodically."""
+    bus_cfg, cfg = from_args(BusConfig, ns), from_args(EngineConfig, ns)
+    model, node, emu = from_args(ModelConfigSpec, ns), from_args(NodeConfig, ns), from_args(EmulationConfig, ns)
+    subjects = Subjects(bus_cfg.namespace)
+    task_subject = subjects.prefill if role == "prefill" else subjects.decode
+
+    async def serve(bus: Bus, stop: asyncio.Event) -> None:
+        setup = await build_engine(engine_id=cfg.engine_id, namespace=bus_cfg.namespace, model=model, node=node, window_mb=ns.window_mb,
+                                   emu=emu, role=role)
+        engine = engine_cls(bus, subjects, cfg, node.node_id, setup)
+        register_metrics(engine)
+        await bus.serve(task_subject(cfg.engine_id), engine.on_task, task_type)
+        await bus.serve(subjects.cancel, engine.on_cancel, m.CancelRequest)
+
+        async def report() -> None:
+            await bus.publish(subjects.engine_report, engine.report())
+
+        try:
+            await asyncio.gather(engine.run(stop), periodic(stop, node.report_interval, report))
+        finally:
+            await setup.close()
+
+    return run_service(f"{role}-engine-{cfg.engine_id}", bus_cfg, serve)
