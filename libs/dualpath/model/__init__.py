@@ -9,14 +9,26 @@
 - ``make_tiny_model``  a small random checkpoint built for exactness tests
 """
 
-from dualpath.model.config import ModelConfig, RopeScaling
-from dualpath.model.decoder import Decoder, PastKV
-from dualpath.model.errors import ModelError, ModelInputError, ModelLoadError
-from dualpath.model.generate import GreedyResult, greedy_generate
-from dualpath.model.kvlayout import pack_kv, unpack_kv
-from dualpath.model.sampling import SampledToken, SamplingParams, sample
-from dualpath.model.tiny import GENERATED_ALPHABET, make_tiny_model
-from dualpath.model.tokenizer import Tokenizer
+from importlib import import_module
+
+# Lazy exports (PEP 562): control services (the gateway needs only ``Tokenizer`` and
+# ``ModelConfig``) import this package without pulling in torch.
+_HOME = {
+    "ModelConfig": "config", "RopeScaling": "config", "Decoder": "decoder", "PastKV": "decoder",
+    "ModelError": "errors", "ModelInputError": "errors", "ModelLoadError": "errors",
+    "GreedyResult": "generate", "greedy_generate": "generate", "pack_kv": "kvlayout", "unpack_kv": "kvlayout",
+    "SampledToken": "sampling", "SamplingParams": "sampling", "sample": "sampling",
+    "GENERATED_ALPHABET": "tiny", "make_tiny_model": "tiny", "Tokenizer": "tokenizer",
+}
+
+
+def __getattr__(name: str):
+    if name in _HOME:
+        value = getattr(import_module(f"dualpath.model.{_HOME[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dualpath.model' has no attribute {name!r}")
+
 
 __all__ = [
     "GENERATED_ALPHABET",

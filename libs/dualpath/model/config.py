@@ -6,34 +6,38 @@ other ``model_type`` values are refused at load time rather than silently mis-ru
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from dualpath.model.errors import ModelLoadError
 
 __all__ = ["DTYPES", "ModelConfig", "RopeScaling", "dtype_from_name"]
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPES = ("float32", "bfloat16", "float16")  # names; torch is imported only when a dtype is needed
 _ROPE_KINDS = ("default", "linear", "llama3")
 
 
-def dtype_from_name(name: str) -> torch.dtype:
+def dtype_from_name(name: str) -> "torch.dtype":
     """Map ``"float32" | "bfloat16" | "float16"`` to the torch dtype.
 
     Raises:
         KeyError: for any other name.
     """
-    return DTYPES[name]
+    if name not in DTYPES:
+        raise KeyError(name)
+    import torch
+
+    return getattr(torch, name)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,11 +138,11 @@ class ModelConfig:
         )
 
     @property
-    def dtype(self) -> torch.dtype:
+    def dtype(self) -> "torch.dtype":
         """The checkpoint's torch dtype (``torch_dtype``)."""
-        return DTYPES[self.torch_dtype]
+        return dtype_from_name(self.torch_dtype)
 
-    def kv_bytes_per_token_layer(self, dtype: torch.dtype) -> int:
+    def kv_bytes_per_token_layer(self, dtype: "torch.dtype") -> int:
         """Bytes of one token's K and V in one layer: ``2 * kv_heads * head_dim * itemsize``."""
         return 2 * self.num_key_value_heads * self.head_dim * dtype.itemsize
 
