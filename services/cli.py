@@ -7,6 +7,8 @@
     dualpath demo                              (a multi-turn conversation against a fresh stack)
     dualpath bench scheduler|transfer|loadgen [--json]
     dualpath loadgen --url URL --dataset 32k|48k|64k|FILE ...
+    dualpath experiment offline|online ...     (the paper's experiments on the emulated testbed)
+    dualpath trace show REQUEST_ID --file F | --jaeger URL
 """
 
 from __future__ import annotations
