@@ -60,8 +60,8 @@ def reference(model_dir, turns: list[dict]) -> list[tuple[str, list[float]]]:
     return out
 
 
-@pytest.mark.parametrize("layers,hidden,heads,kv_heads", [(1, 32, 2, 1), (3, 96, 6, 2), (4, 64, 4, 4)],
-                         ids=["1layer-gqa2", "3layers-gqa3", "4layers-mha"])
+@pytest.mark.parametrize("layers,hidden,heads,kv_heads", [(1, 32, 2, 1), (3, 96, 6, 2), (8, 64, 4, 4)],
+                         ids=["1layer-gqa2", "3layers-gqa3", "8layers-mha"])
 def test_pe_and_de_read_paths_are_bitwise_equal_and_match_a_full_recompute(tmp_path, layers, hidden, heads, kv_heads):
     model_dir = make_tiny_model(tmp_path / "model", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=400, seed=layers)
     name = model_dir.resolve().name

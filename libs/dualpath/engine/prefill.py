@@ -10,12 +10,15 @@ side). The torch work runs in a worker thread so the event loop keeps serving th
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
 
-__all__ = ["LayerIO", "PrefillItem", "PrefillResult", "run_prefill"]
+__all__ = ["FETCH_AHEAD", "LayerIO", "PrefillItem", "PrefillResult", "run_prefill"]
+
+FETCH_AHEAD = 3  # layers whose cached KV may be in flight ahead of the computing layer
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,15 +80,18 @@ async def run_prefill(decoder, items: Sequence[PrefillItem], io: LayerIO) -> Pre
     fetch_wait = [0.0] * decoder.num_layers
     store_wait = [0.0] * decoder.num_layers
     stores: list[asyncio.Task] = []
-    pending = asyncio.ensure_future(io.fetch(0))
+    n_layers = decoder.num_layers
+    # Up to FETCH_AHEAD layers' cached KV in flight while a layer computes: on a link whose
+    # round trip exceeds one layer's compute (TCP, a busy host) one layer ahead is not enough.
+    pending = deque(asyncio.ensure_future(io.fetch(j)) for j in range(min(FETCH_AHEAD, n_layers)))
     try:
-        for layer in range(decoder.num_layers):
+        for layer in range(n_layers):
             t0 = loop.time()
-            past = await pending
+            past = await pending.popleft()
             fetch_wait[layer] = loop.time() - t0
             wait_s += fetch_wait[layer]
-            if layer + 1 < decoder.num_layers:
-                pending = asyncio.ensure_future(io.fetch(layer + 1))  # next layer in flight
+            if layer + FETCH_AHEAD < n_layers:
+                pending.append(asyncio.ensure_future(io.fetch(layer + FETCH_AHEAD)))
             t1 = loop.time()
             hidden, k, v = await asyncio.to_thread(decoder.forward_layer, layer, hidden, pos_t, segments, past)
             compute_s += loop.time() - t1
@@ -99,9 +105,9 @@ async def run_prefill(decoder, items: Sequence[PrefillItem], io: LayerIO) -> Pre
             await stores[layer]
             store_wait[layer] = loop.time() - t_tail
     except BaseException:
-        for task in (*stores, pending):
+        for task in (*stores, *pending):
             task.cancel()
-        await asyncio.gather(*stores, pending, return_exceptions=True)
+        await asyncio.gather(*stores, *pending, return_exceptions=True)
         raise
     last_rows = [s + n - 1 for (s, n), it in zip(segments, items) if it.last]
     logits = await asyncio.to_thread(decoder.logits, hidden[last_rows]) if last_rows else torch.empty(0)

@@ -11,9 +11,10 @@ Per layer, for every item of the batch:
   path: hit + miss; DE read path: miss only).
 
 Windows rotate so that no transfer overwrites bytes still in use: ``run_prefill`` starts
-``fetch(l+1)`` before computing ``l`` and waits for ``store(l-2)`` before ``store(l)``; a store
-may still read the input window of its layer (forwarded hits) until then, hence four input
-windows (``fetch(l+1)`` reuses the window of ``l-3``, whose store is done) and two output ones.
+``fetch(l+A)`` (A = ``FETCH_AHEAD``) before computing ``l`` and waits for ``store(l-2)`` before
+``store(l)``; a store may still read the input window of its layer (forwarded hits) until
+then, hence A + 3 input windows (``fetch(l+A)`` reuses the window of ``l-3``, whose store is
+done) and two output ones.
 
 Tracing: with ``record=True`` every data-plane batch notes its layer, peer, bytes and epoch
 times (two clock reads, no span on the hot path); ``emit_layer_spans`` turns them into one
@@ -31,12 +32,12 @@ import torch
 
 from dualpath.engine.dataplane import EngineDataPlane
 from dualpath.engine.layout import SlotLayout
-from dualpath.engine.prefill import PrefillItem
+from dualpath.engine.prefill import FETCH_AHEAD, PrefillItem
 from dualpath.transfer import RegionDescriptor, TrafficClass, TransferEntry
 
 __all__ = ["BatchLayerIO", "IoItem", "LayerStats"]
 
-_IN_WINDOWS = 4
+_IN_WINDOWS = FETCH_AHEAD + 3  # see the module docstring
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
