@@ -86,6 +86,8 @@ class TurnResult:
     cached_tokens: int | None = None
     text: str = ""
     server_timing: str | None = None
+    ttft_queue: float | None = None  # the server's own split of TTFT, when it reports one
+    ttft_exec: float | None = None
 
 
 class ItlSink(TypingProtocol):
@@ -102,7 +104,7 @@ class ResponseConsumer:
     """
 
     __slots__ = ("t_send", "chat", "sink", "future", "status", "sse", "timing", "raw", "line",
-                 "data", "done", "pieces", "count", "t_first", "t_second", "t_last", "max_itl", "usage")
+                 "data", "done", "pieces", "count", "t_first", "t_second", "t_last", "max_itl", "usage", "extension")
 
     def __init__(self, t_send: float, chat: bool, sink: ItlSink | None, future: asyncio.Future) -> None:
         self.t_send, self.chat, self.sink, self.future = t_send, chat, sink, future
@@ -111,6 +113,7 @@ class ResponseConsumer:
         self.done, self.pieces, self.count = False, [], 0
         self.t_first = self.t_second = self.t_last = 0.0
         self.max_itl, self.usage = 0.0, None
+        self.extension: dict = {}  # a DualPath server's "dualpath" object (read path, TTFT split)
 
     def on_head(self, status: int, headers: dict[str, str]) -> None:
         """Record the status and headers; decides whether the body is an SSE stream."""
@@ -166,6 +169,8 @@ class ResponseConsumer:
                     self.pieces.append(text)
         if obj.get("usage"):
             self.usage = obj["usage"]
+        if isinstance(obj.get("dualpath"), dict):
+            self.extension = obj["dualpath"]
 
     def _token(self, now: float) -> None:
         self.count += 1
@@ -211,7 +216,8 @@ class ResponseConsumer:
             tpot=(self.t_last - self.t_first) / (n - 1) if self.count >= 2 and n >= 2 else None,
             max_itl=self.max_itl if self.count >= 2 else None,
             prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"),
-            cached_tokens=details.get("cached_tokens"), server_timing=self.timing)
+            cached_tokens=details.get("cached_tokens"), server_timing=self.timing,
+            ttft_queue=self.extension.get("ttft_queue_s"), ttft_exec=self.extension.get("ttft_exec_s"))
 
     def _whole_json(self, now: float) -> None:
         # A server that ignored "stream": every token arrives at once.
@@ -222,6 +228,8 @@ class ResponseConsumer:
             self.pieces.append(text)
             self._token(now)
         self.usage = obj.get("usage")
+        if isinstance(obj.get("dualpath"), dict):
+            self.extension = obj["dualpath"]
 
 
 def parse_response_head(head: bytes) -> tuple[int, dict[str, str]]:

@@ -64,6 +64,8 @@ class TurnRecord:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     server_timing: str | None = None  # the response's Server-Timing header, if any
+    ttft_queue: float | None = None  # TTFT spent queueing (admission -> first prefill batch), if the server reports it
+    ttft_exec: float | None = None  # TTFT spent executing (first prefill batch -> first token), if reported
 
     @property
     def ok(self) -> bool:
@@ -163,6 +165,8 @@ def summarize(turns: list[TurnRecord], agents: list[AgentRecord], *, slo: Slo, w
         "turns": {"completed": len(done), "errors": kinds, "gen_length_mismatches": mismatched},
         "latency_s": {
             "ttft": distribution([t.ttft for t in done if t.ttft is not None]),
+            "ttft_queue": distribution([t.ttft_queue for t in done if t.ttft_queue is not None]),
+            "ttft_exec": distribution([t.ttft_exec for t in done if t.ttft_exec is not None]),
             "ttst": distribution([t.ttst for t in done if t.ttst is not None]),
             "tpot": distribution([t.tpot for t in done if t.tpot is not None]),
             "itl": itl.summary(),

@@ -275,7 +275,7 @@ async def _agent(index: int, trajectory: Trajectory, scheduled: float, spec: Loa
 def _completed(base: dict, r: TurnResult) -> TurnRecord:
     return TurnRecord(**base, ttft=r.ttft, ttst=r.ttst, tpot=r.tpot, e2e=r.e2e, max_itl=r.max_itl,
                       prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens,
-                      cached_tokens=r.cached_tokens, server_timing=r.server_timing)
+                      cached_tokens=r.cached_tokens, server_timing=r.server_timing, ttft_queue=r.ttft_queue, ttft_exec=r.ttft_exec)
 
 
 def _cut_off(base: dict, consumer: ResponseConsumer | None) -> TurnRecord:

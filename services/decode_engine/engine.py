@@ -174,7 +174,14 @@ class DecodeEngine:
                 stopper.cancel()
                 continue
             t0 = time.perf_counter()
-            await self._step()
+            try:
+                await self._step()
+            except Exception as exc:  # noqa: BLE001 - fail what this step held, keep decoding the rest
+                log.exception("decode_step_failed", requests=len(self.running))
+                for r in list(self.running.values()):
+                    self.running.pop(r.task.request_id, None)
+                    self.memory.release(r.seq.kv)
+                    await self._fail_task(r.task, f"decode failed: {type(exc).__name__}: {exc}")
             self.busy_s += time.perf_counter() - t0
         if self._persists:
             await asyncio.wait(list(self._persists), timeout=10.0)
@@ -273,7 +280,7 @@ class DecodeEngine:
             await asyncio.wait([r.persist_tail], timeout=30.0)
         t, lay = r.task, self.setup.layout
         info = {"read_path": read_path_name(t.read_path), "prefill_engine": t.prefill_engine, "decode_engine": self.cfg.engine_id,
-                "hit_tokens": t.cached_blocks * lay.block_tokens}
+                "hit_tokens": t.cached_blocks * lay.block_tokens, **t.timing}
         await self.bus.publish(t.reply_subject, m.TokenEvent(request_id=t.request_id, index=len(r.seq.generated), token_ids=[],
                                                              finish_reason=r.finish, cached_tokens=t.cached_blocks * lay.block_tokens,
                                                              info=info, ts=time.time()))

@@ -54,6 +54,7 @@ class Job:
     progress: int = 0  # tokens whose KV is in the DE slot or loaded hits
     pe_slot: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
+    t_first_batch: float = 0.0  # wall time its first prefill batch started (TTFT: queueing before, execution after)
     span: trace.Span = trace.INVALID_SPAN  # prefill.request: open from arrival to hand-off (or failure)
 
 
@@ -159,7 +160,15 @@ class PrefillEngine:
                 continue
             batch = self._next_batch()
             t0 = time.perf_counter()
-            await self._run_batch(batch)
+            try:
+                await self._run_batch(batch)
+            except Exception as exc:  # noqa: BLE001 - a bug in one batch fails its tasks, not the engine
+                log.exception("batch_failed", requests=len(batch))
+                for job, _ in batch:
+                    if job in self.ready:
+                        self.ready.remove(job)
+                    if job.task.request_id in self.jobs:
+                        await self._fail(job, f"prefill failed: {type(exc).__name__}: {exc}")
             self.busy_s += time.perf_counter() - t0
 
     def _batch_span(self, batch: list[tuple[Job, int]], items: list[IoItem]):
@@ -179,9 +188,21 @@ class PrefillEngine:
         links = [trace.Link(job.span.get_span_context()) for job, _ in batch[1:]]
         return tracer.start_as_current_span("prefill.batch", context=trace.set_span_in_context(first), links=links, attributes=attrs)
 
+    @staticmethod
+    def _ttft_split(job: Job) -> dict:
+        """TTFT's parts: queueing (admission -> first prefill batch: scheduler queue, dispatch,
+        KV load wait) and execution (first batch -> first token). Wall clocks of two processes."""
+        if not job.task.arrival_ts or not job.t_first_batch:
+            return {}
+        now = time.time()
+        return {"ttft_queue_s": max(0.0, job.t_first_batch - job.task.arrival_ts), "ttft_exec_s": max(0.0, now - job.t_first_batch)}
+
     async def _run_batch(self, batch: list[tuple[Job, int]]) -> None:
         s = self.setup
         items = [self._io_item(job, n) for job, n in batch]
+        now = time.time()
+        for job, _ in batch:
+            job.t_first_batch = job.t_first_batch or now
         t0 = time.perf_counter()
         with self._batch_span(batch, items) as span:
             io = BatchLayerIO(s.dataplane, s.layout, items, dtype=s.decoder.dtype, kv_heads=s.decoder.kv_heads,
@@ -237,7 +258,7 @@ class PrefillEngine:
                                 block_hashes=t.block_hashes, cached_blocks=job.hit_blocks, first_token=tok.token_id,
                                 first_logprob=tok.logprob, first_top_logprobs=top, sampling=t.sampling, reply_subject=t.reply_subject,
                                 de_region_id=job.dest.region_id, de_offset=t.de_offset, read_path=t.read_path,
-                                prefill_engine=self.cfg.engine_id, attempt=t.attempt, trace=t.trace)
+                                prefill_engine=self.cfg.engine_id, attempt=t.attempt, trace=t.trace, timing=self._ttft_split(job))
             try:
                 await self.bus.request(self.subjects.decode(t.decode_engine), task, m.Ok, timeout=10.0)
             except Exception as exc:  # noqa: BLE001

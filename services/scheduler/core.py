@@ -269,7 +269,8 @@ class Scheduler:
                                      block_hashes=r.block_hashes, hit_blocks=r.hit_blocks, sampling=r.sampling, reply_subject=r.reply_subject,
                                      read_path=int(read_path), prefill_engine=t.prefill_engine, prefill_node=pe_node,
                                      decode_engine=t.decode_engine, decode_node=t.decode_node, de_region=slot.region, de_offset=slot.offset,
-                                     attempt=t.attempt, policy=self.policy.name, trace=r.trace)
+                                     attempt=t.attempt, policy=self.policy.name, trace=r.trace,
+                                     arrival_ts=r.arrival_ts)
                 await self.bus.request(self.subjects.prefill(t.prefill_engine), task, m.Ok, timeout=5.0)
             except Exception as exc:  # noqa: BLE001 - any dispatch failure is retried
                 if isinstance(exc, BusTimeoutError) and exc.subject == self.subjects.prefill(t.prefill_engine):

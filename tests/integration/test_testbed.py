@@ -49,5 +49,8 @@ def test_loadgen_online_against_a_real_stack_reuses_kv_and_meets_a_loose_slo(tin
         assert run["turns"]["gen_length_mismatches"] == 0  # replay generates exactly the recorded lengths
         assert run["cache"]["cached_tokens"] > 0
         assert run["slo"]["attainment"] == 1.0
+        lat = run["latency_s"]  # the server's TTFT split reaches the report
+        assert lat["ttft_queue"]["n"] == lat["ttft"]["n"] and lat["ttft_exec"]["n"] == lat["ttft"]["n"]
+        assert lat["ttft_queue"]["p50"] + lat["ttft_exec"]["p50"] <= lat["ttft"]["p99"] + 0.05
     finally:
         s.stop()

@@ -17,13 +17,14 @@ greedy loops that forget the prompt). The weights are therefore constructed:
   (``GENERATED_ALPHABET``) have non-zero head rows: random directions, whitened against the
   model's own final states so that logits have std ``LOGIT_SCALE`` nats and no token is
   favoured (favoured tokens are what greedy loops lock onto). So the top-1/top-2 margin is
-  below 1 nat at ~0.03% of greedy steps, EOS and other special tokens are never generated,
+  below 1 nat at ~0.02% of greedy steps, EOS and other special tokens are never generated,
   and every generated token is one printable byte that re-tokenizes to the same id. The
   price: sampling at temperature 1 is nearly greedy, and other tokens' logprobs are in
   the thousands.
 - Measured over 15 shapes (layers 1-8, hidden 32-256, GQA 1-4, vocab 300-4096) x 6 seeds x
-  40 prompts: no 48-token greedy continuation had fewer than {MIN_DISTINCT} distinct tokens, and no
-  two prompts with different last 10 tokens shared a continuation.
+  40 prompts, 48 greedy tokens each: every model gave 40 different continuations, none had
+  fewer than 24 distinct tokens, and margins under 1 nat were 0.02% of steps (worst model
+  0.16%).
 - ``tie_embeddings=True`` reuses the random embedding as the head: it loads and runs, but
   its outputs are neither peaked nor printable-only (use it for plumbing, not exactness).
 - The default ``torch_dtype`` is float32, so ``Decoder.load`` computes in float32 on CUDA

@@ -256,6 +256,7 @@ class PrefillTask(Wire):
     de_offset: int
     attempt: int = 0
     policy: str = ""
+    arrival_ts: float = 0.0  # wall time the gateway admitted the request (TTFT's queueing part starts here)
     trace: dict = field(default_factory=dict)  # the request's trace context (its work outlives this message)
 
 
@@ -280,6 +281,7 @@ class DecodeTask(Wire):
     read_path: int
     prefill_engine: str
     attempt: int = 0
+    timing: dict = field(default_factory=dict)  # ttft_queue_s / ttft_exec_s measured by the prefill engine
     trace: dict = field(default_factory=dict)  # the request's trace context (decode outlives this message)
 
 
