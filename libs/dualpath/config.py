@@ -82,6 +82,7 @@ class EngineConfig:
     max_batch_tokens: int = opt(2048, "prefill: most new tokens computed in one batch (chunked prefill beyond)", "DUALPATH_MAX_BATCH_TOKENS")
     kv_capacity_tokens: int = opt(65536, "decode: tokens of KV the engine may hold (its 'HBM')", "DUALPATH_KV_CAPACITY_TOKENS")
     max_running: int = opt(64, "decode: most requests decoded together", "DUALPATH_MAX_RUNNING")
+    torch_threads: int = opt(1, "CPU threads for torch in this engine (several engines share a host's cores)", "DUALPATH_TORCH_THREADS")
     stream_interval: int = opt(1, "decode: tokens per streamed event (like vLLM's --stream-interval; >1 saves CPU)",
                                "DUALPATH_STREAM_INTERVAL")
 

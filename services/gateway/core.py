@@ -15,6 +15,7 @@ from dualpath.bus import Bus, BusTimeoutError
 from dualpath.config import BusConfig, GatewayConfig, ModelConfigSpec
 from dualpath.kv import block_hashes, model_digest
 from dualpath.model import ModelConfig, Tokenizer
+from dualpath.model.errors import ModelInputError
 from dualpath.protocol import RemoteError
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
@@ -150,7 +151,10 @@ class Gateway:
     def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
         t_start_ns = time.time_ns()
         self._check_model(body.model)
-        text = self.tokenizer.render_chat([msg.model_dump(exclude_none=True) for msg in body.messages])
+        try:
+            text = self.tokenizer.render_chat([msg.model_dump(exclude_none=True) for msg in body.messages])
+        except ModelInputError as exc:  # e.g. an image part: this server renders text only
+            raise ApiError(400, str(exc), param="messages") from None
         return self._finish_prepare(body, self.tokenizer.encode(text), body.logprobs, body.top_logprobs or 0, t_start_ns)
 
     # ---- submission ------------------------------------------------------------------------

@@ -179,10 +179,12 @@ class Scheduler:
         self._wake.set()
 
     async def _free_slot(self, t: Tracked) -> None:
-        if not t.decode_node:
-            return
+        if t.decode_node:
+            await self._free_on(t.decode_node, t.req.request_id)
+
+    async def _free_on(self, node: str, request_id: str) -> None:
         try:
-            await self.bus.request(self.subjects.tm(t.decode_node, "free"), m.FreeRequest(request_id=t.req.request_id), m.Ok, timeout=2.0)
+            await self.bus.request(self.subjects.tm(node, "free"), m.FreeRequest(request_id=request_id), m.Ok, timeout=2.0)
         except Exception:  # noqa: BLE001 - the node may be the one that died
             pass
 
@@ -256,26 +258,39 @@ class Scheduler:
         return tracer.start_as_current_span("scheduler.decision", context=parent, attributes=attrs)
 
     async def _dispatch(self, t: Tracked, a) -> None:
-        r = t.req
+        """Reserve the DE slot, then hand the task to the PE. Works on a snapshot of the
+        placement: if the request was re-queued meanwhile (its engine was lost), this
+        attempt is stale and ends quietly instead of failing the new one."""
+        r, attempt = t.req, t.attempt
+        pe, de, de_node = t.prefill_engine, t.decode_engine, t.decode_node
         read_path = self._read_path(t, a)
-        pe_node = self.members.engines[t.prefill_engine].node if t.prefill_engine in self.members.engines else ""
+        pe_node = self.members.engines[pe].node if pe in self.members.engines else ""
+
+        def current() -> bool:
+            return self.running.get(r.request_id) is t and t.attempt == attempt
+
         with self._trace_decision(t, a, read_path, pe_node):
             try:
-                block_bytes = self.members.engines[t.decode_engine].block_bytes
+                block_bytes = self.members.engines[de].block_bytes
                 blocks = -(-len(r.prompt_tokens) // r.block_tokens)
-                slot = await self.bus.request(self.subjects.tm(t.decode_node, "alloc"),
+                slot = await self.bus.request(self.subjects.tm(de_node, "alloc"),
                                               m.AllocRequest(request_id=r.request_id, blocks=blocks, block_bytes=block_bytes), m.AllocReply, timeout=5.0)
+                if not current():
+                    # Re-queued meanwhile: release this slot unless the new attempt reuses it
+                    # (an allocation is idempotent per request on one node).
+                    if t.decode_node != de_node:
+                        await self._free_on(de_node, r.request_id)
+                    return
                 task = m.PrefillTask(request_id=r.request_id, model=r.model, model_digest=r.model_digest, prompt_tokens=r.prompt_tokens,
                                      block_hashes=r.block_hashes, hit_blocks=r.hit_blocks, sampling=r.sampling, reply_subject=r.reply_subject,
-                                     read_path=int(read_path), prefill_engine=t.prefill_engine, prefill_node=pe_node,
-                                     decode_engine=t.decode_engine, decode_node=t.decode_node, de_region=slot.region, de_offset=slot.offset,
-                                     attempt=t.attempt, policy=self.policy.name, trace=r.trace,
-                                     arrival_ts=r.arrival_ts)
-                await self.bus.request(self.subjects.prefill(t.prefill_engine), task, m.Ok, timeout=5.0)
+                                     read_path=int(read_path), prefill_engine=pe, prefill_node=pe_node,
+                                     decode_engine=de, decode_node=de_node, de_region=slot.region, de_offset=slot.offset,
+                                     attempt=attempt, policy=self.policy.name, trace=r.trace, arrival_ts=r.arrival_ts)
+                await self.bus.request(self.subjects.prefill(pe), task, m.Ok, timeout=5.0)
             except Exception as exc:  # noqa: BLE001 - any dispatch failure is retried
-                if isinstance(exc, BusTimeoutError) and exc.subject == self.subjects.prefill(t.prefill_engine):
-                    await self._expel([t.prefill_engine])  # nobody listens there: do not send it more
-                if self.running.get(r.request_id) is t:
+                if isinstance(exc, BusTimeoutError) and exc.subject == self.subjects.prefill(pe):
+                    await self._expel([pe])  # nobody listens there: do not send it more
+                if current():
                     await self._retry(t, f"dispatch failed: {exc}")
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -142,7 +142,7 @@ def _forward_with_past(dec, ids, past_len, full_k, full_v):
     The prefix KV goes through the storage layout: a [layers, P, 2, kvh, hd] block, then
     non-contiguous ``unpack_kv`` views per layer.
     """
-    block = torch.stack([pack_kv(full_k[l, :past_len], full_v[l, :past_len]) for l in range(dec.num_layers)])
+    block = torch.stack([pack_kv(full_k[i, :past_len], full_v[i, :past_len]) for i in range(dec.num_layers)])
     hidden = dec.embed(torch.tensor(ids[past_len:]))
     positions = torch.arange(past_len, len(ids))
     ks, vs = [], []
