@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 __all__ = [
-    "BusConfig", "DecodeConfig", "EmulationConfig", "EngineConfig", "GatewayConfig", "KvPersistenceConfig", "ModelConfigSpec",
+    "BusConfig", "EmulationConfig", "EngineConfig", "GatewayConfig", "KvPersistenceConfig", "ModelConfigSpec",
     "NodeConfig", "SchedulerConfig", "add_arguments", "env_vars", "from_args",
 ]
 
@@ -86,8 +86,6 @@ class EngineConfig:
     stream_interval: int = opt(1, "decode: tokens per streamed event (like vLLM's --stream-interval; >1 saves CPU)",
                                "DUALPATH_STREAM_INTERVAL")
 
-
-DecodeConfig = EngineConfig
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

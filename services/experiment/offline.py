@@ -11,13 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from services.experiment.analysis import mode_figures
 from services.experiment.plots import plot_jct, plot_snic
-from services.experiment.runner import MODES, TestbedSpec, run_mode
-from services.launcher.topology import parse_topology
-from services.launcher.up import ensure_model
+from services.experiment.runner import add_cluster_arguments, prepare, run_mode
 
 __all__ = ["main"]
 
@@ -26,21 +23,14 @@ PAPER = {"ds27b": "1.78x max over Basic (1P1D); 1.64x average over 1P1D/2P1D/1P2
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dualpath experiment offline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="ds27b", help="modeled model: ds27b, ds660b, qwen32b, dsv3")
-    p.add_argument("--topology", default="1P1D", help="xPyD nodes")
-    p.add_argument("--engines-per-node", type=int, default=2, help="engine processes per node (SNIC scaled to match the GPUs)")
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    add_cluster_arguments(p)
     p.add_argument("--dataset", default="64k", help="32k, 48k, 64k or a trajectory JSONL file")
     p.add_argument("--agents", type=int, default=8)
     p.add_argument("--turns", type=int, default=6, help="turns per agent (the sets have 60-157)")
     p.add_argument("--modes", default="basic,dualpath,oracle")
     p.add_argument("--warmup-turns", type=int, default=1,
                    help="untimed first turns per agent (their KV is then in storage, as mid-rollout); 0 = time from scratch")
-    p.add_argument("--scale", type=float, default=1000.0, help="bytes and bandwidths divided by this (times preserved)")
-    p.add_argument("--snic-gbps", type=float, default=400.0)
-    p.add_argument("--cnic-gbps", type=float, default=400.0)
     p.add_argument("--stream-interval", type=int, default=16, help="decode tokens per streamed event (JCT needs no per-token events)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/offline", help="result.json, PNGs and per-mode logs")
     p.add_argument("--json", action="store_true", help="print result.json instead of the table")
     return p
@@ -65,21 +55,11 @@ def format_table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    try:
-        topology = parse_topology(ns.topology, ns.engines_per_node)
-        if bad:
-            raise ValueError(f"unknown mode(s) {bad}; choose from {sorted(MODES)}")
-    except ValueError as exc:
-        print(f"dualpath experiment offline: {exc}", file=sys.stderr)
+    prepared = prepare(ns, "dualpath experiment offline", warmup_turns=ns.warmup_turns, stream_interval=ns.stream_interval)
+    if prepared is None:
         return 2
-    out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model = ensure_model("", str(out), long_context=True)
-    spec = TestbedSpec(model=model, topology=topology, target=ns.target, scale=ns.scale, gpus_per_node=ns.gpus_per_node,
-                       snic_gbps=ns.snic_gbps, cnic_gbps=ns.cnic_gbps, dataset=ns.dataset, agents=ns.agents, turns=ns.turns,
-                       seed=ns.seed, out=out, warmup_turns=ns.warmup_turns, stream_interval=ns.stream_interval)
+    spec, modes = prepared
+    topology, out = spec.topology, spec.out
     say = (lambda msg: print(msg, file=sys.stderr, flush=True))
     results = {}
     for mode in modes:

@@ -11,11 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from services.experiment.runner import MODES, TestbedSpec, run_mode
-from services.launcher.topology import parse_topology
-from services.launcher.up import ensure_model
+from services.experiment.runner import add_cluster_arguments, prepare, run_mode
 
 __all__ = ["main"]
 
@@ -24,10 +21,7 @@ PAPER = {"ds27b": "1.67x APS over Basic", "ds660b": "2.25x APS over Basic"}
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dualpath experiment online", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="ds27b")
-    p.add_argument("--topology", default="1P1D")
-    p.add_argument("--engines-per-node", type=int, default=2)
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    add_cluster_arguments(p)
     p.add_argument("--dataset", default="32k")
     p.add_argument("--modes", default="basic,dualpath")
     p.add_argument("--rate", type=float, default=0.5, help="APS of a single run, or the sweep's starting rate")
@@ -38,10 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-probes", type=int, default=6)
     p.add_argument("--slo-ttft", type=float, default=4.0)
     p.add_argument("--slo-tpot", type=float, default=0.05)
-    p.add_argument("--scale", type=float, default=1000.0)
-    p.add_argument("--snic-gbps", type=float, default=400.0)
-    p.add_argument("--cnic-gbps", type=float, default=400.0)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/online")
     p.add_argument("--json", action="store_true")
     return p
@@ -77,23 +67,14 @@ def format_table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
-    try:
-        topology = parse_topology(ns.topology, ns.engines_per_node)
-        if any(m not in MODES for m in modes):
-            raise ValueError(f"modes must be among {sorted(MODES)}")
-    except ValueError as exc:
-        print(f"dualpath experiment online: {exc}", file=sys.stderr)
-        return 2
-    out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
     extra = ["--slo-ttft", str(ns.slo_ttft), "--slo-tpot", str(ns.slo_tpot)]
     if ns.sweep:
         extra += ["--sweep", "--sweep-probes", str(ns.sweep_probes)]
-    spec = TestbedSpec(model=ensure_model("", str(out), long_context=True), topology=topology, target=ns.target, scale=ns.scale,
-                       gpus_per_node=ns.gpus_per_node, snic_gbps=ns.snic_gbps, cnic_gbps=ns.cnic_gbps, dataset=ns.dataset,
-                       agents=ns.agents, turns=ns.turns, seed=ns.seed, out=out, online_rate=ns.rate, duration=ns.duration,
-                       extra_loadgen=tuple(extra))
+    prepared = prepare(ns, "dualpath experiment online", online_rate=ns.rate, duration=ns.duration, extra_loadgen=tuple(extra))
+    if prepared is None:
+        return 2
+    spec, modes = prepared
+    out = spec.out
     say = (lambda msg: print(msg, file=sys.stderr, flush=True))
     rows = {m: _row(m, run_mode(spec, m, say=say).report) for m in modes}
     b, d = rows.get("basic", {}).get("max_aps"), rows.get("dualpath", {}).get("max_aps")

@@ -14,9 +14,10 @@ from dualpath.bus.embedded import free_port
 from dualpath.config import EmulationConfig
 from services.experiment.sampler import ClusterSampler
 from services.launcher.stack import Stack, StackConfig
-from services.launcher.topology import Topology
+from services.launcher.topology import Topology, parse_topology
+from services.launcher.up import ensure_model
 
-__all__ = ["ModeResult", "TestbedSpec", "run_mode"]
+__all__ = ["ModeResult", "TestbedSpec", "add_cluster_arguments", "prepare", "run_mode"]
 
 MODES = {  # mode -> (policy, read path, oracle)
     "basic": ("basic", "pe", False),
@@ -108,3 +109,34 @@ def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
         say(f"[{mode}] load generator exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
     return ModeResult(mode=mode, report=report, nodes=sampler.nodes, engines=sampler.engines, wall_s=wall,
                       loadgen_exit=proc.returncode, snic_rate=emu.profile().snic_bytes_per_s(spec.topology.engines_per_node))
+
+
+def add_cluster_arguments(p) -> None:
+    """Flags every testbed experiment shares: the modeled cluster and the emulation scale."""
+    p.add_argument("--target", default="ds27b", help="modeled model: ds27b, ds660b, qwen32b, dsv3")
+    p.add_argument("--topology", default="1P1D", help="xPyD nodes")
+    p.add_argument("--engines-per-node", type=int, default=2, help="engine processes per node (SNIC scaled to match the GPUs)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--scale", type=float, default=1000.0, help="bytes and bandwidths divided by this (times preserved)")
+    p.add_argument("--snic-gbps", type=float, default=400.0)
+    p.add_argument("--cnic-gbps", type=float, default=400.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def prepare(ns, prog: str, **spec_fields) -> tuple[TestbedSpec, list[str]] | None:
+    """Validate modes and topology, make the output dir and model; None (message printed) on bad input."""
+    modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
+    try:
+        topology = parse_topology(ns.topology, ns.engines_per_node)
+        bad = [m for m in modes if m not in MODES]
+        if bad:
+            raise ValueError(f"unknown mode(s) {bad}; choose from {sorted(MODES)}")
+    except ValueError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = TestbedSpec(model=ensure_model("", str(out), long_context=True), topology=topology, target=ns.target, scale=ns.scale,
+                       gpus_per_node=ns.gpus_per_node, snic_gbps=ns.snic_gbps, cnic_gbps=ns.cnic_gbps, dataset=ns.dataset,
+                       agents=ns.agents, turns=ns.turns, seed=ns.seed, out=out, **spec_fields)
+    return spec, modes

@@ -24,7 +24,7 @@ from dualpath.telemetry.tracing import carrier, flush_tracing, get_tracer
 from services.gateway.api_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.detok import Detokenizer
 from services.gateway.observe import RequestTelemetry
-from services.gateway.streams import TokenStreams
+from services.gateway.streams import StreamOverflowError, TokenStreams
 
 __all__ = ["ApiError", "Gateway", "Prepared", "StreamPart"]
 
@@ -259,6 +259,11 @@ class Gateway:
                 yield StreamPart(text=text, token_ids=ids, logprobs=ev.logprobs, top_logprobs=ev.top_logprobs,
                                  finish_reason=ev.finish_reason, info=ev.info, result=res)
                 return
+        except StreamOverflowError:
+            self.telemetry.outcome(rid, "error", error="overflow")
+            await self.cancel(rid, "client too slow")
+            yield StreamPart(text="", token_ids=[], logprobs=[], top_logprobs=[], finish_reason="error",
+                             error="the client read the stream too slowly; the request was cancelled", error_code=503, result=res)
         except (TimeoutError, asyncio.TimeoutError):
             self.telemetry.outcome(rid, "error", error="timeout")
             await self.cancel(rid, "timeout")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 __all__ = ["Detokenizer"]
 
+_CONTEXT_IDS = 6
+
 
 class Detokenizer:
     def __init__(self, tokenizer, stops: list[str]) -> None:
@@ -17,6 +19,20 @@ class Detokenizer:
         self.ids: list[int] = []
         self.emitted = ""  # text already released
         self.stopped = False
+        self._stable_ids = 0  # ids[:_stable_ids] decode to _stable_text and end on a clean boundary
+        self._stable_text = ""
+
+    def _decode(self) -> str:
+        """Text of all ids, decoding only the tail since the last clean boundary (plus a few ids
+        of context, as tokenizers with leading-space rules decode a piece differently alone):
+        per-token cost stays constant instead of growing with the answer."""
+        ctx = max(0, self._stable_ids - _CONTEXT_IDS)
+        head = self._tok.decode(self.ids[ctx:self._stable_ids])
+        full = self._tok.decode(self.ids[ctx:])
+        text = self._stable_text + full[len(head):] if full.startswith(head) else self._tok.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            self._stable_ids, self._stable_text = len(self.ids), text
+        return text
 
     def _hold(self, text: str) -> int:
         """How many trailing characters of ``text`` must wait for more tokens."""
@@ -33,7 +49,7 @@ class Detokenizer:
         if self.stopped:
             return ""
         self.ids.extend(ids)
-        text = self._tok.decode(self.ids)
+        text = self._decode()
         for s in self._stops:
             cut = text.find(s, max(0, len(self.emitted) - len(s)))
             if cut != -1:
@@ -52,7 +68,7 @@ class Detokenizer:
         """Release everything held back (the request finished without a stop string)."""
         if self.stopped:
             return ""
-        text = self._tok.decode(self.ids)
+        text = self._decode()
         delta = text[len(self.emitted):]
         self.emitted = text
         return delta

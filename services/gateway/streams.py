@@ -24,12 +24,13 @@ class StreamOverflowError(Exception):
 
 
 class _Stream:
-    __slots__ = ("queue", "next_index", "held")
+    __slots__ = ("queue", "next_index", "held", "overflow")
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue(maxsize=_MAX_PENDING)
         self.next_index = 0
         self.held: dict[int, TokenEvent] = {}
+        self.overflow = False  # the consumer fell too far behind: the stream is broken
 
 
 class TokenStreams:
@@ -50,8 +51,8 @@ class TokenStreams:
             log.warning("bad_token_event", error=exc.reason)
             return
         st = self._streams.get(ev.request_id)
-        if st is None:
-            return  # request already finished or cancelled
+        if st is None or st.overflow:
+            return  # request already finished, cancelled or broken
         if ev.index < st.next_index:
             return  # duplicate after a retry
         st.held[ev.index] = ev
@@ -59,7 +60,11 @@ class TokenStreams:
             nxt = st.held.pop(st.next_index)
             st.next_index += len(nxt.token_ids)
             if st.queue.full():
-                raise StreamOverflowError(ev.request_id)
+                # Raising here would only reach NATS's error callback and leave the consumer
+                # waiting for its timeout; mark the stream broken and let ``events`` say so.
+                st.overflow = True
+                st.held.clear()
+                return
             st.queue.put_nowait(nxt)
             if nxt.finish_reason is not None:
                 # anything after the final event is irrelevant
@@ -71,11 +76,14 @@ class TokenStreams:
 
         Raises:
             TimeoutError: the request did not finish within ``timeout`` seconds.
+            StreamOverflowError: the consumer fell more than ``_MAX_PENDING`` events behind.
         """
         st = self._streams[request_id]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
+            if st.overflow and st.queue.empty():
+                raise StreamOverflowError(request_id)
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise TimeoutError(request_id)

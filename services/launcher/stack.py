@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from dualpath.bus.embedded import EmbeddedNats, free_port
+from dualpath.bus.embedded import EmbeddedNats
 from dualpath.config import EmulationConfig
 from services.launcher.topology import Topology
 
@@ -193,6 +193,3 @@ class Stack:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-
-def default_port() -> int:
-    return free_port()

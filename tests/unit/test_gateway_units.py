@@ -79,3 +79,34 @@ def test_topology_strings_parse(text, expected):
 def test_bad_topology_strings_are_refused(text):
     with pytest.raises(ValueError, match="1P1D"):
         parse_topology(text)
+
+
+def test_incremental_detokenization_equals_a_full_decode_with_multibyte_text(tiny_model):
+    from dualpath.model import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_model)
+    text = "naïve café — 日本語 ok " * 20
+    ids = tok.encode(text)
+    d = Detokenizer(tok, [])
+    out = "".join(d.add([i]) for i in ids) + d.flush()
+    assert out == tok.decode(ids) == text
+    assert "\ufffd" not in "".join(Detokenizer(tok, []).add([i]) for i in ids[:7])  # half a character is held back
+
+
+def test_a_stream_whose_consumer_falls_behind_ends_with_an_overflow_error_not_a_hang(monkeypatch):
+    import services.gateway.streams as streams
+
+    monkeypatch.setattr(streams, "_MAX_PENDING", 2)
+
+    async def go():
+        s = TokenStreams()
+        s.open("r")
+        for i in range(4):  # nobody reads: the third event overflows
+            await s.on_message(Raw(TokenEvent(request_id="r", index=i, token_ids=[i])))
+        got = []
+        with pytest.raises(streams.StreamOverflowError):
+            async for e in s.events("r", timeout=5):
+                got.append(e.index)
+        return got
+
+    assert asyncio.run(go()) == [0, 1]

@@ -12,7 +12,7 @@ import msgpack
 
 from dualpath.protocol.errors import ProtocolError
 
-__all__ = ["PROTOCOL_VERSION", "decode", "encode", "register", "type_of"]
+__all__ = ["PROTOCOL_VERSION", "decode", "encode", "register"]
 
 PROTOCOL_VERSION = 1
 _BY_CODE: dict[int, type] = {}
@@ -38,15 +38,6 @@ def encode(msg: Any) -> bytes:
     body["v"] = PROTOCOL_VERSION
     body["t"] = msg.TYPE_CODE
     return msgpack.packb(body, use_bin_type=True)
-
-
-def type_of(data: bytes) -> type | None:
-    """The message class named by an envelope, or None when it cannot be told."""
-    try:
-        body = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception:  # noqa: BLE001 - any garbage means "unknown"
-        return None
-    return _BY_CODE.get(body.get("t")) if isinstance(body, dict) else None
 
 
 def decode(data: bytes, *expected: type[T]) -> T:

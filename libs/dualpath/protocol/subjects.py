@@ -88,6 +88,3 @@ class Subjects:
 
     def tokens_wildcard(self, gateway_id: str) -> str:
         return f"{self.ns}.out.{check_id(gateway_id, 'gateway id')}.*"
-
-    def all_subjects(self) -> str:
-        return f"{self.ns}.>"
