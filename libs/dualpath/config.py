@@ -85,6 +85,9 @@ class EngineConfig:
     torch_threads: int = opt(1, "CPU threads for torch in this engine (several engines share a host's cores)", "DUALPATH_TORCH_THREADS")
     stream_interval: int = opt(1, "decode: tokens per streamed event (like vLLM's --stream-interval; >1 saves CPU)",
                                "DUALPATH_STREAM_INTERVAL")
+    layerwise: bool = opt(True, "prefill: bring each layer's cached KV in just before the layer, overlapped with compute "
+                                "(false: load every layer before computing and send the KV after, the ablation's baseline)",
+                          "DUALPATH_LAYERWISE")
 
 
 
@@ -99,17 +102,30 @@ class EmulationConfig:
     snic_gbps: float = opt(0.0, "emulated storage NIC per node, Gbit/s before scaling (0 = not emulated)", "DUALPATH_SNIC_GBPS")
     cnic_gbps: float = opt(0.0, "emulated compute NIC per GPU, Gbit/s before scaling (0 = not emulated)", "DUALPATH_CNIC_GBPS")
     oracle: bool = opt(False, "oracle mode: no storage reads and no KV transfers (hits are free)", "DUALPATH_ORACLE")
+    slowdown: float = opt(1.0, "testbed slow motion: modeled times x this and NIC rates / this, so the host's own "
+                               "overhead shrinks in proportion (reported times are divided back)", "DUALPATH_SLOWDOWN")
 
     @property
     def modeled(self) -> bool:
         return self.compute == "modeled"
+
+    def byte_scale(self) -> float:
+        """What KV bytes are really divided by: modeled KV has a whole, even number of bytes per
+        token and layer, so the nominal ``scale`` is corrected to the ratio actually used."""
+        if not self.modeled:
+            return self.scale
+        from dualpath.cost import cost_model
+        from dualpath.testbed.profile import scaled_bytes_per_token_layer
+
+        kv = cost_model(self.target, self.gpu).target.kv_bytes_per_token_layer
+        return kv / scaled_bytes_per_token_layer(kv, self.scale)
 
     def profile(self):
         """The ``HardwareProfile`` these settings describe (NIC figures 400 Gbit/s when unset)."""
         from dualpath.testbed.profile import HardwareProfile
 
         return HardwareProfile(gpus_per_node=self.gpus_per_node, cnic_gbps=self.cnic_gbps or 400.0,
-                               snic_gbps=self.snic_gbps or 400.0, scale=self.scale)
+                               snic_gbps=self.snic_gbps or 400.0, scale=self.byte_scale(), slowdown=self.slowdown)
 
     def engines(self) -> int:
         return self.engines_per_node or self.gpus_per_node

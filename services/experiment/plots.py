@@ -14,10 +14,13 @@ from services.experiment.analysis import snic_series  # noqa: E402
 __all__ = ["plot_jct", "plot_snic"]
 
 
+_COLOURS = {"basic-nolw": "#e99", "basic": "#c44", "dualpath-rr": "#8ad", "dualpath": "#48c", "oracle": "#4a4"}
+
+
 def plot_jct(rows: dict, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig, ax = plt.subplots(figsize=(1.3 * len(rows) + 2, 3.2))
     names = list(rows)
-    ax.bar(names, [rows[n]["jct_s"] for n in names], color=["#c44", "#48c", "#4a4"][: len(names)])
+    ax.bar(names, [rows[n]["jct_s"] for n in names], color=[_COLOURS.get(n, "#888") for n in names])
     ax.set_ylabel("job completion time (s)")
     ax.set_title("offline rollout JCT per mode")
     fig.tight_layout()
@@ -25,11 +28,13 @@ def plot_jct(rows: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_snic(per_mode: dict, path: Path) -> None:
+def plot_snic(per_mode: dict, path: Path, slowdown: float = 1.0) -> None:
+    """``per_mode``: mode -> (node samples in host seconds, SNIC rate in host bytes/s); the time
+    axis is in modeled seconds (host seconds / ``slowdown``)."""
     fig, axes = plt.subplots(len(per_mode), 1, figsize=(7, 2.2 * len(per_mode)), sharex=True, squeeze=False)
     for ax, (mode, (nodes, rate)) in zip(axes[:, 0], per_mode.items()):
         for node, samples in sorted(nodes.items()):
-            series = [(t, u) for t, u in snic_series(samples, rate) if t >= 0]
+            series = [(t / slowdown, u) for t, u in snic_series(samples, rate) if t >= 0]
             if series:
                 ax.plot([t for t, _ in series], [100 * u for _, u in series], label=node, lw=1)
         ax.set_ylabel(f"{mode}\nSNIC read %")

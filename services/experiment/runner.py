@@ -4,6 +4,7 @@ the cluster figures sampled meanwhile."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -17,13 +18,26 @@ from services.launcher.stack import Stack, StackConfig
 from services.launcher.topology import Topology, parse_topology
 from services.launcher.up import ensure_model
 
-__all__ = ["ModeResult", "TestbedSpec", "add_cluster_arguments", "prepare", "run_mode"]
+__all__ = ["ABLATION", "MODES", "Mode", "ModeResult", "TestbedSpec", "add_cluster_arguments", "prepare", "run_mode"]
 
-MODES = {  # mode -> (policy, read path, oracle)
-    "basic": ("basic", "pe", False),
-    "dualpath": ("dualpath", "auto", False),
-    "oracle": ("dualpath", "auto", True),
+@dataclass(frozen=True, slots=True)
+class Mode:
+    policy: str
+    read_path: str
+    oracle: bool = False
+    layerwise: bool = True
+    label: str = ""
+
+
+MODES = {
+    "basic": Mode("basic", "pe", label="Basic: PE read path, round robin, layer-wise prefill"),
+    "dualpath": Mode("dualpath", "auto", label="DualPath: both read paths, DualPath scheduler"),
+    "oracle": Mode("dualpath", "auto", oracle=True, label="Oracle: no storage reads, no KV transfers"),
+    # the ablation's steps (paper: + layer-wise prefill, + dual-path loading, + the scheduler)
+    "basic-nolw": Mode("basic", "pe", layerwise=False, label="Basic without layer-wise prefill"),
+    "dualpath-rr": Mode("round_robin", "auto", label="+ dual-path loading (round robin, shorter read queue)"),
 }
+ABLATION = ("basic-nolw", "basic", "dualpath-rr", "dualpath")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,7 +54,9 @@ class TestbedSpec:
     turns: int
     seed: int
     out: Path
+    slowdown: float = 1.0  # slow motion: modeled times x, NIC rates / (reported times divided back)
     warmup_turns: int = 0  # offline: run each agent's first turns before the clock starts
+    warmup_slowdown: float = 0.1  # the warm-up's stack runs fast-forward (its timing is not measured)
     stream_interval: int = 1  # decode tokens per streamed event
     online_rate: float = 0.0  # 0 = offline (all agents at once)
     duration: float = 0.0
@@ -55,46 +71,71 @@ class ModeResult:
     engines: dict[str, dict]
     wall_s: float
     loadgen_exit: int
-    snic_rate: float  # emulated bytes/s of one node's SNIC
+    snic_rate: float  # emulated bytes/s of one node's SNIC (host seconds)
+    slowdown: float = 1.0  # host seconds per modeled second
     extra: dict = field(default_factory=dict)
 
 
-def _emulation(spec: TestbedSpec, oracle: bool) -> EmulationConfig:
+def _emulation(spec: TestbedSpec, oracle: bool, slowdown: float) -> EmulationConfig:
     return EmulationConfig(compute="modeled", target=spec.target, scale=spec.scale, gpus_per_node=spec.gpus_per_node,
                            engines_per_node=spec.topology.engines_per_node, snic_gbps=spec.snic_gbps, cnic_gbps=spec.cnic_gbps,
-                           oracle=oracle)
+                           oracle=oracle, slowdown=slowdown)
+
+
+def _stack_config(spec: TestbedSpec, m: Mode, emu: EmulationConfig, out: Path) -> StackConfig:
+    buffer_mb = max(64, emu.profile().buffer_bytes(spec.topology.engines_per_node) >> 20)
+    return StackConfig(model=spec.model, topology=spec.topology, storage=str(out / "storage"), run_dir=str(out / "run"), port=free_port(),
+                       policy=m.policy, read_path=m.read_path, emulation=emu, buffer_mb=buffer_mb, max_batch_tokens=16384,
+                       kv_capacity_tokens=1 << 22,
+                       # Fewer, larger token events: the 2-core emulation host's CPU goes to the
+                       # modeled cluster, not to per-token messaging (TTFT is unaffected).
+                       extra_env={"DUALPATH_STREAM_INTERVAL": str(spec.stream_interval), "DUALPATH_MAX_RUNNING": "1024",
+                                  "DUALPATH_LAYERWISE": str(m.layerwise).lower()})
+
+
+def _loadgen(spec: TestbedSpec, url: str, turns: int, out: Path) -> list[str]:
+    return [sys.executable, "-m", "loadgen.cli", "--url", url, "--dataset", spec.dataset, "--agents", str(spec.agents),
+            "--turns", str(turns), "--tokenizer", spec.model, "--out", str(out), "--progress", "never",
+            "--no-plots", "--seed", str(spec.seed), "--request-timeout", "3600", *spec.extra_loadgen]
+
+
+def _warm_up(spec: TestbedSpec, mode: str, out: Path, say) -> None:
+    """Run every agent's first ``warmup_turns`` turns, untimed, on a fast-forwarded stack
+    (``warmup_slowdown``) over the mode's storage: their KV is then persisted and indexed, as
+    it is for the agents of a long rollout, whose first turn is a small share of 60-157 turns.
+    The timed stack then starts on that storage (the index is durable)."""
+    m = MODES[mode]
+    emu = _emulation(spec, False, spec.warmup_slowdown)
+    say(f"[{mode}] warm-up: the first {spec.warmup_turns} turn(s) of every agent, untimed, at {1 / spec.warmup_slowdown:g}x speed")
+    stack = Stack(_stack_config(spec, m, emu, out)).start(timeout=300)
+    try:
+        t0 = time.monotonic()
+        proc = subprocess.run([*_loadgen(spec, stack.url, spec.warmup_turns, out / "warmup"), "--offline"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            say(f"[{mode}] warm-up load generator exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
+        say(f"[{mode}] warm-up done in {time.monotonic() - t0:.0f} s")
+    finally:
+        stack.stop()
 
 
 def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
     """Start a fresh stack (empty storage) for ``mode``, run the agents, stop; return the figures."""
-    policy, read_path, oracle = MODES[mode]
-    emu = _emulation(spec, oracle)
+    m = MODES[mode]
+    emu = _emulation(spec, m.oracle, spec.slowdown)
     out = spec.out / mode
+    for stale in ("storage", "run", "warmup", "loadgen"):  # a fresh start, also when --out is reused
+        shutil.rmtree(out / stale, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    buffer_mb = max(64, emu.profile().buffer_bytes(spec.topology.engines_per_node) >> 20)
-    cfg = StackConfig(model=spec.model, topology=spec.topology, storage=str(out / "storage"), run_dir=str(out / "run"), port=free_port(),
-                      policy=policy, read_path=read_path, emulation=emu, buffer_mb=buffer_mb, max_batch_tokens=16384,
-                      kv_capacity_tokens=1 << 22,
-                      # Fewer, larger token events: the 2-core emulation host's CPU goes to the
-                      # modeled cluster, not to per-token messaging (TTFT is unaffected).
-                      extra_env={"DUALPATH_STREAM_INTERVAL": str(spec.stream_interval), "DUALPATH_MAX_RUNNING": "1024"})
-    say(f"[{mode}] starting {spec.topology} stack ({policy}, read path {read_path}{', oracle' if oracle else ''})")
-    stack = Stack(cfg).start(timeout=300)
+    offline = not spec.online_rate
+    if spec.warmup_turns and offline:
+        _warm_up(spec, mode, out, say)
+    say(f"[{mode}] starting {spec.topology} stack ({m.label or m.policy})" + (f", {spec.slowdown:g}x slow motion" if spec.slowdown != 1 else ""))
+    stack = Stack(_stack_config(spec, m, emu, out)).start(timeout=300)
     sampler = ClusterSampler(stack.nats_url, stack.namespace).start()
     try:
-        def loadgen(turns: int, dest: str) -> list[str]:
-            return [sys.executable, "-m", "loadgen.cli", "--url", stack.url, "--dataset", spec.dataset, "--agents", str(spec.agents),
-                    "--turns", str(turns), "--tokenizer", spec.model, "--out", str(out / dest), "--progress", "never",
-                    "--no-plots", "--seed", str(spec.seed), "--request-timeout", "1800", *spec.extra_loadgen]
-
-        if spec.warmup_turns and not spec.online_rate:
-            # The same agents' first turns, untimed: their KV is then in storage, as it is for the
-            # agents of a long rollout, whose first turn is a small share of 60-157 turns.
-            say(f"[{mode}] warm-up: the first {spec.warmup_turns} turn(s) of every agent, untimed")
-            subprocess.run([*loadgen(spec.warmup_turns, "warmup"), "--offline"], capture_output=True, text=True)
-        cmd = loadgen(spec.turns, "loadgen")
-        cmd += ["--rate", str(spec.online_rate), "--duration", str(spec.duration)] if spec.online_rate else ["--offline"]
-        say(f"[{mode}] {spec.agents} agents x {spec.turns} turns of the {spec.dataset} set" + (" (all at once)" if not spec.online_rate else f" at {spec.online_rate} APS"))
+        cmd = _loadgen(spec, stack.url, spec.turns, out / "loadgen")
+        cmd += ["--offline"] if offline else ["--rate", str(spec.online_rate), "--duration", str(spec.duration)]
+        say(f"[{mode}] {spec.agents} agents x {spec.turns} turns of the {spec.dataset} set" + (" (all at once)" if offline else f" at {spec.online_rate} APS"))
         sampler.reset_clock()
         t0 = time.monotonic()
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -108,7 +149,8 @@ def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
     if proc.returncode != 0:
         say(f"[{mode}] load generator exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
     return ModeResult(mode=mode, report=report, nodes=sampler.nodes, engines=sampler.engines, wall_s=wall,
-                      loadgen_exit=proc.returncode, snic_rate=emu.profile().snic_bytes_per_s(spec.topology.engines_per_node))
+                      loadgen_exit=proc.returncode, snic_rate=emu.profile().snic_bytes_per_s(spec.topology.engines_per_node),
+                      slowdown=spec.slowdown)
 
 
 def add_cluster_arguments(p) -> None:

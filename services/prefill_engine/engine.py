@@ -207,9 +207,9 @@ class PrefillEngine:
         with self._batch_span(batch, items) as span:
             io = BatchLayerIO(s.dataplane, s.layout, items, dtype=s.decoder.dtype, kv_heads=s.decoder.kv_heads,
                               head_dim=s.decoder.head_dim, device=s.decoder.device, owner=f"b{id(items):x}", oracle=s.oracle,
-                              record=span.is_recording())
+                              record=span.is_recording(), layerwise=self.cfg.layerwise)
             try:
-                result = await run_prefill(s.decoder, [it.item for it in items], io)
+                result = await run_prefill(s.decoder, [it.item for it in items], io, layerwise=self.cfg.layerwise)
             except Exception as exc:  # noqa: BLE001 - fail the batch's tasks, keep serving
                 log.warning("prefill_batch_failed", error=str(exc), requests=len(items))
                 for job, _ in batch:

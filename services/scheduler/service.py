@@ -35,7 +35,7 @@ def thresholds(ns, emu: EmulationConfig) -> Thresholds:
         from dualpath.policy import alpha_tokens, beta_tokens
 
         cost = cost_model(emu.target, emu.gpu)
-        snic = emu.profile().snic_bytes_per_s(emu.engines()) * emu.scale  # unscaled bytes/s and bytes/token
+        snic = emu.profile().snic_real_bytes_per_s(emu.engines())  # the modeled cluster's bytes/s and bytes/token
         alpha = alpha or alpha_tokens(snic, cost.target.kv_bytes_per_token())
         beta = beta or beta_tokens(cost.prefill_tokens_per_s())
     return Thresholds(alpha_tokens=alpha or 1 << 22, beta_tokens=beta or 1 << 22)

@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dualpath service traffic-manager", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p, BusConfig)
     add_arguments(p, NodeConfig)
-    add_arguments(p, EmulationConfig, skip=("compute", "target", "gpu", "cnic_gbps"))
+    add_arguments(p, EmulationConfig, skip=("compute", "gpu", "cnic_gbps"))
     return p
 
 
@@ -147,9 +147,11 @@ def storage_io(cfg: NodeConfig, emu: EmulationConfig) -> StorageIO:
     """The node's storage I/O: through an emulated SNIC (both directions) when one is configured."""
     read_nic = write_nic = None
     if emu.snic_gbps:
-        rate = emu.profile().snic_bytes_per_s(emu.engines())
-        read_nic = EmulatedNic(rate, name=f"{cfg.node_id}-snic-read")
-        write_nic = EmulatedNic(rate, name=f"{cfg.node_id}-snic-write")
+        profile = emu.profile()
+        rate = profile.snic_bytes_per_s(emu.engines())
+        chunk = profile.nic_chunk_bytes(rate)
+        read_nic = EmulatedNic(rate, name=f"{cfg.node_id}-snic-read", chunk_bytes=chunk)
+        write_nic = EmulatedNic(rate, name=f"{cfg.node_id}-snic-write", chunk_bytes=chunk)
     return StorageIO(BlockStore(cfg.storage), read_nic=read_nic, write_nic=write_nic, oracle=emu.oracle)
 
 

@@ -64,3 +64,22 @@ def test_layer_runs_cover_each_token_exactly_once_at_its_address(layers, bt, bpt
             assert off + i * bpt == (t // bt) * lay.block_bytes + layer * lay.layer_bytes + (t % bt) * bpt
             seen.append(t)
     assert seen == list(range(start, start + n))
+
+
+@settings(max_examples=150, deadline=None)
+@given(layers=st.integers(1, 6), bt=st.integers(1, 16), bpt=st.integers(1, 32), start=st.integers(0, 100), n=st.integers(0, 100),
+       layer=st.integers(0, 5))
+def test_layer_strided_is_layer_runs_grouped_into_at_most_three_strided_runs(layers, bt, bpt, start, n, layer):
+    layer %= layers
+    lay = SlotLayout(layers=layers, block_tokens=bt, bytes_per_token_layer=bpt)
+    strided = lay.layer_strided(layer, start, start + n)
+    expanded = [(off + k * lay.block_bytes, tok + k * cnt, cnt) for off, tok, cnt, count in strided for k in range(count)]
+    assert expanded == lay.layer_runs(layer, start, start + n)
+    assert len(strided) <= 3
+
+
+def test_layer_strided_puts_whole_blocks_in_one_run():
+    lay = SlotLayout(layers=3, block_tokens=4, bytes_per_token_layer=10)
+    # tokens 2..17 of layer 1: block 0 tokens 2-3, blocks 1-3 whole, block 4 token 16
+    assert lay.layer_strided(1, 2, 17) == [(60, 2, 2, 1), (160, 4, 4, 3), (520, 16, 1, 1)]
+    assert lay.layer_strided(0, 0, 8) == [(0, 0, 4, 2)]

@@ -51,3 +51,44 @@ async def test_a_slow_fetch_and_a_slow_last_store_show_up_on_their_own_layers():
     assert result.store_wait_s[3] >= 0.15 and max(result.store_wait_s[:3]) < 0.1
     assert result.wait_s == pytest.approx(sum(result.fetch_wait_s))
     assert result.logits.shape == (1, 3)
+
+
+class RecordingIO:
+    """Records the order of fetches, computes and stores."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    async def fetch(self, layer: int):
+        await asyncio.sleep(0.01)
+        self.events.append(f"fetch{layer}")
+        return [None]
+
+    async def store(self, layer: int, k, v) -> None:
+        self.events.append(f"store{layer}")
+
+
+class RecordingDecoder(FakeDecoder):
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def forward_layer(self, layer, hidden, positions, segments, past):
+        self.events.append(f"compute{layer}")
+        return super().forward_layer(layer, hidden, positions, segments, past)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("layerwise", [True, False])
+async def test_layerwise_off_loads_every_layer_first_and_sends_after_the_last(layerwise):
+    events: list[str] = []
+    item = PrefillItem(request_id="r", tokens=[1, 2, 3], start=0, end=3)
+    result = await run_prefill(RecordingDecoder(events), [item], RecordingIO(events), layerwise=layerwise)
+    first_compute, last_fetch = events.index("compute0"), max(events.index(f"fetch{l}") for l in range(LAYERS))
+    first_store = min(events.index(f"store{l}") for l in range(LAYERS))
+    last_compute = events.index(f"compute{LAYERS - 1}")
+    assert sorted(events) == sorted([f"{e}{l}" for e in ("fetch", "compute", "store") for l in range(LAYERS)])
+    if layerwise:  # layer l+1's fetch overlaps compute: compute starts before the last fetch lands
+        assert first_compute < last_fetch and first_store < last_compute
+    else:
+        assert last_fetch < first_compute and last_compute < first_store
+    assert result.logits.shape == (1, 3)

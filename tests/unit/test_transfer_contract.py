@@ -257,3 +257,58 @@ async def test_a_peer_killed_mid_transfer_never_hangs_the_initiator(kind: str) -
         assert isinstance(failure, PeerLostError | TransferTimeoutError), failure
     else:
         assert failure is None
+
+
+def _strided_batch(rid: str) -> list[TransferEntry]:
+    """Layer-block-like strided entries: remote pieces a 'block' apart, local pieces packed,
+    plus one strided on both sides, one plain entry and a one-piece strided entry."""
+    return [
+        TransferEntry(0, rid, 100, 640, 50, 640, 7_680),  # 50 pieces, remote stride 7680
+        TransferEntry(40_000, rid, 500_000, 333, 7, 1_000, 4_000),  # strided on both sides
+        TransferEntry(60_000, rid, 900_000, 12_345),
+        TransferEntry(80_000, rid, 950_000, 64, 1, 0, 0),
+    ]
+
+
+def _apply(dst: np.ndarray, src: np.ndarray, entries: list[TransferEntry], *, to_local: bool) -> None:
+    for e in entries:
+        for lo, ro, n in e.pieces():
+            if to_local:
+                dst[lo : lo + n] = src[ro : ro + n]
+            else:
+                dst[ro : ro + n] = src[lo : lo + n]
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 5_000], ids=["whole", "split-by-nic"])
+async def test_strided_entries_read_and_write_every_piece_and_nothing_between(pair: Pair, chunk_bytes) -> None:
+    if chunk_bytes:
+        from dualpath.transfer.nic import EmulatedNic
+
+        pair.initiator.nic = EmulatedNic(1e9, name="test", chunk_bytes=chunk_bytes)
+    _fill(pair.local, seed=21)
+    _fill(pair.remote, seed=22)
+    entries = _strided_batch(pair.remote.region_id)
+    total = sum(e.length * e.count for e in entries)
+
+    expected_remote = pair.remote.as_array().copy()
+    _apply(expected_remote, pair.local.as_array(), entries, to_local=False)
+    assert await pair.initiator.write(pair.local, entries) == total
+    assert np.array_equal(pair.remote.as_array(), expected_remote)
+
+    _fill(pair.remote, seed=23)
+    expected_local = pair.local.as_array().copy()
+    _apply(expected_local, pair.remote.as_array(), entries, to_local=True)
+    assert await pair.initiator.read(pair.local, entries) == total
+    assert np.array_equal(pair.local.as_array(), expected_local)
+
+
+async def test_a_strided_entry_reaching_past_the_region_or_overlapping_itself_is_refused(pair: Pair) -> None:
+    rid = pair.remote.region_id
+    _fill(pair.remote, seed=24)
+    before = pair.remote.as_array().copy()
+    past_end = TransferEntry(0, rid, 12 * MIB - 10_000, 100, 11, 100, 1_000)  # last piece ends 100 B past the end
+    with pytest.raises(OutOfBoundsError):
+        await pair.initiator.write(pair.local, [past_end])
+    with pytest.raises(ValueError, match="stride"):
+        await pair.initiator.write(pair.local, [TransferEntry(0, rid, 0, 100, 3, 100, 50)])
+    assert np.array_equal(pair.remote.as_array(), before)

@@ -180,6 +180,24 @@ def test_split_entries_keeps_every_byte_in_order_and_no_chunk_exceeds_its_limit(
     assert current is None, "an entry was not fully covered"
 
 
+@settings(deadline=None, max_examples=80)
+@given(
+    shapes=st.lists(st.tuples(st.integers(0, 3000), st.integers(1, 12), st.integers(0, 500)), max_size=12),
+    chunk=st.integers(min_value=1, max_value=8192),
+)
+def test_split_entries_cuts_strided_entries_into_the_same_pieces_in_order(shapes, chunk) -> None:
+    entries, offset = [], 0
+    for i, (length, count, gap) in enumerate(shapes):
+        entries.append(TransferEntry(offset, f"r{i % 2}", 3 * offset, length, count, length, length + gap))
+        offset += length * count
+    chunks = split_entries(entries, chunk)
+
+    assert all(0 < sum(e.length * e.count for e in c) <= chunk for c in chunks)
+    want = [(e.remote_region, lo + k, ro + k) for e in entries for lo, ro, n in e.pieces() for k in range(n)]
+    got = [(p.remote_region, lo + k, ro + k) for c in chunks for p in c for lo, ro, n in p.pieces() for k in range(n)]
+    assert got == want  # every byte once, in order, at the same local and remote address
+
+
 async def test_on_a_shaped_tcp_link_model_writes_get_their_demand_beside_kv() -> None:
     """One shaped link (the initiator's NIC) carrying real tcp transfers."""
     nic = EmulatedNic(LINK, name="cnic0", chunk_bytes=256 * KIB)

@@ -52,7 +52,7 @@ def _decoder(model: ModelConfigSpec, emu: EmulationConfig, role: str, vocab_size
 
     cost = cost_model(emu.target, emu.gpu)
     bpt = scaled_bytes_per_token_layer(cost.target.kv_bytes_per_token_layer, emu.scale)
-    return ModeledDecoder(cost, role=role, vocab_size=vocab_size, bytes_per_token_layer=bpt)
+    return ModeledDecoder(cost, role=role, vocab_size=vocab_size, bytes_per_token_layer=bpt, slowdown=emu.slowdown)
 
 
 async def build_engine(*, engine_id: str, namespace: str, model: ModelConfigSpec, node: NodeConfig, window_mb: int,
@@ -64,7 +64,11 @@ async def build_engine(*, engine_id: str, namespace: str, model: ModelConfigSpec
     decoder = _decoder(model, emu, role, tokenizer.vocab_size)
     layout = SlotLayout(layers=decoder.num_layers, block_tokens=model.block_tokens,
                         bytes_per_token_layer=decoder.config.kv_bytes_per_token_layer(decoder.dtype))
-    nic = EmulatedNic(emu.profile().cnic_bytes_per_s(), name=f"{engine_id}-cnic") if emu.cnic_gbps else None
+    nic = None
+    if emu.cnic_gbps:
+        profile = emu.profile()
+        rate = profile.cnic_bytes_per_s()
+        nic = EmulatedNic(rate, name=f"{engine_id}-cnic", chunk_bytes=profile.nic_chunk_bytes(rate))
     region = MemoryRegion(f"{namespace}-{engine_id}-win", window_mb << 20)
     local = create_transport("shm", node_id=node.node_id, nic=nic)
     remote = create_transport(node.transport, node_id=node.node_id, host=node.data_host, nic=nic)

@@ -8,8 +8,9 @@ A slot is a run of Full Blocks, each ``[layers, block_tokens, bytes_per_token_la
   inside it (``layer_bytes = block_tokens * bytes_per_token_layer``);
 - token ``t`` of layer ``l`` lies at ``(t // bt) * block_bytes + l * layer_bytes + (t % bt) * bpt``.
 
-Layer Blocks are views into Full Blocks: moving "layer l of tokens [s, e)" is one entry per
-block touched, never a layout conversion.
+Layer Blocks are views into Full Blocks: moving "layer l of tokens [s, e)" is one piece per
+block touched, never a layout conversion; the full blocks' pieces are ``block_bytes`` apart,
+so they go as one strided entry (``layer_strided``).
 """
 
 from __future__ import annotations
@@ -53,3 +54,28 @@ class SlotLayout:
             runs.append((b * self.block_bytes + layer * self.layer_bytes + i * bpt, t, n))
             t += n
         return runs
+
+    def layer_strided(self, layer: int, start: int, end: int) -> list[tuple[int, int, int, int]]:
+        """``layer_runs`` grouped into strided runs, without walking the blocks:
+        ``(slot_offset, token_start, ntokens, count)`` means ``count`` runs of ``ntokens``
+        tokens, ``block_bytes`` apart in the slot and consecutive in token order. At most
+        three: a partial first block, the whole blocks, a partial last block."""
+        bt, bpt = self.block_tokens, self.bytes_per_token_layer
+
+        def offset(t: int) -> int:
+            b, i = divmod(t, bt)
+            return b * self.block_bytes + layer * self.layer_bytes + i * bpt
+
+        out: list[tuple[int, int, int, int]] = []
+        t = start
+        if t < end and (t % bt or end - t < bt):  # a partial first block
+            first_end = min(end, (t // bt + 1) * bt)
+            out.append((offset(t), t, first_end - t, 1))
+            t = first_end
+        whole = (end - t) // bt if t < end else 0
+        if whole:
+            out.append((offset(t), t, bt, whole))
+            t += whole * bt
+        if t < end:
+            out.append((offset(t), t, end - t, 1))
+        return out

@@ -59,8 +59,12 @@ class LayerIO(Protocol):
         """Send the layer's KV of the batch's new tokens (``[N, kv_heads, head_dim]`` each)."""
 
 
-async def run_prefill(decoder, items: Sequence[PrefillItem], io: LayerIO) -> PrefillResult:
+async def run_prefill(decoder, items: Sequence[PrefillItem], io: LayerIO, *, layerwise: bool = True) -> PrefillResult:
     """Prefill ``items`` together through all layers; see the module docstring.
+
+    ``layerwise=False`` is the ablation baseline: every layer's cached KV is loaded before the
+    first layer computes, and the KV goes out after the last one (no overlap; the whole
+    context's KV resident at once).
 
     Raises whatever ``io`` raises (a lost peer fails the batch; the caller reports it).
     """
@@ -80,28 +84,41 @@ async def run_prefill(decoder, items: Sequence[PrefillItem], io: LayerIO) -> Pre
     fetch_wait = [0.0] * decoder.num_layers
     store_wait = [0.0] * decoder.num_layers
     stores: list[asyncio.Task] = []
+    deferred: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     n_layers = decoder.num_layers
     # Up to FETCH_AHEAD layers' cached KV in flight while a layer computes: on a link whose
     # round trip exceeds one layer's compute (TCP, a busy host) one layer ahead is not enough.
-    pending = deque(asyncio.ensure_future(io.fetch(j)) for j in range(min(FETCH_AHEAD, n_layers)))
+    ahead = FETCH_AHEAD if layerwise else n_layers
+    pending = deque(asyncio.ensure_future(io.fetch(j)) for j in range(min(ahead, n_layers)))
     try:
+        if not layerwise:
+            t0 = loop.time()
+            await asyncio.gather(*pending)
+            fetch_wait[0] = loop.time() - t0
+            wait_s += fetch_wait[0]
         for layer in range(n_layers):
             t0 = loop.time()
             past = await pending.popleft()
-            fetch_wait[layer] = loop.time() - t0
-            wait_s += fetch_wait[layer]
-            if layer + FETCH_AHEAD < n_layers:
-                pending.append(asyncio.ensure_future(io.fetch(layer + FETCH_AHEAD)))
+            dt = loop.time() - t0
+            fetch_wait[layer] += dt
+            wait_s += dt
+            if layer + ahead < n_layers:
+                pending.append(asyncio.ensure_future(io.fetch(layer + ahead)))
             t1 = loop.time()
             hidden, k, v = await asyncio.to_thread(decoder.forward_layer, layer, hidden, pos_t, segments, past)
             compute_s += loop.time() - t1
+            if not layerwise:
+                deferred.append((layer, k, v))
+                continue
             if len(stores) >= 2:  # double-buffered output: layer l-2's send must be done
                 t2 = loop.time()
                 await stores[-2]
                 store_wait[layer - 2] = loop.time() - t2
             stores.append(asyncio.ensure_future(io.store(layer, k, v)))
+        stores.extend(asyncio.ensure_future(io.store(layer, k, v)) for layer, k, v in deferred)
         t_tail = loop.time()
-        for layer in range(max(0, len(stores) - 2), len(stores)):  # the stores not awaited above
+        awaited = 2 if layerwise else len(stores)
+        for layer in range(max(0, len(stores) - awaited), len(stores)):  # the stores not awaited above
             await stores[layer]
             store_wait[layer] = loop.time() - t_tail
     except BaseException:

@@ -14,7 +14,8 @@ Windows rotate so that no transfer overwrites bytes still in use: ``run_prefill`
 ``fetch(l+A)`` (A = ``FETCH_AHEAD``) before computing ``l`` and waits for ``store(l-2)`` before
 ``store(l)``; a store may still read the input window of its layer (forwarded hits) until
 then, hence A + 3 input windows (``fetch(l+A)`` reuses the window of ``l-3``, whose store is
-done) and two output ones.
+done) and two output ones. Without layer-wise prefill (``layerwise=False``, the ablation's
+baseline) every layer has its own input and output window: the whole batch's KV is resident.
 
 Tracing: with ``record=True`` every data-plane batch notes its layer, peer, bytes and epoch
 times (two clock reads, no span on the hot path); ``emit_layer_spans`` turns them into one
@@ -64,24 +65,26 @@ class BatchLayerIO:
 
     def __init__(self, dp: EngineDataPlane, layout: SlotLayout, items: list[IoItem], *, dtype: torch.dtype,
                  kv_heads: int, head_dim: int, device: torch.device, owner: str, oracle: bool = False,
-                 record: bool = False) -> None:
+                 record: bool = False, layerwise: bool = True) -> None:
         self.dp, self.layout, self.items = dp, layout, items
+        self._n_in = _IN_WINDOWS if layerwise else layout.layers
+        self._n_out = 2 if layerwise else layout.layers
         self.oracle = oracle  # testbed upper bound: cached KV appears for free, nothing is sent
         self.dtype, self.kv_heads, self.head_dim, self.device = dtype, kv_heads, head_dim, device
         bpt = layout.bytes_per_token_layer
         self.in_bytes = sum(io.item.start for io in items) * bpt
         self.out_bytes = sum(io.item.end - io.item.start for io in items) * bpt
         self._owner = owner
-        self._in = [dp.pool.alloc(f"{owner}.in{i}", max(self.in_bytes, 1)).offset for i in range(_IN_WINDOWS)]
-        self._out = [dp.pool.alloc(f"{owner}.out{i}", max(self.out_bytes, 1)).offset for i in range(2)]
+        self._in = [dp.pool.alloc(f"{owner}.in{i}", max(self.in_bytes, 1)).offset for i in range(self._n_in)]
+        self._out = [dp.pool.alloc(f"{owner}.out{i}", max(self.out_bytes, 1)).offset for i in range(self._n_out)]
         self.stats = LayerStats()
         self.record = record  # note each transfer for emit_layer_spans
         self._transfers: list[tuple[str, int, RegionDescriptor, int, int, int]] = []  # name, layer, peer, t0_ns, t1_ns, bytes
 
     def close(self) -> None:
-        for i in range(_IN_WINDOWS):
+        for i in range(self._n_in):
             self.dp.pool.free(f"{self._owner}.in{i}")
-        for i in range(2):
+        for i in range(self._n_out):
             self.dp.pool.free(f"{self._owner}.out{i}")
 
     def _view(self, offset: int, tokens: int) -> torch.Tensor:
@@ -97,8 +100,8 @@ class BatchLayerIO:
         if self.oracle:
             return self._free_past()
         t0 = time.perf_counter()
-        base = self._in[layer % _IN_WINDOWS]
-        bpt = self.layout.bytes_per_token_layer
+        base = self._in[layer % self._n_in]
+        bpt, bb = self.layout.bytes_per_token_layer, self.layout.block_bytes
         by_source: dict[str, tuple[RegionDescriptor, list[TransferEntry]]] = {}
         local = base
         places = []
@@ -107,8 +110,9 @@ class BatchLayerIO:
             places.append((local, n))
             if n:
                 _, entries = by_source.setdefault(io.source.region_id, (io.source, []))
-                for slot_off, tok, cnt in self.layout.layer_runs(layer, 0, n):
-                    entries.append(TransferEntry(local + tok * bpt, io.source.region_id, io.source_offset + slot_off, cnt * bpt))
+                for slot_off, tok, cnt, count in self.layout.layer_strided(layer, 0, n):
+                    entries.append(TransferEntry(local + tok * bpt, io.source.region_id, io.source_offset + slot_off, cnt * bpt,
+                                                 count, cnt * bpt, bb))
             local += n * bpt
         for desc, entries in by_source.values():
             t_ns = time.time_ns() if self.record else 0
@@ -131,7 +135,8 @@ class BatchLayerIO:
             return
         t0 = time.perf_counter()
         bpt = self.layout.bytes_per_token_layer
-        out_base, in_base = self._out[layer % 2], self._in[layer % _IN_WINDOWS]
+        bb = self.layout.block_bytes
+        out_base, in_base = self._out[layer % self._n_out], self._in[layer % self._n_in]
         n_new = k.shape[0]
         if n_new:
             self._view(out_base, n_new).copy_(torch.stack((k, v), dim=1))  # D2H on GPU
@@ -142,10 +147,12 @@ class BatchLayerIO:
             desc, entries = by_dest[io.dest.region_id]
             by_dest[io.dest.region_id] = (io.dest, entries)
             # cached tokens this chunk must forward (PE read path, first chunk): from the input window
-            for slot_off, tok, cnt in self.layout.layer_runs(layer, io.write_from, it.start):
-                entries.append(TransferEntry(in_off + tok * bpt, io.dest.region_id, io.dest_offset + slot_off, cnt * bpt))
-            for slot_off, tok, cnt in self.layout.layer_runs(layer, it.start, it.end):
-                entries.append(TransferEntry(new_off + (tok - it.start) * bpt, io.dest.region_id, io.dest_offset + slot_off, cnt * bpt))
+            for slot_off, tok, cnt, count in self.layout.layer_strided(layer, io.write_from, it.start):
+                entries.append(TransferEntry(in_off + tok * bpt, io.dest.region_id, io.dest_offset + slot_off, cnt * bpt,
+                                             count, cnt * bpt, bb))
+            for slot_off, tok, cnt, count in self.layout.layer_strided(layer, it.start, it.end):
+                entries.append(TransferEntry(new_off + (tok - it.start) * bpt, io.dest.region_id, io.dest_offset + slot_off,
+                                             cnt * bpt, count, cnt * bpt, bb))
             new_off += (it.end - it.start) * bpt
             in_off += it.start * bpt
         for desc, entries in by_dest.values():

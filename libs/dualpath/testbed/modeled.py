@@ -7,6 +7,8 @@ step sleeps ``decode_step_time`` of the batch's context lengths (spread over its
 KV is ``uint8`` with ``bytes_per_token_layer`` scaled bytes (``[N, 2, 1, bpt/2]``), filled
 with a token-derived pattern so transfers are real bytes. Sampling produces printable ASCII.
 
+``slowdown`` (testbed slow motion) multiplies every modeled time.
+
 ``overhead_s`` accumulates how much longer each call took than its modeled time: the
 emulation's own cost (Python, scheduling), reported by the testbed.
 """
@@ -38,8 +40,9 @@ class _ModeledConfig:
 class ModeledDecoder:
     modeled = True
 
-    def __init__(self, cost: CostModel, *, role: str, vocab_size: int, bytes_per_token_layer: int, max_position: int = 1 << 20) -> None:
+    def __init__(self, cost: CostModel, *, role: str, vocab_size: int, bytes_per_token_layer: int, max_position: int = 1 << 20, slowdown: float = 1.0) -> None:
         self.cost = cost
+        self.slowdown = slowdown
         self.role = role
         self.device = torch.device("cpu")
         self.dtype = torch.uint8
@@ -47,7 +50,7 @@ class ModeledDecoder:
         self.kv_heads = 1
         self.head_dim = bytes_per_token_layer // 2
         self.config = _ModeledConfig(vocab_size, bytes_per_token_layer, max_position)
-        self.modeled_s = 0.0  # time the cost model asked for
+        self.modeled_s = 0.0  # time the cost model asked for (times slowdown: host seconds)
         self.busy_s = 0.0  # time the calls actually took
         self.attention_s = 0.0  # modeled attention time (load-balance figure)
 
@@ -55,13 +58,16 @@ class ModeledDecoder:
     def overhead_s(self) -> float:
         return max(0.0, self.busy_s - self.modeled_s)
 
-    def _sleep(self, seconds: float, t0: float) -> None:
+    def _sleep(self, seconds: float, t0: float) -> float:
+        """Sleep until ``t0 + seconds * slowdown``; returns the host seconds asked for."""
+        seconds *= self.slowdown
         deadline = t0 + seconds
         while True:
             left = deadline - time.perf_counter()
             if left <= 0:
                 break
             time.sleep(left if left > 0.002 else 0)
+        return seconds
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return token_ids.to(torch.float32).unsqueeze(1)  # [N, 1]: the token id rides along
@@ -80,8 +86,7 @@ class ModeledDecoder:
         n = hidden.shape[0]
         pattern = (positions.to(torch.int64) * 31 + layer) % 251  # [N]
         kv = pattern.to(torch.uint8).view(n, 1, 1).expand(n, 2, self.head_dim).contiguous()
-        self._sleep(seconds, t0)
-        self.modeled_s += seconds
+        self.modeled_s += self._sleep(seconds, t0)
         self.busy_s += time.perf_counter() - t0
         return hidden, kv[:, 0].unsqueeze(1), kv[:, 1].unsqueeze(1)
 
@@ -90,8 +95,7 @@ class ModeledDecoder:
         t0 = time.perf_counter()
         seconds = self.cost.decode_step_time(context_lens)
         logits = self.logits(torch.tensor(inputs, dtype=torch.float32).unsqueeze(1))
-        self._sleep(seconds, t0)
-        self.modeled_s += seconds
+        self.modeled_s += self._sleep(seconds, t0)
         self.busy_s += time.perf_counter() - t0
         return logits
 

@@ -5,6 +5,11 @@ one 400 Gbps compute NIC (CNIC) per GPU, one 400 Gbps storage NIC (SNIC) per nod
 node DRAM buffer. ``scale`` divides bytes and bandwidths together, so transfer *times* are
 preserved while the machine running the emulation moves ``1/scale`` of the bytes.
 
+``slowdown`` runs the whole emulated cluster in slow motion: modeled compute times are
+multiplied by it and every NIC rate divided by it, so each emulated second lasts ``slowdown``
+host seconds while the host's own per-request cost (Python, the bus, syscalls) stays the same
+— its share of the run shrinks by that factor. Reported times are divided back.
+
 When a node runs fewer engine processes than it has GPUs (``engines_per_node < gpus_per_node``,
 to fit a laptop), the node's SNIC is shrunk in the same proportion so that storage bandwidth
 per engine — the ratio that makes a workload I/O-bound — stays the cluster's.
@@ -26,21 +31,33 @@ class HardwareProfile:
     snic_gbps: float = 400.0
     dram_buffer_gb: float = 80.0
     scale: float = 1000.0
+    slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         if self.scale < 1:
             raise ValueError(f"scale must be >= 1, got {self.scale}")
+        if self.slowdown <= 0:
+            raise ValueError(f"slowdown must be positive, got {self.slowdown}")
         if min(self.gpus_per_node, self.cnic_gbps, self.snic_gbps, self.dram_buffer_gb) <= 0:
             raise ValueError("hardware figures must be positive")
 
-    def snic_bytes_per_s(self, engines_per_node: int) -> float:
-        """Emulated SNIC rate of one node running ``engines_per_node`` engines (scaled)."""
+    def snic_real_bytes_per_s(self, engines_per_node: int) -> float:
+        """The modeled cluster's SNIC rate for a node of ``engines_per_node`` engines (unscaled)."""
         share = min(1.0, engines_per_node / self.gpus_per_node)
-        return self.snic_gbps * GBPS * share / self.scale
+        return self.snic_gbps * GBPS * share
+
+    def snic_bytes_per_s(self, engines_per_node: int) -> float:
+        """Emulated SNIC rate of one node running ``engines_per_node`` engines (scaled, slowed)."""
+        return self.snic_real_bytes_per_s(engines_per_node) / self.scale / self.slowdown
 
     def cnic_bytes_per_s(self) -> float:
-        """Emulated CNIC rate of one GPU (scaled)."""
-        return self.cnic_gbps * GBPS / self.scale
+        """Emulated CNIC rate of one GPU (scaled, slowed)."""
+        return self.cnic_gbps * GBPS / self.scale / self.slowdown
+
+    def nic_chunk_bytes(self, rate: float) -> int:
+        """Chunk size for an emulated NIC of ``rate``: ~2 ms of *modeled* link time (not of the
+        slowed one), so slow motion does not multiply the host's per-chunk work."""
+        return int(min(max(rate * self.slowdown * 0.002, 16 * 1024), 4 * 1024 * 1024))
 
     def buffer_bytes(self, engines_per_node: int) -> int:
         share = min(1.0, engines_per_node / self.gpus_per_node)

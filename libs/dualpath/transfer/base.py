@@ -152,17 +152,22 @@ def check_entries(
     Raises:
         UnknownRegionError: an entry names a remote region not learned through ``connect``.
         OutOfBoundsError: an entry reaches outside the local or the remote region.
-        ValueError: an entry has a negative length.
+        ValueError: an entry has a negative length, a count below 1 or overlapping pieces.
     """
     total = 0
     for entry in entries:
         if entry.length < 0:
             raise ValueError(f"entry length must not be negative: {entry}")
-        local.check_range(entry.local_offset, entry.length)
+        if entry.count != 1:
+            if entry.count < 1:
+                raise ValueError(f"entry count must be at least 1: {entry}")
+            if entry.local_stride < entry.length or entry.remote_stride < entry.length:
+                raise ValueError(f"a strided entry's strides must be at least its length (no overlap): {entry}")
+        local.check_range(entry.local_offset, entry.local_end - entry.local_offset)
         remote = transport.descriptor(entry.remote_region)
-        if entry.remote_offset < 0 or entry.remote_offset + entry.length > remote.size:
-            raise OutOfBoundsError(remote.region_id, entry.remote_offset, entry.length, remote.size)
-        total += entry.length
+        if entry.remote_offset < 0 or entry.remote_end > remote.size:
+            raise OutOfBoundsError(remote.region_id, entry.remote_offset, entry.remote_end - entry.remote_offset, remote.size)
+        total += entry.nbytes
     return total
 
 

@@ -196,24 +196,43 @@ class EmulatedNic:
 
 def split_entries(entries: Sequence[TransferEntry], chunk_bytes: int) -> list[list[TransferEntry]]:
     """Split a batch into consecutive chunks of at most ``chunk_bytes`` each, cutting
-    entries longer than that into pieces (so a NIC can interleave other traffic)."""
+    entries longer than that into pieces (so a NIC can interleave other traffic). A strided
+    entry is cut between its pieces into strided entries of fewer pieces."""
     chunks: list[list[TransferEntry]] = []
     current: list[TransferEntry] = []
     room = chunk_bytes
+
+    def flush() -> None:
+        nonlocal current, room
+        chunks.append(current)
+        current, room = [], chunk_bytes
+
     for entry in entries:
-        done = 0
-        while done < entry.length:
-            take = min(entry.length - done, room)
-            current.append(
-                TransferEntry(
-                    entry.local_offset + done, entry.remote_region, entry.remote_offset + done, take
-                )
-            )
-            done += take
-            room -= take
-            if room == 0:
-                chunks.append(current)
-                current, room = [], chunk_bytes
+        if entry.nbytes == 0:
+            continue
+        if entry.count > 1 and entry.length <= chunk_bytes:
+            i = 0
+            while i < entry.count:
+                if room < entry.length:
+                    flush()
+                k = min(entry.count - i, room // entry.length)
+                current.append(TransferEntry(entry.local_offset + i * entry.local_stride, entry.remote_region,
+                                             entry.remote_offset + i * entry.remote_stride, entry.length, k,
+                                             entry.local_stride, entry.remote_stride))
+                room -= k * entry.length
+                i += k
+                if room == 0:
+                    flush()
+            continue
+        for local_offset, remote_offset, length in entry.pieces() if entry.count > 1 else [(entry.local_offset, entry.remote_offset, entry.length)]:
+            done = 0
+            while done < length:
+                take = min(length - done, room)
+                current.append(TransferEntry(local_offset + done, entry.remote_region, remote_offset + done, take))
+                done += take
+                room -= take
+                if room == 0:
+                    flush()
     if current:
         chunks.append(current)
     return chunks

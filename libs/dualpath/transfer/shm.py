@@ -121,7 +121,7 @@ class ShmTransport(Transport):
             [list(entries)] if self.nic is None else split_entries(entries, self.nic.chunk_bytes)
         )
         for chunk in chunks:
-            nbytes = sum(e.length for e in chunk)
+            nbytes = sum(e.nbytes for e in chunk)
             if self.nic is not None:
                 await self.nic.acquire(nbytes, cls)
             if nbytes >= self.thread_copy_bytes:
@@ -137,6 +137,9 @@ class ShmTransport(Transport):
         return region
 
     def _copy(self, local: MemoryRegion, entries: list[TransferEntry], to_local: bool) -> None:
+        if any(e.count > 1 for e in entries):
+            self._copy_numpy(local, entries, to_local)
+            return
         lbuf = local.buf
         for e in entries:
             rbuf = self._region(e.remote_region).buf
@@ -158,12 +161,22 @@ class ShmTransport(Transport):
             rarr = arrays.get(e.remote_region)
             if rarr is None:
                 rarr = arrays[e.remote_region] = self._region(e.remote_region).as_array()
-            lview = larr[e.local_offset : e.local_offset + e.length]
-            rview = rarr[e.remote_offset : e.remote_offset + e.length]
+            if e.count == 1:
+                lview = larr[e.local_offset : e.local_offset + e.length]
+                rview = rarr[e.remote_offset : e.remote_offset + e.length]
+            else:  # strided: one copy of count pieces
+                lview = _strided(larr, e.local_offset, e.count, e.length, e.local_stride)
+                rview = _strided(rarr, e.remote_offset, e.count, e.length, e.remote_stride)
             if to_local:
                 np.copyto(lview, rview)
             else:
                 np.copyto(rview, lview)
+
+
+def _strided(arr: np.ndarray, offset: int, count: int, length: int, stride: int) -> np.ndarray:
+    """``[count, length]`` view of ``count`` pieces ``stride`` bytes apart (bounds checked by
+    ``check_entries``)."""
+    return np.lib.stride_tricks.as_strided(arr[offset:], shape=(count, length), strides=(stride, 1))
 
 
 def _close_quietly(region: MemoryRegion) -> None:

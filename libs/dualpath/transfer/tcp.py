@@ -171,7 +171,7 @@ class TcpTransport(Transport):
                 conns.append(conn)
                 for chunk in self._chunks(group.entries):
                     if self.nic is not None:
-                        await self.nic.acquire(sum(e.length for e in chunk), cls)
+                        await self.nic.acquire(sum(e.nbytes for e in chunk), cls)
                     batch_id = next(self._batch_ids)
                     futures.append(await conn.submit(op, cls, batch_id, local, chunk))
             if len(futures) == 1:

@@ -76,8 +76,7 @@ class PeerConnection:
         """
         if self._dead is not None:
             raise PeerLostError(self.peer, f"connection is down ({self._dead})")
-        buf = local.buf
-        views = [buf[e.local_offset : e.local_offset + e.length] for e in entries if e.length]
+        views = local_views(local.buf, entries)
         nbytes = sum(v.nbytes for v in views)
         payload = nbytes if op is Op.WRITE else 0
         frame = encode_request(op, traffic_class, batch_id, entries, payload)
@@ -174,6 +173,20 @@ class PeerConnection:
             _release(item.views)
             if not item.future.done():
                 item.future.set_exception(error)
+
+
+def local_views(buf: memoryview, entries: Sequence[TransferEntry]) -> list[memoryview]:
+    """The local ranges of ``entries`` in order: one view per entry whose local pieces are
+    contiguous, one per piece otherwise (empty ranges left out)."""
+    views = []
+    for e in entries:
+        if not e.nbytes:
+            continue
+        if e.local_contiguous:
+            views.append(buf[e.local_offset : e.local_offset + e.nbytes])
+        else:
+            views.extend(buf[lo : lo + n] for lo, _, n in e.pieces())
+    return views
 
 
 def _release(views: list[memoryview]) -> None:

@@ -12,6 +12,8 @@ import logging
 import socket
 from collections.abc import Callable
 
+import numpy as np
+
 from dualpath.transfer.errors import OutOfBoundsError, TransferError, UnknownRegionError
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.tcp_wire import (
@@ -83,8 +85,9 @@ async def _answer(
     rows: memoryview,
     payload_len: int,
 ) -> None:
+    scatters: list[tuple[np.ndarray, memoryview]] = []
     try:
-        views = _resolve(lookup, node_id, table, n_regions, rows)
+        views = _resolve(lookup, node_id, table, n_regions, rows, op, scatters)
         total = sum(v.nbytes for v in views)
         if op is Op.WRITE and payload_len != total:
             raise TransferError(f"write payload of {payload_len} B for {total} B of entries")
@@ -98,19 +101,31 @@ async def _answer(
     try:
         if op is Op.WRITE:
             await recv_into(sock, views)
+            for target, scratch in scatters:  # strided pieces: received together, placed at C speed
+                target[...] = np.frombuffer(scratch, dtype=np.uint8).reshape(target.shape)
             await send_buffers(sock, [REPLY.pack(REPLY_MAGIC, Status.OK, op, 0, 0, batch_id, 0)])
         else:
             head = REPLY.pack(REPLY_MAGIC, Status.OK, op, 0, 0, batch_id, total)
             await send_buffers(sock, [head, *views])
     finally:
-        for view in views:  # region.close() must not find slices of it still alive
+        scatters.clear()  # region.close() must not find arrays or slices of it still alive
+        for view in views:
             view.release()
 
 
 def _resolve(
-    lookup: Lookup, node_id: str, table: bytes, n_regions: int, rows: memoryview
+    lookup: Lookup,
+    node_id: str,
+    table: bytes,
+    n_regions: int,
+    rows: memoryview,
+    op: Op,
+    scatters: list[tuple[np.ndarray, memoryview]],
 ) -> list[memoryview]:
-    """Check every entry and return the memoryviews of its range, in order.
+    """Check every entry and return the memoryviews its bytes go from (read) or to (write),
+    in order. A strided entry whose pieces are apart is gathered into one new buffer for a
+    read; for a write it is received into a scratch buffer and ``(strided view, scratch)``
+    is appended to ``scatters`` for the caller to place.
 
     Raises:
         UnknownRegionError: a named region is not registered here.
@@ -127,20 +142,40 @@ def _resolve(
             raise UnknownRegionError(name, f"not registered at node {node_id!r}")
         regions.append(region)
     bufs = [r.buf for r in regions]
+    arrays: dict[int, np.ndarray] = {}
     views: list[memoryview] = []
     try:
-        for slot, offset, length in ENTRY.iter_unpack(rows):
+        for slot, offset, length, count, stride in ENTRY.iter_unpack(rows):
             if slot >= n_regions:
                 raise TransferError("an entry names a region outside the region table")
+            if count < 1 or (count > 1 and stride < length):
+                raise TransferError(f"bad strided entry: count {count}, stride {stride}, length {length}")
             size = regions[slot].size
-            if offset > size or length > size - offset:
-                raise OutOfBoundsError(regions[slot].region_id, offset, length, size)
-            if length:
-                views.append(bufs[slot][offset : offset + length])
+            span = (count - 1) * stride + length
+            if offset > size or span > size - offset:
+                raise OutOfBoundsError(regions[slot].region_id, offset, span, size)
+            if not length:
+                continue
+            if count == 1 or stride == length:
+                views.append(bufs[slot][offset : offset + length * count])
+                continue
+            arr = arrays.get(slot)
+            if arr is None:
+                arr = arrays[slot] = np.frombuffer(bufs[slot], dtype=np.uint8)
+            strided = np.lib.stride_tricks.as_strided(arr[offset:], shape=(count, length), strides=(stride, 1))
+            if op is Op.READ:
+                views.append(memoryview(np.ascontiguousarray(strided)).cast("B"))
+            else:
+                scratch = memoryview(bytearray(length * count))
+                scatters.append((strided, scratch))
+                views.append(scratch)
     except TransferError:
+        scatters.clear()
         for view in views:
             view.release()
         raise
+    finally:
+        arrays.clear()
     return views
 
 

@@ -3,7 +3,8 @@
 One request frame carries a whole batch; one reply frame answers it (one round trip per
 batch). Request::
 
-    REQUEST header (32 B) | region table (NUL-joined utf-8 ids) | entries [n, 20 B] | payload
+    REQUEST header (32 B) | region table (NUL-joined utf-8 ids) | entries [n, 32 B] | payload
+    entry: region slot, remote offset, piece length, piece count, remote stride
     payload: a write's bytes, entries concatenated in order; empty for a read
 
 Reply::
@@ -50,10 +51,10 @@ __all__ = [
 
 REQUEST = struct.Struct("<4sBBHIIQQ")  # magic, op, class, n_regions, n_entries, table, id, payload
 REPLY = struct.Struct("<4sBBHIQQ")  # magic, status, op, reserved, error_len, id, payload
-REQUEST_MAGIC = b"DPq1"
+REQUEST_MAGIC = b"DPq2"  # 2: strided entries
 REPLY_MAGIC = b"DPr1"
-ENTRY = struct.Struct("<IQQ")  # region slot, offset, length: 20 B per entry
-MAX_ENTRIES = 1 << 20  # bounds the entry table a server will buffer (20 MiB)
+ENTRY = struct.Struct("<IQQIQ")  # region slot, offset, length, count, stride: 32 B per entry
+MAX_ENTRIES = 1 << 20  # bounds the entry table a server will buffer (32 MiB)
 MAX_TABLE_BYTES = 1 << 20  # bounds the region-id table
 MAX_ERROR_BYTES = 1 << 16
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
@@ -75,7 +76,7 @@ class Status(IntEnum):
 
 @functools.lru_cache(maxsize=64)
 def _entries_struct(n: int) -> struct.Struct:
-    return struct.Struct("<" + "IQQ" * n)
+    return struct.Struct("<" + "IQQIQ" * n)
 
 
 def encode_request(
@@ -87,7 +88,7 @@ def encode_request(
         ValueError: a region id contains NUL, or the batch exceeds the frame limits.
     """
     index: dict[str, int] = {}
-    flat: list[int] = []  # [n_entries * 3]
+    flat: list[int] = []  # [n_entries * 5]
     for entry in entries:
         rid = entry.remote_region
         slot = index.get(rid)
@@ -95,7 +96,7 @@ def encode_request(
             if "\0" in rid:
                 raise ValueError(f"region id {rid!r} contains NUL")
             slot = index[rid] = len(index)
-        flat += (slot, entry.remote_offset, entry.length)
+        flat += (slot, entry.remote_offset, entry.length, entry.count, entry.remote_stride)
     table = "\0".join(index).encode()
     if len(entries) > MAX_ENTRIES or len(table) > MAX_TABLE_BYTES:
         raise ValueError(f"batch of {len(entries)} entries exceeds the tcp frame limits")

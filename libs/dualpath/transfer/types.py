@@ -30,13 +30,53 @@ class TrafficClass(IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class TransferEntry:
-    """One contiguous piece of a batch: ``length`` bytes at ``local_offset`` of the local
-    region and ``remote_offset`` of ``remote_region``."""
+    """One piece of a batch: ``length`` bytes at ``local_offset`` of the local region and
+    ``remote_offset`` of ``remote_region``.
+
+    A strided entry (``count > 1``, like ``cudaMemcpy2D`` or a chained RDMA work-request list)
+    stands for ``count`` such pieces, piece ``i`` at ``local_offset + i * local_stride`` and
+    ``remote_offset + i * remote_stride``; strides are at least ``length`` (pieces never
+    overlap). One layer of a request's cached KV — one Layer Block per Full Block, a block's
+    size apart in the slot — is one strided entry, not one entry per block.
+    """
 
     local_offset: int
     remote_region: str
     remote_offset: int
     length: int
+    count: int = 1
+    local_stride: int = 0
+    remote_stride: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the entry moves (``length * count``)."""
+        return self.length * self.count
+
+    @property
+    def local_end(self) -> int:
+        """One past the last local byte touched."""
+        return self.local_offset + (self.count - 1) * self.local_stride + self.length
+
+    @property
+    def remote_end(self) -> int:
+        """One past the last remote byte touched."""
+        return self.remote_offset + (self.count - 1) * self.remote_stride + self.length
+
+    @property
+    def local_contiguous(self) -> bool:
+        """Whether the local pieces form one contiguous range."""
+        return self.count == 1 or self.local_stride == self.length
+
+    @property
+    def remote_contiguous(self) -> bool:
+        """Whether the remote pieces form one contiguous range."""
+        return self.count == 1 or self.remote_stride == self.length
+
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """``(local_offset, remote_offset, length)`` of every piece, in order."""
+        return [(self.local_offset + i * self.local_stride, self.remote_offset + i * self.remote_stride, self.length)
+                for i in range(self.count)]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

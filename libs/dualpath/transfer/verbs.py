@@ -261,7 +261,7 @@ class VerbsTransport(Transport):
             with anyio.fail_after(self.timeout_s):
                 for chunk in chunks:
                     if self.nic is not None:
-                        await self.nic.acquire(sum(e.length for e in chunk), cls)
+                        await self.nic.acquire(sum(e.nbytes for e in chunk), cls)
                     for region_id, pieces in self._pieces(chunk, base, dev.max_msg).items():
                         remote = self._remote[region_id]
                         link = await self._link(remote)
@@ -283,15 +283,17 @@ class VerbsTransport(Transport):
         self, chunk: list[TransferEntry], base: int, max_msg: int
     ) -> dict[str, list[tuple[int, int, int, int]]]:
         """Group a chunk's entries by remote region id as (local addr, remote addr, rkey,
-        length), cutting entries longer than the port's largest message."""
+        length): one work request per piece of a strided entry, cutting pieces longer than
+        the port's largest message."""
         out: dict[str, list[tuple[int, int, int, int]]] = {}
         for e in chunk:
             address = self._remote[e.remote_region].address
             raddr, rkey = int(address["addr"]), int(address["rkey"])
             pieces = out.setdefault(e.remote_region, [])
-            for off in range(0, e.length, max_msg):
-                n = min(max_msg, e.length - off)
-                pieces.append((base + e.local_offset + off, raddr + e.remote_offset + off, rkey, n))
+            for local_offset, remote_offset, length in e.pieces():
+                for off in range(0, length, max_msg):
+                    n = min(max_msg, length - off)
+                    pieces.append((base + local_offset + off, raddr + remote_offset + off, rkey, n))
         return out
 
     async def _post(
