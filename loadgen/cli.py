@@ -46,6 +46,9 @@ def build_parser(prog: str = "dualpath loadgen") -> argparse.ArgumentParser:
     p.add_argument("--dataset", default="32k", help="32k, 48k, 64k (synthetic, paper statistics) or a trajectory JSONL file")
     p.add_argument("--agents", type=int, help=f"number of agents (default {DEFAULT_AGENTS}, or the file's line count)")
     p.add_argument("--turns", type=int, help="cap every agent at this many turns")
+    p.add_argument("--start-at", type=float, default=0.0,
+                   help="meet every agent this fraction of the way through its turns (0.5: mid-rollout contexts), "
+                        "the earlier turns folded into its first prompt")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every length by this (e.g. 0.01 for a tiny CPU model)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--rate", type=float, help="online: agents arrive at this many per second (the sweep's start rate)")
@@ -102,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check(args)
         prompts = PromptText(args.tokenizer)
-        trajectories = load_dataset(args.dataset, agents=args.agents, seed=args.seed, turns=args.turns, scale=args.scale)
+        trajectories = load_dataset(args.dataset, agents=args.agents, seed=args.seed, turns=args.turns, scale=args.scale,
+                                    start_at=args.start_at)
         if args.save_dataset:
             save_trajectories(args.save_dataset, trajectories)
     except (InputError, OSError) as exc:

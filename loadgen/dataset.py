@@ -21,8 +21,9 @@ DEFAULT_AGENTS = 500  # the paper's set size
 
 
 def load_dataset(name: str, *, agents: int | None = None, seed: int = 0, turns: int | None = None,
-                 scale: float = 1.0) -> list[Trajectory]:
-    """Trajectories for ``agents`` agents, capped to ``turns`` and scaled by ``scale``.
+                 scale: float = 1.0, start_at: float = 0.0) -> list[Trajectory]:
+    """Trajectories for ``agents`` agents, each met ``start_at`` of the way through its turns
+    (``Trajectory.from_turn``), capped to ``turns`` and scaled by ``scale``.
 
     ``name`` is 32k, 48k, 64k (synthetic, drawn with ``seed``) or a JSONL file path
     (``agents`` defaults to the number of lines). Raises InputError for an unknown name,
@@ -34,6 +35,8 @@ def load_dataset(name: str, *, agents: int | None = None, seed: int = 0, turns: 
         raise InputError(f"--turns must be >= 1, got {turns}")
     if not scale > 0:
         raise InputError(f"--scale must be > 0, got {scale}")
+    if not 0 <= start_at < 1:
+        raise InputError(f"--start-at must be in [0, 1), got {start_at}")
     key = name.lower()
     if key in SPECS:
         base = generate(SPECS[key], agents or DEFAULT_AGENTS, seed)
@@ -44,7 +47,7 @@ def load_dataset(name: str, *, agents: int | None = None, seed: int = 0, turns: 
     else:
         raise InputError(f"--dataset must be one of {', '.join(SPECS)} or a trajectory JSONL file; "
                          f"{name!r} is neither")
-    return [t.capped(turns).scaled(scale) for t in base]
+    return [t.from_turn(int(start_at * t.turns)).capped(turns).scaled(scale) for t in base]
 
 
 def _copy(t: Trajectory, agent: int, copy: int) -> Trajectory:

@@ -63,6 +63,22 @@ class Trajectory:
             ctx += g
         return out
 
+    def from_turn(self, k: int) -> "Trajectory":
+        """The agent as met mid-rollout: turns ``k`` onwards, the first ``k`` turns' appends and
+        generations folded into the system prompt (one long synthetic first round, as the paper
+        gives extra agents). At least the last turn is kept. Recorded text keeps the appends'
+        text; the earlier generations' text is unknown and is left out (lengths fold in full
+        only for length-only agents)."""
+        k = max(0, min(k, self.turns - 1))
+        if k == 0:
+            return self
+        folded = self.system_tokens + sum(self.append_tokens[:k]) + sum(self.gen_tokens[:k])
+        if self.system_text is None:
+            return replace(self, system_tokens=folded, append_tokens=self.append_tokens[k:], gen_tokens=self.gen_tokens[k:])
+        text = self.system_text + "".join(self.append_texts[:k])
+        return replace(self, system_text=text, system_tokens=_estimate_tokens(text), append_tokens=self.append_tokens[k:],
+                       gen_tokens=self.gen_tokens[k:], append_texts=self.append_texts[k:])
+
     def capped(self, turns: int | None) -> "Trajectory":
         """The first ``turns`` turns (all when None)."""
         if turns is None or turns >= self.turns:

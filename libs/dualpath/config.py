@@ -70,6 +70,9 @@ class ModelConfigSpec:
 class NodeConfig:
     node_id: str = opt("node0", "this node's id (subject-safe: letters, digits, _ and -)", "DUALPATH_NODE_ID")
     storage: str = opt("./.dualpath/storage", "storage root holding Full Block files (local dir or a shared mount)", "DUALPATH_STORAGE")
+    storage_fsync: bool = opt(True, "fsync each block file and its directory before the block is indexed (false: leave "
+                                    "durability to the storage system; the testbed, whose SNIC models the write time)",
+                              "DUALPATH_STORAGE_FSYNC")
     buffer_mb: int = opt(1024, "node DRAM buffer size in MiB (PE buffer on prefill nodes, DE buffer on decode nodes)", "DUALPATH_BUFFER_MB")
     transport: str = opt("tcp", "data-plane transport between nodes: tcp or verbs", "DUALPATH_TRANSPORT")
     data_host: str = opt("127.0.0.1", "address the data-plane endpoint listens on and advertises", "DUALPATH_DATA_HOST")

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slowdown", type=float, default=1.0,
                    help="run the modeled cluster this many times slower (compute x, NIC rates /) so the host's own overhead "
                         "shrinks in proportion; reported times are modeled seconds")
+    p.add_argument("--start-at", type=float, default=0.5,
+                   help="meet every agent this fraction of the way through its trajectory (0.5: mid-rollout, the sets' "
+                        "average context; 0: from the first turn)")
     p.add_argument("--warmup-turns", type=int, default=1,
                    help="untimed first turns per agent (their KV is then in storage, as mid-rollout); 0 = time from scratch")
     p.add_argument("--stream-interval", type=int, default=16, help="decode tokens per streamed event (JCT needs no per-token events)")
@@ -68,8 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     if not ns.slowdown > 0:
         print(f"dualpath experiment offline: --slowdown must be positive, got {ns.slowdown}", file=sys.stderr)
         return 2
+    if not 0 <= ns.start_at < 1:
+        print(f"dualpath experiment offline: --start-at must be in [0, 1), got {ns.start_at}", file=sys.stderr)
+        return 2
     prepared = prepare(ns, "dualpath experiment offline", warmup_turns=ns.warmup_turns, stream_interval=ns.stream_interval,
-                       slowdown=ns.slowdown)
+                       slowdown=ns.slowdown, extra_loadgen=("--start-at", str(ns.start_at)))
     if prepared is None:
         return 2
     spec, modes = prepared
@@ -85,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {m: mode_figures(r) for m, r in results.items()}
     jct = {m: r["jct_s"] for m, r in rows.items()}
     result = {"target": ns.target, "topology": ns.topology, "engines_per_node": ns.engines_per_node, "dataset": ns.dataset,
-              "agents": ns.agents, "turns": ns.turns, "warmup_turns": ns.warmup_turns, "scale": ns.scale, "modes": rows,
+              "agents": ns.agents, "turns": ns.turns, "warmup_turns": ns.warmup_turns, "start_at": ns.start_at, "scale": ns.scale, "modes": rows,
               "ratios": {"basic/dualpath": jct["basic"] / jct["dualpath"] if {"basic", "dualpath"} <= jct.keys() else None,
                          "dualpath/oracle": jct["dualpath"] / jct["oracle"] if {"dualpath", "oracle"} <= jct.keys() else None},
               "io_bound": (topology.prefill_nodes + topology.decode_nodes) / topology.prefill_nodes,

@@ -90,7 +90,9 @@ def _stack_config(spec: TestbedSpec, m: Mode, emu: EmulationConfig, out: Path) -
                        # Fewer, larger token events: the 2-core emulation host's CPU goes to the
                        # modeled cluster, not to per-token messaging (TTFT is unaffected).
                        extra_env={"DUALPATH_STREAM_INTERVAL": str(spec.stream_interval), "DUALPATH_MAX_RUNNING": "1024",
-                                  "DUALPATH_LAYERWISE": str(m.layerwise).lower()})
+                                  "DUALPATH_LAYERWISE": str(m.layerwise).lower(),
+                                  # the emulated SNIC models the write time; local fsyncs would add the host disk's
+                                  "DUALPATH_STORAGE_FSYNC": "false"})
 
 
 def _loadgen(spec: TestbedSpec, url: str, turns: int, out: Path) -> list[str]:

@@ -109,3 +109,29 @@ def test_dataset_refuses_non_positive_sizes(kwargs: dict) -> None:
 def test_unknown_dataset_name_is_an_input_error() -> None:
     with pytest.raises(InputError, match="32k, 48k, 64k"):
         load_dataset("128k")
+
+
+def test_from_turn_folds_the_first_turns_into_the_system_prompt_and_keeps_later_prompts():
+    from loadgen.trajectory import Trajectory
+
+    t = Trajectory(id="a", system_tokens=100, append_tokens=(10, 20, 30, 40), gen_tokens=(1, 2, 3, 4))
+    mid = t.from_turn(2)
+    assert (mid.system_tokens, mid.append_tokens, mid.gen_tokens) == (133, (30, 40), (3, 4))
+    assert mid.prompt_lengths() == t.prompt_lengths()[2:] and mid.total_tokens == t.total_tokens
+    assert t.from_turn(0) is t and t.from_turn(99).turns == 1  # at least the last turn stays
+    text = Trajectory(id="b", system_tokens=2, append_tokens=(1, 1, 1), gen_tokens=(5, 5, 5), system_text="sys.",
+                      append_texts=("one.", "two.", "three."))
+    folded = text.from_turn(2)
+    assert folded.system_text == "sys.one.two." and folded.append_texts == ("three.",) and folded.gen_tokens == (5,)
+
+
+def test_load_dataset_start_at_meets_agents_mid_rollout_and_rejects_out_of_range():
+    from loadgen.dataset import load_dataset
+    from loadgen.errors import InputError
+
+    start = load_dataset("64k", agents=40, seed=1, turns=2)
+    mid = load_dataset("64k", agents=40, seed=1, turns=2, start_at=0.5)
+    assert sum(t.prompt_lengths()[0] for t in mid) > 2 * sum(t.prompt_lengths()[0] for t in start)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(InputError, match="start-at"):
+            load_dataset("64k", agents=2, start_at=bad)

@@ -66,12 +66,14 @@ class BlockStore:
     concurrent writers of one block (same content) are harmless.
     """
 
-    def __init__(self, root: str | Path) -> None:
-        """Use ``root`` as the storage root, creating it if needed.
+    def __init__(self, root: str | Path, *, fsync: bool = True) -> None:
+        """Use ``root`` as the storage root, creating it if needed. ``fsync=False`` skips the
+        file and directory fsyncs (writes stay atomic by rename, not durable on power loss).
 
         Raises:
             OSError: ``root`` cannot be created.
         """
+        self.fsync = fsync
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
 
@@ -122,14 +124,16 @@ class BlockStore:
             try:
                 _write_all(fd, memoryview(encode_header(header)))
                 _write_all(fd, data)
-                os.fsync(fd)
+                if self.fsync:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
             os.replace(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        _fsync_dir(final.parent)
+        if self.fsync:
+            _fsync_dir(final.parent)
         return HEADER_BYTES + len(data)
 
     def read_into(

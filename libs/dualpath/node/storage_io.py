@@ -77,18 +77,20 @@ class StorageIO:
             async with self._sem:
                 wait = time.perf_counter() - t_enq
                 t0 = time.perf_counter()
-                for i, h in enumerate(hashes):
+                # Blocks go in groups of about one NIC chunk: one pacing grant and one worker
+                # thread hop per group rather than per block.
+                group = max(1, (self.nic.chunk_bytes if self.nic is not None else 1 << 20) // bb)
+                for g in range(0, n, group):
+                    ids = hashes[g:g + group]
                     if self.nic is not None:
-                        await self.nic.acquire(bb, TrafficClass.KV)
-                    try:
-                        await asyncio.to_thread(self._read_one, model_digest, h, fmt, dest[i * bb:(i + 1) * bb])
-                    except (BlockMissingError, CorruptBlockError):
-                        bad.append(h)
+                        await self.nic.acquire(len(ids) * bb, TrafficClass.KV)
+                    done, failed = await asyncio.to_thread(self._read_group, model_digest, ids, fmt, dest, g)
+                    loaded += done
+                    self.read_q_tokens -= (done + (failed is not None)) * fmt.block_tokens
+                    self.read_q_bytes -= (done + (failed is not None)) * bb
+                    if failed is not None:
+                        bad.append(failed)
                         break
-                    finally:
-                        self.read_q_tokens -= fmt.block_tokens
-                        self.read_q_bytes -= bb
-                    loaded += 1
                 read_s = time.perf_counter() - t0
         finally:
             # blocks never attempted leave the queue too
@@ -98,9 +100,18 @@ class StorageIO:
         self.bytes_read += loaded * bb
         return ReadResult(loaded=loaded, bytes_read=loaded * bb, queue_wait_s=wait, read_s=read_s, bad=bad)
 
-    def _read_one(self, model_digest: int, h: int, fmt: BlockFormat, dest: memoryview) -> None:
-        self.store.read_into(model_digest=model_digest, block_hash=h, layers=fmt.layers, tokens=fmt.block_tokens,
-                             bytes_per_token_layer=fmt.bytes_per_token_layer, dtype=fmt.dtype, dest=dest)
+    def _read_group(self, model_digest: int, hashes: list[int], fmt: BlockFormat, dest: memoryview, first: int) -> tuple[int, int | None]:
+        """Read ``hashes`` (blocks ``first``, ``first+1``... of the request) in order; returns
+        how many landed and the hash that was missing or corrupt (None if all landed)."""
+        bb = fmt.block_bytes
+        for i, h in enumerate(hashes):
+            try:
+                self.store.read_into(model_digest=model_digest, block_hash=h, layers=fmt.layers, tokens=fmt.block_tokens,
+                                     bytes_per_token_layer=fmt.bytes_per_token_layer, dtype=fmt.dtype,
+                                     dest=dest[(first + i) * bb:(first + i + 1) * bb])
+            except (BlockMissingError, CorruptBlockError):
+                return i, h
+        return len(hashes), None
 
     async def write_blocks(self, model_digest: int, hashes: list[int], fmt: BlockFormat, src: memoryview) -> int:
         """Write blocks atomically (temp + fsync + rename); returns bytes written."""
