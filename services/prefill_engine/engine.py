@@ -32,6 +32,7 @@ from dualpath.engine.common import EngineSetup, read_path_name
 from dualpath.engine.prefill import PrefillItem, run_prefill
 from dualpath.engine.prefill_io import BatchLayerIO, IoItem
 from dualpath.model.sampling import SamplingParams, sample
+from dualpath.protocol import RemoteError
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.telemetry.logs import get_logger
@@ -42,6 +43,7 @@ __all__ = ["PrefillEngine"]
 
 log = get_logger("prefill-engine")
 tracer = get_tracer("dualpath.prefill")
+_BUFFER_WAIT_S = 600.0  # longest a KV load waits for room in a full node buffer
 
 
 @dataclass(slots=True, kw_only=True)
@@ -68,6 +70,7 @@ class PrefillEngine:
         self.finished: list[str] = []
         self.busy_s = 0.0  # wall time inside batches
         self.kv_wait_s = 0.0  # of which: waiting for cached KV to arrive
+        self.buffer_waits = 0  # KV loads put off because the read side's buffer was full
         self.kv_in_bytes = 0  # cached KV fetched into the engine (metrics)
         self.kv_out_bytes = 0  # KV stored to decode buffers (metrics)
         self._s_per_token = 0.0  # measured batch seconds per new token: the prediction without a cost model
@@ -93,6 +96,22 @@ class PrefillEngine:
             self.ready.remove(job)
             await self._drop(job)
 
+    async def _load_when_room(self, node: str, req: m.LoadRequest) -> m.LoadReply:
+        """Ask ``node``'s traffic manager to read the hits; while its buffer is full (the PE
+        buffer holds the KV of requests queued here until they are computed), wait and ask
+        again: back-pressure, not a failure. Gives up after ``_BUFFER_WAIT_S``."""
+        deadline = time.monotonic() + _BUFFER_WAIT_S
+        delay = 0.01
+        while True:
+            try:
+                return await self.bus.request(self.subjects.tm(node, "load"), req, m.LoadReply, timeout=120.0)
+            except RemoteError as exc:
+                if exc.code != m.BUFFER_FULL or time.monotonic() + delay > deadline:
+                    raise
+            self.buffer_waits += 1
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
     async def _load(self, job: Job) -> None:
         t = job.task
         lay = self.setup.layout
@@ -106,7 +125,7 @@ class PrefillEngine:
                                     layers=lay.layers, bytes_per_token_layer=lay.bytes_per_token_layer, dtype=self.setup.dtype,
                                     block_tokens=lay.block_tokens, allocate=t.read_path == m.ReadPath.PE, total_blocks=want)
                 with tracer.start_as_current_span("prefill.load", context=trace.set_span_in_context(job.span)) as span:
-                    reply = await self.bus.request(self.subjects.tm(node, "load"), req, m.LoadReply, timeout=120.0)
+                    reply = await self._load_when_room(node, req)
                     if span.is_recording():
                         span.set_attributes({"node": node, "read_path": read_path_name(t.read_path), "blocks": want, "loaded_blocks": reply.loaded,
                                              "bytes": reply.bytes_read, "queue_wait_s": reply.queue_wait_s, "read_s": reply.read_s})
@@ -302,4 +321,4 @@ class PrefillEngine:
     def _stats(self) -> dict:
         d = self.setup.decoder
         return {"busy_s": self.busy_s, "kv_wait_s": self.kv_wait_s, "modeled_s": getattr(d, "modeled_s", 0.0),
-                "attention_s": getattr(d, "attention_s", 0.0)}
+                "attention_s": getattr(d, "attention_s", 0.0), "buffer_waits": self.buffer_waits}

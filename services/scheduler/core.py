@@ -20,6 +20,7 @@ from dualpath.bus.client import HandlerError
 from dualpath.config import SchedulerConfig
 from dualpath.policy import PendingRequest, Policy
 from dualpath.policy.values import Assignment, ReadSide
+from dualpath.protocol import RemoteError
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.telemetry.logs import get_logger
@@ -29,6 +30,7 @@ from services.scheduler.membership import Membership
 __all__ = ["Scheduler"]
 
 _PASS_WINDOW = 1024  # queued requests one policy pass considers
+_BUFFER_BACKOFF_S = 0.02  # after a full decode-node buffer, wait this long before the next pass
 
 log = get_logger("scheduler")
 tracer = get_tracer("dualpath.scheduler")
@@ -39,6 +41,7 @@ class Tracked:
     req: m.SubmitRequest
     num: int
     attempt: int = 0
+    max_attempts_extra: int = 0  # attempts that ended in back-pressure, not failure
     prefill_engine: str = ""
     decode_engine: str = ""
     decode_node: str = ""
@@ -59,6 +62,8 @@ class Scheduler:
         self._next_num = 0
         self._wake = asyncio.Event()
         self._dispatches: set[asyncio.Task] = set()
+        self._hold_until = 0.0  # no passes before this (monotonic): back-pressure from a full buffer
+        self.buffer_waits = 0  # dispatches put back because the decode node's buffer was full
 
     # ---- intake ----------------------------------------------------------------------------
     async def on_submit(self, req: m.SubmitRequest) -> m.SubmitReply:
@@ -117,7 +122,7 @@ class Scheduler:
         nodes = [{"node_id": n.name, "read_q_tokens": n.read_q_tokens} for n in self.members.nodes.values()]
         return m.StateReply(prefill_engines=self.members.count(m.Role.PREFILL), decode_engines=self.members.count(m.Role.DECODE),
                             nodes=len(self.members.nodes), queued=len(self.queue), running=len(self.running), policy=self.policy.name,
-                            engines=engines, node_states=nodes)
+                            engines=engines, node_states=nodes, buffer_waits=self.buffer_waits)
 
     # ---- state -----------------------------------------------------------------------------
     def _safe(self, fn, *args) -> None:
@@ -162,14 +167,19 @@ class Scheduler:
             if t.decode_engine in names or (t.prefill_engine in names and not t.prefill_done):
                 await self._retry(t, f"engine {t.prefill_engine if t.prefill_engine in names else t.decode_engine} stopped reporting")
 
-    async def _retry(self, t: Tracked, reason: str) -> None:
-        log.warning("request_retried", request_id=t.req.request_id, attempt=t.attempt + 1, reason=reason)
+    async def _retry(self, t: Tracked, reason: str, *, count: bool = True) -> None:
+        """Put ``t`` back at the head of the queue; ``count=False`` (back-pressure: a full node
+        buffer) does not use up one of its ``max_attempts``."""
+        if count:
+            log.warning("request_retried", request_id=t.req.request_id, attempt=t.attempt + 1, reason=reason)
         self.running.pop(t.req.request_id, None)
         if self.state is not None:
             self._safe(self.state.on_finished, t.num)
         await self._free_slot(t)
-        t.attempt += 1
-        if t.attempt >= self.cfg.max_attempts:
+        t.attempt += 1  # also when not counted: a dispatch still in flight for the old attempt is stale
+        if not count:
+            t.max_attempts_extra += 1
+        if t.attempt - t.max_attempts_extra >= self.cfg.max_attempts:
             self.by_num.pop(t.num, None)
             await self.bus.publish(t.req.reply_subject, m.TokenEvent(request_id=t.req.request_id, index=0, token_ids=[], finish_reason="error",
                                                                      error=f"request failed after {t.attempt} attempts: {reason}", error_code=503))
@@ -206,7 +216,7 @@ class Scheduler:
 
     async def schedule_pass(self) -> int:
         """Place what fits now; returns how many requests were dispatched."""
-        if self.state is None or not self.queue:
+        if self.state is None or not self.queue or time.monotonic() < self._hold_until:
             return 0
         assignments = self.policy.schedule(self._pending(), self.state)
         for a in assignments:
@@ -293,6 +303,16 @@ class Scheduler:
                                      decode_engine=de, decode_node=de_node, de_region=slot.region, de_offset=slot.offset,
                                      attempt=attempt, policy=self.policy.name, trace=r.trace, arrival_ts=r.arrival_ts)
                 await self.bus.request(self.subjects.prefill(pe), task, m.Ok, timeout=5.0)
+            except RemoteError as exc:
+                if current():
+                    if exc.code == m.BUFFER_FULL:
+                        # The DE node's buffer holds requests between prefill and decode: wait
+                        # for one to move on instead of failing this one.
+                        self.buffer_waits += 1
+                        self._hold_until = time.monotonic() + _BUFFER_BACKOFF_S
+                        await self._retry(t, "decode node buffer full", count=False)
+                    else:
+                        await self._retry(t, f"dispatch failed: {exc}")
             except Exception as exc:  # noqa: BLE001 - any dispatch failure is retried
                 if isinstance(exc, BusTimeoutError) and exc.subject == self.subjects.prefill(pe):
                     await self._expel([pe])  # nobody listens there: do not send it more

@@ -49,6 +49,8 @@ def register_metrics(sched: Scheduler) -> None:
             lambda: [(sched.members.count(role), {"role": role.name.lower()}) for role in m.Role])
     observe("dualpath.scheduler.read_q", "hit tokens queued for storage reads per node, as last reported",
             lambda: [(n.read_q_tokens, {"node": n.name}) for n in list(sched.members.nodes.values())])
+    observe("dualpath.scheduler.buffer_waits", "dispatches put back because the decode node's buffer was full",
+            lambda: [(sched.buffer_waits, {})], kind="counter")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,10 +50,13 @@ class TrafficManager:
         return self.region.buf[offset:offset + nbytes]
 
     async def alloc(self, req: m.AllocRequest) -> m.AllocReply:
+        if req.blocks * req.block_bytes > self.region.size:
+            raise HandlerError(400, f"request {req.request_id} needs {req.blocks * req.block_bytes} bytes, more than node "
+                                    f"{self.cfg.node_id}'s whole {self.region.size}-byte buffer")
         try:
             slot = self.pool.alloc(req.request_id, req.blocks * req.block_bytes)
         except BufferFullError as exc:
-            raise HandlerError(503, str(exc)) from None
+            raise HandlerError(m.BUFFER_FULL, str(exc)) from None
         return m.AllocReply(region=self.descriptor.to_wire(), offset=slot.offset, nbytes=slot.nbytes)
 
     async def free(self, req: m.FreeRequest) -> m.Ok:
@@ -68,7 +71,7 @@ class TrafficManager:
             try:
                 slot = self.pool.alloc(req.request_id, max(req.total_blocks, len(req.hashes)) * fmt.block_bytes)
             except BufferFullError as exc:
-                raise HandlerError(503, str(exc)) from None
+                raise HandlerError(m.BUFFER_FULL, str(exc)) from None
         need = len(req.hashes) * fmt.block_bytes
         if need > slot.nbytes:
             raise HandlerError(400, f"{len(req.hashes)} blocks do not fit the request's {slot.nbytes}-byte slot")

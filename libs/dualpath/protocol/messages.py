@@ -30,8 +30,10 @@ __all__ = [
     "AllocReply", "AllocRequest", "DecodeTask", "EngineReport", "ErrorReply", "FreeRequest", "LoadReply",
     "LoadRequest", "LookupReply", "LookupRequest", "CommitRequest", "NodeReport", "Ok", "PersistRequest",
     "PrefillTask", "ReadPath", "Role", "SubmitReply", "SubmitRequest", "TokenEvent", "RemoveRequest",
-    "DescribeRequest", "DescribeReply", "TaskFailed", "CancelRequest", "StateRequest", "StateReply",
+    "DescribeRequest", "DescribeReply", "TaskFailed", "CancelRequest", "StateRequest", "StateReply", "BUFFER_FULL",
 ]
+
+BUFFER_FULL = 507  # ErrorReply code: a node DRAM buffer has no room now (back-pressure, not a failure)
 
 
 class Role(IntEnum):
@@ -385,3 +387,4 @@ class StateReply(Wire):
     policy: str
     engines: list[dict] = field(default_factory=list)
     node_states: list[dict] = field(default_factory=list)
+    buffer_waits: int = 0  # dispatches put back because a decode node's buffer was full
