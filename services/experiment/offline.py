@@ -25,13 +25,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dualpath experiment offline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_cluster_arguments(p)
     p.add_argument("--dataset", default="64k", help="32k, 48k, 64k or a trajectory JSONL file")
-    p.add_argument("--agents", type=int, default=8)
-    p.add_argument("--turns", type=int, default=6, help="turns per agent (the sets have 60-157)")
+    p.set_defaults(engines_per_node=1)  # one engine per node: the SNIC shrinks to that GPU's share of it
+    p.add_argument("--agents", type=int, default=64, help="agents, all started at once (I/O-bound: tens per engine)")
+    p.add_argument("--turns", type=int, default=3, help="timed turns per agent (the sets have 60-157)")
     p.add_argument("--modes", default="basic,dualpath,oracle", help=f"comma-separated, from {', '.join(MODES)}")
     p.add_argument("--ablation", action="store_true",
                    help="also run the paper's ablation steps: basic without layer-wise prefill (basic-nolw) -> + layer-wise "
                         "(basic) -> + dual-path loading (dualpath-rr) -> + the scheduler (dualpath)")
-    p.add_argument("--slowdown", type=float, default=1.0,
+    p.add_argument("--slowdown", type=float, default=4.0,
                    help="run the modeled cluster this many times slower (compute x, NIC rates /) so the host's own overhead "
                         "shrinks in proportion; reported times are modeled seconds")
     p.add_argument("--start-at", type=float, default=0.5,

@@ -14,23 +14,30 @@ from conftest import start_stack
 pytestmark = pytest.mark.slow
 
 
-def test_a_small_offline_experiment_runs_all_three_modes_and_reports_every_figure(tmp_path):
+def test_a_small_offline_experiment_runs_the_ablation_and_oracle_and_reports_every_figure(tmp_path):
     out = tmp_path / "offline"
     proc = subprocess.run([sys.executable, "-m", "services.cli", "experiment", "offline", "--agents", "3", "--turns", "2",
-                           "--dataset", "32k", "--engines-per-node", "1", "--out", str(out), "--json"],
+                           "--dataset", "32k", "--engines-per-node", "1", "--ablation", "--modes", "basic,dualpath,oracle",
+                           "--slowdown", "1.5", "--out", str(out), "--json"],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)
     assert result == json.loads((out / "result.json").read_text())
-    assert set(result["modes"]) == {"basic", "dualpath", "oracle"}
+    assert list(result["modes"]) == ["basic-nolw", "basic", "dualpath-rr", "dualpath", "oracle"]  # ablation order, then the rest
     for mode, row in result["modes"].items():
         assert row["jct_s"] > 0 and row["turns_completed"] == 6 and not row["errors"], (mode, row)
+        assert row["host_s"] == pytest.approx(1.5 * row["jct_s"])  # slow motion: modeled seconds reported
         assert row["overhead_share"]["mean"] is not None
         assert set(row["snic_read_utilisation"]) == {"p0", "d0"}
-    assert result["modes"]["basic"]["snic_bytes_read"]["d0"] == 0  # basic reads on the PE side only
+    for mode in ("basic-nolw", "basic"):
+        assert result["modes"][mode]["snic_bytes_read"]["d0"] == 0  # basic reads on the PE side only
+        assert result["modes"][mode]["cache_hit_rate"] > 0.5  # warmed-up agents hit their earlier turns' KV
     assert result["modes"]["oracle"]["snic_bytes_read"] == {"p0": 0, "d0": 0}  # oracle reads nothing
-    assert result["modes"]["basic"]["cache_hit_rate"] > 0.3  # second turns hit the first turns' KV
-    assert result["ratios"]["basic/dualpath"] > 0 and result["io_bound"] == 2.0
+    steps = result["ablation"]
+    assert [s["mode"] for s in steps] == ["basic-nolw", "basic", "dualpath-rr", "dualpath"] and steps[0]["reduction"] == 0
+    for s in steps:
+        assert s["reduction"] == pytest.approx(1 - s["jct_s"] / steps[0]["jct_s"])
+    assert result["ratios"]["basic/dualpath"] > 0 and result["io_bound"] == 2.0 and result["start_at"] == 0.5
     assert (out / "jct.png").stat().st_size > 0 and (out / "snic_utilisation.png").stat().st_size > 0
 
 
