@@ -39,7 +39,7 @@ def test_reads_land_block_by_block_and_the_queue_drains(tmp_path, chunk, fsync):
 
     assert result.loaded == len(hashes) and result.bad == [] and result.bytes_read == len(hashes) * FMT.block_bytes
     assert bytes(dest) == b"".join(_payload(i) for i in range(len(hashes)))
-    assert (io.read_q_tokens, io.read_q_bytes) == (0, 0)
+    assert (io.read_q_tokens, io.read_q_bytes) == (0, 0) and io.bytes_read == len(hashes) * FMT.block_bytes
     if nic is not None:
         assert nic.bytes_sent(TrafficClass.KV) == len(hashes) * FMT.block_bytes
 
@@ -57,7 +57,7 @@ def test_a_corrupt_block_ends_the_hit_there_and_is_reported(tmp_path):
 
     result = asyncio.run(io.read_blocks(DIGEST, hashes, FMT, dest))
 
-    assert result.loaded == 6 and result.bad == [hashes[6]]
+    assert result.loaded == 6 and result.bad == [hashes[6]] and io.bytes_read == 6 * FMT.block_bytes
     assert bytes(dest[: 6 * FMT.block_bytes]) == b"".join(_payload(i) for i in range(6))
     assert (io.read_q_tokens, io.read_q_bytes) == (0, 0)
 

@@ -86,6 +86,7 @@ class StorageIO:
                         await self.nic.acquire(len(ids) * bb, TrafficClass.KV)
                     done, failed = await asyncio.to_thread(self._read_group, model_digest, ids, fmt, dest, g)
                     loaded += done
+                    self.bytes_read += done * bb  # per group, so utilisation sampled over time is smooth
                     self.read_q_tokens -= (done + (failed is not None)) * fmt.block_tokens
                     self.read_q_bytes -= (done + (failed is not None)) * bb
                     if failed is not None:
@@ -97,7 +98,6 @@ class StorageIO:
             left = n - loaded - len(bad)
             self.read_q_tokens -= left * fmt.block_tokens
             self.read_q_bytes -= left * bb
-        self.bytes_read += loaded * bb
         return ReadResult(loaded=loaded, bytes_read=loaded * bb, queue_wait_s=wait, read_s=read_s, bad=bad)
 
     def _read_group(self, model_digest: int, hashes: list[int], fmt: BlockFormat, dest: memoryview, first: int) -> tuple[int, int | None]:
