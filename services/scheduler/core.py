@@ -41,7 +41,7 @@ class Tracked:
     req: m.SubmitRequest
     num: int
     attempt: int = 0
-    max_attempts_extra: int = 0  # attempts that ended in back-pressure, not failure
+    buffer_waits: int = 0  # attempts that ended in back-pressure, not failure
     prefill_engine: str = ""
     decode_engine: str = ""
     decode_node: str = ""
@@ -178,8 +178,8 @@ class Scheduler:
         await self._free_slot(t)
         t.attempt += 1  # also when not counted: a dispatch still in flight for the old attempt is stale
         if not count:
-            t.max_attempts_extra += 1
-        if t.attempt - t.max_attempts_extra >= self.cfg.max_attempts:
+            t.buffer_waits += 1
+        if t.attempt - t.buffer_waits >= self.cfg.max_attempts:
             self.by_num.pop(t.num, None)
             await self.bus.publish(t.req.reply_subject, m.TokenEvent(request_id=t.req.request_id, index=0, token_ids=[], finish_reason="error",
                                                                      error=f"request failed after {t.attempt} attempts: {reason}", error_code=503))
