@@ -3,6 +3,8 @@
 The index only records which blocks are durable; block files are written and read by the
 traffic managers. Commits arrive after the file was fsync'ed and renamed, so an index entry
 always names a complete file (a file that is later found corrupt is removed on report).
+Blocks leaving the index — evicted past ``--capacity-blocks`` or removed as corrupt — have
+their files deleted here, after the index no longer names them (so no lookup hands them out).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from dualpath.bus import Bus
 from dualpath.config import BusConfig, KvPersistenceConfig, NodeConfig, add_arguments, from_args
-from dualpath.kv import BlockIndex
+from dualpath.kv import BlockIndex, BlockStore
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.runtime import run_service
@@ -29,8 +31,10 @@ tracer = get_tracer("dualpath.kv_persistence")
 class KvPersistence:
     """Request handlers over one ``BlockIndex`` (all index calls are fast and in-loop)."""
 
-    def __init__(self, index: BlockIndex) -> None:
+    def __init__(self, index: BlockIndex, store: BlockStore | None = None) -> None:
         self.index = index
+        self.store = store  # where evicted and removed blocks' files are deleted (None: leave them)
+        self.deleted = 0  # block files deleted
         self.looked_up = 0  # blocks asked about (the hit rate's denominator)
         self.hits = 0  # of which persisted
 
@@ -46,13 +50,27 @@ class KvPersistence:
     async def commit(self, req: m.CommitRequest) -> m.Ok:
         with tracer.start_as_current_span("index.commit", attributes={"blocks": len(req.hashes) - req.start}):
             # The log append is fsync'ed: run it off the event loop.
-            await asyncio.to_thread(self.index.commit, req.model_digest, req.hashes, start=req.start)
+            gone = await asyncio.to_thread(self.index.commit, req.model_digest, req.hashes, start=req.start)
+        await self._delete(req.model_digest, gone)
         return m.Ok()
 
     async def remove(self, req: m.RemoveRequest) -> m.Ok:
-        await asyncio.to_thread(self.index.remove, req.model_digest, req.hashes)
-        log.warning("blocks_removed", count=len(req.hashes))
+        gone = await asyncio.to_thread(self.index.remove, req.model_digest, req.hashes)
+        log.warning("blocks_removed", count=len(gone))
+        await self._delete(req.model_digest, gone)
         return m.Ok()
+
+    async def _delete(self, model_digest: int, hashes: list[int]) -> None:
+        if self.store is None or not hashes:
+            return
+
+        def delete() -> int:
+            return self.store.delete_many(model_digest, self.index.unindexed(model_digest, hashes))
+
+        try:
+            self.deleted += await asyncio.to_thread(delete)
+        except OSError as exc:  # the index is right either way; a left-over file only costs space
+            log.warning("block_delete_failed", error=str(exc), blocks=len(hashes))
 
 
 def register_metrics(svc: KvPersistence) -> None:
@@ -62,6 +80,8 @@ def register_metrics(svc: KvPersistence) -> None:
             lambda: [(svc.looked_up, {"result": "asked"}), (svc.hits, {"result": "hit"})], kind="counter")
     observe("dualpath.index.hit_rate", "persisted fraction of the blocks looked up",
             lambda: [(svc.hits / svc.looked_up if svc.looked_up else 0.0, {})], unit="1")
+    observe("dualpath.index.deleted_blocks", "block files deleted after eviction or removal",
+            lambda: [(svc.deleted, {})], kind="counter")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def serve(bus: Bus, stop: asyncio.Event) -> None:
         index = BlockIndex(index_path, capacity_blocks=cfg.capacity_blocks or None)
-        svc = KvPersistence(index)
+        svc = KvPersistence(index, BlockStore(storage))
         register_metrics(svc)
         log.info("index_loaded", blocks=len(index), path=index_path)
         await bus.serve(subjects.kv_lookup, svc.lookup, m.LookupRequest, queue="kvp")

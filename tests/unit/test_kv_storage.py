@@ -216,3 +216,11 @@ def test_any_block_shape_round_trips(layers: int, tokens: int, bpt: int, seed: i
         read(store, block_hash=seed + 1, dest=dest, **shape)
         assert bytes(dest[: len(data)]) == data
         assert dest[len(data) :] == bytearray(7)
+
+
+def test_delete_removes_block_files_and_skips_missing_ones(tmp_path):
+    store = BlockStore(tmp_path)
+    for h in (1, 2, 3):
+        store.write(model_digest=9, block_hash=h, layers=1, tokens=2, bytes_per_token_layer=4, dtype="uint8", payload=bytes(8))
+    assert store.delete_many(9, [1, 3, 42]) == 2
+    assert not store.path_for(9, 1).exists() and store.path_for(9, 2).exists() and not store.path_for(9, 3).exists()

@@ -360,3 +360,14 @@ IndexAgainstModel.TestCase.settings = settings(
     max_examples=40, stateful_step_count=25, deadline=None
 )
 test_index_behaves_like_a_dict_of_parents = IndexAgainstModel.TestCase
+
+
+def test_unindexed_names_the_evicted_blocks_that_were_not_committed_again():
+    index = BlockIndex(None, capacity_blocks=3)
+    index.commit(7, [1, 2, 3])
+    evicted = index.commit(7, [10, 11])  # two over capacity: the oldest leaves go
+    assert len(evicted) == 2 and len(index) == 3
+    assert index.unindexed(7, evicted) == evicted
+    index.commit(7, [evicted[0]])  # committed again (a new turn re-persisted it): keep its file
+    assert evicted[0] not in index.unindexed(7, evicted)
+    assert index.unindexed(99, [5]) == [5]  # unknown model: nothing indexed

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import xxhash
@@ -135,6 +136,19 @@ class BlockStore:
         if self.fsync:
             _fsync_dir(final.parent)
         return HEADER_BYTES + len(data)
+
+    def delete_many(self, model_digest: int, hashes: Sequence[int]) -> int:
+        """Delete the files of ``hashes`` (missing ones are skipped); returns how many went.
+
+        A reader that opened a file first keeps reading it (POSIX unlink); one that comes
+        later finds it missing, which the read path treats as a miss.
+        """
+        deleted = 0
+        for h in hashes:
+            if self.exists(model_digest, h):
+                self.delete(model_digest, h)
+                deleted += 1
+        return deleted
 
     def read_into(
         self,

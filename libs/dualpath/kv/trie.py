@@ -218,6 +218,13 @@ class BlockIndex:
                 self._maybe_compact()
             return removed
 
+    def unindexed(self, model_digest: int, hashes: Sequence[int]) -> list[int]:
+        """The subset of ``hashes`` not indexed now (files safe to delete: a block evicted and
+        then committed again is indexed, and its file must stay)."""
+        with self._lock:
+            trie = self._tries.get(model_digest)
+            return list(hashes) if trie is None else [h for h in hashes if h not in trie.nodes]
+
     def compact(self) -> None:
         """Rewrite the log as a snapshot of the current index (no-op when in-memory).
 
