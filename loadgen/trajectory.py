@@ -72,12 +72,17 @@ class Trajectory:
         k = max(0, min(k, self.turns - 1))
         if k == 0:
             return self
-        folded = self.system_tokens + sum(self.append_tokens[:k]) + sum(self.gen_tokens[:k])
-        if self.system_text is None:
-            return replace(self, system_tokens=folded, append_tokens=self.append_tokens[k:], gen_tokens=self.gen_tokens[k:])
+        rest = {"append_tokens": self.append_tokens[k:], "gen_tokens": self.gen_tokens[k:],
+                "append_texts": None if self.append_texts is None else self.append_texts[k:]}
+        if self.system_text is None or self.append_texts is None:
+            # A length-only system prompt (or appends) absorbs the lengths; any system text is
+            # kept and the folded turns are added to its length as generated filler.
+            folded = self.system_tokens + sum(self.append_tokens[:k]) + sum(self.gen_tokens[:k])
+            if self.system_text is None:
+                return replace(self, system_tokens=folded, **rest)
+            return replace(self, system_text=None, system_tokens=folded, **rest)
         text = self.system_text + "".join(self.append_texts[:k])
-        return replace(self, system_text=text, system_tokens=_estimate_tokens(text), append_tokens=self.append_tokens[k:],
-                       gen_tokens=self.gen_tokens[k:], append_texts=self.append_texts[k:])
+        return replace(self, system_text=text, system_tokens=_estimate_tokens(text), **rest)
 
     def capped(self, turns: int | None) -> "Trajectory":
         """The first ``turns`` turns (all when None)."""

@@ -3,8 +3,11 @@
 The index only records which blocks are durable; block files are written and read by the
 traffic managers. Commits arrive after the file was fsync'ed and renamed, so an index entry
 always names a complete file (a file that is later found corrupt is removed on report).
-Blocks leaving the index — evicted past ``--capacity-blocks`` or removed as corrupt — have
-their files deleted here, after the index no longer names them (so no lookup hands them out).
+With ``--capacity-blocks`` set, blocks leaving the index (evicted, or removed as corrupt) have
+their files deleted here, after the index no longer names them, so storage stays bounded; this
+service must then see the storage root. Deletion and commits are serialised, and a commit
+indexes a block only if its file exists: a block evicted while a traffic manager was rewriting
+it is simply not indexed (a later miss recomputes it), never indexed without a file.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import threading
 from pathlib import Path
 
 from dualpath.bus import Bus
@@ -35,6 +39,7 @@ class KvPersistence:
         self.index = index
         self.store = store  # where evicted and removed blocks' files are deleted (None: leave them)
         self.deleted = 0  # block files deleted
+        self._files = threading.Lock()  # commits vs deletions (both run in worker threads)
         self.looked_up = 0  # blocks asked about (the hit rate's denominator)
         self.hits = 0  # of which persisted
 
@@ -50,9 +55,19 @@ class KvPersistence:
     async def commit(self, req: m.CommitRequest) -> m.Ok:
         with tracer.start_as_current_span("index.commit", attributes={"blocks": len(req.hashes) - req.start}):
             # The log append is fsync'ed: run it off the event loop.
-            gone = await asyncio.to_thread(self.index.commit, req.model_digest, req.hashes, start=req.start)
+            gone = await asyncio.to_thread(self._commit, req)
         await self._delete(req.model_digest, gone)
         return m.Ok()
+
+    def _commit(self, req: m.CommitRequest) -> list[int]:
+        if self.store is None:
+            return self.index.commit(req.model_digest, req.hashes, start=req.start)
+        with self._files:
+            end = req.start
+            while end < len(req.hashes) and self.store.exists(req.model_digest, req.hashes[end]):
+                end += 1
+            gone = self.index.commit(req.model_digest, req.hashes[:end], start=req.start) if end > req.start else []
+            return gone + list(req.hashes[end:])  # blocks after a missing file are unreachable: their files go too
 
     async def remove(self, req: m.RemoveRequest) -> m.Ok:
         gone = await asyncio.to_thread(self.index.remove, req.model_digest, req.hashes)
@@ -65,7 +80,8 @@ class KvPersistence:
             return
 
         def delete() -> int:
-            return self.store.delete_many(model_digest, self.index.unindexed(model_digest, hashes))
+            with self._files:
+                return self.store.delete_many(model_digest, self.index.unindexed(model_digest, hashes))
 
         try:
             self.deleted += await asyncio.to_thread(delete)
@@ -103,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def serve(bus: Bus, stop: asyncio.Event) -> None:
         index = BlockIndex(index_path, capacity_blocks=cfg.capacity_blocks or None)
-        svc = KvPersistence(index, BlockStore(storage))
+        svc = KvPersistence(index, BlockStore(storage) if cfg.capacity_blocks else None)
         register_metrics(svc)
         log.info("index_loaded", blocks=len(index), path=index_path)
         await bus.serve(subjects.kv_lookup, svc.lookup, m.LookupRequest, queue="kvp")

@@ -31,6 +31,7 @@ __all__ = ["Scheduler"]
 
 _PASS_WINDOW = 1024  # queued requests one policy pass considers
 _BUFFER_BACKOFF_S = 0.02  # after a full decode-node buffer, wait this long before the next pass
+_BUFFER_WAIT_S = 600.0  # a request waiting longer than this for buffer room fails (then counts attempts)
 
 log = get_logger("scheduler")
 tracer = get_tracer("dualpath.scheduler")
@@ -42,6 +43,13 @@ class Tracked:
     num: int
     attempt: int = 0
     buffer_waits: int = 0  # attempts that ended in back-pressure, not failure
+    buffer_wait_start: float = 0.0  # monotonic time of the first back-pressure (0: none yet)
+
+    def waiting_since(self, now: float) -> float:
+        """When this request first met a full buffer (``now`` if it just did)."""
+        if not self.buffer_wait_start:
+            self.buffer_wait_start = now
+        return self.buffer_wait_start
     prefill_engine: str = ""
     decode_engine: str = ""
     decode_node: str = ""
@@ -292,9 +300,9 @@ class Scheduler:
                 slot = await self.bus.request(self.subjects.tm(de_node, "alloc"),
                                               m.AllocRequest(request_id=r.request_id, blocks=blocks, block_bytes=block_bytes), m.AllocReply, timeout=5.0)
                 if not current():
-                    # Re-queued meanwhile: release this slot unless the new attempt reuses it
-                    # (an allocation is idempotent per request on one node).
-                    if t.decode_node != de_node:
+                    # Re-queued meanwhile: release this slot unless the new attempt already holds
+                    # it (placed again on the same node; an allocation is idempotent per request).
+                    if not (self.running.get(r.request_id) is t and t.decode_node == de_node):
                         await self._free_on(de_node, r.request_id)
                     return
                 task = m.PrefillTask(request_id=r.request_id, model=r.model, model_digest=r.model_digest, prompt_tokens=r.prompt_tokens,
@@ -305,7 +313,7 @@ class Scheduler:
                 await self.bus.request(self.subjects.prefill(pe), task, m.Ok, timeout=5.0)
             except RemoteError as exc:
                 if current():
-                    if exc.code == m.BUFFER_FULL:
+                    if exc.code == m.BUFFER_FULL and time.monotonic() - t.waiting_since(time.monotonic()) < _BUFFER_WAIT_S:
                         # The DE node's buffer holds requests between prefill and decode: wait
                         # for one to move on instead of failing this one.
                         self.buffer_waits += 1

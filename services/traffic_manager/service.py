@@ -68,6 +68,8 @@ class TrafficManager:
         if slot is None:
             if not req.allocate:
                 raise HandlerError(404, f"request {req.request_id} has no buffer slot on node {self.cfg.node_id}")
+            if max(req.total_blocks, len(req.hashes)) * fmt.block_bytes > self.region.size:
+                raise HandlerError(400, f"request {req.request_id}'s KV is larger than node {self.cfg.node_id}'s whole buffer")
             try:
                 slot = self.pool.alloc(req.request_id, max(req.total_blocks, len(req.hashes)) * fmt.block_bytes)
             except BufferFullError as exc:

@@ -135,3 +135,15 @@ def test_load_dataset_start_at_meets_agents_mid_rollout_and_rejects_out_of_range
     for bad in (-0.1, 1.0):
         with pytest.raises(InputError, match="start-at"):
             load_dataset("64k", agents=2, start_at=bad)
+
+
+def test_from_turn_on_mixed_text_and_length_trajectories_folds_lengths_and_slices_texts():
+    from loadgen.trajectory import Trajectory
+
+    text_system = Trajectory(id="c", system_tokens=3, append_tokens=(4, 5, 6), gen_tokens=(1, 1, 1), system_text="system.")
+    a = text_system.from_turn(1)
+    assert a.system_text is None and a.system_tokens == 3 + 4 + 1 and a.append_tokens == (5, 6)
+    length_system = Trajectory(id="d", system_tokens=50, append_tokens=(1, 1, 2), gen_tokens=(7, 7, 7),
+                               append_texts=("a.", "b.", "cc."))
+    b = length_system.from_turn(2)
+    assert b.system_tokens == 50 + 1 + 1 + 7 + 7 and b.append_texts == ("cc.",) and b.gen_tokens == (7,)

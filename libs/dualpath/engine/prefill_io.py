@@ -75,16 +75,23 @@ class BatchLayerIO:
         self.in_bytes = sum(io.item.start for io in items) * bpt
         self.out_bytes = sum(io.item.end - io.item.start for io in items) * bpt
         self._owner = owner
-        self._in = [dp.pool.alloc(f"{owner}.in{i}", max(self.in_bytes, 1)).offset for i in range(self._n_in)]
-        self._out = [dp.pool.alloc(f"{owner}.out{i}", max(self.out_bytes, 1)).offset for i in range(self._n_out)]
+        self._in, self._out = [], []
+        try:
+            for i in range(self._n_in):
+                self._in.append(dp.pool.alloc(f"{owner}.in{i}", max(self.in_bytes, 1)).offset)
+            for i in range(self._n_out):
+                self._out.append(dp.pool.alloc(f"{owner}.out{i}", max(self.out_bytes, 1)).offset)
+        except BaseException:
+            self.close()  # the windows taken so far; the batch fails with the allocation error
+            raise
         self.stats = LayerStats()
         self.record = record  # note each transfer for emit_layer_spans
         self._transfers: list[tuple[str, int, RegionDescriptor, int, int, int]] = []  # name, layer, peer, t0_ns, t1_ns, bytes
 
     def close(self) -> None:
-        for i in range(self._n_in):
+        for i in range(len(self._in)):
             self.dp.pool.free(f"{self._owner}.in{i}")
-        for i in range(self._n_out):
+        for i in range(len(self._out)):
             self.dp.pool.free(f"{self._owner}.out{i}")
 
     def _view(self, offset: int, tokens: int) -> torch.Tensor:

@@ -144,6 +144,7 @@ def _resolve(
     bufs = [r.buf for r in regions]
     arrays: dict[int, np.ndarray] = {}
     views: list[memoryview] = []
+    arr = strided = None
     try:
         for slot, offset, length, count, stride in ENTRY.iter_unpack(rows):
             if slot >= n_regions:
@@ -169,13 +170,16 @@ def _resolve(
                 scratch = memoryview(bytearray(length * count))
                 scatters.append((strided, scratch))
                 views.append(scratch)
-    except TransferError:
+    except BaseException:
         scatters.clear()
         for view in views:
             view.release()
         raise
     finally:
+        # No array over a region may outlive this call in a frame (a traceback keeps frames):
+        # region.close() must not find the buffer still exported.
         arrays.clear()
+        arr = strided = None  # noqa: F841
     return views
 
 
