@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import time
 
 from dualpath.bus import Bus
@@ -44,6 +45,31 @@ class TrafficManager:
         self.descriptor = descriptor
         self.pool = BufferPool(region.size)
         self.io = storage
+        # A slot is not given back while a storage read or write still uses it: a free that
+        # comes meanwhile (a retried request, a lost engine) takes effect when the last ends,
+        # so no late bytes land in a slot already handed to another request.
+        self._busy: dict[str, int] = {}  # request id -> storage transfers using its slot
+        self._free_later: set[str] = set()
+
+    @contextlib.contextmanager
+    def _using(self, request_id: str):
+        self._busy[request_id] = self._busy.get(request_id, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._busy.pop(request_id) - 1
+            if left:
+                self._busy[request_id] = left
+            elif request_id in self._free_later:
+                self._free_later.discard(request_id)
+                self.pool.free(request_id)
+
+    def _release(self, request_id: str) -> str:
+        """Free the request's slot now, or once the transfers using it end."""
+        if request_id in self._busy:
+            self._free_later.add(request_id)
+            return "deferred"
+        return "freed" if self.pool.free(request_id) else "no slot"
 
     def _slot_view(self, offset: int, nbytes: int) -> memoryview:
         self.region.check_range(offset, nbytes)
@@ -57,10 +83,11 @@ class TrafficManager:
             slot = self.pool.alloc(req.request_id, req.blocks * req.block_bytes)
         except BufferFullError as exc:
             raise HandlerError(m.BUFFER_FULL, str(exc)) from None
+        self._free_later.discard(req.request_id)  # a new attempt holds the slot again
         return m.AllocReply(region=self.descriptor.to_wire(), offset=slot.offset, nbytes=slot.nbytes)
 
     async def free(self, req: m.FreeRequest) -> m.Ok:
-        return m.Ok(detail="freed" if self.pool.free(req.request_id) else "no slot")
+        return m.Ok(detail=self._release(req.request_id))
 
     async def load(self, req: m.LoadRequest) -> m.LoadReply:
         fmt = BlockFormat(layers=req.layers, block_tokens=req.block_tokens, bytes_per_token_layer=req.bytes_per_token_layer, dtype=req.dtype)
@@ -74,12 +101,14 @@ class TrafficManager:
                 slot = self.pool.alloc(req.request_id, max(req.total_blocks, len(req.hashes)) * fmt.block_bytes)
             except BufferFullError as exc:
                 raise HandlerError(m.BUFFER_FULL, str(exc)) from None
+            self._free_later.discard(req.request_id)
         need = len(req.hashes) * fmt.block_bytes
         if need > slot.nbytes:
             raise HandlerError(400, f"{len(req.hashes)} blocks do not fit the request's {slot.nbytes}-byte slot")
         attrs = {"node": self.cfg.node_id, "blocks": len(req.hashes), "bytes": need, "request_id": req.request_id}
         with tracer.start_as_current_span("storage.read", attributes=attrs) as span:
-            res = await self.io.read_blocks(req.model_digest, req.hashes, fmt, self._slot_view(slot.offset, max(need, 0)))
+            with self._using(req.request_id):
+                res = await self.io.read_blocks(req.model_digest, req.hashes, fmt, self._slot_view(slot.offset, max(need, 0)))
             if span.is_recording():
                 span.set_attributes({"loaded_blocks": res.loaded, "bytes_read": res.bytes_read, "queue_wait_s": res.queue_wait_s,
                                      "read_s": res.read_s, "bad_blocks": len(res.bad)})
@@ -104,7 +133,7 @@ class TrafficManager:
                 src = self._slot_view(req.offset, len(req.hashes) * fmt.block_bytes)
                 attrs = {"node": self.cfg.node_id, "blocks": len(req.hashes), "bytes": len(req.hashes) * fmt.block_bytes,
                          "request_id": req.request_id}
-                with tracer.start_as_current_span("storage.write", attributes=attrs):
+                with tracer.start_as_current_span("storage.write", attributes=attrs), self._using(req.request_id):
                     await self.io.write_blocks(req.model_digest, req.hashes, fmt, src)
                 chain = list(req.parent_chain) + list(req.hashes)
                 with tracer.start_as_current_span("kv.commit", attributes={"blocks": len(req.hashes)}):
@@ -112,7 +141,7 @@ class TrafficManager:
                                                                                      start=len(req.parent_chain)), m.Ok, timeout=10.0)
         finally:
             if req.free_after:
-                self.pool.free(req.request_id)
+                self._release(req.request_id)
         return m.Ok(detail=f"persisted {len(req.hashes)}")
 
     async def describe(self, _req: m.DescribeRequest) -> m.DescribeReply:
