@@ -44,12 +44,6 @@ class Tracked:
     attempt: int = 0
     buffer_waits: int = 0  # attempts that ended in back-pressure, not failure
     buffer_wait_start: float = 0.0  # monotonic time of the first back-pressure (0: none yet)
-
-    def waiting_since(self, now: float) -> float:
-        """When this request first met a full buffer (``now`` if it just did)."""
-        if not self.buffer_wait_start:
-            self.buffer_wait_start = now
-        return self.buffer_wait_start
     prefill_engine: str = ""
     decode_engine: str = ""
     decode_node: str = ""
@@ -313,11 +307,14 @@ class Scheduler:
                 await self.bus.request(self.subjects.prefill(pe), task, m.Ok, timeout=5.0)
             except RemoteError as exc:
                 if current():
-                    if exc.code == m.BUFFER_FULL and time.monotonic() - t.waiting_since(time.monotonic()) < _BUFFER_WAIT_S:
+                    now, full = time.monotonic(), exc.code == m.BUFFER_FULL
+                    if full:
+                        t.buffer_wait_start = t.buffer_wait_start or now
+                    if full and now - t.buffer_wait_start < _BUFFER_WAIT_S:
                         # The DE node's buffer holds requests between prefill and decode: wait
                         # for one to move on instead of failing this one.
                         self.buffer_waits += 1
-                        self._hold_until = time.monotonic() + _BUFFER_BACKOFF_S
+                        self._hold_until = now + _BUFFER_BACKOFF_S
                         await self._retry(t, "decode node buffer full", count=False)
                     else:
                         await self._retry(t, f"dispatch failed: {exc}")

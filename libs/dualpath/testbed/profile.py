@@ -57,7 +57,9 @@ class HardwareProfile:
     def nic_chunk_bytes(self, rate: float) -> int:
         """Chunk size for an emulated NIC of ``rate``: ~2 ms of *modeled* link time (not of the
         slowed one), so slow motion does not multiply the host's per-chunk work."""
-        return int(min(max(rate * self.slowdown * 0.002, 16 * 1024), 4 * 1024 * 1024))
+        from dualpath.transfer.nic import chunk_bytes_for
+
+        return chunk_bytes_for(rate * self.slowdown)
 
     def buffer_bytes(self, engines_per_node: int) -> int:
         share = min(1.0, engines_per_node / self.gpus_per_node)

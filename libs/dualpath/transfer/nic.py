@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from dualpath.transfer.types import TrafficClass, TransferEntry
 
-__all__ = ["EmulatedNic", "split_entries"]
+__all__ = ["EmulatedNic", "chunk_bytes_for", "split_entries"]
 
 _HISTORY_S = 10.0  # grants older than this are dropped from the utilisation window
 
@@ -34,6 +34,12 @@ _HISTORY_S = 10.0  # grants older than this are dropped from the utilisation win
 class _Waiter:
     nbytes: int
     future: asyncio.Future[None]
+
+
+def chunk_bytes_for(rate_bytes_per_s: float) -> int:
+    """Default chunk of a link of this rate: ~2 ms of link time (bounds MODEL's head-of-line
+    wait behind KV), between 16 KiB and 4 MiB."""
+    return int(min(max(rate_bytes_per_s * 0.002, 16 * 1024), 4 * 1024 * 1024))
 
 
 class EmulatedNic:
@@ -62,9 +68,7 @@ class EmulatedNic:
             raise ValueError(f"min_kv_share must be in (0, 0.5], got {min_kv_share}")
         self.name = name
         self.rate = float(rate_bytes_per_s)
-        # ~2 ms of link time per chunk bounds MODEL's head-of-line wait behind KV.
-        default_chunk = int(min(max(self.rate * 0.002, 16 * 1024), 4 * 1024 * 1024))
-        self.chunk_bytes = chunk_bytes or default_chunk
+        self.chunk_bytes = chunk_bytes or chunk_bytes_for(self.rate)
         # 10 ms of credit: a timer that fires late (a busy host) costs no bandwidth.
         default_burst = max(self.chunk_bytes, int(self.rate * 0.010))
         self.burst_bytes = default_burst if burst_bytes is None else burst_bytes
