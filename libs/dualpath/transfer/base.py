@@ -18,6 +18,7 @@ from dualpath.transfer.errors import (
     TransportUnavailableError,
     UnknownRegionError,
 )
+from dualpath.transfer.nic import split_entries
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.types import RegionDescriptor, TrafficClass, TransferEntry
 
@@ -85,7 +86,6 @@ class Transport(abc.ABC):
             )
         self._remote[remote.region_id] = remote
 
-    @abc.abstractmethod
     async def read(
         self,
         local: MemoryRegion,
@@ -106,8 +106,8 @@ class Transport(abc.ABC):
             PeerLostError: the peer went away mid-batch.
             TransferTimeoutError: the batch took longer than the transport's timeout.
         """
+        return await self._transfer(local, entries, traffic_class, read=True)
 
-    @abc.abstractmethod
     async def write(
         self,
         local: MemoryRegion,
@@ -117,6 +117,17 @@ class Transport(abc.ABC):
     ) -> int:
         """Copy every entry's local range to its remote region; return the bytes moved once
         the remote side holds all of them. Raises as ``read``."""
+        return await self._transfer(local, entries, traffic_class, read=False)
+
+    @abc.abstractmethod
+    async def _transfer(
+        self, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass, *, read: bool
+    ) -> int:
+        """Move one batch: remote ranges into ``local`` when ``read``, else ``local`` out."""
+
+    def _chunks(self, entries: Sequence[TransferEntry]) -> list[list[TransferEntry]]:
+        """The batch in the pieces the emulated NIC paces (whole when there is none)."""
+        return [list(entries)] if self.nic is None else split_entries(entries, self.nic.chunk_bytes)
 
     def descriptor(self, region_id: str) -> RegionDescriptor:
         """The descriptor of a remote region learned through ``connect``.

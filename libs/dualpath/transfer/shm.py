@@ -18,7 +18,7 @@ import numpy as np
 
 from dualpath.transfer.base import Transport, check_entries
 from dualpath.transfer.errors import RegionInUseError, UnknownRegionError
-from dualpath.transfer.nic import EmulatedNic, split_entries
+from dualpath.transfer.nic import EmulatedNic
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.types import RegionDescriptor, TrafficClass, TransferEntry
 
@@ -86,48 +86,21 @@ class ShmTransport(Transport):
             _close_quietly(current)  # the region was re-created with another size
         self._mapped[remote.region_id] = mapped
 
-    async def read(
-        self,
-        local: MemoryRegion,
-        entries: Sequence[TransferEntry],
-        *,
-        traffic_class: TrafficClass = TrafficClass.KV,
-    ) -> int:
-        """Remote ranges → ``local``; see ``Transport.read``."""
-        return await self._transfer(local, entries, traffic_class, to_local=True)
-
-    async def write(
-        self,
-        local: MemoryRegion,
-        entries: Sequence[TransferEntry],
-        *,
-        traffic_class: TrafficClass = TrafficClass.KV,
-    ) -> int:
-        """``local`` → remote ranges; see ``Transport.write``."""
-        return await self._transfer(local, entries, traffic_class, to_local=False)
-
     async def _transfer(
-        self,
-        local: MemoryRegion,
-        entries: Sequence[TransferEntry],
-        cls: TrafficClass,
-        *,
-        to_local: bool,
+        self, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass, *, read: bool
     ) -> int:
+        """A memcpy per chunk; see ``Transport.read``/``write``."""
         total = check_entries(self, local, entries)
         if total == 0:
             return 0
-        chunks = (
-            [list(entries)] if self.nic is None else split_entries(entries, self.nic.chunk_bytes)
-        )
-        for chunk in chunks:
+        for chunk in self._chunks(entries):
             nbytes = sum(e.nbytes for e in chunk)
             if self.nic is not None:
                 await self.nic.acquire(nbytes, cls)
             if nbytes >= self.thread_copy_bytes:
-                await anyio.to_thread.run_sync(self._copy_numpy, local, chunk, to_local)
+                await anyio.to_thread.run_sync(self._copy_numpy, local, chunk, read)
             else:
-                self._copy(local, chunk, to_local)
+                self._copy(local, chunk, read)
         return total
 
     def _region(self, region_id: str) -> MemoryRegion:

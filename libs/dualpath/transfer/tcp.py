@@ -21,7 +21,7 @@ import anyio
 from dualpath.transfer._tasks import TaskSet
 from dualpath.transfer.base import Transport, check_entries
 from dualpath.transfer.errors import PeerLostError, TransferTimeoutError
-from dualpath.transfer.nic import EmulatedNic, split_entries
+from dualpath.transfer.nic import EmulatedNic
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.tcp_conn import PeerConnection
 from dualpath.transfer.tcp_server import serve_connection
@@ -122,29 +122,11 @@ class TcpTransport(Transport):
             address={"host": self.host, "port": self.port},
         )
 
-    async def read(
-        self,
-        local: MemoryRegion,
-        entries: Sequence[TransferEntry],
-        *,
-        traffic_class: TrafficClass = TrafficClass.KV,
-    ) -> int:
-        """Remote ranges → ``local``; see ``Transport.read``."""
-        return await self._transfer(Op.READ, local, entries, traffic_class)
-
-    async def write(
-        self,
-        local: MemoryRegion,
-        entries: Sequence[TransferEntry],
-        *,
-        traffic_class: TrafficClass = TrafficClass.KV,
-    ) -> int:
-        """``local`` → remote ranges; see ``Transport.write``."""
-        return await self._transfer(Op.WRITE, local, entries, traffic_class)
-
     async def _transfer(
-        self, op: Op, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass
+        self, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass, *, read: bool
     ) -> int:
+        """One request frame per peer and chunk; see ``Transport.read``/``write``."""
+        op = Op.READ if read else Op.WRITE
         total = check_entries(self, local, entries)
         if total == 0:
             return 0
@@ -187,11 +169,6 @@ class TcpTransport(Transport):
             raise
         finally:
             timer.cancel()
-
-    def _chunks(self, entries: list[TransferEntry]) -> list[list[TransferEntry]]:
-        if self.nic is None:
-            return [entries]
-        return split_entries(entries, self.nic.chunk_bytes)
 
     async def _connection(self, peer: tuple[str, int]) -> PeerConnection:
         conn = self._peers.get(peer)

@@ -30,7 +30,7 @@ from dualpath.transfer.errors import (
     TransportUnavailableError,
     UnknownRegionError,
 )
-from dualpath.transfer.nic import EmulatedNic, split_entries
+from dualpath.transfer.nic import EmulatedNic
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.types import RegionDescriptor, TrafficClass, TransferEntry
 from dualpath.transfer.verbs_cm import CmListener, request_answer
@@ -219,43 +219,18 @@ class VerbsTransport(Transport):
         self._accepted[str(offer["endpoint"])] = link
         return {"endpoint": self.endpoint, **link.local_info()}
 
-    async def read(
-        self,
-        local: MemoryRegion,
-        entries: Sequence[TransferEntry],
-        *,
-        traffic_class: TrafficClass = TrafficClass.KV,
-    ) -> int:
-        """RDMA READ of remote ranges into ``local``; see ``Transport.read``."""
-        return await self._transfer("IBV_WR_RDMA_READ", local, entries, traffic_class)
-
-    async def write(
-        self,
-        local: MemoryRegion,
-        entries: Sequence[TransferEntry],
-        *,
-        traffic_class: TrafficClass = TrafficClass.KV,
-    ) -> int:
-        """RDMA WRITE of ``local`` ranges to remote regions; see ``Transport.write``."""
-        return await self._transfer("IBV_WR_RDMA_WRITE", local, entries, traffic_class)
-
     async def _transfer(
-        self,
-        opcode_name: str,
-        local: MemoryRegion,
-        entries: Sequence[TransferEntry],
-        cls: TrafficClass,
+        self, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass, *, read: bool
     ) -> int:
+        """RDMA READ (``read``) or WRITE work requests per chunk; see ``Transport.read``/``write``."""
         total = check_entries(self, local, entries)
         if total == 0:
             return 0
         dev = self._device()
-        opcode = getattr(dev.pv.e, opcode_name)
+        opcode = getattr(dev.pv.e, "IBV_WR_RDMA_READ" if read else "IBV_WR_RDMA_WRITE")
         mr = self._mr(local)
         base = local.address
-        chunks = (
-            [list(entries)] if self.nic is None else split_entries(entries, self.nic.chunk_bytes)
-        )
+        chunks = self._chunks(entries)
         futures: list[asyncio.Future[None]] = []
         try:
             with anyio.fail_after(self.timeout_s):
