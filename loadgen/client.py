@@ -8,7 +8,7 @@ Two transports (``loadgen.transports``) feed the same ``ResponseConsumer``:
 * ``httpx``: the standard ``httpx.AsyncClient`` streaming API (honours proxy settings),
   one client per agent because httpcore's pool does O(connections^2) work per request.
   It costs several times more CPU per request than ``fast`` and adds ~1.5 ms to TTFT on
-  a 2-core VM (``loadgen.overhead`` measures both).
+  a 2-core VM (``dualpath.bench.loadgen`` measures both).
 
 Timings per turn, from the moment the request is handed to the transport: TTFT (first
 token), TTST (gap between first and second token), TPOT ((last - first) /

@@ -1,6 +1,6 @@
 """A minimal OpenAI-compatible streaming server that answers instantly.
 
-It exists to measure the load generator itself (``loadgen.overhead``) and to test it
+It exists to measure the load generator itself (``dualpath.bench.loadgen``) and to test it
 without a model: ``python -m loadgen.instant_server --port 8000``. It speaks HTTP/1.1
 (keep-alive, chunked SSE) on a raw asyncio ``Protocol``, so one request costs a few tens
 of microseconds of server CPU and the server is never what a benchmark measures.

@@ -35,8 +35,8 @@ def nats_server():
 
 def start_stack(model: Path, storage: Path, run_dir: Path, *, topology: str = "1P1D", engines_per_node: int = 1, **kw):
     """Start a real stack (NATS + one process per service) and wait until it is ready."""
-    from services.launcher.stack import Stack, StackConfig
-    from services.launcher.topology import parse_topology
+    from dualpath.cli.launcher.stack import Stack, StackConfig
+    from dualpath.cli.launcher.topology import parse_topology
 
     cfg = StackConfig(model=str(model), topology=parse_topology(topology, engines_per_node), storage=str(storage),
                       run_dir=str(run_dir), port=free_port(), buffer_mb=kw.pop("buffer_mb", 64), **kw)

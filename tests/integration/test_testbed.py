@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 def test_a_small_offline_experiment_runs_the_ablation_and_oracle_and_reports_every_figure(tmp_path):
     out = tmp_path / "offline"
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "experiment", "offline", "--agents", "3", "--turns", "2",
+    proc = subprocess.run([sys.executable, "-m", "dualpath.cli", "experiment", "offline", "--agents", "3", "--turns", "2",
                            "--dataset", "32k", "--engines-per-node", "1", "--ablation", "--modes", "basic,dualpath,oracle",
                            "--slowdown", "1.5", "--out", str(out), "--json"],
                           capture_output=True, text=True, timeout=900)
@@ -45,7 +45,7 @@ def test_loadgen_online_against_a_real_stack_reuses_kv_and_meets_a_loose_slo(tin
     s = start_stack(tiny_model, tmp_path / "storage", tmp_path / "run")
     try:
         out = tmp_path / "lg"
-        proc = subprocess.run([sys.executable, "-m", "services.cli", "loadgen", "--url", s.url, "--dataset", "32k", "--scale", "0.01",
+        proc = subprocess.run([sys.executable, "-m", "dualpath.cli", "loadgen", "--url", s.url, "--dataset", "32k", "--scale", "0.01",
                                "--agents", "20", "--turns", "3", "--rate", "2", "--duration", "4", "--tokenizer", str(tiny_model),
                                "--slo-ttft", "10", "--slo-tpot", "1", "--out", str(out), "--progress", "never", "--api", "chat"],
                               capture_output=True, text=True, timeout=300)

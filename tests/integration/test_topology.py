@@ -38,20 +38,20 @@ def test_2p1d_with_two_engines_per_node_spreads_requests_over_engines(tiny_model
 
 
 def test_bad_topology_is_refused_with_a_clear_message():
-    out = subprocess.run([sys.executable, "-m", "services.cli", "up", "--topology", "3X"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "dualpath.cli", "up", "--topology", "3X"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "1P1D" in out.stderr
 
 
 def test_every_service_prints_its_flags_and_environment_variables():
     for name in ("gateway", "scheduler", "kv-persistence", "traffic-manager", "prefill-engine", "decode-engine"):
-        out = subprocess.run([sys.executable, "-m", "services.cli", "service", name, "--help"], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([sys.executable, "-m", "dualpath.cli", "service", name, "--help"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert "--nats-url" in out.stdout and "DUALPATH_NATS_URL" in out.stdout
 
 
 def test_make_tiny_model_command_writes_a_loadable_checkpoint(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "services.cli", "make-tiny-model", str(tmp_path / "m"), "--layers", "3", "--hidden", "96",
+    out = subprocess.run([sys.executable, "-m", "dualpath.cli", "make-tiny-model", str(tmp_path / "m"), "--layers", "3", "--hidden", "96",
                           "--heads", "6", "--kv-heads", "2", "--vocab", "400", "--seed", "7"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     from dualpath.model import Decoder, Tokenizer

@@ -25,7 +25,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from conftest import start_stack
 from dualpath.bus.embedded import free_port
-from services.trace import main as trace_main
+from dualpath.cli.trace import main as trace_main
 
 pytestmark = pytest.mark.slow
 

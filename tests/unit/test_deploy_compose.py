@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from dualpath import config
-from services import cli
+from dualpath import cli
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = REPO / "deploy" / "compose"

@@ -13,7 +13,7 @@ from dualpath.protocol import encode
 from dualpath.protocol.messages import TokenEvent
 from services.gateway.detok import Detokenizer
 from services.gateway.streams import TokenStreams
-from services.launcher.topology import parse_topology
+from dualpath.cli.launcher.topology import parse_topology
 
 
 class CharTok:

@@ -12,7 +12,7 @@ import pytest
 
 from loadgen.cli import main
 from loadgen.instant_server import start_instant_server
-from loadgen.overhead import run_overhead_bench
+from dualpath.bench.loadgen import run_overhead_bench
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_a_thousand_agents_run_offline_without_errors_and_the_client_adds_little
     receive = [_receive_leg_ms(t, t0) for t in _turns(tmp_path)]
     # A generous bound: the 1000 first answers come back as a wave (the server answers each
     # exactly 1 s after it arrived), the client works through it on a shared 2-core VM, and
-    # later answers wait. loadgen.overhead measures the steady-state figure.
+    # later answers wait. dualpath.bench.loadgen measures the steady-state figure.
     assert np.median(receive) < 100
 
 

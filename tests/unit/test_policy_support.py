@@ -11,7 +11,7 @@ from dualpath.policy import (
     ClusterState, LoadAccumulator, PendingRequest, ReadPath, ReadSide, Thresholds, alpha_tokens, beta_tokens,
     get_policy, max_over_avg,
 )
-from dualpath.policy.bench import format_report, run_bench
+from dualpath.bench.scheduler import format_report, run_bench
 from dualpath.policy.errors import (
     EmptyValuesError, InvalidThresholdError, InvalidTopologyError, NegativeLoadError, UnknownMemberError,
     UnknownPolicyError,

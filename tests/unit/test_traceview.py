@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from dualpath.telemetry.errors import TraceNotFoundError, TraceSourceError
 from dualpath.telemetry.tracing import carrier, context_from
 from dualpath.telemetry.traceview import find_trace, from_jaeger, load_jsonl, render_tree
-from services.trace import show
+from dualpath.cli.trace import show
 
 T1, T2 = "a" * 32, "b" * 32
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dualpath.transfer.bench import format_report, layouts, run_bench
+from dualpath.bench.transfer import format_report, layouts, run_bench
 
 KIB = 1024
 

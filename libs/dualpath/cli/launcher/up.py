@@ -16,8 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-from services.launcher.stack import Stack, StackConfig, StackError
-from services.launcher.topology import parse_topology
+from dualpath.cli.launcher.stack import Stack, StackConfig, StackError
+from dualpath.cli.launcher.topology import parse_topology
 
 __all__ = ["build_parser", "ensure_model", "main"]
 

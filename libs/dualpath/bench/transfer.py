@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dualpath.transfer.base import create_transport
-from dualpath.transfer.bench_mooncake import MooncakeLoopback, mooncake_status
+from dualpath.bench.mooncake import MooncakeLoopback, mooncake_status
 from dualpath.transfer.peer import spawn_peer
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.types import TransferEntry

@@ -21,7 +21,7 @@ import httpx
 
 from dualpath.bus.embedded import EmbeddedNats
 from dualpath.config import EmulationConfig
-from services.launcher.topology import Topology
+from dualpath.cli.launcher.topology import Topology
 
 __all__ = ["Stack", "StackConfig", "StackError"]
 

@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from services.experiment.analysis import snic_series  # noqa: E402
+from dualpath.cli.experiment.analysis import snic_series  # noqa: E402
 
 __all__ = ["plot_jct", "plot_snic"]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dualpath.policy import max_over_avg
-from services.experiment.runner import ModeResult
+from dualpath.cli.experiment.runner import ModeResult
 
 __all__ = ["mode_figures", "snic_series"]
 

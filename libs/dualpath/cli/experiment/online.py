@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from services.experiment.runner import add_cluster_arguments, prepare, run_mode
+from dualpath.cli.experiment.runner import add_cluster_arguments, prepare, run_mode
 
 __all__ = ["main"]
 

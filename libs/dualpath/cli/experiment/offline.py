@@ -12,9 +12,9 @@ import argparse
 import json
 import sys
 
-from services.experiment.analysis import mode_figures
-from services.experiment.plots import plot_jct, plot_snic
-from services.experiment.runner import ABLATION, MODES, add_cluster_arguments, prepare, run_mode
+from dualpath.cli.experiment.analysis import mode_figures
+from dualpath.cli.experiment.plots import plot_jct, plot_snic
+from dualpath.cli.experiment.runner import ABLATION, MODES, add_cluster_arguments, prepare, run_mode
 
 __all__ = ["main"]
 

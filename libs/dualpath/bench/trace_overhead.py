@@ -65,8 +65,8 @@ def measure(*, model: str = "", conversations: int = 12, turns: int = 4, turn_to
     """
     from dualpath.bus.embedded import free_port
     from dualpath.model import ModelConfig, make_tiny_model
-    from services.launcher.stack import Stack, StackConfig
-    from services.launcher.topology import parse_topology
+    from dualpath.cli.launcher.stack import Stack, StackConfig
+    from dualpath.cli.launcher.topology import parse_topology
 
     run = Path(run_dir or tempfile.mkdtemp(prefix="dualpath-trace-overhead-"))
     run.mkdir(parents=True, exist_ok=True)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from dualpath.bus.embedded import free_port
 from dualpath.config import EmulationConfig
-from services.experiment.sampler import ClusterSampler
-from services.launcher.stack import Stack, StackConfig
-from services.launcher.topology import Topology, parse_topology
-from services.launcher.up import ensure_model
+from dualpath.cli.experiment.sampler import ClusterSampler
+from dualpath.cli.launcher.stack import Stack, StackConfig
+from dualpath.cli.launcher.topology import Topology, parse_topology
+from dualpath.cli.launcher.up import ensure_model
 
 __all__ = ["ABLATION", "MODES", "Mode", "ModeResult", "TestbedSpec", "add_cluster_arguments", "prepare", "run_mode"]
 

@@ -32,11 +32,11 @@ SERVICES = {
 PASSTHROUGH = {
     "service": None,
     "loadgen": "loadgen.cli",
-    "up": "services.launcher.up",
-    "demo": "services.launcher.demo",
-    "bench": "services.bench",
-    "experiment": "services.experiment",
-    "trace": "services.trace",
+    "up": "dualpath.cli.launcher.up",
+    "demo": "dualpath.cli.launcher.demo",
+    "bench": "dualpath.bench",
+    "experiment": "dualpath.cli.experiment",
+    "trace": "dualpath.cli.trace",
 }
 
 

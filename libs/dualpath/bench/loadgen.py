@@ -109,7 +109,7 @@ async def _probe(url: str, interval_s: float, connections: int) -> None:
 
 
 def _start_probe(url: str, interval_s: float, connections: int, sink) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "loadgen.overhead", "--probe", url, "--probe-interval", str(interval_s),
+    cmd = [sys.executable, "-m", "dualpath.bench.loadgen", "--probe", url, "--probe-interval", str(interval_s),
            "--probe-connections", str(connections)]
     return subprocess.Popen(cmd, stdout=sink, stderr=subprocess.DEVNULL)
 
@@ -222,7 +222,7 @@ def run_overhead_bench(agents: int = 1000, *, turns: int = 6, gen_tokens: int = 
     config = dict(agents=agents, turns=turns, gen_tokens=gen_tokens, server_ttft_s=ttft_s, server_tpot_s=tpot_s,
                   idle_turns=idle_turns, probe_interval_s=probe_interval_s, seed=seed)
     result = {"method": "legs from CLOCK_MONOTONIC stamps of client and server; overhead = load generator's "
-                        "added latency - a raw-socket probe's, same server, same window (see loadgen.overhead)",
+                        "added latency - a raw-socket probe's, same server, same window (see dualpath.bench.loadgen)",
               "config": config,
               "host": {"cpus": os.cpu_count(), "loadavg_before": loadavg_before, "loadavg_after": list(os.getloadavg())},
               "idle": _idle_figures(idle, httpx_idle, idle_phase.samples),
@@ -265,8 +265,8 @@ def _load_figures(load: RunState, samples, cpu_s: float, server_cpu_s: float | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m loadgen.overhead``: run the benchmark and print its JSON (or run a probe)."""
-    p = argparse.ArgumentParser(prog="python -m loadgen.overhead", description=__doc__.split("\n")[0])
+    """``python -m dualpath.bench.loadgen``: run the benchmark and print its JSON (or run a probe)."""
+    p = argparse.ArgumentParser(prog="python -m dualpath.bench.loadgen", description=__doc__.split("\n")[0])
     p.add_argument("--agents", type=int, default=1000, help="concurrent agent sessions")
     p.add_argument("--turns", type=int, default=6, help="turns per agent")
     p.add_argument("--gen-tokens", type=int, default=16, help="tokens per answer")

@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: dualpath experiment offline|online [flags]  (--help after the name lists them)", file=sys.stderr)
         return 2
     if argv[0] == "offline":
-        from services.experiment.offline import main as run
+        from dualpath.cli.experiment.offline import main as run
     else:
-        from services.experiment.online import main as run
+        from dualpath.cli.experiment.online import main as run
     return run(argv[1:])

@@ -12,9 +12,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.launcher.stack import Stack, StackConfig, StackError
-from services.launcher.topology import parse_topology
-from services.launcher.up import ensure_model
+from dualpath.cli.launcher.stack import Stack, StackConfig, StackError
+from dualpath.cli.launcher.topology import parse_topology
+from dualpath.cli.launcher.up import ensure_model
 
 __all__ = ["main"]
 

@@ -14,7 +14,7 @@ __all__ = ["main"]
 
 
 def _scheduler(ns) -> dict:
-    from dualpath.policy.bench import format_report, run_bench
+    from dualpath.bench.scheduler import format_report, run_bench
 
     kw = {"engines": ns.engines}
     if ns.seconds:
@@ -24,7 +24,7 @@ def _scheduler(ns) -> dict:
 
 
 def _transfer(ns) -> dict:
-    from dualpath.transfer.bench import format_report, run_bench
+    from dualpath.bench.transfer import format_report, run_bench
 
     kw = {}
     if ns.quick:
@@ -38,7 +38,7 @@ BENCHES = {"scheduler": _scheduler, "transfer": _transfer}
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     if argv[:1] == ["loadgen"]:  # the load generator's own overhead benchmark has its own flags
-        from loadgen.overhead import main as loadgen_bench
+        from dualpath.bench.loadgen import main as loadgen_bench
 
         return loadgen_bench(argv[1:])
     p = argparse.ArgumentParser(prog="dualpath bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -82,7 +82,7 @@ class MooncakeLoopback:
             [
                 sys.executable,
                 "-c",
-                "from dualpath.transfer.bench_mooncake import target_main; target_main()",
+                "from dualpath.bench.mooncake import target_main; target_main()",
                 str(self.size),
             ],
             stdin=subprocess.PIPE,

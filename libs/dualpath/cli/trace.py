@@ -8,7 +8,7 @@
 service that recorded it, key attributes (scheduling decision, per-layer transfers...).
 The request id is the ``id`` of the OpenAI answer (also the ``X-Request-Id`` header).
 ``overhead`` runs the same kind of conversations with tracing on and off on one stack and
-prints how much prefill time tracing adds (see ``services.trace_overhead``).
+prints how much prefill time tracing adds (see ``dualpath.bench.trace_overhead``).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dualpath trace: {exc}", file=sys.stderr)
             return 1
         return 0
-    from services.trace_overhead import format_report, measure
+    from dualpath.bench.trace_overhead import format_report, measure
 
     try:
         report = measure(model=ns.model, conversations=ns.conversations, turns=ns.turns, turn_tokens=ns.turn_tokens,
