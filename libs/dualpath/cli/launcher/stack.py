@@ -1,16 +1,21 @@
-"""``Stack``: start a whole DualPath deployment as local processes, wait until ready, stop it.
+"""``Stack``: start a whole DualPath deployment as local processes, keep it running, stop it.
 
 Used by ``dualpath up``, the tests and the experiments. Each service is a separate process
 (``python -m services.<name>``) configured by command-line flags; its JSON log goes to
-``<run_dir>/logs/<name>.log``. Stopping sends SIGTERM in reverse start order (gateway
-first, NATS last), waits, then kills whatever is left, so no process outlives the stack.
+``<run_dir>/logs/<name>.log``. NATS runs as one or three local ``nats-server`` processes with
+JetStream (``nats_cluster``). Once the stack is ready a ``Supervisor`` restarts any child that
+dies (with back-off) while the others keep serving, and logs the event. ``replicas`` = 2 runs
+the redundant form: two schedulers (one active, one standby behind a JetStream lease) and two
+kv-persistence replicas sharing an index replicated through JetStream. Stopping sends SIGTERM
+in stages (gateway first, NATS last), waits, then kills whatever is left, so no process
+outlives the stack.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,9 +24,9 @@ from pathlib import Path
 
 import httpx
 
-from dualpath.bus.embedded import EmbeddedNats
-from dualpath.config import EmulationConfig
+from dualpath.cli.launcher.supervisor import Supervisor, SupervisorEvent
 from dualpath.cli.launcher.topology import Topology
+from dualpath.config import EmulationConfig
 
 __all__ = ["Stack", "StackConfig", "StackError"]
 
@@ -42,7 +47,10 @@ class StackConfig:
     read_path: str = "auto"
     device: str = "cpu"
     namespace: str = ""
-    nats_url: str = ""  # empty: start an embedded nats-server
+    nats_url: str = ""  # empty: start local nats-server(s)
+    nats_cluster: int = 1  # local nats-servers: 1, or a JetStream cluster of 3+
+    replicas: int = 1  # schedulers (one active) and kv-persistence replicas; 2+ = the redundant form
+    supervise: bool = True  # restart children that die once the stack is up
     buffer_mb: int = 256
     max_batch_tokens: int = 2048
     kv_capacity_tokens: int = 65536
@@ -61,13 +69,20 @@ class StackConfig:
         return out
 
 
+def replica_name(base: str, i: int) -> str:
+    """``scheduler``, ``scheduler-1``, ...: the first replica keeps the plain name."""
+    return base if i == 0 else f"{base}-{i}"
+
+
 class Stack:
-    def __init__(self, cfg: StackConfig) -> None:
+    def __init__(self, cfg: StackConfig, on_event=None) -> None:
+        if cfg.replicas < 1:
+            raise StackError("replicas must be at least 1")
         self.cfg = cfg
         self.namespace = cfg.namespace or f"dp{os.getpid()}x{int(time.time() * 1000) % 100000}"
-        self.nats: EmbeddedNats | None = None
-        self.procs: list[tuple[str, subprocess.Popen]] = []
         self.logs = Path(cfg.run_dir) / "logs"
+        self.supervisor = Supervisor(logs=self.logs, on_event=on_event)
+        self.nats_urls: list[str] = []
 
     @property
     def url(self) -> str:
@@ -75,19 +90,59 @@ class Stack:
 
     @property
     def nats_url(self) -> str:
-        return self.cfg.nats_url or (self.nats.url if self.nats else "")
+        return self.cfg.nats_url or ",".join(self.nats_urls)
+
+    @property
+    def events(self) -> list[SupervisorEvent]:
+        """Deaths and restarts seen by the supervisor, oldest first."""
+        return self.supervisor.events
+
+    @property
+    def procs(self) -> list[tuple[str, subprocess.Popen]]:
+        """``(name, process)`` of every running child, in start order (current processes after restarts)."""
+        return [(c.name, c.proc) for c in self.supervisor.children.values() if c.proc is not None]
+
+    @procs.setter
+    def procs(self, keep: list[tuple[str, subprocess.Popen]]) -> None:
+        names = {n for n, _ in keep}
+        for name in [n for n in self.supervisor.children if n not in names]:
+            del self.supervisor.children[name]
+
+    def pid(self, name: str) -> int:
+        """The current process id of child ``name``. Raises KeyError."""
+        proc = self.supervisor.children[name].proc
+        if proc is None:
+            raise KeyError(name)
+        return proc.pid
 
     def _spawn(self, name: str, module: str, args: list[str]) -> None:
-        self.logs.mkdir(parents=True, exist_ok=True)
-        log = open(self.logs / f"{name}.log", "ab")
         env = {**os.environ, **self.cfg.env(), "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", module, "--nats-url", self.nats_url, "--namespace", self.namespace, *args]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        log.close()
-        self.procs.append((name, proc))
+        self.supervisor.add(name, cmd, env)
+
+    def _start_nats(self, say) -> None:
+        from dualpath.ha.natscluster import nats_servers
+
+        specs = nats_servers(self.cfg.nats_cluster, self.cfg.run_dir, host="127.0.0.1")
+        for spec in specs:
+            self.supervisor.add(spec.name, spec.cmd, dict(os.environ))
+        self.nats_urls = [s.url for s in specs]
+        deadline = time.monotonic() + 15.0
+        for spec in specs:
+            host, port = spec.url.rsplit("/", 1)[1].split(":")
+            while True:
+                self._check_alive()
+                try:
+                    with socket.create_connection((host, int(port)), timeout=0.2):
+                        break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise StackError(f"{spec.name} did not listen on {spec.url}; see {self.logs / spec.name}.log") from None
+                    time.sleep(0.05)
+        say(f"nats-server on {self.nats_url}" + (f" (cluster of {len(specs)}, JetStream)" if len(specs) > 1 else " (JetStream)"))
 
     def start(self, timeout: float = 120.0, progress=None) -> "Stack":
-        """Start everything and wait for ``/health`` to report every engine.
+        """Start everything, wait for ``/health`` to report every engine, then supervise.
 
         Raises:
             StackError: a service died during start-up (its log tail is in the message) or timeout.
@@ -96,13 +151,34 @@ class Stack:
         say = progress or (lambda _msg: None)
         Path(c.storage).mkdir(parents=True, exist_ok=True)
         Path(c.run_dir).mkdir(parents=True, exist_ok=True)
-        if not c.nats_url:
-            self.nats = EmbeddedNats(log_file=str(Path(c.run_dir) / "nats.log")).start()
-            say(f"nats-server on {self.nats.url}")
+        try:
+            if not c.nats_url:
+                self._start_nats(say)
+            self._spawn_services()
+            say(f"{len(self.supervisor.children)} processes starting (logs in {self.logs})")
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        if c.supervise:
+            self.supervisor.watch()
+        return self
+
+    def _spawn_services(self) -> None:
+        c = self.cfg
         model = ["--model", c.model]
-        self._spawn("kv-persistence", "services.kv_persistence", ["--storage", c.storage])
-        self._spawn("scheduler", "services.scheduler", ["--policy", c.policy, "--read-path", c.read_path])
-        for node, role in c.topology.nodes():
+        replicated = c.replicas > 1
+        for i in range(c.replicas):
+            args = ["--storage", c.storage]
+            if replicated:
+                args += ["--replication", "jetstream", "--replica-id", str(i)]
+            self._spawn(replica_name("kv-persistence", i), "services.kv_persistence", args)
+        for i in range(c.replicas):
+            args = ["--policy", c.policy, "--read-path", c.read_path]
+            if replicated:
+                args += ["--leader-lease", "true", "--scheduler-id", f"s{i}"]
+            self._spawn(replica_name("scheduler", i), "services.scheduler", args)
+        for node, _role in c.topology.nodes():
             self._spawn(f"traffic-manager-{node}", "services.traffic_manager",
                         ["--node-id", node, "--storage", c.storage, "--buffer-mb", str(c.buffer_mb)])
         for engine, node, role in c.topology.engines():
@@ -116,36 +192,37 @@ class Stack:
                              "--kv-capacity-tokens", str(c.kv_capacity_tokens)])
         self._spawn("gateway", "services.gateway", [*model, "--host", c.host, "--port", str(c.port), "--api-key", c.api_key,
                                                        "--prefix-cache", str(c.prefix_cache).lower()])
-        say(f"{len(self.procs)} services starting (logs in {self.logs})")
-        try:
-            self._wait_ready(timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        want_p = self.cfg.topology.prefill_nodes * self.cfg.topology.engines_per_node
-        want_d = self.cfg.topology.decode_nodes * self.cfg.topology.engines_per_node
         while time.monotonic() < deadline:
-            self.check_alive()
-            try:
-                r = httpx.get(self.url + "/health", timeout=2.0)
-                body = r.json()
-                if r.status_code == 200 and body.get("prefill_engines", 0) >= want_p and body.get("decode_engines", 0) >= want_d:
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
+            self._check_alive()
+            if self.ready():
+                return
             time.sleep(0.2)
         raise StackError(f"stack not ready within {timeout:.0f}s; see logs in {self.logs}")
 
-    def check_alive(self) -> None:
-        """Raise ``StackError`` if any service has exited."""
+    def ready(self) -> bool:
+        """True when the gateway's ``/health`` is 200 and counts every engine of the topology."""
+        want_p = self.cfg.topology.prefill_nodes * self.cfg.topology.engines_per_node
+        want_d = self.cfg.topology.decode_nodes * self.cfg.topology.engines_per_node
+        try:
+            r = httpx.get(self.url + "/health", timeout=2.0)
+            body = r.json()
+        except (httpx.HTTPError, ValueError):
+            return False
+        return r.status_code == 200 and body.get("prefill_engines", 0) >= want_p and body.get("decode_engines", 0) >= want_d
+
+    def _check_alive(self) -> None:
         for name, proc in self.procs:
             if proc.poll() is not None:
                 tail = self.log_tail(name)
                 raise StackError(f"service {name} exited with code {proc.returncode}:\n{tail}")
+
+    def check_alive(self) -> None:
+        """Raise ``StackError`` if a service has exited and will not be restarted (unsupervised stack)."""
+        if not self.cfg.supervise:
+            self._check_alive()
 
     def log_tail(self, name: str, lines: int = 15) -> str:
         path = self.logs / f"{name}.log"
@@ -159,32 +236,13 @@ class Stack:
 
         Returns each service's exit code (None when it had to be killed).
         """
-        stages = ("gateway", ("prefill-", "decode-"), "traffic-manager", "scheduler", "kv-persistence")
+        self.supervisor.unwatch()
+        stages = ("gateway", ("prefill-", "decode-"), "traffic-manager", "scheduler", "kv-persistence", "nats-")
         codes: dict[str, int | None] = {}
         for stage in stages:
-            group = [(n, p) for n, p in self.procs if n.startswith(stage)]
-            for _name, proc in group:
-                if proc.poll() is None:
-                    try:
-                        proc.send_signal(signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
-            deadline = time.monotonic() + timeout
-            for name, proc in group:
-                try:
-                    codes[name] = proc.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-                    codes[name] = None
-        for name, proc in self.procs:  # anything not in a stage
-            if name not in codes:
-                proc.kill()
-                codes[name] = proc.wait()
-        self.procs.clear()
-        if self.nats is not None:
-            self.nats.stop()
-            self.nats = None
+            names = [n for n in self.supervisor.children if n.startswith(stage)]
+            codes.update(self.supervisor.stop(names, timeout))
+        codes.update(self.supervisor.stop(list(self.supervisor.children), 1.0))  # anything not in a stage
         return codes
 
     def __enter__(self) -> "Stack":
@@ -192,4 +250,3 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-

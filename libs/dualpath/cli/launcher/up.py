@@ -2,6 +2,13 @@
 
     dualpath up [--model DIR] [--topology 1P1D] [--engines-per-node 1] [--port 8000]
                 [--storage PATH] [--policy dualpath] [--read-path auto|pe|de] [--device cpu]
+                [--replicas 2] [--nats-cluster 3]
+
+Every service is supervised: a child that dies is restarted with back-off while the others
+keep serving, and the event is printed and logged (``<run-dir>/logs/supervisor.log``).
+``--replicas 2`` runs the redundant form (two schedulers, one active behind a JetStream
+lease; two kv-persistence replicas of a JetStream-replicated index); ``--nats-cluster 3``
+runs three clustered nats-servers instead of one.
 
 Without ``--model`` a tiny random checkpoint is made in ``<run-dir>/tiny-model`` (first run)
 and served, so the command works on a fresh machine with no downloads.
@@ -37,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--buffer-mb", type=int, default=256, help="DRAM buffer per node, MiB")
     p.add_argument("--nats-url", default="", help="use this NATS server instead of an embedded one")
     p.add_argument("--api-key", default="", help="require this bearer token on /v1/*")
+    p.add_argument("--replicas", type=int, default=1, help="schedulers and kv-persistence replicas (2+: no single point of failure)")
+    p.add_argument("--nats-cluster", type=int, default=1, choices=(1, 3, 5), help="local nats-servers (3 or 5: a JetStream cluster)")
+    p.add_argument("--no-restart", action="store_true", help="do not restart services that die (stop the stack instead)")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for every engine")
     t = p.add_argument_group("testbed (emulated cluster hardware, modeled compute)")
     t.add_argument("--compute", default="torch", choices=("torch", "modeled"), help="real torch model or cost-model time")
@@ -91,9 +101,18 @@ def ensure_model(model: str, run_dir: str, *, long_context: bool = False) -> str
     return str(path)
 
 
+def _print_event(event) -> None:
+    if event.kind == "exited":
+        print(f"dualpath up: {event.name} exited (code {event.code}); restarting in {event.backoff_s:.1f}s", file=sys.stderr, flush=True)
+    elif event.kind == "restarted":
+        print(f"dualpath up: {event.name} restarted (restart #{event.restarts}, pid {event.pid})", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
+        if ns.replicas < 1:
+            raise ValueError("--replicas must be at least 1")
         topology = parse_topology(ns.topology, ns.engines_per_node)
         model = ensure_model(ns.model, ns.run_dir, long_context=ns.compute == "modeled")
     except (ValueError, FileNotFoundError) as exc:
@@ -103,11 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     policy, read_path = mode_policy(ns.mode, ns.policy, ns.read_path)
     cfg = StackConfig(model=model, topology=topology, storage=ns.storage or str(Path(ns.run_dir) / "storage"), run_dir=ns.run_dir,
                       port=ns.port, host=ns.host, policy=policy, read_path=read_path, device=ns.device,
-                      buffer_mb=ns.buffer_mb, nats_url=ns.nats_url, api_key=ns.api_key, emulation=emu)
+                      buffer_mb=ns.buffer_mb, nats_url=ns.nats_url, api_key=ns.api_key, emulation=emu,
+                      replicas=ns.replicas, nats_cluster=ns.nats_cluster, supervise=not ns.no_restart)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stack = Stack(cfg)
+    stack = Stack(cfg, on_event=_print_event)
     t0 = time.monotonic()
     try:
         stack.start(timeout=ns.ready_timeout, progress=lambda msg: print(msg, flush=True))

@@ -1,0 +1,1 @@
+"""High availability: local NATS clusters, the scheduler's leadership lease, the replicated block index."""

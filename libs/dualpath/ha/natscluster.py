@@ -1,0 +1,68 @@
+"""Configuration of local ``nats-server`` processes with JetStream: one server, or a cluster of N.
+
+The launcher runs each server as a supervised child (so a killed server is restarted on the
+same port with the same JetStream store, and clients reconnect to it); this module only
+writes their configuration files and builds their command lines. A cluster of three is the
+smallest one in which JetStream keeps working (R3 streams and KV buckets) with one server
+down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dualpath.bus.embedded import free_port, nats_server_binary
+
+__all__ = ["NatsServerSpec", "nats_servers"]
+
+MAX_PAYLOAD = 8 << 20  # long prompts (token ids + block hashes) exceed NATS's 1 MiB default
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NatsServerSpec:
+    """One server: its name, client URL and the command that runs it."""
+
+    name: str
+    url: str
+    cmd: list[str]
+
+
+def _conf(name: str, host: str, port: int, store: Path, cluster_port: int | None, routes: list[int]) -> str:
+    lines = [
+        f"server_name: {name}",
+        f"listen: {host}:{port}",
+        f"max_payload: {MAX_PAYLOAD}",
+        f'jetstream {{ store_dir: "{store}", max_memory_store: 268435456, max_file_store: 4294967296 }}',
+    ]
+    if cluster_port is not None:
+        route_list = ", ".join(f"nats-route://{host}:{p}" for p in routes)
+        lines.append(f"cluster {{ name: dualpath, listen: {host}:{cluster_port}, routes: [{route_list}] }}")
+    return "\n".join(lines) + "\n"
+
+
+def nats_servers(n: int, run_dir: str | Path, *, host: str = "127.0.0.1") -> list[NatsServerSpec]:
+    """Write the configuration of ``n`` servers (1 = standalone, >= 3 = a JetStream cluster)
+    under ``<run_dir>/nats`` and return how to run each.
+
+    Raises:
+        ValueError: ``n`` is 2 (JetStream needs a majority: two servers do not survive a loss) or < 1.
+        FileNotFoundError: no ``nats-server`` binary.
+    """
+    if n < 1 or n == 2:
+        raise ValueError(f"a NATS cluster needs 1 or at least 3 servers, not {n}")
+    binary = nats_server_binary()
+    root = Path(run_dir) / "nats"
+    root.mkdir(parents=True, exist_ok=True)
+    ports = [free_port(host) for _ in range(n)]
+    cluster_ports = [free_port(host) for _ in range(n)] if n > 1 else []
+    specs = []
+    for i in range(n):
+        name = f"nats-{i}"
+        store = (root / name).resolve()
+        store.mkdir(parents=True, exist_ok=True)
+        conf = root / f"{name}.conf"
+        cport = cluster_ports[i] if n > 1 else None
+        conf.write_text(_conf(name, host, ports[i], store, cport, [p for j, p in enumerate(cluster_ports) if j != i]))
+        specs.append(NatsServerSpec(name=name, url=f"nats://{host}:{ports[i]}", cmd=[binary, "-c", str(conf)]))
+    return specs
