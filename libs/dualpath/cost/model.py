@@ -213,6 +213,15 @@ class CostModel:
         moe = bool(t.routed_experts) and layer >= t.dense_layers
         return self._layer_time(self._prefill_work(batch), moe=moe)
 
+    def prefill_head_time(self, batch: Sequence[tuple[int, int]]) -> float:
+        """Seconds of the LM head of a prefill batch (one row per request): with the layers'
+        ``prefill_layer_time(batch, layer=l)`` it sums to ``prefill_time(batch)``.
+
+        Raises:
+            InvalidWorkloadError: a request has ``cached < 0`` or ``new < 1``.
+        """
+        return self._head_time(self._prefill_work(batch)) if batch else 0.0
+
     def prefill_time(self, batch: Sequence[tuple[int, int]]) -> float:
         """Seconds to prefill a batch of ``(cached, new)`` requests through all layers.
 
@@ -240,6 +249,24 @@ class CostModel:
             InvalidWorkloadError: a context length is smaller than 1.
         """
         return self._total_time(self._decode_work(context_lens)) if context_lens else 0.0
+
+    def decode_step_time_totals(self, requests: int, keys: int, attended: int) -> float:
+        """``decode_step_time`` from the batch's totals instead of its context lengths:
+        ``requests`` sequences, ``keys`` = Σ (ctx + 1), ``attended`` = Σ min(ctx + 1, top_k)
+        (= ``keys`` for dense attention). The simulator keeps these sums incrementally, so a
+        step's time costs O(1) however large the batch.
+
+        Raises:
+            InvalidWorkloadError: a negative total, or fewer keys than requests.
+        """
+        if requests <= 0:
+            return 0.0
+        if keys < requests or attended < 0:
+            raise InvalidWorkloadError("decode totals (requests, keys, attended)", (requests, keys, attended))
+        has_index = bool(self.target.index_heads)
+        w = _Work(tokens=requests, heads_out=requests, attn_pairs=attended, kv_read=attended,
+                  index_pairs=keys * has_index, index_read=keys * has_index)
+        return self._total_time(w)
 
     def kv_bytes(self, tokens: int) -> int:
         """KV-cache bytes of ``tokens`` tokens over all layers (what storage moves).

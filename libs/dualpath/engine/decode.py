@@ -61,12 +61,24 @@ class KvMemory:
         return torch.zeros((self.layers, n, 2, self.kv_heads, self.head_dim), dtype=self.dtype, device=self.device)
 
     def grow(self, seq: DecodeSequence, tokens: int) -> None:
-        """Make room for ``tokens`` in ``seq`` (adds whole blocks, copies the used part)."""
+        """Make room for ``tokens`` in ``seq`` (adds whole blocks, copies the used part).
+
+        Only the added blocks count against the budget: the copy is an implementation detail
+        of contiguous per-sequence tensors (paged KV would not copy).
+
+        Raises:
+            MemoryError: the budget has no room for the added blocks.
+        """
         if tokens <= seq.capacity:
             return
-        new = self.allocate(max(tokens, seq.capacity + self.block_tokens))
-        new[:, :seq.kv_len].copy_(seq.kv[:, :seq.kv_len])
+        old = seq.capacity
         self.release(seq.kv)
+        try:
+            new = self.allocate(max(tokens, old + self.block_tokens))
+        except MemoryError:
+            self.used_tokens += old  # unchanged
+            raise
+        new[:, :seq.kv_len].copy_(seq.kv[:, :seq.kv_len])
         seq.kv = new
 
     def release(self, kv: torch.Tensor) -> None:

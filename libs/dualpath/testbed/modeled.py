@@ -2,8 +2,10 @@
 
 The engines call ``embed``/``forward_layer``/``logits`` exactly as with the torch decoder, so
 batching, layer-wise transfers and KV bookkeeping are the real code. Here a prefill layer
-sleeps ``CostModel.prefill_layer_time`` of the batch's ``(cached, new)`` pairs, and a decode
-step sleeps ``decode_step_time`` of the batch's context lengths (spread over its layers).
+sleeps ``CostModel.prefill_layer_time`` of the batch's ``(cached, new)`` pairs (the last layer
+also the LM head's ``prefill_head_time``), so a whole batch takes ``CostModel.prefill_time``:
+what the prefill engine's quota packer predicts. A decode step sleeps ``decode_step_time``
+of the batch's context lengths (spread over its layers).
 KV is ``uint8`` with ``bytes_per_token_layer`` scaled bytes (``[N, 2, 1, bpt/2]``), filled
 with a token-derived pattern so transfers are real bytes. Sampling produces printable ASCII.
 
@@ -83,6 +85,8 @@ class ModeledDecoder:
             seconds = self.cost.prefill_layer_time(batch, layer=layer)
             if layer == 0:
                 self.attention_s += self.cost.attention_time(batch)
+            if layer == self.num_layers - 1:  # the LM head rides on the last layer: a batch costs prefill_time
+                seconds += self.cost.prefill_head_time(batch)
         n = hidden.shape[0]
         pattern = (positions.to(torch.int64) * 31 + layer) % 251  # [N]
         kv = pattern.to(torch.uint8).view(n, 1, 1).expand(n, 2, self.head_dim).contiguous()
