@@ -1,1 +1,36 @@
-"""Decision cores with no I/O and no clock of their own: the scheduler core and the engine cores (prefill and decode batchers)."""
+"""Decision cores with no I/O and no clock of their own: the scheduler core and the engine cores (prefill and decode batchers).
+
+``SchedulerCore`` (``scheduler``) takes the events of ``scheduler_events`` and returns its
+commands; ``scheduler_members`` holds membership and the report/charge ledger.
+"""
+
+from dualpath.core.scheduler import CoreConfig, SchedulerCore
+from dualpath.core.scheduler_events import (
+    BUFFER_FULL,
+    Command,
+    Decision,
+    Dispatch,
+    DispatchAnswered,
+    DispatchFailed,
+    EngineReported,
+    Event,
+    ExpelEngine,
+    FailRequest,
+    FreeSlot,
+    NodeReported,
+    RejectRequest,
+    RequestFinished,
+    RequestSubmitted,
+    Requeued,
+    ReserveSlot,
+    SlotReserved,
+    Stage,
+    TaskFailed,
+    TimeAdvanced,
+)
+
+__all__ = [
+    "BUFFER_FULL", "Command", "CoreConfig", "Decision", "Dispatch", "DispatchAnswered", "DispatchFailed", "EngineReported", "Event",
+    "ExpelEngine", "FailRequest", "FreeSlot", "NodeReported", "RejectRequest", "RequestFinished", "RequestSubmitted", "Requeued",
+    "ReserveSlot", "SchedulerCore", "SlotReserved", "Stage", "TaskFailed", "TimeAdvanced",
+]

@@ -15,7 +15,8 @@ request stops there, and the pass keeps only the prefix every stage placed (the 
    ``Z = 1.05 × (Σ_{r∈R} len_r + Σ_e tok_e) / |E|``; among DEs with HBM room prefer
    ``tok_e + len ≤ Z`` by smallest ``seq_e``, else smallest ``tok_e``.
 4. ``choose_read_sides``: the node (PE's or DE's) with the shorter read queue; a tie goes
-   to the PE side (the classic path). Queues grow by each decision's hit tokens within
+   to the PE side (the classic path); a request's ``forced_side`` or the policy's
+   ``read_path`` overrides the comparison. Queues grow by each decision's hit tokens within
    the pass, so a burst between one PE/DE pair alternates sides instead of piling up.
 
 Ties inside every "smallest" rule go to the lowest engine or node id. Nothing here
@@ -154,7 +155,8 @@ def choose_read_sides(
     state: ClusterState,
     read_path: ReadPath = ReadPath.AUTO,
 ) -> list[ReadSide]:
-    """The read side per placed request (stage 4); ``read_path`` forces a side."""
+    """The read side per placed request (stage 4); a request's ``forced_side``, else
+    ``read_path``, forces a side, so the queues grow on the node that actually reads."""
     engines, nodes = state.engines, state.nodes
     queue: dict[int, int] = {}  # tentative read_q of nodes touched this pass
     sides: list[ReadSide] = []
@@ -162,7 +164,12 @@ def choose_read_sides(
         pe_node, de_node = engines[prefill[i]].node_id, engines[decode[i]].node_id
         q_pe = queue.get(pe_node, nodes[pe_node].read_q)
         q_de = queue.get(de_node, nodes[de_node].read_q)
-        if read_path is ReadPath.PE or (read_path is ReadPath.AUTO and q_pe <= q_de):
+        forced = waiting[i].forced_side
+        if forced is not None:
+            pe_side = forced is ReadSide.PE
+        else:
+            pe_side = read_path is ReadPath.PE or (read_path is ReadPath.AUTO and q_pe <= q_de)
+        if pe_side:
             sides.append(ReadSide.PE)
             queue[pe_node] = q_pe + waiting[i].hit_tokens
         else:

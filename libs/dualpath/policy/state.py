@@ -242,6 +242,33 @@ class ClusterState:
             raise UnknownNodeError(node_id)
         node.read_q = max(0, read_q)
 
+    # -- direct adjustments (the scheduler core's ledger) ------------------------------
+    def adjust_engine(self, engine_id: int, *, seq: int = 0, tok: int = 0, free_hbm_tokens: int = 0) -> None:
+        """Add to an engine's figures (clamped like completions: ``seq``/``tok`` at zero, free
+        HBM within ``[0, hbm_tokens]``). The scheduler core charges and releases through
+        this, without the per-request bookkeeping of ``on_assigned``.
+
+        Raises:
+            UnknownEngineError: no such engine.
+        """
+        engine = self._engine(engine_id)
+        self._charge(engine, seq, tok)
+        if free_hbm_tokens:
+            free = engine.free_hbm_tokens + free_hbm_tokens
+            engine.free_hbm_tokens = 0 if free < 0 else (free if free < engine.hbm_tokens else engine.hbm_tokens)
+
+    def adjust_read_q(self, node_id: int, tokens: int) -> None:
+        """Add ``tokens`` (negative: remove) to a node's read queue, clamped at zero.
+
+        Raises:
+            UnknownNodeError: no such node.
+        """
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise UnknownNodeError(node_id)
+        q = node.read_q + tokens
+        node.read_q = q if q > 0 else 0
+
     # -- queries -------------------------------------------------------------------
     def live_assignment(self, request_id: int) -> Assignment:
         """The decision a live request was placed with.

@@ -57,7 +57,8 @@ class PendingRequest:
     ``prompt_tokens`` is the prompt length, ``hit_tokens`` the persisted prefix (read from
     storage, not computed), ``total_len`` the prompt plus the most new tokens it may
     generate. The last prompt token is always computed (its logits give the first output
-    token), so ``hit_tokens < prompt_tokens``.
+    token), so ``hit_tokens < prompt_tokens``. ``forced_side`` forces the read side of
+    this request (the API's per-request read path); None lets the policy choose.
 
     Raises:
         InvalidRequestError: on a negative count, ``hit_tokens >= prompt_tokens`` or
@@ -68,6 +69,7 @@ class PendingRequest:
     prompt_tokens: int
     hit_tokens: int
     total_len: int
+    forced_side: ReadSide | None = None
 
     def __post_init__(self) -> None:
         if self.hit_tokens < 0:

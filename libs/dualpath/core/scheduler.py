@@ -1,0 +1,494 @@
+"""``SchedulerCore``: the scheduler's decisions, with no I/O and no clock of its own.
+
+The scheduler service, the testbed and the simulator drive the same core: they turn what
+happens into events and carry out the commands it returns (``core.handle(event) ->
+list[Command]``; the types are in ``scheduler_events``). Like vLLM v1's ``Scheduler``
+(``schedule()`` / ``update_from_output()``) and Vidur's ``handle_event``, the core only
+updates state and decides; the driver owns sockets, timers and spans.
+
+Events in: ``RequestSubmitted``, ``EngineReported``, ``NodeReported``, ``SlotReserved``,
+``DispatchAnswered``, ``DispatchFailed``, ``TaskFailed``, ``RequestFinished``,
+``TimeAdvanced``. Commands out: ``RejectRequest``, ``ReserveSlot``, ``Dispatch``,
+``FreeSlot``, ``FailRequest``, ``ExpelEngine``, ``Requeued``.
+
+A request's life: submitted -> queued (FIFO) -> placed by a pass on ``TimeAdvanced``
+(``ReserveSlot`` on the decode node) -> ``SlotReserved`` -> ``Dispatch`` to the prefill
+engine -> ``DispatchAnswered`` -> the prefill engine reports it finished (handed to the
+decode engine) -> the decode engine reports it finished: forgotten. A failure on the way
+puts it back at the head of the queue as a new attempt (its DE slot freed) up to
+``max_attempts``, then ``FailRequest`` (503). A full node buffer (``DispatchFailed`` with
+code 507) is back-pressure: the request goes back without using an attempt and passes
+pause for ``buffer_backoff_s``, for at most ``buffer_wait_s`` per request. An engine
+silent for ``engine_timeout`` seconds, or one a dispatch found unreachable, is expelled:
+its requests are re-queued (a prefill engine's only until their prefill is done).
+
+**Reports and charges** (how the policy's figures are kept). Every figure the policy
+reads (an engine's seq_e, tok_e, free HBM; a node's read_q) is
+
+    figure = the holder's last reported value + Σ the core's charges it has not reflected
+
+1. A placement charges its holders at once: the prefill engine (seq +1, tok + miss
+   tokens), the decode engine (seq +1, tok + prompt + max_tokens, free HBM − the same)
+   and the node that reads the hits (read_q + hit tokens). The charge is *unreflected*.
+2. A charge is *acknowledged* once its holder is known to have it: the prefill engine's
+   and the read node's when the prefill engine answers the dispatch (``DispatchAnswered``;
+   it asks the read node for the hits right away), the decode engine's when the prefill
+   engine reports the prefill finished (it has handed the request over).
+3. A report of a holder *reflects* every charge acknowledged at an earlier event (events
+   are numbered in the order the core handles them): such charges leave the sums, and
+   from then on only that holder's reports move them.
+4. When a request's part on a holder ends (finished, failed, re-queued), an unreflected
+   charge is taken off the figure at once; a reflected one is left to the holder's next
+   report (which no longer counts it). So nothing is ever subtracted twice: the old
+   double subtraction (a node report overwrote read_q, then a prefill finish subtracted the
+   same read again) cannot happen.
+
+The rule errs on the safe side in the races it cannot see: a report generated just before
+an acknowledgement but handled after it makes the core undercount that charge until the
+holder's next report (one report interval, 0.2 s), and a report that already counts a
+task but is handled before its acknowledgement makes it count the charge twice for as
+long. Engines must count a task in their reports from the moment they acknowledge it.
+
+A forced read side (per request, ``RequestSubmitted.forced_side``, or the policy's
+``read_path``) is an input to the policy, so the read charge lands on the node that reads.
+
+Determinism: the same events in the same order give the same commands (no wall clock, no
+randomness, dicts iterated in insertion order).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from itertools import islice
+
+from dualpath.core.scheduler_events import (
+    BUFFER_FULL,
+    Command,
+    Decision,
+    Dispatch,
+    DispatchAnswered,
+    DispatchFailed,
+    EngineReported,
+    Event,
+    ExpelEngine,
+    FailRequest,
+    FreeSlot,
+    NodeReported,
+    RejectRequest,
+    RequestFinished,
+    RequestSubmitted,
+    Requeued,
+    ReserveSlot,
+    SlotReserved,
+    Stage,
+    TaskFailed,
+    TimeAdvanced,
+)
+from dualpath.core.scheduler_members import (
+    Charge,
+    EngineMember,
+    Holder,
+    Membership,
+    NodeMember,
+    reflect,
+)
+from dualpath.policy import ClusterState, PendingRequest, Policy
+from dualpath.policy.errors import InvalidRequestError
+from dualpath.policy.values import Assignment, ReadSide, Role
+
+__all__ = ["CoreConfig", "SchedulerCore"]
+
+_QUEUED, _RESERVING, _DISPATCHING, _RUNNING = 0, 1, 2, 3  # _Request.stage
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoreConfig:
+    """The core's knobs (the service maps ``SchedulerConfig`` onto these)."""
+
+    engine_timeout: float = 3.0  # seconds without a report after which an engine is dead
+    max_queue: int = 10_000  # most requests waiting; more are refused with 429
+    max_attempts: int = 3  # placements per request before it fails (back-pressure not counted)
+    pass_window: int = 1024  # queued requests one pass hands the policy (it places a FIFO prefix)
+    buffer_backoff_s: float = 0.02  # pause of passes after a full decode-node buffer
+    buffer_wait_s: float = 600.0  # a request waiting longer for buffer room fails (then counts attempts)
+    expiry_interval_s: float = 0.25  # how often TimeAdvanced looks for silent engines
+    trace_inputs: bool = False  # fill Decision.seen (what the policy compared) for spans
+
+
+class _Request:
+    """One request the core knows (queued or placed)."""
+
+    __slots__ = ("attempt", "blocks", "buffer_waits", "de", "de_charge", "decision", "num", "payload", "pe", "pe_charge",
+                 "pending", "prefill_done", "queued_since", "read_charge", "read_side", "rid", "stage", "wait_start")
+
+    def __init__(self, rid: str, num: int, pending: PendingRequest, blocks: int, payload: object, now: float) -> None:
+        self.rid, self.num, self.pending, self.blocks, self.payload = rid, num, pending, blocks, payload
+        self.attempt = self.buffer_waits = 0
+        self.wait_start = -1.0  # now of the first back-pressure (-1: none yet)
+        self.queued_since = now
+        self.stage = _QUEUED
+        self.pe: EngineMember | None = None
+        self.de: EngineMember | None = None
+        self.pe_charge: Charge | None = None
+        self.de_charge: Charge | None = None
+        self.read_charge: Charge | None = None
+        self.read_side: ReadSide | None = None
+        self.prefill_done = False
+        self.decision: Decision | None = None
+
+
+class SchedulerCore:
+    """The scheduler's queue, membership, placement, retries and back-pressure (see the
+    module docstring). One owner drives it; not thread-safe."""
+
+    def __init__(self, policy: Policy, config: CoreConfig = CoreConfig()) -> None:
+        self.policy, self.cfg = policy, config
+        self.members = Membership()
+        self.queue: deque[_Request] = deque()
+        self.requests: dict[str, _Request] = {}  # queued and placed, by request id
+        self.buffer_waits = 0  # placements put back because a decode node's buffer was full
+        self.now = 0.0
+        self._state: ClusterState | None = None
+        self._stale = True  # membership changed: rebuild the state before using it
+        self._k = 0  # events handled: the order that decides what a report reflects
+        self._num = 0
+        self._hold_until = float("-inf")
+        self._next_expiry = float("-inf")
+        self._reserving: dict[tuple[str, int], str] = {}  # (request, attempt) -> node of an unanswered ReserveSlot
+        self._handlers: dict[type, Callable[[Event], list[Command]]] = {
+            RequestSubmitted: self._submitted, EngineReported: self._engine_reported, NodeReported: self._node_reported,
+            SlotReserved: self._slot_reserved, DispatchAnswered: self._answered, DispatchFailed: self._dispatch_failed,
+            TaskFailed: self._task_failed, RequestFinished: self._finished_event, TimeAdvanced: self._time_advanced,
+        }
+
+    # ---- the one entry point ------------------------------------------------------------
+    def handle(self, event: Event) -> list[Command]:
+        """Apply ``event`` and return what the driver must do, in order.
+
+        Raises:
+            TypeError: ``event`` is not one of the core's event types.
+        """
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise TypeError(f"not a scheduler event: {type(event).__name__}")
+        self._k += 1
+        self.now = event.now
+        return handler(event)
+
+    # ---- read-only views (health, metrics, state replies) --------------------------------
+    @property
+    def queued(self) -> int:
+        """Requests waiting to be placed."""
+        return len(self.queue)
+
+    @property
+    def running(self) -> int:
+        """Requests placed and not finished."""
+        return len(self.requests) - len(self.queue)
+
+    def engine_count(self, role: Role) -> int:
+        """Live engines of ``role``."""
+        return self.members.count(role)
+
+    def engines(self) -> Iterable[EngineMember]:
+        """Live engines (name, node, role, last reported figures). Do not modify."""
+        return self.members.engines.values()
+
+    def nodes(self) -> Iterable[NodeMember]:
+        """Known nodes (name, last reported read_q). Do not modify."""
+        return self.members.nodes.values()
+
+    @property
+    def state(self) -> ClusterState | None:
+        """The policy's view of the cluster (reports + unreflected charges); None until both
+        roles have live engines. Do not modify."""
+        return self._cluster()
+
+    def is_current(self, request_id: str, attempt: int) -> bool:
+        """Whether ``attempt`` is the live placement of the request."""
+        t = self.requests.get(request_id)
+        return t is not None and t.stage != _QUEUED and t.attempt == attempt
+
+    # ---- intake -------------------------------------------------------------------------
+    def _submitted(self, ev: RequestSubmitted) -> list[Command]:
+        rid = ev.request_id
+        if len(self.queue) >= self.cfg.max_queue:
+            return [RejectRequest(request_id=rid, code=429, reason=f"scheduler queue full ({self.cfg.max_queue} requests waiting)")]
+        if rid in self.requests:
+            return [RejectRequest(request_id=rid, code=409, reason=f"request {rid} already submitted")]
+        if ev.prompt_tokens <= 0:
+            return [RejectRequest(request_id=rid, code=400, reason="empty prompt")]
+        need = ev.prompt_tokens + ev.max_tokens
+        state = self._cluster()
+        if state is not None and need > state.max_decode_hbm_tokens:
+            # It could never be placed and would block the FIFO queue behind it.
+            return [RejectRequest(request_id=rid, code=400, reason=f"prompt plus max_tokens ({need} tokens) exceeds the KV capacity "
+                                                                   f"of every decode engine ({state.max_decode_hbm_tokens} tokens)")]
+        hit = min(max(ev.hit_blocks, 0) * ev.block_tokens, ev.prompt_tokens - 1)
+        try:
+            pending = PendingRequest(request_id=self._num, prompt_tokens=ev.prompt_tokens, hit_tokens=hit, total_len=need,
+                                     forced_side=ev.forced_side if hit > 0 else None)
+        except InvalidRequestError as exc:
+            return [RejectRequest(request_id=rid, code=400, reason=exc.reason)]
+        t = _Request(rid, self._num, pending, -(-ev.prompt_tokens // ev.block_tokens), ev.payload, ev.now)
+        self._num += 1
+        self.requests[rid] = t
+        self.queue.append(t)
+        return []
+
+    # ---- reports ------------------------------------------------------------------------
+    def _engine_reported(self, ev: EngineReported) -> list[Command]:
+        member = self.members.engines.get(ev.engine)
+        if member is None:
+            member = self.members.join(ev.engine, ev.now, node=ev.node, role=Role(ev.role), capacity_tokens=ev.capacity_tokens,
+                                       block_bytes=ev.block_bytes)
+            self._stale = True
+        member.last_seen = ev.now
+        member.seq, member.tok, member.free_hbm = ev.seq, ev.tok, ev.free_hbm_tokens
+        if ev.block_bytes:
+            member.block_bytes = ev.block_bytes
+        if ev.finished:
+            for rid in ev.finished:
+                self._finish(rid, member)
+        if member.acked:
+            reflect(member, self._k)
+        if not self._stale and self._state is not None:
+            self._state.report_engine(member.num, seq=ev.seq + member.dseq, tok=ev.tok + member.dtok,
+                                      free_hbm_tokens=ev.free_hbm_tokens - member.dhbm if member.role == Role.DECODE else None)
+        return []
+
+    def _node_reported(self, ev: NodeReported) -> list[Command]:
+        node = self.members.node(ev.node, ev.now)
+        node.last_seen = ev.now
+        node.read_q = ev.read_q_tokens
+        if node.acked:
+            reflect(node, self._k)
+        state = self._state
+        if not self._stale and state is not None and node.num in state.nodes:
+            state.report_node(node.num, read_q=ev.read_q_tokens + node.dtok)
+        return []
+
+    def _finished_event(self, ev: RequestFinished) -> list[Command]:
+        member = self.members.engines.get(ev.engine)
+        if member is not None:
+            self._finish(ev.request_id, member)
+        return []
+
+    def _finish(self, rid: str, member: EngineMember) -> None:
+        """``member`` finished its part of request ``rid`` (late or unknown: ignored)."""
+        t = self.requests.get(rid)
+        if t is None or t.stage == _QUEUED:
+            return
+        if t.pe is not None and t.pe.name == member.name and not t.prefill_done:
+            t.prefill_done = True
+            t.stage = _RUNNING
+            self._release(t.pe_charge)
+            self._release(t.read_charge)
+            if t.de_charge is not None:
+                t.de_charge.acknowledge(self._k)  # the decode engine has it now
+        elif t.de is not None and t.de.name == member.name:
+            self._release_all(t)
+            del self.requests[rid]
+
+    # ---- dispatch answers ---------------------------------------------------------------
+    def _slot_reserved(self, ev: SlotReserved) -> list[Command]:
+        t = self.requests.get(ev.request_id)
+        if t is None or t.attempt != ev.attempt or t.stage != _RESERVING:
+            return self._stale_slot(t, ev)
+        assert t.pe is not None and t.de is not None and t.decision is not None
+        self._reserving.pop((t.rid, t.attempt), None)
+        t.stage = _DISPATCHING
+        return [Dispatch(request_id=t.rid, attempt=t.attempt, prefill_engine=t.pe.name, prefill_node=t.pe.node, decode_engine=t.de.name,
+                         decode_node=t.de.node, read_side=t.read_side, region=ev.region, offset=ev.offset, decision=t.decision,
+                         payload=t.payload)]
+
+    def _stale_slot(self, t: _Request | None, ev: SlotReserved) -> list[Command]:
+        """A slot reserved for an attempt that is over: free it, unless the current attempt
+        is placed on the same node (a reservation is per request, so it is that one's too)."""
+        node = self._reserved_node(ev.request_id, ev.attempt)
+        if not node:
+            return []
+        if t is not None and t.stage != _QUEUED and t.de is not None and t.de.node == node:
+            return []
+        return [FreeSlot(node=node, request_id=ev.request_id)]
+
+    def _answered(self, ev: DispatchAnswered) -> list[Command]:
+        t = self.requests.get(ev.request_id)
+        if t is not None and t.attempt == ev.attempt and t.stage == _DISPATCHING:
+            t.stage = _RUNNING
+            if t.pe_charge is not None:
+                t.pe_charge.acknowledge(self._k)
+            if t.read_charge is not None:
+                t.read_charge.acknowledge(self._k)
+        return []
+
+    def _dispatch_failed(self, ev: DispatchFailed) -> list[Command]:
+        cmds: list[Command] = []
+        if ev.stage == Stage.RESERVE:
+            self._reserved_node(ev.request_id, ev.attempt)
+        if ev.unreachable:
+            self._lose([ev.unreachable], f"engine {ev.unreachable} did not answer", cmds)
+        t = self.requests.get(ev.request_id)
+        if t is None or t.attempt != ev.attempt or t.stage == _QUEUED:
+            return cmds  # stale: that attempt is over already
+        if ev.code == BUFFER_FULL:
+            if t.wait_start < 0:
+                t.wait_start = ev.now
+            if ev.now - t.wait_start < self.cfg.buffer_wait_s:
+                # The DE node's buffer holds requests between prefill and decode: wait for
+                # one to move on instead of failing this one.
+                self.buffer_waits += 1
+                self._hold_until = ev.now + self.cfg.buffer_backoff_s
+                self._retry(t, "decode node buffer full", cmds, counted=False)
+                return cmds
+        self._retry(t, f"dispatch failed: {ev.reason}", cmds)
+        return cmds
+
+    def _task_failed(self, ev: TaskFailed) -> list[Command]:
+        cmds: list[Command] = []
+        t = self.requests.get(ev.request_id)
+        if t is None or t.stage == _QUEUED:
+            return cmds
+        holders = (t.pe.name if t.pe else "", t.de.name if t.de else "")
+        if ev.engine not in holders:
+            return cmds  # late: from an engine of an earlier attempt
+        attempt = t.attempt
+        if ev.unreachable:
+            self._lose([ev.unreachable], f"engine {ev.unreachable} did not answer", cmds)
+        if t.attempt == attempt and t.stage != _QUEUED and self.requests.get(ev.request_id) is t:
+            self._retry(t, ev.reason, cmds)
+        return cmds
+
+    # ---- time: expiry and the scheduling pass -----------------------------------------------
+    def _time_advanced(self, ev: TimeAdvanced) -> list[Command]:
+        cmds: list[Command] = []
+        if ev.now >= self._next_expiry:
+            self._next_expiry = ev.now + self.cfg.expiry_interval_s
+            silent = self.members.silent(ev.now, self.cfg.engine_timeout)
+            if silent:
+                self._lose(silent, "stopped reporting", cmds)
+        self._pass(cmds)
+        return cmds
+
+    def _pass(self, cmds: list[Command]) -> None:
+        """Place the longest FIFO prefix of the queue that fits now."""
+        if not self.queue or self.now < self._hold_until:
+            return
+        state = self._cluster()
+        if state is None:
+            return
+        queue = self.queue
+        window = [t.pending for t in islice(queue, self.cfg.pass_window)] if len(queue) > 1 else [queue[0].pending]
+        for a in self.policy.schedule(window, state):
+            t = queue.popleft()
+            assert t.num == a.request_id, "the policy places a FIFO prefix"
+            self._place(t, a, state, cmds)
+
+    def _place(self, t: _Request, a: Assignment, state: ClusterState, cmds: list[Command]) -> None:
+        m = self.members
+        pe, de = m.engine_by_num[a.prefill_engine], m.engine_by_num[a.decode_engine]
+        read_node = m.node_by_num[a.read_node]
+        seen = self._seen(a, state) if self.cfg.trace_inputs else {}
+        t.pe, t.de, t.stage, t.prefill_done = pe, de, _RESERVING, False
+        t.read_side = a.read_side if a.read_tokens else None
+        t.pe_charge = Charge(pe, 1, a.prefill_tokens, 0)
+        state.adjust_engine(pe.num, seq=1, tok=a.prefill_tokens)
+        t.de_charge = Charge(de, 1, a.decode_tokens, a.decode_tokens)
+        state.adjust_engine(de.num, seq=1, tok=a.decode_tokens, free_hbm_tokens=-a.decode_tokens)
+        if a.read_tokens:
+            t.read_charge = Charge(read_node, 0, a.read_tokens, 0)
+            state.adjust_read_q(read_node.num, a.read_tokens)
+        state.assigned_total += 1
+        t.decision = Decision(policy=self.policy.name, prefill_engine=pe.name, prefill_node=pe.node, decode_engine=de.name,
+                              decode_node=de.node, read_side=t.read_side, policy_side=a.read_side, hit_tokens=a.read_tokens,
+                              prefill_tokens=a.prefill_tokens, decode_tokens=a.decode_tokens, queued_since=t.queued_since,
+                              queue_len=len(self.queue), seen=seen)
+        self._reserving[(t.rid, t.attempt)] = de.node
+        cmds.append(ReserveSlot(request_id=t.rid, attempt=t.attempt, node=de.node, blocks=t.blocks, block_bytes=de.block_bytes,
+                                decision=t.decision, payload=t.payload))
+
+    def _seen(self, a: Assignment, st: ClusterState) -> dict:
+        """The figures the policy compared for ``a``, before ``a`` is charged (earlier
+        placements of the same pass are charged already, as in the policy's own pass)."""
+        pe, de = st.engines[a.prefill_engine], st.engines[a.decode_engine]
+        seen: dict = {"read_q_pe": st.nodes[pe.node_id].read_q, "read_q_de": st.nodes[de.node_id].read_q,
+                      "tok_e_prefill": pe.tok, "seq_e_prefill": pe.seq, "tok_e_decode": de.tok, "seq_e_decode": de.seq,
+                      "free_hbm_decode": de.free_hbm_tokens}
+        if len(st.engines) <= 32:  # the whole field the policy chose from, while it stays readable
+            names = self.members.engine_by_num
+            seen["prefill_candidates"] = [f"{names[e.engine_id].name}:{e.tok}" for e in st.prefill_engines]
+            seen["decode_candidates"] = [f"{names[e.engine_id].name}:{e.tok}" for e in st.decode_engines]
+        return seen
+
+    # ---- failures -----------------------------------------------------------------------
+    def _retry(self, t: _Request, reason: str, cmds: list[Command], *, counted: bool = True) -> None:
+        """Put ``t`` back at the head of the queue as a new attempt, or fail it after
+        ``max_attempts`` (back-pressure, ``counted=False``, does not use one up)."""
+        self._release_all(t)
+        if t.de is not None:
+            cmds.append(FreeSlot(node=t.de.node, request_id=t.rid))
+        t.attempt += 1  # also when not counted: answers for the old attempt are stale now
+        if not counted:
+            t.buffer_waits += 1
+        t.pe = t.de = None
+        t.pe_charge = t.de_charge = t.read_charge = None
+        t.decision = None
+        t.prefill_done = False
+        t.stage = _QUEUED
+        if t.attempt - t.buffer_waits >= self.cfg.max_attempts:
+            del self.requests[t.rid]
+            cmds.append(FailRequest(request_id=t.rid, code=503, reason=f"request failed after {t.attempt} attempts: {reason}",
+                                    attempts=t.attempt, payload=t.payload))
+            return
+        t.queued_since = self.now
+        self.queue.appendleft(t)
+        cmds.append(Requeued(request_id=t.rid, attempt=t.attempt, reason=reason, counted=counted))
+
+    def _lose(self, names: Iterable[str], reason: str, cmds: list[Command]) -> None:
+        """Stop using engines (they re-join with their next report) and re-queue what they
+        held: every request on a lost decode engine, and the unfinished prefills of a lost
+        prefill engine. The earliest request ends up first in the queue."""
+        gone: set[str] = set()
+        for name in names:
+            if self.members.remove(name) is not None:
+                gone.add(name)
+                cmds.append(ExpelEngine(engine=name, reason=reason))
+        if not gone:
+            return
+        self._stale = True
+        hit = [t for t in self.requests.values() if t.stage != _QUEUED and t.pe is not None and t.de is not None
+               and (t.de.name in gone or (t.pe.name in gone and not t.prefill_done))]
+        for t in sorted(hit, key=lambda r: r.num, reverse=True):
+            lost = t.pe.name if t.pe is not None and t.pe.name in gone else (t.de.name if t.de is not None else "")
+            self._retry(t, f"engine {lost} {reason}", cmds)
+
+    # ---- the ledger (see the module docstring) ---------------------------------------------
+    def _release(self, c: Charge | None) -> None:
+        if c is None or not c.release():
+            return
+        h: Holder = c.holder
+        state = self._state
+        if self._stale or state is None or not h.live:
+            return  # the next rebuild starts from the holders' sums
+        if isinstance(h, NodeMember):
+            if h.num in state.nodes:
+                state.adjust_read_q(h.num, -c.tok)
+        elif h.num in state.engines:
+            state.adjust_engine(h.num, seq=-c.seq, tok=-c.tok, free_hbm_tokens=c.hbm)
+
+    def _release_all(self, t: _Request) -> None:
+        self._release(t.pe_charge)
+        self._release(t.de_charge)
+        self._release(t.read_charge)
+
+    def _cluster(self) -> ClusterState | None:
+        if self._stale:
+            self._state = self.members.cluster_state()
+            self._stale = False
+        return self._state
+
+    def _reserved_node(self, rid: str, attempt: int) -> str:
+        """The node of an answered reservation (forgotten from now on); "" if unknown."""
+        return self._reserving.pop((rid, attempt), "")

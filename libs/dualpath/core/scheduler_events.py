@@ -1,0 +1,288 @@
+"""What goes into the scheduler core (events) and what comes out (commands).
+
+Every event carries ``now``: the driver's clock in seconds (monotonic time in the service,
+virtual time in the simulator). The core keeps no clock of its own; it compares ``now``
+values only with each other (engine expiry, back-pressure pauses, queue waits).
+
+Events (driver -> core)::
+
+    RequestSubmitted   a request enters the queue (gateway submit)
+    EngineReported     an engine's periodic report: seq_e, tok_e, free HBM, finished requests
+    NodeReported       a traffic manager's periodic report: read_q
+    SlotReserved       the decode node answered ReserveSlot: the DE buffer slot exists
+    DispatchAnswered   the prefill engine accepted a Dispatch
+    DispatchFailed     ReserveSlot or Dispatch failed (code 507 = buffer full: back-pressure;
+                       ``unreachable`` = an engine that did not answer)
+    TaskFailed         an engine gave up on a request it held
+    RequestFinished    an engine finished its part of a request (prefill or decode); the same
+                       as the request appearing in that engine's report's ``finished``
+    TimeAdvanced       the clock moved: expire silent engines, run a scheduling pass
+
+Commands (core -> driver)::
+
+    RejectRequest      answer the submit with an error (400, 409, 429); nothing was queued
+    ReserveSlot        reserve the request's DE buffer slot on the decode node
+    Dispatch           send the task to the prefill engine (it names the decode engine too)
+    FreeSlot           release a DE buffer slot (re-queued or stale attempt)
+    FailRequest        tell the request's client it failed (reason and code); the core forgot it
+    ExpelEngine        the core stopped using an engine (silent or unreachable); for logs/metrics
+    Requeued           a placed request went back to the head of the queue; for logs/spans
+
+Attempts: each placement of a request is one ``attempt`` (0, 1, ...). Answers carry the
+attempt they answer; an answer for an older attempt is *stale* and is handled as such (a
+stale slot is freed, a stale failure ignored).
+
+The types are frozen, slotted, keyword-only dataclasses and hold no I/O objects; ``payload``
+and ``region`` are opaque to the core (the driver's own request and region descriptor,
+handed back unchanged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+from dualpath.policy.values import ReadSide, Role
+
+__all__ = [
+    "BUFFER_FULL", "Command", "Decision", "Dispatch", "DispatchAnswered", "DispatchFailed", "EngineReported", "Event", "ExpelEngine",
+    "FailRequest", "FreeSlot", "NodeReported", "ReadSide", "RejectRequest", "RequestFinished", "RequestSubmitted", "Requeued",
+    "ReserveSlot", "Role", "SlotReserved", "Stage", "TaskFailed", "TimeAdvanced",
+]
+
+BUFFER_FULL = 507  # DispatchFailed.code: a node buffer had no room now (back-pressure, not a failure)
+
+_ev = {"frozen": True, "slots": True, "kw_only": True}
+
+
+class Stage(IntEnum):
+    """Which step of a placement a ``DispatchFailed`` answers."""
+
+    RESERVE = 0  # ReserveSlot
+    DISPATCH = 1  # Dispatch
+
+
+# --- events --------------------------------------------------------------------------------
+
+@dataclass(**_ev)
+class RequestSubmitted:
+    """A request asks to be scheduled.
+
+    ``hit_blocks`` × ``block_tokens`` leading prompt tokens are persisted (read, not
+    computed; capped so the last prompt token is computed). ``forced_side`` forces the
+    read side for this request (the API's ``dualpath_read_path``); None lets the policy
+    choose (or its stack-wide ``read_path``).
+    """
+
+    now: float
+    request_id: str
+    prompt_tokens: int
+    hit_blocks: int = 0
+    block_tokens: int = 64
+    max_tokens: int = 16
+    forced_side: ReadSide | None = None
+    payload: Any = None
+
+
+@dataclass(**_ev)
+class EngineReported:
+    """An engine's periodic report (also its heartbeat). ``seq``/``tok`` are the paper's
+    seq_e/tok_e as the engine counts them; ``finished`` lists the requests it completed
+    since its previous report (a prefill engine: handed to the decode engine)."""
+
+    now: float
+    engine: str
+    node: str
+    role: Role
+    seq: int
+    tok: int
+    free_hbm_tokens: int = 0
+    capacity_tokens: int = 0
+    block_bytes: int = 0
+    finished: tuple[str, ...] = ()
+
+
+@dataclass(**_ev)
+class NodeReported:
+    """A traffic manager's periodic report: hit tokens queued on its storage NIC."""
+
+    now: float
+    node: str
+    read_q_tokens: int
+
+
+@dataclass(**_ev)
+class SlotReserved:
+    """The decode node reserved the slot asked for by ``ReserveSlot``."""
+
+    now: float
+    request_id: str
+    attempt: int
+    region: Any = None
+    offset: int = 0
+
+
+@dataclass(**_ev)
+class DispatchAnswered:
+    """The prefill engine accepted the ``Dispatch`` of this attempt."""
+
+    now: float
+    request_id: str
+    attempt: int
+
+
+@dataclass(**_ev)
+class DispatchFailed:
+    """``ReserveSlot`` (stage RESERVE) or ``Dispatch`` (stage DISPATCH) failed.
+
+    ``code`` is the answer's error code (``BUFFER_FULL`` = back-pressure; 0 = no answer);
+    ``unreachable`` names an engine that did not answer at all (the core stops using it
+    until it reports again)."""
+
+    now: float
+    request_id: str
+    attempt: int
+    stage: Stage
+    reason: str
+    code: int = 0
+    unreachable: str = ""
+
+
+@dataclass(**_ev)
+class TaskFailed:
+    """``engine`` gave up on a request it held; ``unreachable`` names an engine it could not reach."""
+
+    now: float
+    request_id: str
+    engine: str
+    reason: str
+    unreachable: str = ""
+
+
+@dataclass(**_ev)
+class RequestFinished:
+    """``engine`` finished its part of the request (as if listed in its report's ``finished``)."""
+
+    now: float
+    request_id: str
+    engine: str
+
+
+@dataclass(**_ev)
+class TimeAdvanced:
+    """The driver's clock reads ``now``: expire silent engines, then place what fits."""
+
+    now: float
+
+
+Event = (RequestSubmitted | EngineReported | NodeReported | SlotReserved | DispatchAnswered | DispatchFailed | TaskFailed
+         | RequestFinished | TimeAdvanced)
+
+
+# --- commands ------------------------------------------------------------------------------
+
+@dataclass(**_ev)
+class Decision:
+    """What the policy decided for one attempt, and what it compared (for the decision span).
+
+    ``queued_since`` is the ``now`` at which the request (re-)entered the queue; ``seen``
+    holds the figures the policy compared (read_q of both nodes, tok_e/seq_e of both
+    engines, free HBM), filled only when the core traces inputs.
+    """
+
+    policy: str
+    prefill_engine: str
+    prefill_node: str
+    decode_engine: str
+    decode_node: str
+    read_side: ReadSide | None  # None: nothing to read (no hit blocks)
+    policy_side: ReadSide  # the side the assignment was charged to (== read_side when there are hits)
+    hit_tokens: int
+    prefill_tokens: int
+    decode_tokens: int
+    queued_since: float
+    queue_len: int
+    seen: dict = field(default_factory=dict)
+
+
+@dataclass(**_ev)
+class RejectRequest:
+    """Refuse a submission (nothing was queued): 400 bad request, 409 duplicate, 429 queue full."""
+
+    request_id: str
+    code: int
+    reason: str
+
+
+@dataclass(**_ev)
+class ReserveSlot:
+    """Reserve ``blocks`` Full Blocks of ``block_bytes`` in ``node``'s buffer for the request;
+    answer with ``SlotReserved`` or ``DispatchFailed(stage=RESERVE)``."""
+
+    request_id: str
+    attempt: int
+    node: str
+    blocks: int
+    block_bytes: int
+    decision: Decision
+    payload: Any = None
+
+
+@dataclass(**_ev)
+class Dispatch:
+    """Send the request to its prefill engine, naming its decode engine and DE slot; answer
+    with ``DispatchAnswered`` or ``DispatchFailed(stage=DISPATCH)``."""
+
+    request_id: str
+    attempt: int
+    prefill_engine: str
+    prefill_node: str
+    decode_engine: str
+    decode_node: str
+    read_side: ReadSide | None
+    region: Any
+    offset: int
+    decision: Decision
+    payload: Any = None
+
+
+@dataclass(**_ev)
+class FreeSlot:
+    """Release the request's slot in ``node``'s buffer (best effort: the node may be gone)."""
+
+    node: str
+    request_id: str
+
+
+@dataclass(**_ev)
+class FailRequest:
+    """The request failed for good: tell its client (``code`` is HTTP-like, 503 after retries)."""
+
+    request_id: str
+    code: int
+    reason: str
+    attempts: int
+    payload: Any = None
+
+
+@dataclass(**_ev)
+class ExpelEngine:
+    """The core stopped using ``engine`` (it re-joins with its next report)."""
+
+    engine: str
+    reason: str
+
+
+@dataclass(**_ev)
+class Requeued:
+    """A placed request went back to the head of the queue as ``attempt``; ``counted`` is
+    False for back-pressure (a full buffer does not use up an attempt)."""
+
+    request_id: str
+    attempt: int
+    reason: str
+    counted: bool
+
+
+Command = RejectRequest | ReserveSlot | Dispatch | FreeSlot | FailRequest | ExpelEngine | Requeued

@@ -1,0 +1,173 @@
+"""Who is alive, what they last reported, and the scheduler's charges they have not reported yet.
+
+Engines and nodes are *holders*: each keeps its last reported figures and the sum of the
+charges the core made on it that no report of it has reflected yet (the ledger rule is
+in ``dualpath.core.scheduler``). The policy works on dense integers; the wire uses names:
+each name gets a number on first sight and keeps it (an engine that re-joins gets its old
+number back).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from dualpath.policy import ClusterState, NodeSpec
+from dualpath.policy.values import Role
+
+__all__ = ["ACKED", "REFLECTED", "RELEASED", "UNSEEN", "Charge", "EngineMember", "Holder", "Membership", "NodeMember"]
+
+UNSEEN, ACKED, REFLECTED, RELEASED = 0, 1, 2, 3  # Charge.state
+
+
+class Holder:
+    """Something the core charges: an engine (seq, tok, HBM) or a node (read_q in ``dtok``)."""
+
+    __slots__ = ("acked", "dhbm", "dseq", "dtok", "last_seen", "live", "name", "num")
+
+    def __init__(self, name: str, num: int, now: float) -> None:
+        self.name, self.num, self.last_seen = name, num, now
+        self.live = True  # False once removed: its charges no longer touch the cluster state
+        self.dseq = self.dtok = self.dhbm = 0  # Σ charges not reflected by a report yet
+        self.acked: deque[Charge] = deque()  # acknowledged charges, in acknowledgement order
+
+
+class EngineMember(Holder):
+    """One engine: where it runs, its role and capacity, its last report."""
+
+    __slots__ = ("block_bytes", "capacity_tokens", "free_hbm", "node", "role", "seq", "tok")
+
+    def __init__(self, name: str, num: int, now: float, *, node: str, role: Role, capacity_tokens: int, block_bytes: int) -> None:
+        super().__init__(name, num, now)
+        self.node, self.role, self.capacity_tokens, self.block_bytes = node, role, capacity_tokens, block_bytes
+        self.seq = self.tok = 0
+        self.free_hbm = capacity_tokens
+
+
+class NodeMember(Holder):
+    """One node's traffic manager: its last reported storage read queue (tokens)."""
+
+    __slots__ = ("read_q",)
+
+    def __init__(self, name: str, num: int, now: float) -> None:
+        super().__init__(name, num, now)
+        self.read_q = 0
+
+
+class Charge:
+    """One decision's charge on one holder (``seq``/``tok``/``hbm`` tokens; a node's
+    read charge uses ``tok``). ``state``: UNSEEN (the holder cannot know it yet), ACKED at
+    event ``ack`` (the holder has it; its next report counts it), REFLECTED (a report
+    counted it; only reports move it now), RELEASED (its part of the request ended)."""
+
+    __slots__ = ("ack", "hbm", "holder", "seq", "state", "tok")
+
+    def __init__(self, holder: Holder, seq: int, tok: int, hbm: int) -> None:
+        self.holder, self.seq, self.tok, self.hbm = holder, seq, tok, hbm
+        self.state = UNSEEN
+        self.ack = 0
+        holder.dseq += seq
+        holder.dtok += tok
+        holder.dhbm += hbm
+
+    def acknowledge(self, k: int) -> None:
+        """The holder has it as of event ``k``: the first report after ``k`` reflects it."""
+        if self.state == UNSEEN:
+            self.state = ACKED
+            self.ack = k
+            self.holder.acked.append(self)
+
+    def release(self) -> bool:
+        """The charge's part of the request ended; True when the core must take it off the
+        figures itself (it was unreflected), False when reports already carry it."""
+        state = self.state
+        self.state = RELEASED
+        if state == UNSEEN or state == ACKED:
+            h = self.holder
+            h.dseq -= self.seq
+            h.dtok -= self.tok
+            h.dhbm -= self.hbm
+            return True
+        return False
+
+
+def reflect(holder: Holder, k: int) -> None:
+    """A report of ``holder`` arrived at event ``k``: every charge acknowledged before it is
+    now counted by the report and leaves the unreflected sums."""
+    acked = holder.acked
+    while acked and acked[0].ack < k:
+        c = acked.popleft()
+        if c.state == ACKED:
+            c.state = REFLECTED
+            holder.dseq -= c.seq
+            holder.dtok -= c.tok
+            holder.dhbm -= c.hbm
+
+
+class Membership:
+    """Live engines and known nodes by name, with sticky dense numbers."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, EngineMember] = {}
+        self.nodes: dict[str, NodeMember] = {}
+        self.engine_by_num: dict[int, EngineMember] = {}
+        self.node_by_num: dict[int, NodeMember] = {}
+        self._engine_nums: dict[str, int] = {}
+        self._node_nums: dict[str, int] = {}
+
+    def node(self, name: str, now: float) -> NodeMember:
+        """The node called ``name``, created on first sight."""
+        info = self.nodes.get(name)
+        if info is None:
+            num = self._node_nums.setdefault(name, len(self._node_nums))
+            info = self.nodes[name] = self.node_by_num[num] = NodeMember(name, num, now)
+        return info
+
+    def join(self, name: str, now: float, *, node: str, role: Role, capacity_tokens: int, block_bytes: int) -> EngineMember:
+        """Add an engine (its first report, or its first after it was removed)."""
+        num = self._engine_nums.setdefault(name, len(self._engine_nums))
+        self.node(node, now)
+        member = EngineMember(name, num, now, node=node, role=role, capacity_tokens=capacity_tokens, block_bytes=block_bytes)
+        self.engines[name] = self.engine_by_num[num] = member
+        return member
+
+    def remove(self, name: str) -> EngineMember | None:
+        """Stop using an engine; returns it, or None when it was not live."""
+        member = self.engines.pop(name, None)
+        if member is not None:
+            member.live = False
+            del self.engine_by_num[member.num]
+        return member
+
+    def silent(self, now: float, timeout: float) -> list[str]:
+        """Names of engines that have not reported for more than ``timeout``."""
+        limit = now - timeout
+        return [e.name for e in self.engines.values() if e.last_seen < limit]
+
+    def count(self, role: Role) -> int:
+        """Live engines of ``role``."""
+        return sum(1 for e in self.engines.values() if e.role == role)
+
+    def cluster_state(self) -> ClusterState | None:
+        """A fresh policy state for the live engines, each figure = last report + unreflected
+        charges (None without both roles)."""
+        by_node: dict[str, list[EngineMember]] = {}
+        for e in self.engines.values():
+            by_node.setdefault(e.node, []).append(e)
+        specs = []
+        for node, members in by_node.items():
+            role = Role.DECODE if members[0].role == Role.DECODE else Role.PREFILL
+            hbm = min(e.capacity_tokens for e in members) if role is Role.DECODE else 0
+            if role is Role.DECODE and hbm <= 0:
+                continue  # a decode engine without KV memory can hold nothing
+            specs.append(NodeSpec(node_id=self.nodes[node].num, role=role, engine_ids=tuple(e.num for e in members), hbm_tokens=hbm))
+        if not any(s.role is Role.PREFILL for s in specs) or not any(s.role is Role.DECODE for s in specs):
+            return None
+        state = ClusterState(specs)
+        for e in self.engines.values():
+            if e.num in state.engines:
+                state.report_engine(e.num, seq=e.seq + e.dseq, tok=e.tok + e.dtok,
+                                    free_hbm_tokens=e.free_hbm - e.dhbm if e.role == Role.DECODE else None)
+        for n in self.nodes.values():
+            if n.num in state.nodes:
+                state.report_node(n.num, read_q=n.read_q + n.dtok)
+        return state
