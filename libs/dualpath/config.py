@@ -82,7 +82,9 @@ class NodeConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     engine_id: str = opt("engine0", "this engine's id (one engine per GPU)", "DUALPATH_ENGINE_ID")
-    max_batch_tokens: int = opt(2048, "prefill: most new tokens computed in one batch (chunked prefill beyond)", "DUALPATH_MAX_BATCH_TOKENS")
+    compute_quota_ms: float = opt(300.0, "prefill: compute quota per batch (paper §6.2): requests are packed FIFO while the "
+                                         "predicted batch time stays within it, the one that would exceed it cut to a "
+                                         "block-aligned chunk", "DUALPATH_COMPUTE_QUOTA_MS")
     kv_capacity_tokens: int = opt(65536, "decode: tokens of KV the engine may hold (its 'HBM')", "DUALPATH_KV_CAPACITY_TOKENS")
     max_running: int = opt(64, "decode: most requests decoded together", "DUALPATH_MAX_RUNNING")
     torch_threads: int = opt(1, "CPU threads for torch in this engine (several engines share a host's cores)", "DUALPATH_TORCH_THREADS")
@@ -147,6 +149,10 @@ class SchedulerConfig:
 class KvPersistenceConfig:
     index_path: str = opt("", "trie index log file (default: <storage>/index.log)", "DUALPATH_INDEX_PATH")
     capacity_blocks: int = opt(0, "most blocks indexed before LRU eviction of leaves (0 = unbounded)", "DUALPATH_CAPACITY_BLOCKS")
+    replication: str = opt("none", "none: one replica, index in a local log; jetstream: replicas share an index replicated "
+                                   "through a NATS JetStream stream (survives the loss of any one replica)", "DUALPATH_INDEX_REPLICATION")
+    replica_id: int = opt(0, "this replica's number (logs and metrics only)", "DUALPATH_REPLICA_ID")
+    stream_replicas: int = opt(3, "copies of the index stream JetStream keeps (fewer on a smaller cluster)", "DUALPATH_STREAM_REPLICAS")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -8,6 +8,10 @@ their files deleted here, after the index no longer names them, so storage stays
 service must then see the storage root. Deletion and commits are serialised, and a commit
 indexes a block only if its file exists: a block evicted while a traffic manager was rewriting
 it is simply not indexed (a later miss recomputes it), never indexed without a file.
+
+``--replication jetstream`` runs one of several replicas: the index is replicated through a
+JetStream stream (``dualpath.ha.replicated_index``), every replica answers lookups from its
+own copy, and a replica that restarts replays the stream before it serves.
 """
 
 from __future__ import annotations
@@ -19,7 +23,14 @@ import threading
 from pathlib import Path
 
 from dualpath.bus import Bus
-from dualpath.config import BusConfig, KvPersistenceConfig, NodeConfig, add_arguments, from_args
+from dualpath.config import (
+    BusConfig,
+    KvPersistenceConfig,
+    NodeConfig,
+    add_arguments,
+    from_args,
+)
+from dualpath.ha.replicated_index import ReplicatedIndex
 from dualpath.kv import BlockIndex, BlockStore
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
@@ -33,9 +44,9 @@ tracer = get_tracer("dualpath.kv_persistence")
 
 
 class KvPersistence:
-    """Request handlers over one ``BlockIndex`` (all index calls are fast and in-loop)."""
+    """Request handlers over one ``BlockIndex`` (local log) or ``ReplicatedIndex`` (lookups are in-loop)."""
 
-    def __init__(self, index: BlockIndex, store: BlockStore | None = None) -> None:
+    def __init__(self, index: BlockIndex | ReplicatedIndex, store: BlockStore | None = None) -> None:
         self.index = index
         self.store = store  # where evicted and removed blocks' files are deleted (None: leave them)
         self.deleted = 0  # block files deleted
@@ -54,12 +65,30 @@ class KvPersistence:
 
     async def commit(self, req: m.CommitRequest) -> m.Ok:
         with tracer.start_as_current_span("index.commit", attributes={"blocks": len(req.hashes) - req.start}):
-            # The log append is fsync'ed: run it off the event loop.
-            gone = await asyncio.to_thread(self._commit, req)
+            if isinstance(self.index, ReplicatedIndex):
+                gone = await self._commit_replicated(req)
+            else:  # the log append is fsync'ed: run it off the event loop
+                gone = await asyncio.to_thread(self._commit, req)
         await self._delete(req.model_digest, gone)
         return m.Ok()
 
+    async def _commit_replicated(self, req: m.CommitRequest) -> list[int]:
+        assert isinstance(self.index, ReplicatedIndex)
+        end = len(req.hashes)
+        if self.store is not None:  # index only blocks whose files exist (see the module docstring)
+            end = await asyncio.to_thread(self._existing_end, req)
+        gone = await self.index.commit(req.model_digest, req.hashes[:end], start=req.start) if end > req.start else []
+        return gone + list(req.hashes[end:])
+
+    def _existing_end(self, req: m.CommitRequest) -> int:
+        assert self.store is not None
+        end = req.start
+        while end < len(req.hashes) and self.store.exists(req.model_digest, req.hashes[end]):
+            end += 1
+        return end
+
     def _commit(self, req: m.CommitRequest) -> list[int]:
+        assert isinstance(self.index, BlockIndex)
         if self.store is None:
             return self.index.commit(req.model_digest, req.hashes, start=req.start)
         with self._files:
@@ -70,7 +99,10 @@ class KvPersistence:
             return gone + list(req.hashes[end:])  # blocks after a missing file are unreachable: their files go too
 
     async def remove(self, req: m.RemoveRequest) -> m.Ok:
-        gone = await asyncio.to_thread(self.index.remove, req.model_digest, req.hashes)
+        if isinstance(self.index, ReplicatedIndex):
+            gone = await self.index.remove(req.model_digest, req.hashes)
+        else:
+            gone = await asyncio.to_thread(self.index.remove, req.model_digest, req.hashes)
         log.warning("blocks_removed", count=len(gone))
         await self._delete(req.model_digest, gone)
         return m.Ok()
@@ -114,20 +146,36 @@ def main(argv: list[str] | None = None) -> int:
     cfg = from_args(KvPersistenceConfig, ns)
     storage = from_args(NodeConfig, None, storage=ns.storage).storage
     index_path = cfg.index_path or os.path.join(storage, "index.log")
-    Path(index_path).parent.mkdir(parents=True, exist_ok=True)
+    if cfg.replication == "none":
+        Path(index_path).parent.mkdir(parents=True, exist_ok=True)
     subjects = Subjects(bus_cfg.namespace)
 
+    if cfg.replication not in ("none", "jetstream"):
+        print(f"kv-persistence: --replication must be none or jetstream, not {cfg.replication!r}")
+        return 2
+
+    async def open_index(bus: Bus) -> BlockIndex | ReplicatedIndex:
+        if cfg.replication == "jetstream":
+            index = ReplicatedIndex(bus.nc.jetstream(), bus_cfg.namespace, subjects.kv_log, capacity_blocks=cfg.capacity_blocks or None)
+            await index.start(replicas=cfg.stream_replicas)
+            return index
+        return BlockIndex(index_path, capacity_blocks=cfg.capacity_blocks or None)
+
     async def serve(bus: Bus, stop: asyncio.Event) -> None:
-        index = BlockIndex(index_path, capacity_blocks=cfg.capacity_blocks or None)
+        index = await open_index(bus)
         svc = KvPersistence(index, BlockStore(storage) if cfg.capacity_blocks else None)
         register_metrics(svc)
-        log.info("index_loaded", blocks=len(index), path=index_path)
+        log.info("index_loaded", blocks=len(index), replication=cfg.replication, replica=cfg.replica_id,
+                 path=index_path if cfg.replication == "none" else subjects.kv_log)
         await bus.serve(subjects.kv_lookup, svc.lookup, m.LookupRequest, queue="kvp")
         await bus.serve(subjects.kv_commit, svc.commit, m.CommitRequest, queue="kvp")
         await bus.serve(subjects.kv_remove, svc.remove, m.RemoveRequest, queue="kvp")
         try:
             await stop.wait()
         finally:
-            index.close()
+            if isinstance(index, ReplicatedIndex):
+                await index.close()
+            else:
+                index.close()
 
     return run_service("kv-persistence", bus_cfg, serve)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Sequence, Set as AbstractSet
 from pathlib import Path
 
 from dualpath.kv.errors import IndexCorruptError
@@ -224,6 +224,30 @@ class BlockIndex:
         with self._lock:
             trie = self._tries.get(model_digest)
             return list(hashes) if trie is None else [h for h in hashes if h not in trie.nodes]
+
+    def lru_victims(self, model_digest: int, n: int, *, keep: AbstractSet[int] = frozenset()) -> list[int]:
+        """The ``n`` least recently used blocks of a model that are not in ``keep`` (no touch).
+
+        Because every block is more recently used than its descendants, these blocks are
+        closed under descent as long as ``keep`` is a chain from the root: removing them
+        removes nothing else. Used to choose evictions before they are replicated.
+        """
+        with self._lock:
+            trie = self._tries.get(model_digest)
+            if trie is None or n <= 0:
+                return []
+            out: list[int] = []
+            for h in trie.nodes:  # least recently used first
+                if h not in keep:
+                    out.append(h)
+                    if len(out) >= n:
+                        break
+            return out
+
+    def count(self, model_digest: int) -> int:
+        """Blocks indexed for one model."""
+        trie = self._tries.get(model_digest)
+        return 0 if trie is None else len(trie.nodes)
 
     def compact(self) -> None:
         """Rewrite the log as a snapshot of the current index (no-op when in-memory).

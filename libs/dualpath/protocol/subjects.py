@@ -45,6 +45,16 @@ class Subjects:
     def kv_remove(self) -> str:
         return f"{self.ns}.kvp.remove"
 
+    @property
+    def kv_log(self) -> str:
+        """JetStream subject of the replicated index's records (``dualpath.ha.replicated_index``)."""
+        return f"{self.ns}.kvp.log"
+
+    @property
+    def sched_leader(self) -> str:
+        """JetStream key-value bucket of the scheduler's leadership lease (bucket names take no dots)."""
+        return f"{self.ns}_sched_leader"
+
     # scheduler
     @property
     def submit(self) -> str:

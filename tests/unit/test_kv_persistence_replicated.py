@@ -1,0 +1,85 @@
+"""The block index replicated through JetStream: every replica sees every commit, a new replica
+replays the stream, evictions are the same everywhere, concurrent commits share records."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+
+from dualpath.bus.embedded import EmbeddedNats
+from dualpath.ha.replicated_index import ReplicatedIndex
+
+pytestmark = pytest.mark.anyio
+
+SUBJECT = "t.kvp.log"
+
+
+@pytest.fixture()
+def js_server(tmp_path):
+    server = EmbeddedNats(jetstream_dir=str(tmp_path / "js")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def _replica(url: str, **kw) -> tuple[nats.NATS, ReplicatedIndex]:
+    nc = await nats.connect(url)
+    index = ReplicatedIndex(nc.jetstream(), "t", SUBJECT, **kw)
+    await index.start(replicas=1, timeout=20)
+    return nc, index
+
+
+async def test_a_commit_on_one_replica_is_a_hit_on_the_other_and_on_a_replica_started_later(js_server):
+    nc_a, a = await _replica(js_server.url)
+    nc_b, b = await _replica(js_server.url)
+    try:
+        await a.commit(7, [11, 12, 13])
+        await b.commit(7, [11, 12, 13, 14], start=3)
+        await a.wait_applied(b.applied)
+        assert a.longest_prefix(7, [11, 12, 13, 14, 15]) == 4
+        await b.wait_applied(a.applied)
+        assert b.longest_prefix(7, [11, 12, 13, 14]) == 4
+        await a.remove(7, [13])
+        await b.wait_applied(a.applied)
+        assert b.longest_prefix(7, [11, 12, 13, 14]) == 2
+        nc_c, c = await _replica(js_server.url)  # replays the whole stream before it serves
+        try:
+            assert c.longest_prefix(7, [11, 12, 13, 14]) == 2
+            assert len(c) == len(a) == len(b) == 2
+        finally:
+            await c.close()
+            await nc_c.close()
+    finally:
+        for idx, nc in ((a, nc_a), (b, nc_b)):
+            await idx.close()
+            await nc.close()
+
+
+async def test_evictions_chosen_by_the_committing_replica_apply_on_every_replica(js_server):
+    nc_a, a = await _replica(js_server.url, capacity_blocks=3)
+    nc_b, b = await _replica(js_server.url, capacity_blocks=3)
+    try:
+        await a.commit(1, [1, 2])
+        assert await a.commit(1, [5, 6]) == [2]  # a leaf, the least recently used block
+        assert await a.commit(1, [8]) == [1]
+        await b.wait_applied(a.applied)
+        assert sorted(b.index.unindexed(1, [1, 2, 5, 6, 8])) == [1, 2]
+        assert len(a) == len(b) == 3
+    finally:
+        for idx, nc in ((a, nc_a), (b, nc_b)):
+            await idx.close()
+            await nc.close()
+
+
+async def test_concurrent_commits_share_stream_records(js_server):
+    nc, a = await _replica(js_server.url)
+    try:
+        await asyncio.gather(*(a.commit(3, [100 + i]) for i in range(200)))
+        assert len(a) == 200
+        assert a.records < 200  # group commit: fewer stream messages than commits
+    finally:
+        await a.close()
+        await nc.close()
