@@ -1,16 +1,30 @@
 """Process runtime shared by every service: logging, tracing, metrics, bus connection, clean shutdown.
 
-A service is an ``async def main(bus, stop: asyncio.Event)`` coroutine; ``run_service``
-configures the process, connects to NATS, runs it, and on SIGINT/SIGTERM sets ``stop`` so the
-service finishes in-flight work and exits with status 0.
+A service is an ``async def main(bus, stop, tasks)`` coroutine (``async def main(bus, stop)`` is
+still accepted). ``run_service`` configures the process and opens two task groups, one inside
+the other, so every task of the process has an owner:
+
+- the bus's handler group (``Bus.open``): one task per message being handled;
+- the service's own group, ``tasks``, handed to ``main``: background work the service starts
+  (dispatches, periodic reports, persists) goes there with ``tasks.start_soon``, never as a
+  bare ``create_task``.
+
+On SIGINT/SIGTERM ``stop`` is set; ``main`` finishes in-flight work and returns; the service's
+own tasks get ``_GRACE_S`` seconds to end before they are cancelled; then the bus closes
+(in-flight handlers get their own grace) and the process exits with status 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import signal
 import sys
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Union
+
+import anyio
+from anyio.abc import TaskGroup
 
 from dualpath.bus import Bus
 from dualpath.config import BusConfig
@@ -20,7 +34,18 @@ from dualpath.telemetry.tracing import configure_tracing, shutdown_tracing
 
 __all__ = ["ServiceMain", "periodic", "run_service"]
 
-ServiceMain = Callable[[Bus, asyncio.Event], Awaitable[None]]
+ServiceMain = Union[Callable[[Bus, asyncio.Event, TaskGroup], Awaitable[None]], Callable[[Bus, asyncio.Event], Awaitable[None]]]
+if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport there
+    from exceptiongroup import BaseExceptionGroup
+
+_GRACE_S = 5.0  # seconds the service's own tasks get to end after ``main`` returned
+
+
+async def _call_main(main: ServiceMain, bus: Bus, stop: asyncio.Event, tasks: TaskGroup) -> None:
+    if len(inspect.signature(main).parameters) >= 3:
+        await main(bus, stop, tasks)  # type: ignore[call-arg]
+    else:
+        await main(bus, stop)  # type: ignore[call-arg]
 
 
 async def _run(name: str, bus_cfg: BusConfig, main: ServiceMain) -> None:
@@ -29,13 +54,21 @@ async def _run(name: str, bus_cfg: BusConfig, main: ServiceMain) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    bus = await Bus.connect(bus_cfg.urls(), name, **bus_cfg.connect_options())
-    log.info("service_started", nats=bus_cfg.nats_url)
-    try:
-        await main(bus, stop)
-    finally:
-        await bus.close()
-        log.info("service_stopped")
+    async with Bus.open(bus_cfg.urls(), name, **bus_cfg.connect_options()) as bus:
+        log.info("service_started", nats=bus_cfg.nats_url)
+        try:
+            async with anyio.create_task_group() as tasks:
+                await _call_main(main, bus, stop, tasks)
+                tasks.cancel_scope.deadline = anyio.current_time() + _GRACE_S
+        finally:
+            log.info("service_stopped")
+
+
+def _first_error(exc: BaseException) -> BaseException:
+    """The one error inside (nested) single-member exception groups, for a one-line message."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def run_service(name: str, bus_cfg: BusConfig, main: ServiceMain) -> int:
@@ -50,7 +83,7 @@ def run_service(name: str, bus_cfg: BusConfig, main: ServiceMain) -> int:
         return 0
     except Exception as exc:  # noqa: BLE001 - report a clear fatal error, not a traceback
         get_logger(name).exception("service_failed", error=str(exc))
-        print(f"{name}: fatal: {exc}", file=sys.stderr)
+        print(f"{name}: fatal: {_first_error(exc)}", file=sys.stderr)
         return 1
     finally:
         shutdown_metrics()
@@ -65,7 +98,5 @@ async def periodic(stop: asyncio.Event, interval: float, tick: Callable[[], Awai
             await tick()
         except Exception as exc:  # noqa: BLE001 - a failed report must not stop the service
             log.warning("periodic_failed", error=str(exc))
-        try:
-            await asyncio.wait_for(stop.wait(), interval)
-        except asyncio.TimeoutError:
-            pass
+        with anyio.move_on_after(interval):
+            await stop.wait()

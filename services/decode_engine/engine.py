@@ -30,6 +30,7 @@ from dualpath.kv import block_hashes
 from dualpath.model.sampling import SamplingParams, sample
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
+from dualpath.protocol.timeouts import TIMEOUTS
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.tracing import context_from, get_tracer
 from dualpath.transfer import MemoryRegion
@@ -130,7 +131,7 @@ class DecodeEngine:
         r.chain.append(h)
         owner = f"{t.request_id}-g{b}"
         reply = await self.bus.request(self.subjects.tm(self.node_id, "alloc"), m.AllocRequest(request_id=owner, blocks=1, block_bytes=lay.block_bytes),
-                                       m.AllocReply, timeout=5.0)
+                                       m.AllocReply, timeout=TIMEOUTS.tm_alloc)
         region = self._region(reply.region["region_id"])
         dst = region.as_tensor(reply.offset, lay.block_bytes, d.dtype).view(lay.layers, bt, 2, d.kv_heads, d.head_dim)
         dst.copy_(r.seq.kv[:, b * bt:(b + 1) * bt])
@@ -151,7 +152,7 @@ class DecodeEngine:
                     span.set_attributes({"request_id": req.request_id, "blocks": len(req.hashes),
                                          "bytes": len(req.hashes) * self.setup.layout.block_bytes, "node": self.node_id})
                 try:
-                    await self.bus.request(self.subjects.tm(self.node_id, "persist"), req, m.Ok, timeout=60.0)
+                    await self.bus.request(self.subjects.tm(self.node_id, "persist"), req, m.Ok, timeout=TIMEOUTS.tm_persist)
                 except Exception as exc:  # noqa: BLE001 - a lost block is only a future miss
                     span.set_status(Status(StatusCode.ERROR, str(exc)))
                     log.warning("persist_failed", request_id=req.request_id, error=str(exc))

@@ -19,6 +19,7 @@ from dualpath.model.errors import ModelInputError
 from dualpath.protocol import RemoteError
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
+from dualpath.protocol.timeouts import TIMEOUTS
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.tracing import carrier, flush_tracing, get_tracer
 from services.gateway.api_types import ChatCompletionRequest, CompletionRequest
@@ -97,16 +98,16 @@ class Gateway:
 
     @asynccontextmanager
     async def lifespan(self, _app):
-        self.bus = await Bus.connect(self.bus_cfg.urls(), f"gateway-{self.cfg.gateway_id}", **self.bus_cfg.connect_options())
-        await self.bus.subscribe_raw(self.subjects.tokens_wildcard(self.cfg.gateway_id), self.streams.on_message)
-        log.info("gateway_ready", model=self.model_name, port=self.cfg.port)
-        try:
-            yield
-        finally:
-            await self.bus.close()
-            # uvicorn re-raises SIGTERM once shut down, ending the process before main's
-            # shutdown_tracing: the last requests' spans must be out by now.
-            flush_tracing()
+        async with Bus.open(self.bus_cfg.urls(), f"gateway-{self.cfg.gateway_id}", **self.bus_cfg.connect_options()) as bus:
+            self.bus = bus
+            await bus.subscribe_raw(self.subjects.tokens_wildcard(self.cfg.gateway_id), self.streams.on_message)
+            log.info("gateway_ready", model=self.model_name, port=self.cfg.port)
+            try:
+                yield
+            finally:
+                # uvicorn re-raises SIGTERM once shut down, ending the process before main's
+                # shutdown_tracing: the last requests' spans must be out by now.
+                flush_tracing()
 
     # ---- preparation -----------------------------------------------------------------------
     def _check_model(self, name: str) -> None:
@@ -163,7 +164,7 @@ class Gateway:
             return 0
         try:
             reply = await self.bus.request(self.subjects.kv_lookup, m.LookupRequest(model_digest=self.model_digest, hashes=hashes),
-                                           m.LookupReply, timeout=2.0)
+                                           m.LookupReply, timeout=TIMEOUTS.kv_lookup)
             return reply.hit_blocks
         except (BusTimeoutError, RemoteError) as exc:
             log.warning("kv_lookup_failed", error=str(exc))  # serve anyway, as a full recompute
@@ -201,7 +202,7 @@ class Gateway:
                                   reply_subject=self.subjects.tokens(self.cfg.gateway_id, rid), read_path=int(prep.read_path),
                                   block_tokens=self.block_tokens, arrival_ts=time.time(), trace=carrier(root))
             try:
-                await self.bus.request(self.subjects.submit, req, m.SubmitReply, timeout=5.0)
+                await self.bus.request(self.subjects.submit, req, m.SubmitReply, timeout=TIMEOUTS.submit)
             except BusTimeoutError as exc:
                 self.streams.close(rid)
                 raise ApiError(503, f"no scheduler available: {exc}", etype="server_error") from None
@@ -220,7 +221,7 @@ class Gateway:
 
     async def cluster_state(self) -> m.StateReply | None:
         try:
-            return await self.bus.request(self.subjects.sched_state, m.StateRequest(), m.StateReply, timeout=2.0)
+            return await self.bus.request(self.subjects.sched_state, m.StateRequest(), m.StateReply, timeout=TIMEOUTS.sched_state)
         except (BusTimeoutError, RemoteError):
             return None
 

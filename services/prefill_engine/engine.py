@@ -35,6 +35,7 @@ from dualpath.model.sampling import SamplingParams, sample
 from dualpath.protocol import RemoteError
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
+from dualpath.protocol.timeouts import TIMEOUTS
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.tracing import context_from, get_tracer
 from dualpath.transfer import RegionDescriptor
@@ -104,7 +105,7 @@ class PrefillEngine:
         delay = 0.01
         while True:
             try:
-                return await self.bus.request(self.subjects.tm(node, "load"), req, m.LoadReply, timeout=120.0)
+                return await self.bus.request(self.subjects.tm(node, "load"), req, m.LoadReply, timeout=TIMEOUTS.tm_load)
             except RemoteError as exc:
                 if exc.code != m.BUFFER_FULL or time.monotonic() + delay > deadline:
                     raise
@@ -279,7 +280,7 @@ class PrefillEngine:
                                 de_region_id=job.dest.region_id, de_offset=t.de_offset, read_path=t.read_path,
                                 prefill_engine=self.cfg.engine_id, attempt=t.attempt, trace=t.trace, timing=self._ttft_split(job))
             try:
-                await self.bus.request(self.subjects.decode(t.decode_engine), task, m.Ok, timeout=10.0)
+                await self.bus.request(self.subjects.decode(t.decode_engine), task, m.Ok, timeout=TIMEOUTS.decode_dispatch)
             except Exception as exc:  # noqa: BLE001
                 failure = exc
         if failure is not None:
@@ -298,7 +299,8 @@ class PrefillEngine:
         if job.pe_slot:
             job.pe_slot = False
             try:
-                await self.bus.request(self.subjects.tm(self.node_id, "free"), m.FreeRequest(request_id=job.task.request_id), m.Ok, timeout=5.0)
+                await self.bus.request(self.subjects.tm(self.node_id, "free"), m.FreeRequest(request_id=job.task.request_id), m.Ok,
+                                       timeout=TIMEOUTS.tm_free)
             except Exception as exc:  # noqa: BLE001
                 log.warning("pe_slot_free_failed", request_id=job.task.request_id, error=str(exc))
 

@@ -23,6 +23,7 @@ from dualpath.policy.values import Assignment, ReadSide
 from dualpath.protocol import RemoteError
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
+from dualpath.protocol.timeouts import TIMEOUTS
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.tracing import context_from, get_tracer, tracing_enabled
 from services.scheduler.membership import Membership
@@ -199,7 +200,7 @@ class Scheduler:
 
     async def _free_on(self, node: str, request_id: str) -> None:
         try:
-            await self.bus.request(self.subjects.tm(node, "free"), m.FreeRequest(request_id=request_id), m.Ok, timeout=2.0)
+            await self.bus.request(self.subjects.tm(node, "free"), m.FreeRequest(request_id=request_id), m.Ok, timeout=TIMEOUTS.tm_free)
         except Exception:  # noqa: BLE001 - the node may be the one that died
             pass
 
@@ -292,7 +293,8 @@ class Scheduler:
                 block_bytes = self.members.engines[de].block_bytes
                 blocks = -(-len(r.prompt_tokens) // r.block_tokens)
                 slot = await self.bus.request(self.subjects.tm(de_node, "alloc"),
-                                              m.AllocRequest(request_id=r.request_id, blocks=blocks, block_bytes=block_bytes), m.AllocReply, timeout=5.0)
+                                              m.AllocRequest(request_id=r.request_id, blocks=blocks, block_bytes=block_bytes), m.AllocReply,
+                                              timeout=TIMEOUTS.tm_alloc)
                 if not current():
                     # Re-queued meanwhile: release this slot unless the new attempt already holds
                     # it (placed again on the same node; an allocation is idempotent per request).
@@ -304,7 +306,7 @@ class Scheduler:
                                      read_path=int(read_path), prefill_engine=pe, prefill_node=pe_node,
                                      decode_engine=de, decode_node=de_node, de_region=slot.region, de_offset=slot.offset,
                                      attempt=attempt, policy=self.policy.name, trace=r.trace, arrival_ts=r.arrival_ts)
-                await self.bus.request(self.subjects.prefill(pe), task, m.Ok, timeout=5.0)
+                await self.bus.request(self.subjects.prefill(pe), task, m.Ok, timeout=TIMEOUTS.prefill_dispatch)
             except RemoteError as exc:
                 if current():
                     now, full = time.monotonic(), exc.code == m.BUFFER_FULL

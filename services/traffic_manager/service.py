@@ -27,6 +27,7 @@ from dualpath.node import BufferFullError, BufferPool, StorageIO
 from dualpath.node.storage_io import BlockFormat
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
+from dualpath.protocol.timeouts import TIMEOUTS
 from dualpath.runtime import run_service
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.metrics import nic_observations, observe
@@ -120,7 +121,8 @@ class TrafficManager:
 
     async def _drop_from_index(self, digest: int, hashes: list[int]) -> None:
         try:
-            await self.bus.request(self.subjects.kv_remove, m.RemoveRequest(model_digest=digest, hashes=hashes), m.Ok, timeout=5.0)
+            await self.bus.request(self.subjects.kv_remove, m.RemoveRequest(model_digest=digest, hashes=hashes), m.Ok,
+                                   timeout=TIMEOUTS.kv_remove)
         except Exception as exc:  # noqa: BLE001 - the index heals on the next failed read anyway
             log.warning("index_remove_failed", error=str(exc))
 
@@ -137,8 +139,8 @@ class TrafficManager:
                     await self.io.write_blocks(req.model_digest, req.hashes, fmt, src)
                 chain = list(req.parent_chain) + list(req.hashes)
                 with tracer.start_as_current_span("kv.commit", attributes={"blocks": len(req.hashes)}):
-                    await self.bus.request(self.subjects.kv_commit, m.CommitRequest(model_digest=req.model_digest, hashes=chain,
-                                                                                     start=len(req.parent_chain)), m.Ok, timeout=10.0)
+                    commit = m.CommitRequest(model_digest=req.model_digest, hashes=chain, start=len(req.parent_chain))
+                    await self.bus.request(self.subjects.kv_commit, commit, m.Ok, timeout=TIMEOUTS.kv_commit)
         finally:
             if req.free_after:
                 self._release(req.request_id)

@@ -1,6 +1,8 @@
-"""The control-plane bus: a thin NATS client (``client.Bus``) and the embedded server."""
+"""The control-plane bus: a thin NATS client (``client.Bus``), its errors and the embedded server."""
 
-from dualpath.bus.client import Bus, BusTimeoutError
+from dualpath.bus.client import DEFAULT_MAX_IN_FLIGHT, Bus
 from dualpath.bus.embedded import EmbeddedNats, nats_server_binary
+from dualpath.bus.errors import BUSY, BusOverflowError, BusTimeoutError, HandlerError
 
-__all__ = ["Bus", "BusTimeoutError", "EmbeddedNats", "nats_server_binary"]
+__all__ = ["BUSY", "DEFAULT_MAX_IN_FLIGHT", "Bus", "BusOverflowError", "BusTimeoutError", "EmbeddedNats", "HandlerError",
+           "nats_server_binary"]

@@ -1,73 +1,107 @@
 """``Bus``: NATS request/reply and pub/sub for msgpack messages, with trace context in headers.
 
 Services register handlers with ``serve``: each message is decoded (a garbage or wrong-version
-message gets an ``ErrorReply`` and the service keeps serving), runs in its own task inside
-the bus's task group, and its return value is the reply. ``request`` raises ``RemoteError``
-when the other side answered with an error and ``BusTimeoutError`` when nobody answered.
+message gets an ``ErrorReply`` and the service keeps serving) and runs as its own task in the
+task group the bus was given (``Bus.open`` makes one; the service runner opens it), and its
+return value is the reply. Each subscription runs at most ``max_in_flight`` handlers at once:
+past that a request is answered at once with a ``BUSY`` error reply and a publish is dropped,
+and the overflow is reported as a ``BusOverflowError`` (nats.py reports a slow consumer the same
+way), so nothing queues without bound. ``request`` raises ``RemoteError`` when the other side
+answered with an error and ``BusTimeoutError`` when nobody answered; its timeout comes from
+``dualpath.protocol.timeouts.TIMEOUTS``.
 """
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any, Awaitable, Callable, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
+import anyio
 import nats
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
-from opentelemetry import context as otel_context, propagate
+from anyio.abc import TaskGroup
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from opentelemetry import context as otel_context
+from opentelemetry import propagate
 
+from dualpath.bus.errors import BUSY, BusOverflowError, BusTimeoutError, HandlerError
 from dualpath.protocol import ProtocolError, RemoteError, decode, encode
 from dualpath.protocol.messages import ErrorReply
 from dualpath.telemetry.logs import get_logger
 
-__all__ = ["Bus", "BusTimeoutError", "HandlerError"]
+__all__ = ["BUSY", "DEFAULT_MAX_IN_FLIGHT", "Bus", "BusOverflowError", "BusTimeoutError", "HandlerError"]
 
 log = get_logger("bus")
 T = TypeVar("T")
-
-
-class BusTimeoutError(TimeoutError):
-    """Raised by ``Bus.request`` when no reply came within the timeout (or nobody listens)."""
-
-    def __init__(self, subject: str, timeout: float, no_responders: bool = False) -> None:
-        why = "no service listens" if no_responders else f"no reply within {timeout:.1f}s"
-        super().__init__(f"{subject}: {why}")
-        self.subject = subject
-        self.no_responders = no_responders
-
-
-class HandlerError(Exception):
-    """Raise inside a handler to answer with a specific error code (400, 404, 409, 503 ...)."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 Handler = Callable[[Any], Awaitable[Any]]
+ErrorCallback = Callable[[Exception], Awaitable[None]]
+
+DEFAULT_MAX_IN_FLIGHT = 1024  # handlers one subscription runs at once (nats.py buffers 512 Ki messages per subscription)
+_CLOSE_GRACE_S = 2.0  # how long ``close`` lets in-flight handlers finish before cancelling them
+
+
+async def _log_error(exc: Exception) -> None:
+    log.warning("nats_error", error=str(exc), kind=type(exc).__name__)
+
+
+@dataclass(slots=True)
+class _Served:
+    """One ``serve`` subscription: its handler limit and counters."""
+
+    subject: str
+    limit: int
+    in_flight: int = 0
+    refused: int = 0  # messages answered BUSY or dropped because ``limit`` handlers were running
 
 
 class Bus:
-    """One NATS connection of one service."""
+    """One NATS connection of one service; handlers run in ``tasks``."""
 
-    def __init__(self, nc: nats.NATS, name: str) -> None:
+    def __init__(self, nc: nats.NATS, name: str, tasks: TaskGroup, *, error_cb: ErrorCallback = _log_error) -> None:
         self.nc = nc
         self.name = name
-        self._tasks: set[asyncio.Task] = set()
-        self._subs = []
+        self._tasks = tasks
+        self._error_cb = error_cb
+        self._subs: list[Subscription] = []
+        self._served: list[_Served] = []
+        self._scopes: set[anyio.CancelScope] = set()  # one per running handler, cancelled by ``close``
+        self._idle: anyio.Event | None = None  # set when the last handler ends while ``close`` waits
+        self._closing = False
 
     @classmethod
-    async def connect(cls, url: str | list[str], name: str, **options) -> "Bus":
-        """Connect (with reconnects forever) to ``url``; options go to ``nats.connect``.
+    async def connect(cls, url: str | list[str], name: str, *, tasks: TaskGroup, **options: Any) -> Bus:
+        """Connect (with reconnects forever) to ``url``; handlers will run in ``tasks``.
 
-        ``options`` may carry ``user_credentials``, ``tls`` etc. (see ``dualpath.config.BusConfig``).
+        ``options`` go to ``nats.connect`` and may carry ``user_credentials``, ``tls`` etc.
+        (see ``dualpath.config.BusConfig``).
         """
-        async def on_error(exc: Exception) -> None:
-            log.warning("nats_error", error=str(exc))
-
         nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                error_cb=on_error, allow_reconnect=True, **options)
-        return cls(nc, name)
+                                error_cb=_log_error, allow_reconnect=True, **options)
+        return cls(nc, name, tasks)
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, url: str | list[str], name: str, **options: Any) -> AsyncIterator[Bus]:
+        """``async with Bus.open(url, name) as bus``: a connection with its own handler task group.
+
+        On exit the bus is closed (``close``) and every handler task has ended.
+        """
+        async with anyio.create_task_group() as tasks:
+            bus = await cls.connect(url, name, tasks=tasks, **options)
+            try:
+                yield bus
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await bus.close()
+
+    @property
+    def refused(self) -> int:
+        """Messages refused so far because a subscription was at its handler limit."""
+        return sum(s.refused for s in self._served)
 
     # ---- sending ---------------------------------------------------------------------------
     @staticmethod
@@ -79,11 +113,11 @@ class Bus:
     async def publish(self, subject: str, msg: Any) -> None:
         await self.nc.publish(subject, encode(msg), headers=self._headers())
 
-    async def request(self, subject: str, msg: Any, reply_type: type[T], *, timeout: float = 5.0) -> T:
-        """Send ``msg`` and wait for a ``reply_type`` answer.
+    async def request(self, subject: str, msg: Any, reply_type: type[T], *, timeout: float) -> T:
+        """Send ``msg`` and wait for a ``reply_type`` answer (``timeout``: a ``TIMEOUTS`` entry).
 
         Raises:
-            RemoteError: the service answered with an ErrorReply.
+            RemoteError: the service answered with an ErrorReply (code ``BUSY``: it was at its limit).
             BusTimeoutError: no answer in time, or no service subscribed.
             ProtocolError: the answer was not a ``reply_type``.
         """
@@ -99,28 +133,60 @@ class Bus:
         return answer
 
     # ---- serving ---------------------------------------------------------------------------
-    async def serve(self, subject: str, handler: Handler, *accepts: type, queue: str = "") -> None:
+    async def serve(self, subject: str, handler: Handler, *accepts: type, queue: str = "",
+                    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
         """Run ``handler(message)`` for every message of the ``accepts`` types on ``subject``.
 
-        The handler's return value (a message or None) is the reply when the sender waits
-        for one. Each message runs in its own task, so a slow handler does not block others.
+        Returns once the server has the subscription. The handler's return value (a message or
+        None) is the reply when the sender waits for one. Each message runs in its own task, so a slow handler does not block others;
+        at most ``max_in_flight`` run at once (see the module docstring for what happens past it).
         """
-        async def on_msg(raw) -> None:
-            self._spawn(self._handle(raw, handler, accepts))
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
+        served = _Served(subject, max_in_flight)
 
+        async def on_msg(raw: Msg) -> None:
+            if self._closing:
+                return
+            if served.in_flight >= served.limit:
+                await self._refuse(served, raw)
+                return
+            served.in_flight += 1
+            self._tasks.start_soon(self._run_handler, served, raw, handler, accepts, name=f"bus:{subject}")
+
+        self._served.append(served)
         self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_msg))
+        await self.nc.flush()  # the server knows the subscription before anyone is told we serve
 
-    async def subscribe_raw(self, subject: str, cb) -> Any:
+    async def subscribe_raw(self, subject: str, cb: Callable[[Msg], Awaitable[None]]) -> Subscription:
+        """Subscribe ``cb`` to raw messages; it runs in order, in the subscription's own delivery task."""
         sub = await self.nc.subscribe(subject, cb=cb)
         self._subs.append(sub)
+        await self.nc.flush()
         return sub
 
-    def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    async def _refuse(self, served: _Served, raw: Msg) -> None:
+        served.refused += 1
+        err = BusOverflowError(served.subject, served.limit, served.refused)
+        if raw.reply:
+            await self.nc.publish(raw.reply, encode(ErrorReply(code=BUSY, message=str(err))))
+        if served.refused & (served.refused - 1) == 0:  # 1st, 2nd, 4th, 8th ...: an overload does not flood the log
+            await self._error_cb(err)
 
-    async def _handle(self, raw, handler: Handler, accepts: tuple[type, ...]) -> None:
+    async def _run_handler(self, served: _Served, raw: Msg, handler: Handler, accepts: tuple[type, ...]) -> None:
+        try:
+            with anyio.CancelScope() as scope:
+                self._scopes.add(scope)
+                try:
+                    await self._handle(raw, handler, accepts)
+                finally:
+                    self._scopes.discard(scope)
+        finally:
+            served.in_flight -= 1
+            if self._idle is not None and not self._scopes:
+                self._idle.set()
+
+    async def _handle(self, raw: Msg, handler: Handler, accepts: tuple[type, ...]) -> None:
         token = otel_context.attach(propagate.extract(raw.headers or {}))
         try:
             try:
@@ -141,19 +207,22 @@ class Bus:
         finally:
             otel_context.detach(token)
 
-    async def close(self) -> None:
-        """Drain subscriptions, wait for in-flight handlers (bounded), close the connection."""
+    async def close(self, grace: float = _CLOSE_GRACE_S) -> None:
+        """Unsubscribe, let in-flight handlers finish for ``grace`` seconds, cancel the rest, drain."""
+        self._closing = True
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - connection may already be gone
+            except Exception:  # noqa: BLE001, S110 - the connection may already be gone
                 pass
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=2.0)
-            for t in list(self._tasks):
-                t.cancel()
+        if self._scopes:
+            self._idle = anyio.Event()
+            with anyio.move_on_after(grace):
+                await self._idle.wait()
+            for scope in list(self._scopes):
+                scope.cancel()
         if not self.nc.is_closed:
             try:
                 await self.nc.drain()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - fall back to a hard close
                 await self.nc.close()

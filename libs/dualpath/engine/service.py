@@ -10,6 +10,8 @@ import argparse
 import asyncio
 from typing import Callable
 
+from anyio.abc import TaskGroup
+
 from dualpath.bus import Bus
 from dualpath.config import BusConfig, EmulationConfig, EngineConfig, ModelConfigSpec, NodeConfig, add_arguments, from_args
 from dualpath.engine.common import build_engine
@@ -41,7 +43,7 @@ def run_engine(ns: argparse.Namespace, role: str, engine_cls, task_type: type, r
     subjects = Subjects(bus_cfg.namespace)
     task_subject = subjects.prefill if role == "prefill" else subjects.decode
 
-    async def serve(bus: Bus, stop: asyncio.Event) -> None:
+    async def serve(bus: Bus, stop: asyncio.Event, tasks: TaskGroup) -> None:
         import torch
 
         torch.set_num_threads(max(1, cfg.torch_threads))  # oversubscribed threads slow tiny CPU forwards ~50x
@@ -56,7 +58,8 @@ def run_engine(ns: argparse.Namespace, role: str, engine_cls, task_type: type, r
             await bus.publish(subjects.engine_report, engine.report())
 
         try:
-            await asyncio.gather(engine.run(stop), periodic(stop, node.report_interval, report))
+            tasks.start_soon(periodic, stop, node.report_interval, report, name="engine-report")
+            await engine.run(stop)
         finally:
             await setup.close()
 

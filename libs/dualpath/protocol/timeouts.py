@@ -1,0 +1,37 @@
+"""How long each bus request waits for its answer: one table, next to the subjects.
+
+Every ``Bus.request`` names its timeout from ``TIMEOUTS`` (a test checks that no call passes a
+number of its own), so a reader sees in one place what each service is willing to wait for and
+why. The values are upper bounds on a healthy answer, not expected latencies: a request that
+runs past one is treated by its caller as "nobody answered" (``BusTimeoutError``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["TIMEOUTS", "BusTimeouts"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BusTimeouts:
+    """Seconds a requester waits on each endpoint (see ``dualpath.protocol.subjects.Subjects``)."""
+
+    # kv-persistence: index calls are in-memory, commits append one fsync'ed log line.
+    kv_lookup: float = 2.0  # the gateway serves as a full recompute when the index does not answer in time
+    kv_commit: float = 10.0
+    kv_remove: float = 5.0
+    # scheduler: submit only enqueues; state is a snapshot.
+    submit: float = 5.0
+    sched_state: float = 2.0
+    # traffic manager of one node.
+    tm_alloc: float = 5.0
+    tm_free: float = 2.0  # a free is instant; the scheduler frees slots on nodes that may have died
+    tm_load: float = 120.0  # a whole prompt's hit KV read from storage, behind the node's read queue (read_q)
+    tm_persist: float = 60.0  # blocks written to storage (fsync'ed files), then committed to the index
+    # engines: a dispatch is acknowledged once the engine has queued the task.
+    prefill_dispatch: float = 5.0
+    decode_dispatch: float = 10.0  # the decode engine may be busy with a step when the handoff arrives
+
+
+TIMEOUTS = BusTimeouts()

@@ -1,0 +1,184 @@
+"""The bus on a real nats-server: replies, bad messages, the per-subscription handler bound, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import anyio
+import pytest
+
+from dualpath.bus import BUSY, Bus, BusOverflowError, BusTimeoutError, HandlerError
+from dualpath.config import BusConfig
+from dualpath.protocol import RemoteError, decode
+from dualpath.protocol import messages as m
+from dualpath.protocol.messages import ErrorReply
+from dualpath.runtime import run_service
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_a_handler_answers_and_a_garbage_message_gets_a_400_while_serving_goes_on(nats_server) -> None:
+    async with Bus.open(nats_server.url, "t") as bus:
+        async def lookup(req: m.LookupRequest) -> m.LookupReply:
+            return m.LookupReply(hit_blocks=len(req.hashes))
+
+        await bus.serve("t.lookup", lookup, m.LookupRequest)
+        reply = await bus.request("t.lookup", m.LookupRequest(model_digest=1, hashes=[1, 2, 3]), m.LookupReply, timeout=2.0)
+        assert reply.hit_blocks == 3
+        raw = await bus.nc.request("t.lookup", b"\xc1 not msgpack", timeout=2.0)
+        assert decode(raw.data, ErrorReply).code == 400
+        with pytest.raises(RemoteError) as err:
+            await bus.request("t.lookup", m.StateRequest(), m.LookupReply, timeout=2.0)
+        assert err.value.code == 400
+        assert (await bus.request("t.lookup", m.LookupRequest(model_digest=1, hashes=[1]), m.LookupReply, timeout=2.0)).hit_blocks == 1
+
+
+async def test_a_handler_error_becomes_an_error_reply_with_its_code(nats_server) -> None:
+    async with Bus.open(nats_server.url, "t") as bus:
+        async def refuse(_req: m.FreeRequest) -> m.Ok:
+            raise HandlerError(409, "already there")
+
+        await bus.serve("t.free", refuse, m.FreeRequest)
+        with pytest.raises(RemoteError) as err:
+            await bus.request("t.free", m.FreeRequest(request_id="r"), m.Ok, timeout=2.0)
+        assert (err.value.code, err.value.message) == (409, "already there")
+
+
+async def test_a_request_to_a_subject_nobody_serves_is_a_bus_timeout_error_at_once(nats_server) -> None:
+    async with Bus.open(nats_server.url, "t") as bus:
+        t0 = time.monotonic()
+        with pytest.raises(BusTimeoutError) as err:
+            await bus.request("t.nobody", m.FreeRequest(request_id="r"), m.Ok, timeout=5.0)
+        assert err.value.no_responders and time.monotonic() - t0 < 2.0
+
+
+async def test_a_request_past_the_handler_bound_is_answered_busy_at_once_and_reported_as_overflow(nats_server) -> None:
+    reported: list[Exception] = []
+    release = anyio.Event()
+    started = 0
+
+    async def slow(_req: m.FreeRequest) -> m.Ok:
+        nonlocal started
+        started += 1
+        await release.wait()
+        return m.Ok()
+
+    async def on_error(exc: Exception) -> None:
+        reported.append(exc)
+
+    async with Bus.open(nats_server.url, "server") as server, Bus.open(nats_server.url, "client") as client:
+        server._error_cb = on_error
+        await server.serve("t.slow", slow, m.FreeRequest, max_in_flight=2)
+        answers: list[object] = []
+
+        async def ask(i: int) -> None:
+            try:
+                answers.append(await client.request("t.slow", m.FreeRequest(request_id=f"r{i}"), m.Ok, timeout=5.0))
+            except RemoteError as exc:
+                answers.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(2):
+                tg.start_soon(ask, i)
+            while started < 2:
+                await anyio.sleep(0.01)
+            t0 = time.monotonic()
+            await ask(2)  # the third, while two handlers run
+            busy_after = time.monotonic() - t0
+            release.set()
+        busy = [a for a in answers if isinstance(a, RemoteError)]
+        assert len(busy) == 1 and busy[0].code == BUSY and "busy" in busy[0].message
+        assert busy_after < 1.0  # answered, not left to time out
+        assert sum(isinstance(a, m.Ok) for a in answers) == 2
+        assert server.refused == 1
+        assert len(reported) == 1 and isinstance(reported[0], BusOverflowError) and reported[0].subject == "t.slow"
+        # Room again once the handlers ended.
+        assert isinstance(await client.request("t.slow", m.FreeRequest(request_id="again"), m.Ok, timeout=5.0), m.Ok)
+
+
+async def test_publishes_past_the_handler_bound_are_dropped_and_counted(nats_server) -> None:
+    release = anyio.Event()
+    handled = 0
+
+    async def slow(_rep: m.EngineReport) -> None:
+        nonlocal handled
+        await release.wait()
+        handled += 1
+
+    async with Bus.open(nats_server.url, "server") as server, Bus.open(nats_server.url, "client") as client:
+        server._error_cb = _ignore
+        await server.serve("t.report", slow, m.EngineReport, max_in_flight=3)
+        for i in range(10):
+            await client.publish("t.report", m.EngineReport(engine_id=f"e{i}", role=int(m.Role.PREFILL), node_id="n", seq=0, tok=0, free_hbm_tokens=0, capacity_tokens=0))
+        await client.nc.flush()
+        await server.nc.flush()
+        with anyio.fail_after(5):
+            while server.refused < 7:
+                await anyio.sleep(0.01)
+        release.set()
+        with anyio.fail_after(5):
+            while handled < 3:
+                await anyio.sleep(0.01)
+        assert (handled, server.refused) == (3, 7)
+
+
+async def _ignore(_exc: Exception) -> None:
+    pass
+
+
+async def test_closing_the_bus_cancels_a_handler_that_outlives_the_grace(nats_server) -> None:
+    cancelled = anyio.Event()
+
+    async def stuck(_req: m.FreeRequest) -> m.Ok:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            cancelled.set()
+        return m.Ok()
+
+    async with Bus.open(nats_server.url, "client") as client:
+        async with anyio.create_task_group() as handlers:
+            server = await Bus.connect(nats_server.url, "server", tasks=handlers)
+            await server.serve("t.stuck", stuck, m.FreeRequest)
+            with pytest.raises(BusTimeoutError):
+                await client.request("t.stuck", m.FreeRequest(request_id="r"), m.Ok, timeout=0.3)
+            t0 = time.monotonic()
+            await server.close(grace=0.2)
+        assert cancelled.is_set() and time.monotonic() - t0 < 3.0
+        assert server.nc.is_closed
+
+
+def test_the_service_runner_hands_main_a_task_group_and_ends_its_tasks_after_main_returns(nats_server, monkeypatch) -> None:
+    """A background task still running when ``main`` returns is cancelled after the grace; the service exits 0."""
+    import dualpath.runtime as runtime
+
+    monkeypatch.setattr(runtime, "_GRACE_S", 0.2)
+    seen: dict[str, object] = {}
+
+    async def main(bus: Bus, stop: asyncio.Event, tasks) -> None:
+        async def forever() -> None:
+            try:
+                await anyio.sleep_forever()
+            finally:
+                seen["background_cancelled"] = True
+
+        async def echo(req: m.FreeRequest) -> m.Ok:
+            return m.Ok(detail=req.request_id)
+
+        tasks.start_soon(forever)
+        await bus.serve("svc.echo", echo, m.FreeRequest)
+        seen["echo"] = (await bus.request("svc.echo", m.FreeRequest(request_id="x"), m.Ok, timeout=2.0)).detail
+
+    t0 = time.monotonic()
+    assert run_service("test-svc", BusConfig(nats_url=nats_server.url), main) == 0
+    assert seen == {"echo": "x", "background_cancelled": True}
+    assert time.monotonic() - t0 < 10.0
+
+
+def test_a_service_whose_main_fails_exits_1_with_a_one_line_message(nats_server, capsys) -> None:
+    async def main(_bus: Bus, _stop: asyncio.Event) -> None:
+        raise RuntimeError("the index is corrupt")
+
+    assert run_service("test-svc", BusConfig(nats_url=nats_server.url), main) == 1
+    assert "test-svc: fatal: the index is corrupt" in capsys.readouterr().err
