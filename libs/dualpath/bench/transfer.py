@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dualpath.transfer.base import create_transport
+from dualpath.transfer.factory import create_transport
 from dualpath.bench.mooncake import MooncakeLoopback, mooncake_status
 from dualpath.transfer.peer import spawn_peer
 from dualpath.transfer.region import MemoryRegion

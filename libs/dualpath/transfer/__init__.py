@@ -3,10 +3,11 @@
 Bulk bytes move here, never over NATS: a transport registers ``MemoryRegion``s, hands out
 ``RegionDescriptor``s (plain dicts on the wire) for the control plane to deliver, and does
 one-sided batched ``read``/``write`` of ``TransferEntry`` lists with a ``TrafficClass`` per
-batch. An ``EmulatedNic`` shapes a transport's traffic to a link rate with two priorities.
+batch. An ``EmulatedNic`` shapes traffic to a link rate with two priorities; a ``DuplexNic``
+is a full-duplex pair of them. ``create_transport`` (``factory``) builds a transport by name.
 """
 
-from dualpath.transfer.base import TRANSPORT_NAMES, Transport, create_transport
+from dualpath.transfer.base import Transport
 from dualpath.transfer.errors import (
     OutOfBoundsError,
     PeerLostError,
@@ -17,12 +18,14 @@ from dualpath.transfer.errors import (
     TransportUnavailableError,
     UnknownRegionError,
 )
-from dualpath.transfer.nic import EmulatedNic, split_entries
+from dualpath.transfer.factory import TRANSPORT_NAMES, create_transport
+from dualpath.transfer.nic import DuplexNic, EmulatedNic, split_entries
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.types import RegionDescriptor, TrafficClass, TransferEntry
 
 __all__ = [
     "TRANSPORT_NAMES",
+    "DuplexNic",
     "EmulatedNic",
     "MemoryRegion",
     "OutOfBoundsError",

@@ -1,4 +1,4 @@
-"""The transport interface every data-plane transport implements, and its factory.
+"""The transport interface every data-plane transport implements (``factory`` builds them).
 
 A transport serves the memory regions registered with it and moves bytes one-sided: the
 initiator names remote ranges and the remote side's code does not take part in the copy
@@ -11,23 +11,14 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Self
 
-from dualpath.transfer.errors import (
-    OutOfBoundsError,
-    TransportUnavailableError,
-    UnknownRegionError,
-)
-from dualpath.transfer.nic import split_entries
+from dualpath.transfer.errors import OutOfBoundsError, UnknownRegionError
+from dualpath.transfer.nic import DuplexNic, EmulatedNic, split_entries
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.types import RegionDescriptor, TrafficClass, TransferEntry
 
-if TYPE_CHECKING:
-    from dualpath.transfer.nic import EmulatedNic
-
-__all__ = ["TRANSPORT_NAMES", "Transport", "check_entries", "create_transport"]
-
-TRANSPORT_NAMES = ("tcp", "shm", "verbs")
+__all__ = ["Transport", "check_entries"]
 
 
 class Transport(abc.ABC):
@@ -40,11 +31,22 @@ class Transport(abc.ABC):
 
     name: str = ""
 
-    def __init__(self, *, node_id: str, nic: EmulatedNic | None = None) -> None:
+    def __init__(self, *, node_id: str, nic: DuplexNic | EmulatedNic | None = None) -> None:
+        """``nic``: the emulated NIC this transport's traffic goes through (testbed); a single
+        ``EmulatedNic`` is a half-duplex link that reads and writes share."""
         self.node_id = node_id
         self.nic = nic
         self._local: dict[str, MemoryRegion] = {}
         self._remote: dict[str, RegionDescriptor] = {}
+
+    @property
+    def nic(self) -> DuplexNic | None:
+        """The emulated NIC of this end (None: not emulated)."""
+        return self._nic
+
+    @nic.setter
+    def nic(self, value: DuplexNic | EmulatedNic | None) -> None:
+        self._nic = DuplexNic.half_duplex(value) if isinstance(value, EmulatedNic) else value
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -92,9 +94,15 @@ class Transport(abc.ABC):
         entries: Sequence[TransferEntry],
         *,
         traffic_class: TrafficClass = TrafficClass.KV,
+        peer_nic: DuplexNic | None = None,
     ) -> int:
         """Copy every entry's remote range into ``local``; return the bytes moved once all of
         them have landed.
+
+        With emulated NICs the batch goes through this end's ``nic`` and ``peer_nic`` (the
+        NIC that serves the remote memory; this end's own for a loopback copy) in chunks of
+        the smaller chunk size, and returns when the last chunk has been sent on every link
+        it occupies (bytes / rate of link time, the last chunk included).
 
         Raises:
             UnknownRegionError: an entry names a region not learned through ``connect`` or
@@ -106,7 +114,7 @@ class Transport(abc.ABC):
             PeerLostError: the peer went away mid-batch.
             TransferTimeoutError: the batch took longer than the transport's timeout.
         """
-        return await self._transfer(local, entries, traffic_class, read=True)
+        return await self._transfer(local, entries, traffic_class, read=True, links=self._links(True, peer_nic))
 
     async def write(
         self,
@@ -114,20 +122,44 @@ class Transport(abc.ABC):
         entries: Sequence[TransferEntry],
         *,
         traffic_class: TrafficClass = TrafficClass.KV,
+        peer_nic: DuplexNic | None = None,
     ) -> int:
         """Copy every entry's local range to its remote region; return the bytes moved once
-        the remote side holds all of them. Raises as ``read``."""
-        return await self._transfer(local, entries, traffic_class, read=False)
+        the remote side holds all of them. Paced and raises as ``read``."""
+        return await self._transfer(local, entries, traffic_class, read=False, links=self._links(False, peer_nic))
 
     @abc.abstractmethod
     async def _transfer(
-        self, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass, *, read: bool
+        self, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass, *, read: bool,
+        links: tuple[EmulatedNic, ...],
     ) -> int:
-        """Move one batch: remote ranges into ``local`` when ``read``, else ``local`` out."""
+        """Move one batch: remote ranges into ``local`` when ``read``, else ``local`` out;
+        every chunk of ``_chunks`` is granted by ``_pace`` on ``links`` before it moves, and
+        the batch ends no earlier than ``sleep_until`` the last grant's end."""
 
-    def _chunks(self, entries: Sequence[TransferEntry]) -> list[list[TransferEntry]]:
-        """The batch in the pieces the emulated NIC paces (whole when there is none)."""
-        return [list(entries)] if self.nic is None else split_entries(entries, self.nic.chunk_bytes)
+    def _links(self, read: bool, peer: DuplexNic | None) -> tuple[EmulatedNic, ...]:
+        """The emulated links one batch occupies (none when neither end is emulated)."""
+        if self._nic is not None:
+            return self._nic.links(read, peer)
+        if peer is not None:
+            return (peer.tx if read else peer.rx,)
+        return ()
+
+    @staticmethod
+    def _chunks(entries: Sequence[TransferEntry], links: tuple[EmulatedNic, ...]) -> list[list[TransferEntry]]:
+        """The batch in the pieces the emulated links pace (whole when there are none)."""
+        if not links:
+            return [list(entries)]
+        return split_entries(entries, min(link.chunk_bytes for link in links))
+
+    @staticmethod
+    async def _pace(links: tuple[EmulatedNic, ...], nbytes: int, cls: TrafficClass) -> float:
+        """Wait until every link has started sending ``nbytes``; return when the last of them
+        will have sent them (``time.monotonic``; 0.0 without links)."""
+        end = 0.0
+        for link in links:
+            end = max(end, await link.acquire(nbytes, cls))
+        return end
 
     def descriptor(self, region_id: str) -> RegionDescriptor:
         """The descriptor of a remote region learned through ``connect``.
@@ -146,7 +178,7 @@ class Transport(abc.ABC):
             raise ValueError(f"another region {region.region_id!r} is already registered")
         self._local[region.region_id] = region
 
-    async def __aenter__(self) -> Transport:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -180,37 +212,3 @@ def check_entries(
             raise OutOfBoundsError(remote.region_id, entry.remote_offset, entry.remote_end - entry.remote_offset, remote.size)
         total += entry.nbytes
     return total
-
-
-def create_transport(
-    name: str,
-    *,
-    node_id: str,
-    host: str = "127.0.0.1",
-    nic: EmulatedNic | None = None,
-    **kw: Any,
-) -> Transport:
-    """Build the transport ``name`` ("tcp", "shm" or "verbs"); call ``start()`` next.
-
-    ``host`` is the address the tcp server (or the verbs connection manager) listens on;
-    extra keywords go to the transport's constructor (e.g. ``timeout_s``, ``port``).
-
-    Raises:
-        TransportUnavailableError: unknown name, or verbs without pyverbs / an RDMA device.
-    """
-    if name == "tcp":
-        from dualpath.transfer.tcp import TcpTransport
-
-        return TcpTransport(node_id=node_id, host=host, nic=nic, **kw)
-    if name == "shm":
-        from dualpath.transfer.shm import ShmTransport
-
-        return ShmTransport(node_id=node_id, nic=nic, **kw)
-    if name == "verbs":
-        from dualpath.transfer.verbs import VerbsTransport, verbs_available
-
-        ok, reason = verbs_available()
-        if not ok:
-            raise TransportUnavailableError("verbs", reason)
-        return VerbsTransport(node_id=node_id, host=host, nic=nic, **kw)
-    raise TransportUnavailableError(name, f"unknown transport; choose one of {TRANSPORT_NAMES}")

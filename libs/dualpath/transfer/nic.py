@@ -1,39 +1,72 @@
-"""An emulated NIC: one link of a given rate shared by two traffic classes.
+"""Emulated NICs: links of a given rate shared by two traffic classes, full-duplex pairs.
 
-The link is a non-preemptive server of byte jobs: a caller ``acquire``s ``nbytes`` and is
-released when the link starts to send them; the link is then busy for ``nbytes / rate``
-seconds. When both classes wait, ``MODEL`` goes first (strict priority, like the paper's
-high-priority InfiniBand virtual lane) except that ``KV`` earns ``min_kv_share`` of the bytes
-served meanwhile and is sent as soon as that credit covers its next job — the small weight
-IB VL arbitration gives the low lane, so KV never starves. When ``MODEL`` is idle, ``KV``
-gets the whole link.
+An ``EmulatedNic`` is one direction of a link: a non-preemptive server of byte jobs. A
+caller ``acquire``s ``nbytes`` and is released when the link starts to send them; the link
+is then busy for ``nbytes / rate`` seconds, and ``acquire`` returns when that ends (the
+``monotonic`` time a transfer is complete: transports wait for the last chunk's end, so a
+batch costs ``bytes / rate`` of link time, its last chunk included). When both classes wait,
+``MODEL`` goes first (strict priority, like the paper's high-priority InfiniBand virtual lane)
+except that ``KV`` earns ``min_kv_share`` of the bytes served meanwhile and is sent as soon as
+that credit covers its next job — the small weight IB VL arbitration gives the low lane, so
+KV never starves. When ``MODEL`` is idle, ``KV`` gets the whole link.
 
 The schedule is kept on its own timeline (``busy_until``), not on when timers fire: like a
 real NIC, the link keeps sending its queue while the host is slow to wake up, so a late
 timer grants the work that fell due meanwhile (at most ``max_lag_s`` of it) instead of
-losing bandwidth. A link that went idle banks at most ``burst_bytes`` of credit (default:
-10 ms of link time). One NIC serves one asyncio event loop.
+losing bandwidth. A job that finds the link idle starts when it asks (``burst_bytes`` of
+idle credit may be banked; none by default, so an idle link's transfer takes exactly its
+modeled time).
+
+**Shared links.** A link given a ``shared`` key keeps its timeline, queue lengths, credit and
+counters in a small shared-memory segment guarded by ``flock``, so several processes on one
+host charge one link: the paper's hardware has one NIC per GPU, and a transfer touches the
+NICs at *both* ends (an engine reading a decode node's buffer is paced by the decode GPU's
+CNIC too, whoever initiates it). Each process queues its own waiters; whichever process's
+timer finds the link free grants its next job, MODEL before KV across all of them.
+``EmulatedNic.attach(key)`` finds a link another process created (clocks are
+``time.monotonic``: one system-wide clock).
+
+A ``DuplexNic`` is a full-duplex NIC: separate ``rx`` (into the GPU or host) and ``tx`` (out
+of it) links, as real 400 Gbps NICs are. ``DuplexNic.links(read, peer)`` names the links one
+transfer occupies: a read takes the initiator's ``rx`` and the peer's ``tx``; a write the
+initiator's ``tx`` and the peer's ``rx``; a loopback copy (the peer is the initiator's own
+NIC, e.g. a GPU's H2D through its CNIC) takes both directions of that one NIC.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import hashlib
+import mmap
+import os
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from dualpath.transfer.types import TrafficClass, TransferEntry
 
-__all__ = ["EmulatedNic", "chunk_bytes_for", "split_entries"]
+__all__ = ["DuplexNic", "EmulatedNic", "chunk_bytes_for", "sleep_until", "split_entries"]
 
 _HISTORY_S = 10.0  # grants older than this are dropped from the utilisation window
+
+# Fields of a link's state (float64 each), private or in shared memory.
+_BUSY, _CREDIT, _Q_MODEL, _Q_KV, _BUSY_S, _SENT_MODEL, _SENT_KV, _RATE, _CHUNK, _MIN_KV = range(10)
+_FIELDS = 10
+_QUEUED = {TrafficClass.MODEL: _Q_MODEL, TrafficClass.KV: _Q_KV}
+_SENT = {TrafficClass.MODEL: _SENT_MODEL, TrafficClass.KV: _SENT_KV}
+_SHM_DIR = "/dev/shm"
+_attached: dict[str, EmulatedNic] = {}  # shared links this process has opened, by key
 
 
 @dataclass(slots=True)
 class _Waiter:
     nbytes: int
-    future: asyncio.Future[None]
+    future: asyncio.Future[float]
 
 
 def chunk_bytes_for(rate_bytes_per_s: float) -> int:
@@ -42,11 +75,70 @@ def chunk_bytes_for(rate_bytes_per_s: float) -> int:
     return int(min(max(rate_bytes_per_s * 0.002, 16 * 1024), 4 * 1024 * 1024))
 
 
+async def sleep_until(deadline: float) -> None:
+    """Sleep until ``time.monotonic()`` reaches ``deadline`` (no-op when it has)."""
+    left = deadline - time.monotonic()
+    if left > 0:
+        await asyncio.sleep(left)
+
+
+def _shm_path(key: str) -> str:
+    return os.path.join(_SHM_DIR, "dualpath-nic-" + hashlib.blake2b(key.encode(), digest_size=10).hexdigest())
+
+
+class _State:
+    """A link's state array and the lock around updates to it (a no-op when private)."""
+
+    def __init__(self, arr: np.ndarray, fd: int | None = None, mapping: mmap.mmap | None = None, path: str = "") -> None:
+        self.arr = arr
+        self._fd = fd
+        self._mapping = mapping
+        self.path = path
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[np.ndarray]:
+        if self._fd is None:
+            yield self.arr
+            return
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield self.arr
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    @classmethod
+    def create(cls, key: str) -> _State:
+        path = _shm_path(key)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(fd, _FIELDS * 8)
+        mapping = mmap.mmap(fd, _FIELDS * 8)
+        return cls(np.ndarray((_FIELDS,), dtype=np.float64, buffer=mapping), fd, mapping, path)
+
+    @classmethod
+    def open(cls, key: str) -> _State:
+        """Raises: FileNotFoundError: no process created the link ``key`` on this host."""
+        path = _shm_path(key)
+        fd = os.open(path, os.O_RDWR)
+        mapping = mmap.mmap(fd, _FIELDS * 8)
+        return cls(np.ndarray((_FIELDS,), dtype=np.float64, buffer=mapping), fd, mapping, path)
+
+    def close(self, *, unlink: bool) -> None:
+        if self._fd is None:
+            return
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        os.close(self._fd)
+        self._fd = None
+
+
 class EmulatedNic:
-    """A two-class shaped link of ``rate_bytes_per_s``.
+    """A two-class shaped link of ``rate_bytes_per_s`` (one direction of a NIC).
 
     ``chunk_bytes`` is the size transports split batches into before acquiring, so a
-    ``MODEL`` job never waits behind more than one ``KV`` chunk.
+    ``MODEL`` job never waits behind more than one ``KV`` chunk. ``shared``: a host-wide key
+    under which other processes ``attach`` to this link (this object owns it and removes it
+    on ``close``).
     """
 
     def __init__(
@@ -58,6 +150,7 @@ class EmulatedNic:
         chunk_bytes: int | None = None,
         min_kv_share: float = 0.01,
         max_lag_s: float = 0.1,
+        shared: str | None = None,
     ) -> None:
         """Raises:
         ValueError: a non-positive rate, or ``min_kv_share`` outside ``(0, 0.5]``.
@@ -66,69 +159,108 @@ class EmulatedNic:
             raise ValueError(f"NIC rate must be positive, got {rate_bytes_per_s}")
         if not 0 < min_kv_share <= 0.5:
             raise ValueError(f"min_kv_share must be in (0, 0.5], got {min_kv_share}")
+        chunk = chunk_bytes or chunk_bytes_for(float(rate_bytes_per_s))
+        state = _State.create(shared) if shared else _State(np.zeros(_FIELDS, dtype=np.float64))
+        with state.locked() as st:
+            st[:] = 0.0
+            st[_RATE], st[_CHUNK], st[_MIN_KV] = float(rate_bytes_per_s), chunk, min_kv_share
+        self._init(name, state, burst_bytes, max_lag_s, owner=True)
+        if shared:
+            _attached[shared] = self
+        self.key = shared or ""
+
+    def _init(self, name: str, state: _State, burst_bytes: int | None, max_lag_s: float, *, owner: bool) -> None:
+        st = state.arr
         self.name = name
-        self.rate = float(rate_bytes_per_s)
-        self.chunk_bytes = chunk_bytes or chunk_bytes_for(self.rate)
-        # 10 ms of credit: a timer that fires late (a busy host) costs no bandwidth.
-        default_burst = max(self.chunk_bytes, int(self.rate * 0.010))
-        self.burst_bytes = default_burst if burst_bytes is None else burst_bytes
+        self._state = state
+        self._owner = owner
+        self.rate = float(st[_RATE])
+        self.chunk_bytes = int(st[_CHUNK])
+        self.burst_bytes = 0 if burst_bytes is None else burst_bytes
         self.max_lag_s = max_lag_s
-        self._kv_weight = min_kv_share / (1.0 - min_kv_share)
+        self._kv_weight = float(st[_MIN_KV]) / (1.0 - float(st[_MIN_KV]))
         self._queues: dict[TrafficClass, deque[_Waiter]] = {c: deque() for c in TrafficClass}
-        self._queued = dict.fromkeys(TrafficClass, 0)
-        self._sent = dict.fromkeys(TrafficClass, 0)
-        self._kv_credit = 0.0
-        self._busy_until = 0.0
-        self._busy_s = 0.0
         self._grants: deque[tuple[float, float, TrafficClass, int]] = deque()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_loop: asyncio.AbstractEventLoop | None = None
 
-    async def acquire(self, nbytes: int, traffic_class: TrafficClass = TrafficClass.KV) -> None:
-        """Wait until the link starts sending ``nbytes`` of ``traffic_class``.
+    @classmethod
+    def attach(cls, key: str, *, name: str = "") -> EmulatedNic:
+        """The shared link ``key`` (created by this or another process on this host); one
+        object per key per process.
+
+        Raises:
+            FileNotFoundError: no process created it.
+        """
+        nic = _attached.get(key)
+        if nic is not None:
+            return nic
+        nic = cls.__new__(cls)
+        nic._init(name or key, _State.open(key), None, 0.1, owner=False)
+        nic.key = key
+        _attached[key] = nic
+        return nic
+
+    def close(self) -> None:
+        """Release a shared link's memory (the owner also removes it); idempotent."""
+        if self.key and _attached.get(self.key) is self:
+            del _attached[self.key]
+        self._state.close(unlink=self._owner)
+
+    async def acquire(self, nbytes: int, traffic_class: TrafficClass = TrafficClass.KV) -> float:
+        """Wait until the link starts sending ``nbytes`` of ``traffic_class``; return the
+        ``time.monotonic()`` at which the link will have sent them (the job's completion).
 
         Cancelling the caller before its turn gives the turn up; nothing is accounted.
         """
         if nbytes <= 0:
-            return
+            return time.monotonic()
         loop = asyncio.get_running_loop()
         waiter = _Waiter(nbytes, loop.create_future())
-        if not any(self._queues.values()):
-            # Nothing was queued: the link may have been idle, and idle time banks at most
-            # ``burst_bytes`` of credit.
-            floor = time.monotonic() - self.burst_bytes / self.rate
-            self._busy_until = max(self._busy_until, floor)
+        with self._state.locked() as st:
+            if st[_Q_MODEL] + st[_Q_KV] <= 0:
+                # Nothing was queued anywhere: the link may have been idle, and idle time banks
+                # at most ``burst_bytes`` of credit.
+                st[_BUSY] = max(st[_BUSY], time.monotonic() - self.burst_bytes / self.rate)
+            st[_QUEUED[traffic_class]] += nbytes
         self._queues[traffic_class].append(waiter)
-        self._queued[traffic_class] += nbytes
         self._dispatch()
         try:
-            await waiter.future
+            return await waiter.future
         except asyncio.CancelledError:
             if waiter in self._queues[traffic_class]:
                 self._queues[traffic_class].remove(waiter)
-                self._queued[traffic_class] -= nbytes
+                with self._state.locked() as st:
+                    st[_QUEUED[traffic_class]] = max(0.0, st[_QUEUED[traffic_class]] - nbytes)
                 self._dispatch()
             raise
 
+    async def send(self, nbytes: int, traffic_class: TrafficClass = TrafficClass.KV) -> None:
+        """Acquire ``nbytes`` and wait until the link has sent them (a whole job's time)."""
+        await sleep_until(await self.acquire(nbytes, traffic_class))
+
     def queued_bytes(self, traffic_class: TrafficClass) -> int:
-        """Bytes of ``traffic_class`` waiting for the link (the class's queue length)."""
-        return self._queued[traffic_class]
+        """Bytes of ``traffic_class`` waiting for the link (the class's queue length, all
+        processes of a shared link)."""
+        return int(self._state.arr[_QUEUED[traffic_class]])
 
     def bytes_sent(self, traffic_class: TrafficClass) -> int:
         """Bytes of ``traffic_class`` the link has started sending since creation."""
-        return self._sent[traffic_class]
+        return int(self._state.arr[_SENT[traffic_class]])
 
     @property
     def busy_seconds(self) -> float:
         """Total link time granted so far (bytes sent / rate)."""
-        return self._busy_s
+        return float(self._state.arr[_BUSY_S])
 
     def utilisation(self, window_s: float = 1.0) -> float:
-        """Fraction of the last ``window_s`` seconds the link spent sending (0..1)."""
+        """Fraction of the last ``window_s`` seconds the link spent sending (0..1) — the
+        grants this process made (all of them for a private link)."""
         return sum(self._overlaps(window_s, None)) / window_s
 
     def throughput(self, traffic_class: TrafficClass, window_s: float = 1.0) -> float:
-        """Bytes per second of ``traffic_class`` over the last ``window_s`` seconds."""
+        """Bytes per second of ``traffic_class`` over the last ``window_s`` seconds (grants
+        made by this process)."""
         return sum(self._overlaps(window_s, traffic_class)) * self.rate / window_s
 
     def _overlaps(self, window_s: float, cls: TrafficClass | None) -> Iterator[float]:
@@ -141,54 +273,66 @@ class EmulatedNic:
             if overlap > 0:
                 yield overlap
 
-    def _pick(self) -> tuple[TrafficClass, _Waiter] | None:
+    def _pick(self, st: np.ndarray) -> tuple[TrafficClass, _Waiter] | None:
+        """This process's next job, or None (nothing here, or only KV held back by MODEL
+        waiting in another process)."""
         model = self._queues[TrafficClass.MODEL]
         kv = self._queues[TrafficClass.KV]
-        if model and kv:
-            if self._kv_credit >= kv[0].nbytes:
-                self._kv_credit -= kv[0].nbytes
-                return TrafficClass.KV, kv.popleft()
-            self._kv_credit += model[0].nbytes * self._kv_weight
-            return TrafficClass.MODEL, model.popleft()
-        self._kv_credit = 0.0  # credit is owed only while KV waits behind MODEL
         if model:
+            if kv and st[_CREDIT] >= kv[0].nbytes:
+                st[_CREDIT] -= kv[0].nbytes
+                return TrafficClass.KV, kv.popleft()
+            if st[_Q_KV] > 0:  # KV waits somewhere behind this MODEL job: it earns its share
+                st[_CREDIT] += model[0].nbytes * self._kv_weight
             return TrafficClass.MODEL, model.popleft()
-        if kv:
-            return TrafficClass.KV, kv.popleft()
-        return None
+        if not kv:
+            return None
+        if st[_Q_MODEL] > 0:  # MODEL waits in another process: KV goes only on credit
+            if st[_CREDIT] >= kv[0].nbytes:
+                st[_CREDIT] -= kv[0].nbytes
+                return TrafficClass.KV, kv.popleft()
+            return None
+        st[_CREDIT] = 0.0  # credit is owed only while KV waits behind MODEL
+        return TrafficClass.KV, kv.popleft()
 
     def _dispatch(self) -> None:
         now = time.monotonic()
-        # Work queued while the host was slow to wake us is granted now, up to max_lag_s.
-        self._busy_until = max(self._busy_until, now - self.max_lag_s)
-        # One grant per call: when several are due (catching up, or a burst after idle), the
-        # next waits one loop iteration, so the tasks just granted can queue again first and
-        # the priority order holds within the burst.
-        while self._busy_until <= now:
-            picked = self._pick()
-            if picked is None:
+        blocked = False
+        with self._state.locked() as st:
+            # Work queued while the host was slow to wake us is granted now, up to max_lag_s.
+            st[_BUSY] = max(st[_BUSY], now - self.max_lag_s)
+            # One grant per call: when several are due (catching up, or a burst after idle),
+            # the next waits one loop iteration, so the tasks just granted can queue again
+            # first and the priority order holds within the burst.
+            while st[_BUSY] <= now:
+                picked = self._pick(st)
+                if picked is None:
+                    blocked = any(self._queues.values())
+                    break
+                cls, waiter = picked
+                st[_QUEUED[cls]] = max(0.0, st[_QUEUED[cls]] - waiter.nbytes)
+                if waiter.future.done():  # cancelled between wake-up and dispatch
+                    continue
+                start = float(st[_BUSY])
+                duration = waiter.nbytes / self.rate
+                st[_BUSY] = start + duration
+                st[_BUSY_S] += duration
+                st[_SENT[cls]] += waiter.nbytes
+                self._grants.append((start, start + duration, cls, waiter.nbytes))
+                waiter.future.set_result(start + duration)
                 break
-            cls, waiter = picked
-            self._queued[cls] -= waiter.nbytes
-            if waiter.future.done():  # cancelled between wake-up and dispatch
-                continue
-            start = self._busy_until
-            duration = waiter.nbytes / self.rate
-            self._busy_until = start + duration
-            self._busy_s += duration
-            self._sent[cls] += waiter.nbytes
-            self._grants.append((start, start + duration, cls, waiter.nbytes))
-            waiter.future.set_result(None)
-            break
+            busy_until = float(st[_BUSY])
         while self._grants and self._grants[0][1] < now - _HISTORY_S:
             self._grants.popleft()
-        waiting = any(self._queues[c] for c in TrafficClass)
         loop = asyncio.get_running_loop()
         if self._timer_loop is not loop:  # a timer on a finished loop would never fire
             self._timer = None
-        if waiting and self._timer is None:
+        if any(self._queues.values()) and self._timer is None:
+            delay = max(busy_until - now, 0.0)
+            if blocked:  # another process's MODEL job goes first; look again shortly
+                delay = max(delay, 0.25 * self.chunk_bytes / self.rate)
             self._timer_loop = loop
-            self._timer = loop.call_later(max(self._busy_until - now, 0.0), self._on_timer)
+            self._timer = loop.call_later(delay, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -196,6 +340,56 @@ class EmulatedNic:
 
     def __repr__(self) -> str:
         return f"EmulatedNic({self.name!r}, {self.rate / 1e6:.1f} MB/s)"
+
+
+@dataclass(frozen=True, slots=True)
+class DuplexNic:
+    """A full-duplex NIC: ``rx`` carries bytes into its GPU or host, ``tx`` out of it."""
+
+    rx: EmulatedNic
+    tx: EmulatedNic
+
+    @property
+    def name(self) -> str:
+        return self.rx.name.removesuffix("-rx")
+
+    @property
+    def chunk_bytes(self) -> int:
+        return min(self.rx.chunk_bytes, self.tx.chunk_bytes)
+
+    @classmethod
+    def create(cls, rate_bytes_per_s: float, *, name: str, chunk_bytes: int | None = None, shared: str | None = None,
+               min_kv_share: float = 0.01) -> DuplexNic:
+        """Two links of ``rate_bytes_per_s``, shared under ``{shared}-rx``/``-tx`` when a key is given."""
+        return cls(*(EmulatedNic(rate_bytes_per_s, name=f"{name}-{d}", chunk_bytes=chunk_bytes, min_kv_share=min_kv_share,
+                                 shared=f"{shared}-{d}" if shared else None) for d in ("rx", "tx")))
+
+    @classmethod
+    def attach(cls, shared: str) -> DuplexNic:
+        """The duplex NIC another process created under ``shared``.
+
+        Raises:
+            FileNotFoundError: no process created it.
+        """
+        return cls(EmulatedNic.attach(f"{shared}-rx"), EmulatedNic.attach(f"{shared}-tx"))
+
+    @classmethod
+    def half_duplex(cls, link: EmulatedNic) -> DuplexNic:
+        """One link carrying both directions (reads and writes share it)."""
+        return cls(link, link)
+
+    def links(self, read: bool, peer: DuplexNic | None = None) -> tuple[EmulatedNic, ...]:
+        """The links a transfer initiated here occupies: see the module docstring."""
+        own = self.rx if read else self.tx
+        if peer is None:
+            return (own,)
+        other = peer.tx if read else peer.rx
+        return (own,) if other is own else (own, other)
+
+    def close(self) -> None:
+        self.rx.close()
+        if self.tx is not self.rx:
+            self.tx.close()
 
 
 def split_entries(entries: Sequence[TransferEntry], chunk_bytes: int) -> list[list[TransferEntry]]:

@@ -14,11 +14,11 @@ import selectors
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
-from dualpath.transfer.base import create_transport
+from dualpath.transfer.factory import create_transport
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.types import RegionDescriptor
 
@@ -54,7 +54,7 @@ class PeerProcess:
             except subprocess.TimeoutExpired:
                 self.kill()
 
-    def __enter__(self) -> PeerProcess:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

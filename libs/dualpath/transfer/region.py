@@ -17,7 +17,7 @@ import hashlib
 import mmap
 import os
 from multiprocessing import resource_tracker
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
@@ -212,7 +212,7 @@ class MemoryRegion:
         if self.owner:
             resource_tracker.unregister("/" + self.shm_name, _RT_TYPE)
 
-    def __enter__(self) -> MemoryRegion:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from dualpath.transfer.base import Transport, check_entries
 from dualpath.transfer.errors import RegionInUseError, UnknownRegionError
-from dualpath.transfer.nic import EmulatedNic
+from dualpath.transfer.nic import DuplexNic, EmulatedNic, sleep_until
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.types import RegionDescriptor, TrafficClass, TransferEntry
 
@@ -31,7 +31,7 @@ class ShmTransport(Transport):
     name = "shm"
 
     def __init__(
-        self, *, node_id: str, nic: EmulatedNic | None = None, thread_copy_bytes: int = 1 << 20
+        self, *, node_id: str, nic: DuplexNic | EmulatedNic | None = None, thread_copy_bytes: int = 1 << 20
     ) -> None:
         super().__init__(node_id=node_id, nic=nic)
         self.thread_copy_bytes = thread_copy_bytes
@@ -87,20 +87,30 @@ class ShmTransport(Transport):
         self._mapped[remote.region_id] = mapped
 
     async def _transfer(
-        self, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass, *, read: bool
+        self, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass, *, read: bool,
+        links: tuple[EmulatedNic, ...] = (),
     ) -> int:
         """A memcpy per chunk; see ``Transport.read``/``write``."""
         total = check_entries(self, local, entries)
         if total == 0:
             return 0
-        for chunk in self._chunks(entries):
+        if not links:
+            if total >= self.thread_copy_bytes:
+                await anyio.to_thread.run_sync(self._copy_numpy, local, list(entries), read)
+            else:
+                self._copy(local, list(entries), read)
+            return total
+        # Emulated links: chunks are granted in turn and copied once granted; the batch ends
+        # when its last chunk has been sent on every link.
+        end = 0.0
+        for chunk in self._chunks(entries, links):
             nbytes = sum(e.nbytes for e in chunk)
-            if self.nic is not None:
-                await self.nic.acquire(nbytes, cls)
+            end = await self._pace(links, nbytes, cls)
             if nbytes >= self.thread_copy_bytes:
                 await anyio.to_thread.run_sync(self._copy_numpy, local, chunk, read)
             else:
                 self._copy(local, chunk, read)
+        await sleep_until(end)
         return total
 
     def _region(self, region_id: str) -> MemoryRegion:

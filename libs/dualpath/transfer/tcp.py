@@ -21,7 +21,7 @@ import anyio
 from dualpath.transfer._tasks import TaskSet
 from dualpath.transfer.base import Transport, check_entries
 from dualpath.transfer.errors import PeerLostError, TransferTimeoutError
-from dualpath.transfer.nic import EmulatedNic
+from dualpath.transfer.nic import DuplexNic, EmulatedNic, sleep_until
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.tcp_conn import PeerConnection
 from dualpath.transfer.tcp_server import serve_connection
@@ -50,7 +50,7 @@ class TcpTransport(Transport):
         node_id: str,
         host: str = "127.0.0.1",
         port: int = 0,
-        nic: EmulatedNic | None = None,
+        nic: DuplexNic | EmulatedNic | None = None,
         timeout_s: float = 30.0,
         connect_timeout_s: float = 5.0,
         socket_buffer_bytes: int | None = 8 << 20,
@@ -123,7 +123,8 @@ class TcpTransport(Transport):
         )
 
     async def _transfer(
-        self, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass, *, read: bool
+        self, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass, *, read: bool,
+        links: tuple[EmulatedNic, ...] = (),
     ) -> int:
         """One request frame per peer and chunk; see ``Transport.read``/``write``."""
         op = Op.READ if read else Op.WRITE
@@ -147,18 +148,20 @@ class TcpTransport(Transport):
                 conn.abort(TransferTimeoutError(conn.peer, self.timeout_s))
 
         timer = asyncio.get_running_loop().call_later(self.timeout_s, expire)
+        end = 0.0  # when the emulated links will have sent the last chunk
         try:
             for group in groups.values():
                 conn = await self._connection(group.peer)
                 conns.append(conn)
-                for chunk in self._chunks(group.entries):
-                    if self.nic is not None:
-                        await self.nic.acquire(sum(e.nbytes for e in chunk), cls)
+                for chunk in self._chunks(group.entries, links):
+                    if links:
+                        end = max(end, await self._pace(links, sum(e.nbytes for e in chunk), cls))
                     batch_id = next(self._batch_ids)
                     futures.append(await conn.submit(op, cls, batch_id, local, chunk))
-            if len(futures) == 1:
-                return await futures[0]
-            return int(sum(await asyncio.gather(*futures)))
+            moved = await futures[0] if len(futures) == 1 else int(sum(await asyncio.gather(*futures)))
+            if end:
+                await sleep_until(end)
+            return moved
         except PeerLostError as exc:
             if not expired:
                 raise

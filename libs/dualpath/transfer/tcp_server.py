@@ -179,7 +179,7 @@ def _resolve(
         # No array over a region may outlive this call in a frame (a traceback keeps frames):
         # region.close() must not find the buffer still exported.
         arrays.clear()
-        arr = strided = None  # noqa: F841
+        arr = strided = None
     return views
 
 

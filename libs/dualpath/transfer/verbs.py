@@ -30,7 +30,7 @@ from dualpath.transfer.errors import (
     TransportUnavailableError,
     UnknownRegionError,
 )
-from dualpath.transfer.nic import EmulatedNic
+from dualpath.transfer.nic import DuplexNic, EmulatedNic, sleep_until
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.types import RegionDescriptor, TrafficClass, TransferEntry
 from dualpath.transfer.verbs_cm import CmListener, request_answer
@@ -59,7 +59,7 @@ def verbs_available(device: str | None = None) -> tuple[bool, str]:
         )
     try:
         names = [d.name.decode() for d in get_device_list()]
-    except Exception as exc:  # pyverbs raises PyverbsRDMAError when no device node exists
+    except Exception as exc:  # noqa: BLE001 - pyverbs raises PyverbsRDMAError when no device node exists
         return False, f"no RDMA device: listing devices failed ({exc})"
     if not names:
         return False, "no RDMA device found"
@@ -88,7 +88,7 @@ class VerbsTransport(Transport):
         *,
         node_id: str,
         host: str = "127.0.0.1",
-        nic: EmulatedNic | None = None,
+        nic: DuplexNic | EmulatedNic | None = None,
         device: str | None = None,
         port_num: int = 1,
         gid_index: int | None = None,
@@ -220,7 +220,8 @@ class VerbsTransport(Transport):
         return {"endpoint": self.endpoint, **link.local_info()}
 
     async def _transfer(
-        self, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass, *, read: bool
+        self, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass, *, read: bool,
+        links: tuple[EmulatedNic, ...] = (),
     ) -> int:
         """RDMA READ (``read``) or WRITE work requests per chunk; see ``Transport.read``/``write``."""
         total = check_entries(self, local, entries)
@@ -230,13 +231,14 @@ class VerbsTransport(Transport):
         opcode = getattr(dev.pv.e, "IBV_WR_RDMA_READ" if read else "IBV_WR_RDMA_WRITE")
         mr = self._mr(local)
         base = local.address
-        chunks = self._chunks(entries)
+        chunks = self._chunks(entries, links)
         futures: list[asyncio.Future[None]] = []
+        end = 0.0
         try:
             with anyio.fail_after(self.timeout_s):
                 for chunk in chunks:
-                    if self.nic is not None:
-                        await self.nic.acquire(sum(e.nbytes for e in chunk), cls)
+                    if links:
+                        end = await self._pace(links, sum(e.nbytes for e in chunk), cls)
                     for region_id, pieces in self._pieces(chunk, base, dev.max_msg).items():
                         remote = self._remote[region_id]
                         link = await self._link(remote)
@@ -244,6 +246,7 @@ class VerbsTransport(Transport):
                             part = pieces[start : start + self.max_send_wr]
                             futures.append(await self._post(link, cls, opcode, mr, part, remote))
                 await asyncio.gather(*futures)
+                await sleep_until(end)
         except TimeoutError:
             # A QP whose requests never complete is unusable: drop it (its MR stays valid).
             stuck = {id(i.link): i for i in self._inflight.values() if i.future in futures}

@@ -1,0 +1,140 @@
+"""What the emulated NICs charge: completion (the last chunk too), full duplex, both ends of a
+hop, loopback on both directions, and one link shared by several processes."""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+
+import anyio
+import pytest
+from dualpath.transfer import (
+    DuplexNic,
+    EmulatedNic,
+    MemoryRegion,
+    TrafficClass,
+    TransferEntry,
+    create_transport,
+)
+
+pytestmark = pytest.mark.anyio
+
+MB = 1_000_000
+RATE = 20 * MB  # 1 MB takes 50 ms
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def shm_pair():
+    """Two shm transports (an engine and a buffer on one host) and a region each."""
+    tag = uuid.uuid4().hex[:10]
+    engine = create_transport("shm", node_id="n0")
+    buffer = create_transport("shm", node_id="n1")
+    local = MemoryRegion(f"test-duplex-l-{tag}", 4 * MB)
+    remote = MemoryRegion(f"test-duplex-r-{tag}", 4 * MB)
+    try:
+        engine.register(local)
+        await engine.connect(buffer.register(remote))
+        yield engine, local, remote.region_id
+    finally:
+        await engine.close()
+        await buffer.close()
+        for region in (local, remote):
+            region.close()
+            region.unlink()
+
+
+async def test_a_transfer_on_an_idle_link_takes_its_bytes_over_the_rate_last_chunk_included(shm_pair) -> None:
+    engine, local, rid = shm_pair
+    engine.nic = DuplexNic.create(RATE, name="cnic", chunk_bytes=256 * 1024)
+    nbytes = 2 * MB  # 8 chunks of 256 KiB: the last one is ~13 ms of link time
+    t0 = time.monotonic()
+    await engine.read(local, [TransferEntry(0, rid, 0, nbytes)])
+    elapsed = time.monotonic() - t0
+    assert elapsed >= nbytes / RATE * 0.99, elapsed  # completion, not the last chunk's start
+    assert elapsed <= nbytes / RATE + 0.05, elapsed
+
+
+async def test_reads_and_writes_on_one_full_duplex_nic_each_get_the_whole_rate(shm_pair) -> None:
+    engine, local, rid = shm_pair
+    nic = engine.nic = DuplexNic.create(RATE, name="cnic")
+    nbytes = 2 * MB
+    t0 = time.monotonic()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine.read, local, [TransferEntry(0, rid, 0, nbytes)])
+        tg.start_soon(engine.write, local, [TransferEntry(nbytes, rid, nbytes, nbytes)])
+    elapsed = time.monotonic() - t0
+    assert elapsed <= nbytes / RATE * 1.3, elapsed  # concurrent, not 2x
+    assert nic.rx.bytes_sent(TrafficClass.KV) == nbytes and nic.tx.bytes_sent(TrafficClass.KV) == nbytes
+
+
+async def test_the_same_pair_on_one_half_duplex_link_takes_twice_as_long(shm_pair) -> None:
+    """The check above can fail: a shared link serialises the two directions."""
+    engine, local, rid = shm_pair
+    engine.nic = EmulatedNic(RATE, name="cnic")
+    nbytes = 2 * MB
+    t0 = time.monotonic()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine.read, local, [TransferEntry(0, rid, 0, nbytes)])
+        tg.start_soon(engine.write, local, [TransferEntry(nbytes, rid, nbytes, nbytes)])
+    assert time.monotonic() - t0 >= 2 * nbytes / RATE * 0.98
+
+
+async def test_a_hop_is_charged_at_both_ends_and_waits_for_the_busier_one(shm_pair) -> None:
+    engine, local, rid = shm_pair
+    engine.nic = DuplexNic.create(RATE, name="pe-cnic")
+    peer = DuplexNic.create(RATE, name="de-cnic")
+    # The peer's tx is busy for 100 ms with someone else's bytes: our read waits for it.
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(peer.tx.send, 2 * MB)
+        await anyio.sleep(0.005)
+        t0 = time.monotonic()
+        await engine.read(local, [TransferEntry(0, rid, 0, MB)], peer_nic=peer)
+        elapsed = time.monotonic() - t0
+    assert elapsed >= (3 * MB / RATE - 0.005) * 0.98, elapsed
+    assert engine.nic.rx.bytes_sent(TrafficClass.KV) == MB
+    assert peer.tx.bytes_sent(TrafficClass.KV) == 3 * MB and peer.rx.bytes_sent(TrafficClass.KV) == 0
+    await engine.write(local, [TransferEntry(0, rid, 0, MB)], peer_nic=peer)
+    assert engine.nic.tx.bytes_sent(TrafficClass.KV) == MB and peer.rx.bytes_sent(TrafficClass.KV) == MB
+
+
+async def test_a_loopback_copy_occupies_both_directions_of_its_nic(shm_pair) -> None:
+    engine, local, rid = shm_pair
+    nic = engine.nic = DuplexNic.create(RATE, name="cnic")
+    await engine.read(local, [TransferEntry(0, rid, 0, MB)], peer_nic=nic)  # an H2D through the GPU's own CNIC
+    assert nic.rx.bytes_sent(TrafficClass.KV) == MB and nic.tx.bytes_sent(TrafficClass.KV) == MB
+
+
+_CHILD = """
+import asyncio, sys
+from dualpath.transfer import EmulatedNic
+async def main():
+    link = EmulatedNic.attach(sys.argv[1])
+    for _ in range(10):
+        await link.send(100_000)
+asyncio.run(main())
+"""
+
+
+async def test_a_shared_link_paces_two_processes_together() -> None:
+    """Another process attaches to the link by its key: the two share its rate."""
+    key = f"test-link-{uuid.uuid4().hex[:10]}"
+    link = EmulatedNic(RATE, name="shared", shared=key)
+    try:
+        t0 = time.monotonic()
+        async with await anyio.open_process([sys.executable, "-c", _CHILD, key]) as child:
+            for _ in range(10):
+                await link.send(100_000)
+            assert await child.wait() == 0
+        assert link.bytes_sent(TrafficClass.KV) == 2 * MB  # the child's megabyte counted here too
+        assert link.busy_seconds == pytest.approx(2 * MB / RATE)
+        assert time.monotonic() - t0 >= 2 * MB / RATE * 0.98
+    finally:
+        link.close()
+    with pytest.raises(FileNotFoundError):
+        EmulatedNic.attach(key)
