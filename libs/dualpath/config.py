@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 __all__ = [
     "BusConfig", "EmulationConfig", "EngineConfig", "GatewayConfig", "KvPersistenceConfig", "ModelConfigSpec",
-    "NodeConfig", "SchedulerConfig", "add_arguments", "env_vars", "from_args",
+    "NodeConfig", "SchedulerConfig", "add_arguments", "default_of", "env_vars", "from_args",
 ]
 
 T = TypeVar("T")
@@ -101,7 +101,8 @@ class EmulationConfig:
     compute: str = opt("torch", "compute backend: torch (real model) or modeled (cost-model time, no math)", "DUALPATH_COMPUTE")
     target: str = opt("ds27b", "modeled target model: ds27b, ds660b, qwen32b, dsv3", "DUALPATH_TARGET")
     gpu: str = opt("h800", "modeled GPU: h800, h100", "DUALPATH_GPU")
-    scale: float = opt(1.0, "testbed scale factor: bytes and bandwidths are divided by it (times preserved)", "DUALPATH_SCALE")
+    scale: float = opt(1000.0, "testbed scale factor: bytes and bandwidths are divided by it (times preserved); "
+                               "the launchers pass 1 with a real model (compute torch)", "DUALPATH_SCALE")
     gpus_per_node: int = opt(8, "emulated GPUs per node (the SNIC is shared by them)", "DUALPATH_GPUS_PER_NODE")
     engines_per_node: int = opt(0, "engine processes per node (0 = gpus per node); the SNIC shrinks in proportion", "DUALPATH_ENGINES_PER_NODE")
     snic_gbps: float = opt(0.0, "emulated storage NIC per node, Gbit/s before scaling (0 = not emulated)", "DUALPATH_SNIC_GBPS")
@@ -204,6 +205,12 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str
         kind = hints[f.name]
         help_text = f"{f.metadata.get('help', '')} [env {env}; default {f.default!r}]" if env else f.metadata.get("help", "")
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_converter(kind), default=None, help=help_text)
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of field ``name`` of config class ``cls``: launchers take their flags' defaults
+    from here, so ``dualpath up`` and a service run alone agree on them."""
+    return cls.__dataclass_fields__[name].default
 
 
 def from_args(cls: type[T], ns: argparse.Namespace | None = None, **overrides: Any) -> T:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from dualpath.cli.launcher.stack import Stack, StackConfig, StackError
 from dualpath.cli.launcher.topology import parse_topology
+from dualpath.config import EmulationConfig, GatewayConfig, ModelConfigSpec, NodeConfig, SchedulerConfig, default_of
 
 __all__ = ["build_parser", "ensure_model", "main"]
 
@@ -34,14 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="", help="checkpoint directory (HF layout); default: a tiny model made on first run")
     p.add_argument("--topology", default="1P1D", help="xPyD: prefill and decode nodes (default 1P1D)")
     p.add_argument("--engines-per-node", type=int, default=1, help="engines (GPUs) per node")
-    p.add_argument("--port", type=int, default=8000, help="gateway port on 127.0.0.1")
-    p.add_argument("--host", default="127.0.0.1", help="gateway listen address")
+    p.add_argument("--port", type=int, default=default_of(GatewayConfig, "port"), help="gateway port on 127.0.0.1")
+    p.add_argument("--host", default=default_of(GatewayConfig, "host"), help="gateway listen address")
     p.add_argument("--run-dir", default=".dualpath", help="logs, storage and the tiny model live here")
     p.add_argument("--storage", default="", help="KV storage root (default: <run-dir>/storage); a shared mount at scale")
-    p.add_argument("--policy", default="dualpath", help="dualpath, round_robin, least_tokens, basic")
-    p.add_argument("--read-path", default="auto", choices=("auto", "pe", "de"), help="which side reads hit KV")
-    p.add_argument("--device", default="cpu", help="torch device for engines (cpu, cuda)")
-    p.add_argument("--buffer-mb", type=int, default=256, help="DRAM buffer per node, MiB")
+    p.add_argument("--policy", default=default_of(SchedulerConfig, "policy"), help="dualpath, round_robin, least_tokens, basic")
+    p.add_argument("--read-path", default=default_of(SchedulerConfig, "read_path"), choices=("auto", "pe", "de"),
+                   help="which side reads hit KV")
+    p.add_argument("--device", default=default_of(ModelConfigSpec, "device"), help="torch device for engines (cpu, cuda)")
+    p.add_argument("--buffer-mb", type=int, default=default_of(NodeConfig, "buffer_mb"), help="DRAM buffer per node, MiB")
     p.add_argument("--nats-url", default="", help="use this NATS server instead of an embedded one")
     p.add_argument("--api-key", default="", help="require this bearer token on /v1/*")
     p.add_argument("--replicas", type=int, default=1, help="schedulers and kv-persistence replicas (2+: no single point of failure)")
@@ -49,12 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-restart", action="store_true", help="do not restart services that die (stop the stack instead)")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for every engine")
     t = p.add_argument_group("testbed (emulated cluster hardware, modeled compute)")
-    t.add_argument("--compute", default="torch", choices=("torch", "modeled"), help="real torch model or cost-model time")
-    t.add_argument("--target", default="ds27b", help="modeled target: ds27b, ds660b, qwen32b, dsv3")
-    t.add_argument("--scale", type=float, default=1000.0, help="testbed scale factor (bytes and bandwidths / scale)")
-    t.add_argument("--snic-gbps", type=float, default=0.0, help="emulated storage NIC per node (0 = none; testbed default 400)")
-    t.add_argument("--cnic-gbps", type=float, default=0.0, help="emulated compute NIC per GPU (0 = none; testbed default 400)")
-    t.add_argument("--gpus-per-node", type=int, default=8, help="emulated GPUs per node (SNIC share per engine)")
+    t.add_argument("--compute", default=default_of(EmulationConfig, "compute"), choices=("torch", "modeled"),
+                   help="real torch model or cost-model time")
+    t.add_argument("--target", default=default_of(EmulationConfig, "target"), help="modeled target: ds27b, ds660b, qwen32b, dsv3")
+    t.add_argument("--scale", type=float, default=default_of(EmulationConfig, "scale"),
+                   help="testbed scale factor (bytes and bandwidths / scale)")
+    t.add_argument("--snic-gbps", type=float, default=default_of(EmulationConfig, "snic_gbps"),
+                   help="emulated storage NIC per node (0 = none; testbed default 400)")
+    t.add_argument("--cnic-gbps", type=float, default=default_of(EmulationConfig, "cnic_gbps"),
+                   help="emulated compute NIC per GPU (0 = none; testbed default 400)")
+    t.add_argument("--gpus-per-node", type=int, default=default_of(EmulationConfig, "gpus_per_node"),
+                   help="emulated GPUs per node (SNIC share per engine)")
     t.add_argument("--mode", default="", choices=("", "basic", "dualpath", "oracle"),
                    help="paper modes: basic (PE read path, round robin), dualpath, oracle (no reads or KV transfers)")
     return p
