@@ -5,14 +5,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+import anyio
 from dualpath.bus import Bus
-from dualpath.config import BusConfig, EmulationConfig, SchedulerConfig, add_arguments, from_args
+from dualpath.config import (
+    BusConfig,
+    EmulationConfig,
+    SchedulerConfig,
+    add_arguments,
+    from_args,
+)
+from dualpath.core import CoreConfig, SchedulerCore
 from dualpath.policy import Thresholds, get_policy
+from dualpath.policy.values import Role
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.runtime import run_service
 from dualpath.telemetry.metrics import observe
-from services.scheduler.core import Scheduler
+from dualpath.telemetry.tracing import tracing_enabled
+
+from services.scheduler.shell import SchedulerShell
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,16 +52,16 @@ def thresholds(ns, emu: EmulationConfig) -> Thresholds:
     return Thresholds(alpha_tokens=alpha or 1 << 22, beta_tokens=beta or 1 << 22)
 
 
-def register_metrics(sched: Scheduler) -> None:
+def register_metrics(core: SchedulerCore) -> None:
     """Queue lengths and the cluster as the scheduler sees it (read at scrape time)."""
-    observe("dualpath.scheduler.queue", "requests waiting to be placed", lambda: [(len(sched.queue), {})])
-    observe("dualpath.scheduler.running", "requests placed and not finished", lambda: [(len(sched.running), {})])
+    observe("dualpath.scheduler.queue", "requests waiting to be placed", lambda: [(core.queued, {})])
+    observe("dualpath.scheduler.running", "requests placed and not finished", lambda: [(core.running, {})])
     observe("dualpath.scheduler.engines", "live engines by role",
-            lambda: [(sched.members.count(role), {"role": role.name.lower()}) for role in m.Role])
+            lambda: [(core.engine_count(role), {"role": role.name.lower()}) for role in Role])
     observe("dualpath.scheduler.read_q", "hit tokens queued for storage reads per node, as last reported",
-            lambda: [(n.read_q_tokens, {"node": n.name}) for n in list(sched.members.nodes.values())])
+            lambda: [(n.read_q, {"node": n.name}) for n in list(core.nodes())])
     observe("dualpath.scheduler.buffer_waits", "dispatches put back because the decode node's buffer was full",
-            lambda: [(sched.buffer_waits, {})], kind="counter")
+            lambda: [(core.buffer_waits, {})], kind="counter")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,13 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     subjects = Subjects(bus_cfg.namespace)
 
     async def serve(bus: Bus, stop: asyncio.Event) -> None:
-        sched = Scheduler(bus, subjects, cfg, policy)
-        register_metrics(sched)
-        await bus.serve(subjects.submit, sched.on_submit, m.SubmitRequest)
-        await bus.serve(subjects.engine_report, sched.on_engine_report, m.EngineReport)
-        await bus.serve(subjects.node_report, sched.on_node_report, m.NodeReport)
-        await bus.serve(subjects.task_failed, sched.on_task_failed, m.TaskFailed)
-        await bus.serve(subjects.sched_state, sched.on_state, m.StateRequest)
-        await sched.run(stop)
+        core = SchedulerCore(policy, CoreConfig(engine_timeout=cfg.engine_timeout, max_queue=cfg.max_queue,
+                                                max_attempts=cfg.max_attempts, trace_inputs=tracing_enabled()))
+        register_metrics(core)
+        async with anyio.create_task_group() as tasks:  # every dispatch and free the shell starts
+            shell = SchedulerShell(bus, subjects, core, tasks)
+            await bus.serve(subjects.submit, shell.on_submit, m.SubmitRequest)
+            await bus.serve(subjects.engine_report, shell.on_engine_report, m.EngineReport)
+            await bus.serve(subjects.node_report, shell.on_node_report, m.NodeReport)
+            await bus.serve(subjects.task_failed, shell.on_task_failed, m.TaskFailed)
+            await bus.serve(subjects.sched_state, shell.on_state, m.StateRequest)
+            await shell.run(stop)
+            tasks.cancel_scope.deadline = anyio.current_time() + 5.0  # in-flight dispatches get a moment to end
 
     return run_service("scheduler", bus_cfg, serve)
