@@ -176,7 +176,8 @@ class Gateway:
         Opens the request's root span; ``finish`` closes it.
 
         Raises:
-            ApiError: 503 when no scheduler answers, 429 when it is full.
+            ApiError: 503 when no scheduler answers, 429 when it is full, 400/409 when it refuses the
+                request (empty or larger than any decode engine's KV memory / a duplicate id).
         """
         root = self.telemetry.start(rid, prompt_tokens=len(prep.prompt_tokens), read_path=prep.read_path, stream=prep.stream,
                                     t_start_ns=prep.t_start_ns, t_tokenized_ns=prep.t_tokenized_ns)
@@ -208,6 +209,8 @@ class Gateway:
                 raise ApiError(503, f"no scheduler available: {exc}", etype="server_error") from None
             except RemoteError as exc:
                 self.streams.close(rid)
+                if exc.code in (400, 409):  # the scheduler refused this request (empty, too large, duplicate id)
+                    raise ApiError(exc.code, exc.message) from None
                 raise ApiError(429 if exc.code == 429 else 503, exc.message, etype="server_error") from None
 
     async def cancel(self, rid: str, reason: str) -> None:
