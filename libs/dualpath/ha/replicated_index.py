@@ -37,6 +37,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from dualpath.kv import BlockIndex
 from dualpath.kv.hashing import check_u64
+from dualpath.kv.trie import check_chain
 from dualpath.telemetry.logs import get_logger
 
 __all__ = ["RECORD_VERSION", "ReplicatedIndex", "ReplicationError", "stream_name"]
@@ -63,7 +64,8 @@ class ReplicatedIndex:
         self.stream = stream_name(namespace)
         self.subject = subject
         self.capacity = capacity_blocks
-        self.index = BlockIndex(None)  # unbounded here: evictions come only from records
+        # unbounded here: evictions come only from records; recency is kept only to choose them
+        self.index = BlockIndex(None, track_recency=capacity_blocks is not None)
         self.applied = 0  # stream sequence of the last record applied
         self.records = 0  # stream messages published by this replica
         self._max_batch = max_batch_ops
@@ -183,9 +185,7 @@ class ReplicatedIndex:
         check_u64("model_digest", model_digest)
         if not 0 <= start <= len(chain):
             raise ValueError(f"start {start} out of range for a chain of {len(chain)}")
-        chain = [check_u64("block hash", h) for h in chain]
-        if 0 in chain:
-            raise ValueError("block hash 0 is reserved for the root")
+        chain = check_chain(chain)
         new = chain[start:]
         evicted = self._victims(model_digest, chain, len(new))
         await self._submit(["c", model_digest, chain[start - 1] if start else 0, new, evicted])
@@ -197,7 +197,7 @@ class ReplicatedIndex:
         Raises:
             ReplicationError: JetStream did not acknowledge the record in time.
         """
-        hashes = [check_u64("block hash", h) for h in hashes]
+        hashes = check_chain(hashes)
         missing = set(self.index.unindexed(model_digest, hashes))
         present = [h for h in hashes if h not in missing]
         await self._submit(["r", model_digest, hashes])
@@ -206,7 +206,8 @@ class ReplicatedIndex:
     def _victims(self, digest: int, chain: list[int], adding: int) -> list[int]:
         if self.capacity is None:
             return []
-        return self.index.lru_victims(digest, self.index.count(digest) + adding - self.capacity, keep=set(chain))
+        excess = self.index.count(digest) + adding - self.capacity
+        return self.index.lru_victims(digest, excess, keep=set(chain)) if excess > 0 else []
 
     async def _submit(self, op: list[Any]) -> None:
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()

@@ -17,17 +17,33 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence, Set as AbstractSet
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 from dualpath.kv.errors import IndexCorruptError
-from dualpath.kv.hashing import check_u64
+from dualpath.kv.hashing import U64_MAX, check_u64
 from dualpath.kv.indexlog import IndexLog
 
-__all__ = ["BlockIndex"]
+__all__ = ["BlockIndex", "check_chain"]
 
 _log = logging.getLogger(__name__)
 _SNAPSHOT_CHUNK = 32_768  # nodes per snapshot record, to keep records bounded
+
+
+def check_chain(chain: Sequence[int]) -> list[int]:
+    """``chain`` as a list of plain ints in ``(0, 2**64)``; C-speed when it is already one.
+
+    Raises:
+        TypeError: an element is not an int. ValueError: one is 0 or not a u64.
+    """
+    out = list(chain)
+    if out and set(map(type, out)) == {int} and min(out) > 0 and max(out) <= U64_MAX:
+        return out
+    out = [check_u64("block hash", h) for h in out]  # the slow path names the bad element
+    if 0 in out:
+        raise ValueError("block hash 0 is reserved for the root")
+    return out
 
 
 class _Trie:
@@ -97,6 +113,7 @@ class BlockIndex:
         *,
         capacity_blocks: int | None = None,
         compact_min_bytes: int = 4 << 20,
+        track_recency: bool = True,
     ) -> None:
         """Open the index, replaying the log at ``path`` (``None``: in-memory only).
 
@@ -109,6 +126,8 @@ class BlockIndex:
         if capacity_blocks is not None and capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         self._capacity = capacity_blocks
+        # LRU order serves eviction and the log's snapshots; without either, touching is wasted work.
+        self._touch = track_recency or capacity_blocks is not None or path is not None
         self._compact_min_bytes = compact_min_bytes
         self._tries: dict[int, _Trie] = {}
         self._lock = threading.Lock()
@@ -143,9 +162,7 @@ class BlockIndex:
         check_u64("model_digest", model_digest)
         if not 0 <= start <= len(chain):
             raise ValueError(f"start {start} out of range for a chain of {len(chain)}")
-        chain = [check_u64("block hash", h) for h in chain]  # plain ints: they go to msgpack
-        if 0 in chain:
-            raise ValueError("block hash 0 is reserved for the root")
+        chain = check_chain(chain)  # plain ints: they go to msgpack
         with self._lock:
             self._check_open()
             trie = self._tries.get(model_digest)
@@ -163,7 +180,7 @@ class BlockIndex:
                 elif known != parent:
                     break  # a 64-bit hash collision: keep the indexed block, link no further
                 parent = h
-            if parent:
+            if parent and self._touch:
                 trie.touch(parent)
             evicted = self._evict(trie)
             if self._log is not None and (added or evicted):
@@ -183,13 +200,23 @@ class BlockIndex:
             trie = self._tries.get(model_digest)
             if trie is None:
                 return 0
-            n = 0
-            for h in chain:
-                parent = trie.nodes.get(h)
-                if parent is None or (n and parent != chain[n - 1]):
-                    break
-                n += 1
-            if n:
+            chain = list(chain)
+            parents = list(map(trie.nodes.get, chain))  # C-speed: one dict probe per block
+            if not chain or parents[0] is None:
+                return 0
+            expected = [parents[0], *chain[:-1]]  # the first block may hang anywhere; the rest must link
+            if parents == expected:
+                n = len(chain)
+            else:  # the hit is the longest prefix whose parents all match: bisect on slice equality
+                lo, hi = 0, len(chain) - 1  # parents[:lo] match; parents[:hi + 1] do not
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if parents[:mid] == expected[:mid]:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                n = lo
+            if n and self._touch:
                 trie.touch(chain[n - 1])
             return n
 
