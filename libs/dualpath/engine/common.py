@@ -13,7 +13,8 @@ from dualpath.engine.layout import SlotLayout
 from dualpath.model import Decoder, Tokenizer
 from dualpath.model.config import dtype_from_name
 from dualpath.transfer import MemoryRegion, create_transport
-from dualpath.transfer.nic import EmulatedNic
+from dualpath.testbed.profile import cnic_prefix
+from dualpath.transfer.nic import DuplexNic, NicDirectory
 
 __all__ = ["EngineSetup", "build_engine", "dtype_name", "read_path_name"]
 
@@ -37,10 +38,12 @@ class EngineSetup:
     model_name: str
     eos_ids: frozenset[int]
     oracle: bool = False
-    nic: EmulatedNic | None = None  # the GPU's emulated compute NIC (testbed)
+    nic: DuplexNic | None = None  # the GPU's emulated full-duplex compute NIC (testbed); ``acquire`` = an H2D/D2H
 
     async def close(self) -> None:
         await self.dataplane.close()
+        if self.nic is not None:
+            self.nic.close()
 
 
 def _decoder(model: ModelConfigSpec, emu: EmulationConfig, role: str, vocab_size: int):
@@ -64,17 +67,16 @@ async def build_engine(*, engine_id: str, namespace: str, model: ModelConfigSpec
     decoder = _decoder(model, emu, role, tokenizer.vocab_size)
     layout = SlotLayout(layers=decoder.num_layers, block_tokens=model.block_tokens,
                         bytes_per_token_layer=decoder.config.kv_bytes_per_token_layer(decoder.dtype))
-    nic = None
-    if emu.cnic_gbps:
-        profile = emu.profile()
-        rate = profile.cnic_bytes_per_s()
-        nic = EmulatedNic(rate, name=f"{engine_id}-cnic", chunk_bytes=profile.nic_chunk_bytes(rate))
+    nic = emu.profile().cnic(namespace, engine_id) if emu.cnic_gbps else None  # the GPU's full-duplex CNIC
     region = MemoryRegion(f"{namespace}-{engine_id}-win", window_mb << 20)
     local = create_transport("shm", node_id=node.node_id, nic=nic)
     remote = create_transport(node.transport, node_id=node.node_id, host=node.data_host, nic=nic)
     await local.start()
     await remote.start()
-    dp = EngineDataPlane(node_id=node.node_id, region=region, local=local, remote=remote)
+    # Testbed: every node is on this host, so shared memory carries every hop while the
+    # emulated NICs at both ends charge the modeled link (host transport costs no modeled time).
+    dp = EngineDataPlane(node_id=node.node_id, region=region, local=local, remote=remote,
+                         peers=NicDirectory(cnic_prefix(namespace)) if nic else None, same_host=nic is not None)
     name = model.model_name or Path(model.model).resolve().name
     return EngineSetup(decoder=decoder, layout=layout, dataplane=dp, dtype=dtype_name(decoder.dtype), model_name=name,
                        eos_ids=frozenset(tokenizer.eos_token_ids), oracle=emu.oracle, nic=nic)

@@ -11,26 +11,40 @@ from __future__ import annotations
 import dataclasses
 
 from dualpath.node.buffer import BufferPool
-from dualpath.transfer import MemoryRegion, RegionDescriptor, Transport, TransferEntry, TrafficClass
+from dualpath.transfer import (
+    MemoryRegion,
+    RegionDescriptor,
+    TrafficClass,
+    TransferEntry,
+    Transport,
+)
+from dualpath.transfer.nic import DuplexNic, NicDirectory
 
 __all__ = ["EngineDataPlane"]
 
 
 class EngineDataPlane:
-    def __init__(self, *, node_id: str, region: MemoryRegion, local: Transport, remote: Transport) -> None:
+    def __init__(self, *, node_id: str, region: MemoryRegion, local: Transport, remote: Transport,
+                 peers: NicDirectory | None = None, same_host: bool = False) -> None:
+        """``peers`` finds the emulated CNICs of other engines (testbed), so a transfer to or
+        from a decode node's buffer is charged on the decode GPU's CNIC too; ``same_host``:
+        every region is on this host (the testbed), so shared memory reaches all of them."""
         self.node_id = node_id
         self.region = region
         self.pool = BufferPool(region.size)
         self._local = local
         self._remote = remote
         self._known: dict[str, Transport] = {}
+        self._peers = peers
+        self._same_host = same_host
 
     async def transport_for(self, desc: RegionDescriptor) -> Transport:
         """The transport that reaches ``desc`` (connecting on first use)."""
         t = self._known.get(desc.region_id)
         if t is None:
-            if desc.node_id == self.node_id:
-                # Same node: map the owner's shared memory directly, whatever it serves remotely.
+            if desc.node_id == self.node_id or self._same_host:
+                # Same node (or host): map the owner's shared memory directly, whatever it
+                # serves remotely; emulated NICs still charge the modeled link.
                 t = self._local
                 desc = dataclasses.replace(desc, transport=t.name, address={})
             else:
@@ -39,19 +53,31 @@ class EngineDataPlane:
             self._known[desc.region_id] = t
         return t
 
-    async def read(self, desc: RegionDescriptor, entries: list[TransferEntry], *, traffic_class=TrafficClass.KV) -> int:
-        """Remote ``desc`` -> this engine's region, one batch (one round trip)."""
-        if not entries:
-            return 0
-        t = await self.transport_for(desc)
-        return await t.read(self.region, entries, traffic_class=traffic_class)
+    def peer_nic(self, desc: RegionDescriptor, peer_engine: str = "", nic: DuplexNic | None = None) -> DuplexNic | None:
+        """The emulated NIC serving ``desc``'s memory: this engine's own for its node's buffer
+        (``nic``; a loopback copy), ``peer_engine``'s CNIC for another node's buffer."""
+        if desc.node_id == self.node_id:
+            return nic
+        if peer_engine and self._peers is not None:
+            return self._peers.get(peer_engine)
+        return None
 
-    async def write(self, desc: RegionDescriptor, entries: list[TransferEntry], *, traffic_class=TrafficClass.KV) -> int:
-        """This engine's region -> remote ``desc``, one batch."""
+    async def read(self, desc: RegionDescriptor, entries: list[TransferEntry], *, traffic_class=TrafficClass.KV,
+                   peer_engine: str = "") -> int:
+        """Remote ``desc`` -> this engine's region, one batch (one round trip); emulated NICs
+        charge this engine's CNIC and the one serving ``desc`` (``peer_nic``)."""
         if not entries:
             return 0
         t = await self.transport_for(desc)
-        return await t.write(self.region, entries, traffic_class=traffic_class)
+        return await t.read(self.region, entries, traffic_class=traffic_class, peer_nic=self.peer_nic(desc, peer_engine, t.nic))
+
+    async def write(self, desc: RegionDescriptor, entries: list[TransferEntry], *, traffic_class=TrafficClass.KV,
+                    peer_engine: str = "") -> int:
+        """This engine's region -> remote ``desc``, one batch; charged as ``read``."""
+        if not entries:
+            return 0
+        t = await self.transport_for(desc)
+        return await t.write(self.region, entries, traffic_class=traffic_class, peer_nic=self.peer_nic(desc, peer_engine, t.nic))
 
     async def close(self) -> None:
         """Close both transports and release the engine region."""

@@ -50,6 +50,7 @@ class IoItem:
     dest_offset: int
     write_from: int  # first token to write to dest this chunk (0 on the PE path's first chunk)
     path: str = ""  # the request's read path (pe, de, none): a trace attribute
+    de_engine: str = ""  # the request's decode engine: its CNIC serves the DE buffer (emulated NICs)
 
 
 @dataclass(slots=True)
@@ -109,21 +110,21 @@ class BatchLayerIO:
         t0 = time.perf_counter()
         base = self._in[layer % self._n_in]
         bpt, bb = self.layout.bytes_per_token_layer, self.layout.block_bytes
-        by_source: dict[str, tuple[RegionDescriptor, list[TransferEntry]]] = {}
+        by_source: dict[tuple[str, str], tuple[RegionDescriptor, list[TransferEntry]]] = {}  # (region, DE engine)
         local = base
         places = []
         for io in self.items:
             n = io.item.start
             places.append((local, n))
             if n:
-                _, entries = by_source.setdefault(io.source.region_id, (io.source, []))
+                _, entries = by_source.setdefault((io.source.region_id, io.de_engine), (io.source, []))
                 for slot_off, tok, cnt, count in self.layout.layer_strided(layer, 0, n):
                     entries.append(TransferEntry(local + tok * bpt, io.source.region_id, io.source_offset + slot_off, cnt * bpt,
                                                  count, cnt * bpt, bb))
             local += n * bpt
-        for desc, entries in by_source.values():
+        for (_, de_engine), (desc, entries) in by_source.items():
             t_ns = time.time_ns() if self.record else 0
-            n = await self.dp.read(desc, entries)
+            n = await self.dp.read(desc, entries, peer_engine=de_engine)
             self.stats.fetch_bytes += n
             if self.record:
                 self._transfers.append(("kv.fetch", layer, desc, t_ns, time.time_ns(), n))
@@ -147,12 +148,12 @@ class BatchLayerIO:
         n_new = k.shape[0]
         if n_new:
             self._view(out_base, n_new).copy_(torch.stack((k, v), dim=1))  # D2H on GPU
-        by_dest: dict[str, tuple[RegionDescriptor, list[TransferEntry]]] = defaultdict(lambda: (None, []))
+        by_dest: dict[tuple[str, str], tuple[RegionDescriptor, list[TransferEntry]]] = defaultdict(lambda: (None, []))
         new_off, in_off = out_base, in_base
         for io in self.items:
             it = io.item
-            desc, entries = by_dest[io.dest.region_id]
-            by_dest[io.dest.region_id] = (io.dest, entries)
+            desc, entries = by_dest[io.dest.region_id, io.de_engine]
+            by_dest[io.dest.region_id, io.de_engine] = (io.dest, entries)
             # cached tokens this chunk must forward (PE read path, first chunk): from the input window
             for slot_off, tok, cnt, count in self.layout.layer_strided(layer, io.write_from, it.start):
                 entries.append(TransferEntry(in_off + tok * bpt, io.dest.region_id, io.dest_offset + slot_off, cnt * bpt,
@@ -162,9 +163,9 @@ class BatchLayerIO:
                                              cnt * bpt, count, cnt * bpt, bb))
             new_off += (it.end - it.start) * bpt
             in_off += it.start * bpt
-        for desc, entries in by_dest.values():
+        for (_, de_engine), (desc, entries) in by_dest.items():
             t_ns = time.time_ns() if self.record else 0
-            n = await self.dp.write(desc, entries)
+            n = await self.dp.write(desc, entries, peer_engine=de_engine)
             self.stats.store_bytes += n
             if self.record:
                 self._transfers.append(("kv.store", layer, desc, t_ns, time.time_ns(), n))

@@ -10,6 +10,11 @@ multiplied by it and every NIC rate divided by it, so each emulated second lasts
 host seconds while the host's own per-request cost (Python, the bus, syscalls) stays the same
 — its share of the run shrinks by that factor. Reported times are divided back.
 
+Every GPU's compute NIC is full duplex (``cnic``: separate rx and tx links of the CNIC rate) and
+shared across the host's processes under ``cnic_prefix(namespace)``, so a transfer is charged at
+both of its ends whichever process starts it; each node's SNIC is two links too (reads into the
+buffer, writes to storage).
+
 When a node runs fewer engine processes than it has GPUs (``engines_per_node < gpus_per_node``,
 to fit a laptop), the node's SNIC is shrunk in the same proportion so that storage bandwidth
 per engine — the ratio that makes a workload I/O-bound — stays the cluster's.
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HardwareProfile", "scaled_bytes_per_token_layer"]
+__all__ = ["HardwareProfile", "cnic_prefix", "scaled_bytes_per_token_layer"]
 
 GBPS = 1e9 / 8  # bytes per second in one Gbit/s
 
@@ -61,9 +66,23 @@ class HardwareProfile:
 
         return chunk_bytes_for(rate * self.slowdown)
 
+    def cnic(self, namespace: str, engine_id: str):
+        """The emulated full-duplex CNIC of GPU ``engine_id``, shared with the host's other
+        processes (they find it through ``NicDirectory(cnic_prefix(namespace))``)."""
+        from dualpath.transfer.nic import DuplexNic, NicDirectory
+
+        rate = self.cnic_bytes_per_s()
+        return DuplexNic.create(rate, name=f"{engine_id}-cnic", chunk_bytes=self.nic_chunk_bytes(rate),
+                                shared=NicDirectory.key(cnic_prefix(namespace), engine_id))
+
     def buffer_bytes(self, engines_per_node: int) -> int:
         share = min(1.0, engines_per_node / self.gpus_per_node)
         return int(self.dram_buffer_gb * 1e9 * share / self.scale)
+
+
+def cnic_prefix(namespace: str) -> str:
+    """Prefix of the shared CNIC keys of a stack's engines (one stack per namespace)."""
+    return f"dualpath.{namespace}.cnic"
 
 
 def scaled_bytes_per_token_layer(kv_bytes_per_token_layer: int, scale: float) -> int:

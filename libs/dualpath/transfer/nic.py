@@ -36,6 +36,7 @@ NIC, e.g. a GPU's H2D through its CNIC) takes both directions of that one NIC.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import fcntl
 import hashlib
@@ -50,7 +51,7 @@ import numpy as np
 
 from dualpath.transfer.types import TrafficClass, TransferEntry
 
-__all__ = ["DuplexNic", "EmulatedNic", "chunk_bytes_for", "sleep_until", "split_entries"]
+__all__ = ["DuplexNic", "EmulatedNic", "NicDirectory", "chunk_bytes_for", "sleep_until", "split_entries"]
 
 _HISTORY_S = 10.0  # grants older than this are dropped from the utilisation window
 
@@ -167,6 +168,7 @@ class EmulatedNic:
         self._init(name, state, burst_bytes, max_lag_s, owner=True)
         if shared:
             _attached[shared] = self
+            atexit.register(self.close)  # the owner removes the segment even if nobody calls close
         self.key = shared or ""
 
     def _init(self, name: str, state: _State, burst_bytes: int | None, max_lag_s: float, *, owner: bool) -> None:
@@ -247,6 +249,11 @@ class EmulatedNic:
     def bytes_sent(self, traffic_class: TrafficClass) -> int:
         """Bytes of ``traffic_class`` the link has started sending since creation."""
         return int(self._state.arr[_SENT[traffic_class]])
+
+    @property
+    def busy_until(self) -> float:
+        """When the link will have sent everything granted so far (``time.monotonic``)."""
+        return float(self._state.arr[_BUSY])
 
     @property
     def busy_seconds(self) -> float:
@@ -386,10 +393,49 @@ class DuplexNic:
         other = peer.tx if read else peer.rx
         return (own,) if other is own else (own, other)
 
+    async def acquire(self, nbytes: int, traffic_class: TrafficClass = TrafficClass.KV) -> float:
+        """A loopback copy of ``nbytes`` through this NIC (a GPU's H2D or D2H goes through its
+        CNIC, the paper's §5): wait until both directions have started it; return when both
+        will have sent it (``time.monotonic``)."""
+        end = 0.0
+        for link in self.links(True, self):
+            end = max(end, await link.acquire(nbytes, traffic_class))
+        return end
+
+    async def copy(self, nbytes: int, traffic_class: TrafficClass = TrafficClass.KV) -> None:
+        """A whole loopback copy: ``acquire``, then wait until it is complete."""
+        await sleep_until(await self.acquire(nbytes, traffic_class))
+
     def close(self) -> None:
         self.rx.close()
         if self.tx is not self.rx:
             self.tx.close()
+
+
+class NicDirectory:
+    """Finds the shared duplex NICs of other processes by name (``{prefix}.{name}``), e.g. a
+    decode engine's CNIC that a prefill engine's transfer to its buffer also occupies."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._known: dict[str, DuplexNic | None] = {}
+
+    @staticmethod
+    def key(prefix: str, name: str) -> str:
+        """The shared key of ``name``'s NIC under ``prefix``."""
+        return f"{prefix}.{name}"
+
+    def get(self, name: str) -> DuplexNic | None:
+        """``name``'s NIC, or None when no process on this host created it (not emulated,
+        or not started yet: asked again next time)."""
+        nic = self._known.get(name)
+        if nic is None:
+            try:
+                nic = DuplexNic.attach(self.key(self.prefix, name))
+            except FileNotFoundError:
+                return None
+            self._known[name] = nic
+        return nic
 
 
 def split_entries(entries: Sequence[TransferEntry], chunk_bytes: int) -> list[list[TransferEntry]]:
