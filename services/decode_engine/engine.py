@@ -1,5 +1,10 @@
 """``DecodeEngine``: admits prefilled requests, decodes them together, streams, persists blocks.
 
+The decisions (which requests run, KV-memory admission, when a block is full, when a request
+leaves) are ``DecodeBatcher``'s, a core with no I/O; this class drives it through the loop
+phases of ``run``: receive (admission) -> next batch -> run (one decode step) -> process
+result (sample, stream, persist filled blocks, answer the finished).
+
 Admission moves a request's complete prompt KV from the DE buffer slot (same node: shared
 memory) into the engine's KV memory, then asks the node's traffic manager to persist the
 prompt's new full blocks from the slot and free it. Each step decodes one token for every
@@ -19,11 +24,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
-
 from dualpath.bus import Bus
 from dualpath.config import EngineConfig
+from dualpath.core.batch_errors import BatcherError
+from dualpath.core.decode_batcher import CANCELLED, DecodeBatcher, DecodeStep
 from dualpath.engine.common import EngineSetup, read_path_name
 from dualpath.engine.decode import DecodeSequence, KvMemory, decode_step
 from dualpath.kv import block_hashes
@@ -34,6 +38,8 @@ from dualpath.protocol.timeouts import TIMEOUTS
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.tracing import context_from, get_tracer
 from dualpath.transfer import MemoryRegion
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 __all__ = ["DecodeEngine"]
 
@@ -62,7 +68,9 @@ class DecodeEngine:
         d = setup.decoder
         self.memory = KvMemory(layers=d.num_layers, kv_heads=d.kv_heads, head_dim=d.head_dim, dtype=d.dtype, device=d.device,
                                capacity_tokens=cfg.kv_capacity_tokens, block_tokens=setup.layout.block_tokens)
-        self.incoming: list[m.DecodeTask] = []
+        self.batcher = DecodeBatcher(capacity_tokens=cfg.kv_capacity_tokens, block_tokens=setup.layout.block_tokens,
+                                     max_running=cfg.max_running)
+        self.waiting: dict[str, m.DecodeTask] = {}  # arrived, not admitted yet (the batcher's waiting queue)
         self.running: dict[str, Running] = {}
         self.finished: list[str] = []
         self._regions: dict[str, MemoryRegion] = {}
@@ -73,9 +81,15 @@ class DecodeEngine:
 
     # ---- intake ----------------------------------------------------------------------------
     async def on_task(self, task: m.DecodeTask) -> m.Ok:
-        if task.request_id in self.running or any(t.request_id == task.request_id for t in self.incoming):
+        if task.request_id in self.batcher or task.request_id in self.running:
             return m.Ok(detail="duplicate")
-        self.incoming.append(task)
+        try:
+            max_tokens = SamplingParams(**task.sampling).max_tokens
+            self.batcher.add(task.request_id, prompt_tokens=len(task.prompt_tokens), max_tokens=max_tokens)
+        except (BatcherError, ValueError, TypeError) as exc:  # a request this engine can never hold, or bad sampling
+            await self._fail_task(task, str(exc))
+            return m.Ok(detail="refused")
+        self.waiting[task.request_id] = task
         self._arrived_ns[task.request_id] = time.time_ns()
         self._wake.set()
         return m.Ok()
@@ -83,7 +97,9 @@ class DecodeEngine:
     async def on_cancel(self, req: m.CancelRequest) -> None:
         r = self.running.get(req.request_id)
         if r is not None and r.finish is None:
-            r.finish = "cancelled"
+            r.finish = CANCELLED
+        self.batcher.finish(req.request_id, CANCELLED)  # a waiting one leaves as soon as it is admitted
+        self._wake.set()
 
     def _region(self, region_id: str) -> MemoryRegion:
         region = self._regions.get(region_id)
@@ -164,32 +180,43 @@ class DecodeEngine:
 
     # ---- the loop --------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
+        """The engine loop: receive -> next batch -> run -> process result, until ``stop``."""
         while not stop.is_set():
-            await self._admit_incoming()
-            if not self.running:
-                self._wake.clear()
-                waiter = asyncio.ensure_future(self._wake.wait())
-                stopper = asyncio.ensure_future(stop.wait())
-                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
-                stopper.cancel()
+            await self._receive()
+            step = self.batcher.next_step()
+            if step is None:
+                await self._leave(self.batcher.drain())
+                if self.batcher.next_step() is None and not self.batcher.admit_ready():
+                    await self._idle(stop)
                 continue
             t0 = time.perf_counter()
             try:
-                await self._step()
-            except Exception as exc:  # noqa: BLE001 - fail what this step held, keep decoding the rest
+                logits = await self._run_step(step)
+                await self._process_result(step, logits)
+            except Exception as exc:
                 log.exception("decode_step_failed", requests=len(self.running))
                 for r in list(self.running.values()):
                     self.running.pop(r.task.request_id, None)
+                    self.batcher.evict(r.task.request_id)
                     self.memory.release(r.seq.kv)
                     await self._fail_task(r.task, f"decode failed: {type(exc).__name__}: {exc}")
             self.busy_s += time.perf_counter() - t0
         if self._persists:
             await asyncio.wait(list(self._persists), timeout=10.0)
 
-    async def _admit_incoming(self) -> None:
-        while self.incoming and len(self.running) < self.cfg.max_running:
-            task = self.incoming.pop(0)
+    async def _idle(self, stop: asyncio.Event) -> None:
+        """Wait for a new task, a cancel or ``stop``."""
+        self._wake.clear()
+        waiter = asyncio.ensure_future(self._wake.wait())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        stopper.cancel()
+
+    async def _receive(self) -> None:
+        """Admission: the batcher picks who fits the KV memory; their prompt KV moves in."""
+        for rid in self.batcher.admit():
+            task = self.waiting.pop(rid)
             span = self._request_span(task)
             try:
                 with tracer.start_as_current_span("decode.admit", context=trace.set_span_in_context(span)):
@@ -197,15 +224,56 @@ class DecodeEngine:
                         lay = self.setup.layout
                         await self.setup.nic.acquire(lay.blocks_for(len(task.prompt_tokens)) * lay.block_bytes)
                     r = await asyncio.to_thread(self._admit, task)
-            except MemoryError as exc:
+            except MemoryError as exc:  # the batcher's reservation should make this impossible
                 span.set_status(Status(StatusCode.ERROR, str(exc)))
                 span.end()
+                self.batcher.evict(rid)
                 await self._fail_task(task, str(exc))
                 continue
             r.span = span
-            self.running[task.request_id] = r
+            self.running[rid] = r
             self._persist_prompt(r)
-            self._check_finish(r, task.first_token)
+            r.finish = self.batcher.finish_reason(rid)  # cancelled while it waited
+            reason = r.finish or self._finish_reason(r, task.first_token)
+            if reason:
+                r.finish = reason
+                self.batcher.finish(rid, reason)
+
+    async def _run_step(self, step: DecodeStep) -> torch.Tensor:
+        """One token through the model for every request of ``step`` (decode first, then flush)."""
+        seqs = [self.running[rid].seq for rid in step.batch]
+        inputs = [s.tokens[s.kv_len] for s in seqs]  # the one token without KV yet
+        return await asyncio.to_thread(decode_step, self.setup.decoder, self.memory, seqs, inputs)
+
+    async def _process_result(self, step: DecodeStep, logits: torch.Tensor) -> None:
+        """Sample and stream the decoded requests' tokens, persist filled blocks, answer the finished."""
+        active = [self.running[rid] for rid in step.decode]
+        ended: dict[str, str] = {}
+        if active:
+            toks = sample(logits[:len(active)].float().cpu(), [r.params for r in active], [r.gen for r in active],
+                          suppress_eos=[r.params.ignore_eos or len(r.seq.generated) < r.params.min_tokens for r in active],
+                          eos_ids=self.setup.eos_ids)
+            for r, tok in zip(active, toks):
+                r.seq.tokens.append(tok.token_id)
+                r.seq.generated.append(tok.token_id)
+                if r.finish is None:
+                    reason = self._finish_reason(r, tok.token_id)
+                    if reason:
+                        r.finish = ended[r.task.request_id] = reason
+                r.unsent.append((tok.token_id, tok.logprob, [[i, lp] for i, lp in tok.top_logprobs]))
+                if len(r.unsent) >= self.cfg.stream_interval or r.finish is not None:
+                    await self._emit(r)
+        outcome = self.batcher.finish_step(step, ended)
+        for rid, block in outcome.filled:  # a block just filled with KV: persist it
+            await self._persist_block(self.running[rid], block)
+        await self._leave(outcome.leaving)
+
+    async def _leave(self, leaving: tuple[tuple[str, str], ...]) -> None:
+        for rid, reason in leaving:
+            r = self.running.get(rid)
+            if r is not None:
+                r.finish = reason
+                await self._finish(r)
 
     def _request_span(self, task: m.DecodeTask) -> trace.Span:
         """``decode.request``, from the task's arrival; it ends with the request's final event."""
@@ -216,42 +284,15 @@ class DecodeEngine:
                                  "cached_blocks": task.cached_blocks, "read_path": read_path_name(task.read_path)})
         return span
 
-    def _check_finish(self, r: Running, token: int) -> None:
+    def _finish_reason(self, r: Running, token: int) -> str | None:
+        """Why ``token`` ends the request ("length", "stop"), or None."""
         p = r.params
         n = len(r.seq.generated)
         if n >= p.max_tokens:
-            r.finish = "length"
-        elif n >= p.min_tokens and not p.ignore_eos and (token in self.setup.eos_ids or token in p.stop_token_ids):
-            r.finish = "stop"
-
-    async def _step(self) -> None:
-        active = [r for r in self.running.values() if r.finish is None]
-        flush = [r for r in self.running.values() if r.finish not in (None, "cancelled") and self._needs_flush(r)]
-        batch = active + flush
-        if batch:
-            seqs = [r.seq for r in batch]
-            inputs = [r.seq.tokens[r.seq.kv_len] for r in batch]  # the one token without KV yet
-            logits = await asyncio.to_thread(decode_step, self.setup.decoder, self.memory, seqs, inputs)
-            if active:
-                toks = sample(logits[:len(active)].float().cpu(), [r.params for r in active], [r.gen for r in active],
-                              suppress_eos=[r.params.ignore_eos or len(r.seq.generated) < r.params.min_tokens for r in active],
-                              eos_ids=self.setup.eos_ids)
-                for r, tok in zip(active, toks):
-                    r.seq.tokens.append(tok.token_id)
-                    r.seq.generated.append(tok.token_id)
-                    self._check_finish(r, tok.token_id)
-                    r.unsent.append((tok.token_id, tok.logprob, [[i, lp] for i, lp in tok.top_logprobs]))
-                    if len(r.unsent) >= self.cfg.stream_interval or r.finish is not None:
-                        await self._emit(r)
-            for r in batch:  # a block just filled with KV: persist it
-                if r.seq.kv_len % self.setup.layout.block_tokens == 0 and r.finish != "cancelled":
-                    await self._persist_block(r, r.seq.kv_len // self.setup.layout.block_tokens - 1)
-        for r in list(self.running.values()):
-            if r.finish == "cancelled" or (r.finish is not None and not self._needs_flush(r)):
-                await self._finish(r)
-
-    def _needs_flush(self, r: Running) -> bool:
-        return len(r.seq.tokens) % self.setup.layout.block_tokens == 0 and r.seq.kv_len < len(r.seq.tokens)
+            return "length"
+        if n >= p.min_tokens and not p.ignore_eos and (token in self.setup.eos_ids or token in p.stop_token_ids):
+            return "stop"
+        return None
 
     async def _emit(self, r: Running) -> None:
         """Stream the request's unsent tokens as one event (``stream_interval`` tokens at a time)."""
@@ -266,7 +307,7 @@ class DecodeEngine:
         self.running.pop(t.request_id, None)
         self.memory.release(r.seq.kv)
         r.decode_s = time.perf_counter() - r.t_start
-        if r.finish == "cancelled":
+        if r.finish == CANCELLED:
             self.finished.append(t.request_id)
             self._end_span(r)
             return
@@ -304,10 +345,11 @@ class DecodeEngine:
         await self.bus.publish(self.subjects.task_failed, m.TaskFailed(request_id=task.request_id, engine_id=self.cfg.engine_id, reason=reason))
 
     def report(self) -> m.EngineReport:
-        """``seq_e``: requests here; ``tok_e``: their context tokens; free HBM in tokens."""
-        tok = sum(len(r.seq.tokens) for r in self.running.values()) + sum(len(t.prompt_tokens) for t in self.incoming)
+        """``seq_e``: requests here; ``tok_e``: their context tokens; free HBM: KV memory not
+        reserved by a running request (the batcher's reservations, in tokens)."""
         done, self.finished = self.finished, []
         return m.EngineReport(engine_id=self.cfg.engine_id, role=m.Role.DECODE, node_id=self.node_id,
-                              seq=len(self.running) + len(self.incoming), tok=tok, free_hbm_tokens=self.memory.free_tokens,
-                              capacity_tokens=self.memory.capacity_tokens, finished=done, block_bytes=self.setup.layout.block_bytes,
+                              seq=len(self.running) + len(self.waiting), tok=self.batcher.context_tokens(),
+                              free_hbm_tokens=self.batcher.free_tokens, capacity_tokens=self.batcher.capacity_tokens, finished=done,
+                              block_bytes=self.setup.layout.block_bytes,
                               stats={"busy_s": self.busy_s, "modeled_s": getattr(self.setup.decoder, "modeled_s", 0.0)}, ts=time.time())

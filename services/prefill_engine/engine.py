@@ -3,16 +3,25 @@
 Life of a task here:
 1. ``on_task`` acknowledges at once and starts the storage load on the read side's traffic
    manager (PE read path: into this node's buffer; DE read path: into the DE buffer slot);
-2. loaded tasks wait FIFO; ``run`` packs them into batches of at most ``max_batch_tokens``
-   new tokens, chunking a long prompt across batches (chunked prefill);
-3. each batch runs ``run_prefill`` over a ``BatchLayerIO`` (layer-wise fetch / compute / store);
-4. when a prompt is done: sample the first token, stream it, send ``DecodeTask`` to the DE.
+2. ``run`` is the engine loop, in SGLang's phases: *receive* (loaded tasks join the
+   ``PrefillBatcher``, the engine's core), *next batch* (the batcher packs FIFO under the
+   compute quota, the paper's §6.2 rule, cutting the request that would exceed it to a
+   block-aligned chunk), *run* (``run_prefill`` over a ``BatchLayerIO``: layer-wise fetch /
+   compute / store), *process result* (chunks become cached KV; finished prompts hand off);
+3. when a prompt is done: sample the first token, stream it, send ``DecodeTask`` to the DE.
 A failure fails only the tasks involved: ``TaskFailed`` lets the scheduler retry them.
+
+The quota is checked against a predicted batch time (``dualpath.engine.profile``): the
+cost model on the modeled backend (exactly what ``ModeledDecoder`` then charges), a profile
+timed at start-up on the torch backend.
 
 Tracing: each task has a ``prefill.request`` span (child of the request's root, from the
 task's ``trace`` carrier) with ``prefill.load`` and ``prefill.handoff`` under it. A batch
 serves several requests, so its ``prefill.batch`` span is a child of its first request's
 span and links to the others; the per-layer ``kv.fetch``/``kv.store`` spans are its children.
+``prefill.batch`` carries ``predicted_s``, ``quota_s``, ``chunked``, ``over_quota`` and the
+requests' ``request_cached_tokens`` / ``request_new_tokens`` (batch order); on the modeled
+backend also ``charged_s``, the modeled seconds the batch was charged.
 """
 
 from __future__ import annotations
@@ -23,14 +32,14 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
-
 from dualpath.bus import Bus, BusTimeoutError
 from dualpath.config import EngineConfig
+from dualpath.core.batch_errors import BatcherError
+from dualpath.core.prefill_batcher import BatchItem, PrefillBatch, PrefillBatcher
 from dualpath.engine.common import EngineSetup, read_path_name
 from dualpath.engine.prefill import PrefillItem, run_prefill
 from dualpath.engine.prefill_io import BatchLayerIO, IoItem
+from dualpath.engine.profile import prefill_predictor
 from dualpath.model.sampling import SamplingParams, sample
 from dualpath.protocol import RemoteError
 from dualpath.protocol import messages as m
@@ -39,6 +48,8 @@ from dualpath.protocol.timeouts import TIMEOUTS
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.tracing import context_from, get_tracer
 from dualpath.transfer import RegionDescriptor
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 __all__ = ["PrefillEngine"]
 
@@ -54,8 +65,8 @@ class Job:
     source: RegionDescriptor | None = None  # where the hits are (PE buffer or DE slot)
     source_offset: int = 0
     dest: RegionDescriptor | None = None
-    progress: int = 0  # tokens whose KV is in the DE slot or loaded hits
     pe_slot: bool = False
+    cancelled: bool = False  # cancelled while its batch ran: dropped when the batch ends
     t_submit: float = field(default_factory=time.perf_counter)
     t_first_batch: float = 0.0  # wall time its first prefill batch started (TTFT: queueing before, execution after)
     span: trace.Span = trace.INVALID_SPAN  # prefill.request: open from arrival to hand-off (or failure)
@@ -65,7 +76,12 @@ class PrefillEngine:
     def __init__(self, bus: Bus, subjects: Subjects, cfg: EngineConfig, node_id: str, setup: EngineSetup) -> None:
         self.bus, self.subjects, self.cfg, self.node_id, self.setup = bus, subjects, cfg, node_id, setup
         self.jobs: dict[str, Job] = {}
-        self.ready: deque[Job] = deque()
+        self.loaded: deque[Job] = deque()  # KV loaded, not yet received by the batcher
+        quota_s = cfg.compute_quota_ms / 1000.0
+        predict, self.predicted_by = prefill_predictor(setup.decoder, quota_s)
+        self.batcher = PrefillBatcher(predict, quota_s=quota_s, block_tokens=setup.layout.block_tokens)
+        log.info("prefill_predictor", engine=cfg.engine_id, predicted_by=self.predicted_by, quota_s=quota_s,
+                 profile=repr(predict) if self.predicted_by == "profile" else cfg.engine_id)
         self._wake = asyncio.Event()
         self._loads: set[asyncio.Task] = set()
         self.finished: list[str] = []
@@ -74,7 +90,6 @@ class PrefillEngine:
         self.buffer_waits = 0  # KV loads put off because the read side's buffer was full
         self.kv_in_bytes = 0  # cached KV fetched into the engine (metrics)
         self.kv_out_bytes = 0  # KV stored to decode buffers (metrics)
-        self._s_per_token = 0.0  # measured batch seconds per new token: the prediction without a cost model
 
     # ---- intake ----------------------------------------------------------------------------
     async def on_task(self, task: m.PrefillTask) -> m.Ok:
@@ -92,9 +107,18 @@ class PrefillEngine:
         return m.Ok()
 
     async def on_cancel(self, req: m.CancelRequest) -> None:
+        """Drop a loaded task; one whose batch is running is dropped when the batch ends (its
+        KV may still be read meanwhile). A task still loading finishes loading first."""
         job = self.jobs.get(req.request_id)
-        if job is not None and job in self.ready:
-            self.ready.remove(job)
+        if job is None:
+            return
+        running = self.batcher.in_flight
+        if running is not None and any(it.request_id == req.request_id for it in running.items):
+            job.cancelled = True
+        elif job in self.loaded or req.request_id in self.batcher:
+            if job in self.loaded:
+                self.loaded.remove(job)
+            self.batcher.remove(req.request_id)
             await self._drop(job)
 
     async def _load_when_room(self, node: str, req: m.LoadRequest) -> m.LoadReply:
@@ -133,79 +157,79 @@ class PrefillEngine:
                 job.pe_slot = t.read_path == m.ReadPath.PE
                 job.hit_blocks = reply.loaded
                 job.source, job.source_offset = RegionDescriptor.from_wire(reply.region), reply.offset
-            job.progress = job.hit_blocks * lay.block_tokens
         except Exception as exc:  # noqa: BLE001 - any load failure fails this task only
             await self._fail(job, f"KV load failed: {exc}")
             return
-        self.ready.append(job)
+        self.loaded.append(job)
         self._wake.set()
 
-    # ---- batching --------------------------------------------------------------------------
-    def _next_batch(self) -> list[tuple[Job, int]]:
-        """FIFO packing under the token budget; the job that does not fit is chunked."""
-        budget = self.cfg.max_batch_tokens
-        batch: list[tuple[Job, int]] = []
-        for job in self.ready:
-            if budget <= 0:
-                break
-            left = len(job.task.prompt_tokens) - job.progress
-            n = min(left, budget)
-            batch.append((job, n))
-            budget -= n
-        return batch
+    # ---- the loop: receive -> next batch -> run -> process result ------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        """The engine loop, until ``stop``."""
+        while not stop.is_set():
+            await self._receive()
+            batch = self.batcher.next_batch()
+            if batch is None:
+                await self._idle(stop)
+                continue
+            t0 = time.perf_counter()
+            try:
+                result = await self._run_batch(batch)
+            except Exception as exc:  # noqa: BLE001 - a failed batch fails its tasks, not the engine
+                log.warning("prefill_batch_failed", error=f"{type(exc).__name__}: {exc}", requests=len(batch.items))
+                for rid in self.batcher.fail_batch():
+                    job = self.jobs.get(rid)
+                    if job is not None:
+                        await self._fail(job, f"prefill failed: {type(exc).__name__}: {exc}")
+            else:
+                await self._process_result(batch, result)
+            self.busy_s += time.perf_counter() - t0
 
-    def _io_item(self, job: Job, n: int) -> IoItem:
+    async def _receive(self) -> None:
+        """Loaded tasks join the batcher's FIFO queue (their hits are cached tokens)."""
+        while self.loaded:
+            job = self.loaded.popleft()
+            try:
+                self.batcher.add(job.task.request_id, cached=job.hit_blocks * self.setup.layout.block_tokens,
+                                 total=len(job.task.prompt_tokens))
+            except BatcherError as exc:  # e.g. hits covering the whole prompt: nothing left to compute
+                await self._fail(job, str(exc))
+
+    async def _idle(self, stop: asyncio.Event) -> None:
+        """Wait for a loaded task or ``stop``."""
+        self._wake.clear()
+        if self.loaded:
+            return
+        waiter = asyncio.ensure_future(self._wake.wait())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        stopper.cancel()
+
+    def _io_item(self, job: Job, it: BatchItem) -> IoItem:
         t = job.task
-        start = job.progress
+        start = it.cached
         first_chunk = start == job.hit_blocks * self.setup.layout.block_tokens
         if first_chunk:
             source, s_off = job.source, job.source_offset
         else:  # earlier chunks (and forwarded hits) already sit in the DE slot
             source, s_off = job.dest, t.de_offset
         write_from = 0 if (first_chunk and job.pe_slot) else start
-        item = PrefillItem(request_id=t.request_id, tokens=t.prompt_tokens, start=start, end=start + n)
+        item = PrefillItem(request_id=t.request_id, tokens=t.prompt_tokens, start=start, end=start + it.new)
         return IoItem(item=item, source=source if start else None, source_offset=s_off, dest=job.dest,
-                      dest_offset=t.de_offset, write_from=write_from, path=read_path_name(t.read_path))
+                      dest_offset=t.de_offset, write_from=write_from, path=read_path_name(t.read_path), de_engine=t.decode_engine)
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """The engine loop: wait for ready work, run a batch, repeat until ``stop``."""
-        while not stop.is_set():
-            if not self.ready:
-                self._wake.clear()
-                waiter = asyncio.ensure_future(self._wake.wait())
-                stopper = asyncio.ensure_future(stop.wait())
-                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
-                stopper.cancel()
-                continue
-            batch = self._next_batch()
-            t0 = time.perf_counter()
-            try:
-                await self._run_batch(batch)
-            except Exception as exc:  # noqa: BLE001 - a bug in one batch fails its tasks, not the engine
-                log.exception("batch_failed", requests=len(batch))
-                for job, _ in batch:
-                    if job in self.ready:
-                        self.ready.remove(job)
-                    if job.task.request_id in self.jobs:
-                        await self._fail(job, f"prefill failed: {type(exc).__name__}: {exc}")
-            self.busy_s += time.perf_counter() - t0
-
-    def _batch_span(self, batch: list[tuple[Job, int]], items: list[IoItem]):
+    def _batch_span(self, batch: PrefillBatch, jobs: list[Job]):
         """``prefill.batch``: child of the first request's span, linked to the others'."""
-        first = batch[0][0].span
+        first = jobs[0].span
         if not first.is_recording():
             return tracer.start_as_current_span("prefill.batch", context=trace.set_span_in_context(first))
-        cached = sum(it.item.start for it in items)
-        new = sum(it.item.end - it.item.start for it in items)
-        attrs = {"requests": len(items), "cached_tokens": cached, "new_tokens": new, "engine": self.cfg.engine_id,
-                 "request_ids": [job.task.request_id for job, _ in batch]}
-        cost = getattr(self.setup.decoder, "cost", None)  # the modeled backend's roofline model
-        if cost is not None:
-            attrs.update(predicted_s=cost.prefill_time([(it.item.start, it.item.end - it.item.start) for it in items]), predicted_by="cost_model")
-        elif self._s_per_token:
-            attrs.update(predicted_s=self._s_per_token * new, predicted_by="measured_rate")
-        links = [trace.Link(job.span.get_span_context()) for job, _ in batch[1:]]
+        attrs = {"requests": len(batch.items), "cached_tokens": batch.cached_tokens, "new_tokens": batch.new_tokens,
+                 "engine": self.cfg.engine_id, "request_ids": [it.request_id for it in batch.items],
+                 "request_cached_tokens": [it.cached for it in batch.items], "request_new_tokens": [it.new for it in batch.items],
+                 "predicted_s": batch.predicted_s, "predicted_by": self.predicted_by, "quota_s": batch.quota_s,
+                 "chunked": batch.chunked, "over_quota": batch.over_quota}
+        links = [trace.Link(job.span.get_span_context()) for job in jobs[1:]]
         return tracer.start_as_current_span("prefill.batch", context=trace.set_span_in_context(first), links=links, attributes=attrs)
 
     @staticmethod
@@ -217,50 +241,58 @@ class PrefillEngine:
         now = time.time()
         return {"ttft_queue_s": max(0.0, job.t_first_batch - job.task.arrival_ts), "ttft_exec_s": max(0.0, now - job.t_first_batch)}
 
-    async def _run_batch(self, batch: list[tuple[Job, int]]) -> None:
+    async def _run_batch(self, batch: PrefillBatch):
+        """Run ``batch`` layer-wise; returns ``run_prefill``'s result. Raises what it raises."""
         s = self.setup
-        items = [self._io_item(job, n) for job, n in batch]
+        jobs = [self.jobs[it.request_id] for it in batch.items]
+        items = [self._io_item(job, it) for job, it in zip(jobs, batch.items)]
         now = time.time()
-        for job, _ in batch:
+        for job in jobs:
             job.t_first_batch = job.t_first_batch or now
         t0 = time.perf_counter()
-        with self._batch_span(batch, items) as span:
+        modeled0 = getattr(s.decoder, "modeled_s", 0.0)
+        with self._batch_span(batch, jobs) as span:
             io = BatchLayerIO(s.dataplane, s.layout, items, dtype=s.decoder.dtype, kv_heads=s.decoder.kv_heads,
                               head_dim=s.decoder.head_dim, device=s.decoder.device, owner=f"b{id(items):x}", oracle=s.oracle,
                               record=span.is_recording(), layerwise=self.cfg.layerwise)
             try:
                 result = await run_prefill(s.decoder, [it.item for it in items], io, layerwise=self.cfg.layerwise)
-            except Exception as exc:  # noqa: BLE001 - fail the batch's tasks, keep serving
-                log.warning("prefill_batch_failed", error=str(exc), requests=len(items))
-                for job, _ in batch:
-                    self.ready.remove(job)
-                    await self._fail(job, f"prefill failed: {exc}")
-                return
             finally:
                 io.close()
             self.kv_wait_s += result.wait_s
             self.kv_in_bytes += io.stats.fetch_bytes
             self.kv_out_bytes += io.stats.store_bytes
             if span.is_recording():
-                self._trace_batch(span, io, result, time.perf_counter() - t0, sum(it.item.end - it.item.start for it in items))
-        row = 0
-        for (job, n), it in zip(batch, items):
-            job.progress += n
-            if it.item.last:
-                self.ready.remove(job)
-                await self._handoff(job, result.logits[row:row + 1])
-                row += 1
+                if getattr(s.decoder, "modeled", False):  # the cost model's seconds this batch was charged (slow motion undone)
+                    span.set_attribute("charged_s", (s.decoder.modeled_s - modeled0) / s.decoder.slowdown)
+                self._trace_batch(span, io, result, time.perf_counter() - t0)
+        return result
 
-    def _trace_batch(self, span, io: BatchLayerIO, result, actual_s: float, new_tokens: int) -> None:
+    async def _process_result(self, batch: PrefillBatch, result) -> None:
+        """Chunks become cached KV; prompts done hand off (first token, ``DecodeTask``)."""
+        self.batcher.finish_batch()
+        row = 0
+        for it in batch.items:
+            logits = None
+            if it.last:  # one logits row per prompt-ending chunk, in batch order
+                logits = result.logits[row:row + 1]
+                row += 1
+            job = self.jobs.get(it.request_id)
+            if job is None:
+                continue
+            if job.cancelled:
+                self.batcher.remove(it.request_id)
+                await self._drop(job)
+            elif logits is not None:
+                await self._handoff(job, logits)
+
+    def _trace_batch(self, span, io: BatchLayerIO, result, actual_s: float) -> None:
         """The batch's figures and its layer spans; ``layer_trace_s`` is what the layer spans cost."""
         t0 = time.perf_counter()
         layer_spans = io.emit_layer_spans(tracer, result.fetch_wait_s, result.store_wait_s)
         span.set_attributes({"actual_s": actual_s, "compute_s": result.compute_s, "kv_wait_s": result.wait_s,
                              "fetch_bytes": io.stats.fetch_bytes, "store_bytes": io.stats.store_bytes, "layer_spans": layer_spans,
                              "layer_trace_s": time.perf_counter() - t0})
-        if new_tokens:
-            rate = actual_s / new_tokens
-            self._s_per_token = rate if not self._s_per_token else 0.8 * self._s_per_token + 0.2 * rate
 
     # ---- handoff ---------------------------------------------------------------------------
     async def _handoff(self, job: Job, logits: torch.Tensor) -> None:
@@ -314,11 +346,17 @@ class PrefillEngine:
     # ---- reporting -------------------------------------------------------------------------
     def report(self) -> m.EngineReport:
         """``seq_e``: unfinished tasks here; ``tok_e``: their prompt tokens still to compute."""
-        tok = sum(len(j.task.prompt_tokens) - j.progress for j in self.jobs.values())
+        tok = self.tokens_left()
         done, self.finished = self.finished, []
         return m.EngineReport(engine_id=self.cfg.engine_id, role=m.Role.PREFILL, node_id=self.node_id, seq=len(self.jobs), tok=tok,
                               free_hbm_tokens=0, capacity_tokens=0, finished=done, block_bytes=self.setup.layout.block_bytes,
                               stats=self._stats(), ts=time.time())
+
+    def tokens_left(self) -> int:
+        """Prompt tokens still to compute: the batcher's queue, plus whole prompts still loading."""
+        bt = self.setup.layout.block_tokens
+        queued = sum(len(j.task.prompt_tokens) - j.hit_blocks * bt for j in self.jobs.values() if j.task.request_id not in self.batcher)
+        return queued + self.batcher.tokens_left()
 
     def _stats(self) -> dict:
         d = self.setup.decoder

@@ -7,6 +7,7 @@ import argparse
 from dualpath.engine.service import engine_parser, run_engine
 from dualpath.protocol import messages as m
 from dualpath.telemetry.metrics import nic_observations, observe
+
 from services.prefill_engine.engine import PrefillEngine
 
 
@@ -18,9 +19,9 @@ def register_metrics(engine: PrefillEngine) -> None:
     """seq_e/tok_e, the ready queue, KV bytes moved, transfer-window occupancy and the CNIC (read at scrape time)."""
     me = {"engine": engine.cfg.engine_id, "role": "prefill"}
     observe("dualpath.engine.seq", "unfinished requests on the engine (seq_e)", lambda: [(len(engine.jobs), me)])
-    observe("dualpath.engine.tok", "tokens the engine still has to compute (tok_e)",
-            lambda: [(sum(len(j.task.prompt_tokens) - j.progress for j in list(engine.jobs.values())), me)])
-    observe("dualpath.engine.ready", "requests whose KV is loaded, waiting for a batch", lambda: [(len(engine.ready), me)])
+    observe("dualpath.engine.tok", "tokens the engine still has to compute (tok_e)", lambda: [(engine.tokens_left(), me)])
+    observe("dualpath.engine.ready", "requests whose KV is loaded, waiting for a batch",
+            lambda: [(len(engine.batcher) + len(engine.loaded), me)])
     observe("dualpath.engine.busy", "seconds spent in batches", lambda: [(engine.busy_s, me)], unit="s", kind="counter")
     observe("dualpath.engine.kv_bytes", "KV bytes moved by layer-wise prefill",
             lambda: [(engine.kv_in_bytes, {**me, "direction": "fetch"}), (engine.kv_out_bytes, {**me, "direction": "store"})],

@@ -30,7 +30,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dualpath.core.batch_errors import DuplicateRequestError, InvalidRequestError, KvCapacityError
+from dualpath.core.batch_errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    KvCapacityError,
+)
 
 __all__ = ["DecodeBatcher", "DecodeStep", "StepOutcome"]
 

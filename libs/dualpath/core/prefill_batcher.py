@@ -26,9 +26,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dualpath.core.batch_errors import BatchOrderError, DuplicateRequestError, InvalidRequestError
+from dualpath.core.batch_errors import (
+    BatchOrderError,
+    DuplicateRequestError,
+    InvalidRequestError,
+)
 from dualpath.policy.errors import InvalidThresholdError
-from dualpath.policy.intra import DEFAULT_QUOTA_S, Predict, PrefillWork, pack_prefill_batch
+from dualpath.policy.intra import (
+    DEFAULT_QUOTA_S,
+    Predict,
+    PrefillWork,
+    pack_prefill_batch,
+)
 
 __all__ = ["BatchItem", "PrefillBatch", "PrefillBatcher"]
 

@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from typing import Callable
+import sys
+from collections.abc import Callable
 
 from anyio.abc import TaskGroup
 
 from dualpath.bus import Bus
-from dualpath.config import BusConfig, EmulationConfig, EngineConfig, ModelConfigSpec, NodeConfig, add_arguments, from_args
+from dualpath.config import (
+    BusConfig,
+    EmulationConfig,
+    EngineConfig,
+    ModelConfigSpec,
+    NodeConfig,
+    add_arguments,
+    from_args,
+)
 from dualpath.engine.common import build_engine
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
@@ -21,7 +30,7 @@ from dualpath.runtime import periodic, run_service
 
 __all__ = ["engine_parser", "run_engine"]
 
-_SKIP = {"prefill": ("kv_capacity_tokens", "max_running", "stream_interval"), "decode": ("max_batch_tokens",)}
+_SKIP = {"prefill": ("kv_capacity_tokens", "max_running", "stream_interval"), "decode": ("compute_quota_ms",)}
 
 
 def engine_parser(role: str, description: str, window_mb: int) -> argparse.ArgumentParser:
@@ -40,6 +49,9 @@ def run_engine(ns: argparse.Namespace, role: str, engine_cls, task_type: type, r
     """Run one engine process: build it, serve its task subject and cancels, report periodically."""
     bus_cfg, cfg = from_args(BusConfig, ns), from_args(EngineConfig, ns)
     model, node, emu = from_args(ModelConfigSpec, ns), from_args(NodeConfig, ns), from_args(EmulationConfig, ns)
+    if role == "prefill" and not cfg.compute_quota_ms > 0:
+        print(f"dualpath service prefill-engine: --compute-quota-ms must be positive, got {cfg.compute_quota_ms:g}", file=sys.stderr)
+        return 2
     subjects = Subjects(bus_cfg.namespace)
     task_subject = subjects.prefill if role == "prefill" else subjects.decode
 

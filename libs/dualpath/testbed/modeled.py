@@ -18,7 +18,7 @@ emulation's own cost (Python, scheduling), reported by the testbed.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

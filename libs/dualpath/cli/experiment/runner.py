@@ -85,7 +85,7 @@ def _emulation(spec: TestbedSpec, oracle: bool, slowdown: float) -> EmulationCon
 def _stack_config(spec: TestbedSpec, m: Mode, emu: EmulationConfig, out: Path) -> StackConfig:
     buffer_mb = max(64, emu.profile().buffer_bytes(spec.topology.engines_per_node) >> 20)
     return StackConfig(model=spec.model, topology=spec.topology, storage=str(out / "storage"), run_dir=str(out / "run"), port=free_port(),
-                       policy=m.policy, read_path=m.read_path, emulation=emu, buffer_mb=buffer_mb, max_batch_tokens=16384,
+                       policy=m.policy, read_path=m.read_path, emulation=emu, buffer_mb=buffer_mb,
                        kv_capacity_tokens=1 << 22,
                        # Fewer, larger token events: the 2-core emulation host's CPU goes to the
                        # modeled cluster, not to per-token messaging (TTFT is unaffected).

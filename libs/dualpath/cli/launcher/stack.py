@@ -52,7 +52,7 @@ class StackConfig:
     replicas: int = 1  # schedulers (one active) and kv-persistence replicas; 2+ = the redundant form
     supervise: bool = True  # restart children that die once the stack is up
     buffer_mb: int = 256
-    max_batch_tokens: int = 2048
+    compute_quota_ms: float | None = None  # prefill compute quota per batch; None: the engine's own (env or 300 ms)
     kv_capacity_tokens: int = 65536
     api_key: str = ""
     prefix_cache: bool = True
@@ -141,7 +141,7 @@ class Stack:
                     time.sleep(0.05)
         say(f"nats-server on {self.nats_url}" + (f" (cluster of {len(specs)}, JetStream)" if len(specs) > 1 else " (JetStream)"))
 
-    def start(self, timeout: float = 120.0, progress=None) -> "Stack":
+    def start(self, timeout: float = 120.0, progress=None) -> Stack:
         """Start everything, wait for ``/health`` to report every engine, then supervise.
 
         Raises:
@@ -185,7 +185,7 @@ class Stack:
             if role == "prefill":
                 self._spawn(f"prefill-{engine}", "services.prefill_engine",
                             [*model, "--engine-id", engine, "--node-id", node, "--device", c.device,
-                             "--max-batch-tokens", str(c.max_batch_tokens)])
+                             *(["--compute-quota-ms", str(c.compute_quota_ms)] if c.compute_quota_ms is not None else [])])
             else:
                 self._spawn(f"decode-{engine}", "services.decode_engine",
                             [*model, "--engine-id", engine, "--node-id", node, "--device", c.device,
@@ -245,7 +245,7 @@ class Stack:
         codes.update(self.supervisor.stop(list(self.supervisor.children), 1.0))  # anything not in a stage
         return codes
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         return self.start()
 
     def __exit__(self, *exc) -> None:

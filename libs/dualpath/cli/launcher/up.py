@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which side reads hit KV")
     p.add_argument("--device", default=default_of(ModelConfigSpec, "device"), help="torch device for engines (cpu, cuda)")
     p.add_argument("--buffer-mb", type=int, default=default_of(NodeConfig, "buffer_mb"), help="DRAM buffer per node, MiB")
+    p.add_argument("--compute-quota-ms", type=float, default=None,
+                   help="prefill compute quota per batch, ms (paper §6.2; default: the engine's, 300)")
     p.add_argument("--nats-url", default="", help="use this NATS server instead of an embedded one")
     p.add_argument("--api-key", default="", help="require this bearer token on /v1/*")
     p.add_argument("--replicas", type=int, default=1, help="schedulers and kv-persistence replicas (2+: no single point of failure)")
@@ -120,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.replicas < 1:
             raise ValueError("--replicas must be at least 1")
+        if ns.compute_quota_ms is not None and not ns.compute_quota_ms > 0:
+            raise ValueError(f"--compute-quota-ms must be positive, got {ns.compute_quota_ms:g}")
         topology = parse_topology(ns.topology, ns.engines_per_node)
         model = ensure_model(ns.model, ns.run_dir, long_context=ns.compute == "modeled")
     except (ValueError, FileNotFoundError) as exc:
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     policy, read_path = mode_policy(ns.mode, ns.policy, ns.read_path)
     cfg = StackConfig(model=model, topology=topology, storage=ns.storage or str(Path(ns.run_dir) / "storage"), run_dir=ns.run_dir,
                       port=ns.port, host=ns.host, policy=policy, read_path=read_path, device=ns.device,
-                      buffer_mb=ns.buffer_mb, nats_url=ns.nats_url, api_key=ns.api_key, emulation=emu,
+                      buffer_mb=ns.buffer_mb, compute_quota_ms=ns.compute_quota_ms, nats_url=ns.nats_url, api_key=ns.api_key, emulation=emu,
                       replicas=ns.replicas, nats_cluster=ns.nats_cluster, supervise=not ns.no_restart)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
