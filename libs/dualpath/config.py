@@ -165,6 +165,8 @@ class GatewayConfig:
     request_timeout: float = opt(600.0, "seconds before an unfinished request fails with 504", "DUALPATH_REQUEST_TIMEOUT")
     max_prompt_tokens: int = opt(0, "refuse longer prompts (0 = the model's context length)", "DUALPATH_MAX_PROMPT_TOKENS")
     prefix_cache: bool = opt(True, "reuse persisted KV blocks (false: every prompt is a full recompute)", "DUALPATH_PREFIX_CACHE")
+    tool_parser: str = opt("auto", "tool-call format of the model's output: auto (from the chat template), hermes, llama3_json",
+                           "DUALPATH_TOOL_PARSER")
 
 
 def parse_bool(text: str) -> bool:

@@ -1,7 +1,10 @@
 """OpenAI request bodies accepted by the gateway (pydantic: a bad field is named in the 422/400).
 
-Extensions follow vLLM's names: ``ignore_eos``, ``min_tokens``, and ``dualpath_read_path``
-(``auto``/``pe``/``de``) to force a read side for one request.
+Extensions follow vLLM's names: ``ignore_eos``, ``min_tokens``, ``chat_template_kwargs``
+(extra chat-template variables), ``chat_template_name`` (one of the checkpoint's named
+templates), and ``dualpath_read_path`` (``auto``/``pe``/``de``) to force a read side for one
+request. Tools, ``tool_choice`` and ``response_format`` are checked in ``dualpath.chat.plan``
+(a bad one is a 400 naming the field).
 """
 
 from __future__ import annotations
@@ -43,12 +46,20 @@ class Message(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Base):
     messages: list[Message] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_name: str | None = None
 
 
 class CompletionRequest(_Base):

@@ -1,8 +1,10 @@
 """The gateway's HTTP app: OpenAI ``/v1/completions`` and ``/v1/chat/completions`` (SSE or not),
-``/v1/models``, ``/health``.
+``/v1/models``, ``/health``, and ``/metrics`` (Prometheus text, cluster-level figures).
 
 A request is tokenized, its block hash chain looked up in kv-persistence (the hit), submitted
-to the scheduler, and answered from its token stream. Errors use OpenAI's JSON error body.
+to the scheduler, and answered from its token stream. A chat answer with tools is parsed into
+``tool_calls`` (streamed as OpenAI-style deltas, ``finish_reason: "tool_calls"``). Errors use
+OpenAI's JSON error body.
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ import time
 import uuid
 from typing import Any
 
+from dualpath.chat.tools import StreamingToolParser
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.api_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.core import ApiError, Gateway, Prepared
+from services.gateway.metrics_page import render_metrics
 
 __all__ = ["build_app"]
 
@@ -69,6 +73,11 @@ def build_app(gw: Gateway) -> FastAPI:
             body.update(prefill_engines=state.prefill_engines, decode_engines=state.decode_engines,
                         queued=state.queued, running=state.running, policy=state.policy, buffer_waits=state.buffer_waits)
         return JSONResponse(status_code=200 if ok else 503, content=body)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        state = await gw.cluster_state()
+        return PlainTextResponse(render_metrics(gw.telemetry.figures, state), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -122,10 +131,18 @@ def _logprobs_completion(gw: Gateway, ids, lps, tops) -> dict:
             "text_offset": []}
 
 
+def _finish_reason(finish: str, has_calls: bool) -> str:
+    return "tool_calls" if has_calls and finish == "stop" else finish
+
+
 def _full_body(gw: Gateway, rid: str, prep: Prepared, result, chat: bool) -> dict[str, Any]:
     created = int(time.time())
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "finish_reason": result.finish_reason,
+        content, calls = prep.tool_format.parse(result.text) if prep.tool_format is not None else (result.text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.to_openai() for c in calls]
+        choice = {"index": 0, "message": message, "finish_reason": _finish_reason(result.finish_reason, bool(calls)),
                   "logprobs": _logprobs_chat(gw, result.token_ids, result.logprobs, result.top_logprobs) if prep.want_logprobs else None}
         obj = "chat.completion"
     else:
@@ -139,10 +156,13 @@ def _full_body(gw: Gateway, rid: str, prep: Prepared, result, chat: bool) -> dic
 async def _sse(gw: Gateway, rid: str, prep: Prepared, request: Request, chat: bool):
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
+    tools = StreamingToolParser(prep.tool_format) if chat and prep.tool_format is not None else None
 
-    def chunk(delta_text: str | None, finish: str | None, ids=(), lps=(), tops=(), extra: dict | None = None) -> str:
+    def chunk(delta_text: str | None, finish: str | None, ids=(), lps=(), tops=(), extra: dict | None = None,
+              delta: dict | None = None) -> str:
         if chat:
-            delta = {} if delta_text is None else {"content": delta_text}
+            if delta is None:
+                delta = {} if delta_text is None else {"content": delta_text}
             choice = {"index": 0, "delta": delta, "finish_reason": finish,
                       "logprobs": _logprobs_chat(gw, ids, lps, tops) if prep.want_logprobs and ids else None}
         else:
@@ -163,7 +183,10 @@ async def _sse(gw: Gateway, rid: str, prep: Prepared, request: Request, chat: bo
                 await gw.cancel(rid, "client disconnected")
                 return
             if part.finish_reason is None:
-                if part.text or part.token_ids:
+                if tools is not None:
+                    for delta in tools.feed(part.text):
+                        yield chunk(None, None, delta=delta)
+                elif part.text or part.token_ids:
                     yield chunk(part.text, None, part.token_ids, part.logprobs, part.top_logprobs)
                 continue
             extra = {"dualpath": part.info}
@@ -171,6 +194,10 @@ async def _sse(gw: Gateway, rid: str, prep: Prepared, request: Request, chat: bo
                 extra["usage"] = _usage(prep, part.result)
             if part.finish_reason == "error":
                 yield f"data: {json.dumps({'error': {'message': part.error, 'type': 'server_error', 'code': part.error_code or 500}})}\n\n"
+            elif tools is not None:
+                for delta in [*tools.feed(part.text), *tools.finish()]:
+                    yield chunk(None, None, delta=delta)
+                yield chunk(None, _finish_reason(part.finish_reason, bool(tools.calls)), extra=extra, delta={})
             else:
                 yield chunk(part.text or None, part.finish_reason, part.token_ids, part.logprobs, part.top_logprobs, extra)
         yield "data: [DONE]\n\n"

@@ -4,24 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
-
-from opentelemetry import trace
 
 from dualpath.bus import Bus, BusTimeoutError
+from dualpath.chat.errors import ChatError
+from dualpath.chat.plan import plan_chat
+from dualpath.chat.tools import ToolFormat, format_for_template, tool_format
 from dualpath.config import BusConfig, GatewayConfig, ModelConfigSpec
 from dualpath.kv import block_hashes, model_digest
 from dualpath.model import ModelConfig, Tokenizer
-from dualpath.model.errors import ModelInputError
 from dualpath.protocol import RemoteError
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.protocol.timeouts import TIMEOUTS
+from dualpath.structured.grammar import vocabulary
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.tracing import carrier, flush_tracing, get_tracer
+from opentelemetry import trace
+
 from services.gateway.api_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.detok import Detokenizer
 from services.gateway.observe import RequestTelemetry
@@ -53,6 +56,8 @@ class Prepared:
     read_path: int
     t_start_ns: int = 0  # arrival (epoch ns): the request's root span starts here
     t_tokenized_ns: int = 0
+    tool_format: ToolFormat | None = None  # parse the answer into tool_calls with it (chat with tools)
+    constrained: bool = False  # a grammar constrains the answer (structured output or forced tool call)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -87,6 +92,11 @@ class Gateway:
         self.subjects = Subjects(bus_cfg.namespace)
         self.tokenizer = Tokenizer.from_dir(model.model)
         self.model_config = ModelConfig.from_dir(model.model)
+        self.model_dir = str(Path(model.model).resolve())
+        if cfg.tool_parser in ("", "auto"):
+            self.tool_format = format_for_template(self.tokenizer.chat_template.pick(tools=True))
+        else:
+            self.tool_format = tool_format(cfg.tool_parser)  # ValueError names the known ones
         self.model_name = model.model_name or Path(model.model).resolve().name
         self.model_digest = model_digest(self.model_name)
         self.block_tokens = model.block_tokens
@@ -115,12 +125,16 @@ class Gateway:
             raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
                            etype="not_found_error", param="model")
 
-    def _sampling(self, body, max_new: int, top_logprobs: int, logprobs: bool) -> dict:
-        return {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "max_tokens": max_new,
-                "min_tokens": min(body.min_tokens, max_new), "ignore_eos": body.ignore_eos, "seed": body.seed,
-                "logprobs": logprobs, "top_logprobs": top_logprobs}
+    def _sampling(self, body, max_new: int, top_logprobs: int, logprobs: bool, grammar: str | None) -> dict:
+        out = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "max_tokens": max_new,
+               "min_tokens": min(body.min_tokens, max_new), "ignore_eos": body.ignore_eos, "seed": body.seed,
+               "logprobs": logprobs, "top_logprobs": top_logprobs}
+        if grammar:
+            out["grammar"] = grammar
+        return out
 
-    def _finish_prepare(self, body, tokens: list[int], logprobs: bool, top: int, t_start_ns: int = 0) -> Prepared:
+    def _finish_prepare(self, body, tokens: list[int], logprobs: bool, top: int, t_start_ns: int = 0, *,
+                        grammar: str | None = None, tool_fmt: ToolFormat | None = None) -> Prepared:
         if not tokens:
             raise ApiError(400, "the prompt is empty", param="prompt")
         if len(tokens) >= self.max_context:
@@ -132,10 +146,10 @@ class Gateway:
             raise ApiError(400, f"max_tokens={asked} plus the prompt's {len(tokens)} tokens exceeds the maximum context "
                                 f"length of {self.max_context} tokens", param="max_tokens")
         max_new = asked or min(room, 256)
-        return Prepared(prompt_tokens=tokens, sampling=self._sampling(body, max_new, top, logprobs), stops=body.stops(),
+        return Prepared(prompt_tokens=tokens, sampling=self._sampling(body, max_new, top, logprobs, grammar), stops=body.stops(),
                         stream=body.stream, include_usage=bool((body.stream_options or {}).get("include_usage")),
                         want_logprobs=logprobs, read_path=_READ_PATHS[body.dualpath_read_path or "auto"],
-                        t_start_ns=t_start_ns, t_tokenized_ns=time.time_ns())
+                        t_start_ns=t_start_ns, t_tokenized_ns=time.time_ns(), tool_format=tool_fmt, constrained=bool(grammar))
 
     def prepare_completion(self, body: CompletionRequest) -> Prepared:
         t_start_ns = time.time_ns()
@@ -150,13 +164,29 @@ class Gateway:
         return self._finish_prepare(body, tokens, body.logprobs is not None, top, t_start_ns)
 
     def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
+        """Render the conversation with the checkpoint's template and plan tools / structured output.
+
+        Raises:
+            ApiError: 400 naming the field for a bad message, tool, tool_choice or schema.
+        """
         t_start_ns = time.time_ns()
         self._check_model(body.model)
+        messages = [msg.model_dump(exclude_none=True) for msg in body.messages]
+        for msg, raw in zip(messages, body.messages):
+            if raw.content is None and raw.role == "assistant" and raw.tool_calls:
+                msg["content"] = None  # DeepSeek-style templates test ``content is none``
+        needs_grammar = bool(body.response_format and body.response_format.get("type") not in (None, "text")) or (
+            bool(body.tools) and body.tool_choice not in (None, "none", "auto"))
         try:
-            text = self.tokenizer.render_chat([msg.model_dump(exclude_none=True) for msg in body.messages])
-        except ModelInputError as exc:  # e.g. an image part: this server renders text only
-            raise ApiError(400, str(exc), param="messages") from None
-        return self._finish_prepare(body, self.tokenizer.encode(text), body.logprobs, body.top_logprobs or 0, t_start_ns)
+            vocab = vocabulary(self.model_dir, self.model_config.vocab_size) if needs_grammar else None
+            plan = plan_chat(messages, template=self.tokenizer.chat_template, tool_format=self.tool_format, vocab=vocab,
+                             tools=body.tools, tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
+                             response_format=body.response_format, template_name=body.chat_template_name,
+                             template_kwargs=body.chat_template_kwargs)
+        except ChatError as exc:
+            raise ApiError(400, exc.message, param=exc.param) from None
+        return self._finish_prepare(body, self.tokenizer.encode(plan.prompt), body.logprobs, body.top_logprobs or 0, t_start_ns,
+                                    grammar=plan.grammar, tool_fmt=plan.tool_format)
 
     # ---- submission ------------------------------------------------------------------------
     async def _lookup(self, hashes: list[int]) -> int:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from dualpath.protocol.messages import TokenEvent
+from dualpath.telemetry.metrics import SECONDS_BUCKETS, get_meter, observe
+from dualpath.telemetry.tracing import get_tracer
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 
-from dualpath.protocol.messages import TokenEvent
-from dualpath.telemetry.metrics import SECONDS_BUCKETS, get_meter, observe
-from dualpath.telemetry.tracing import get_tracer
+from services.gateway.metrics_page import ClusterFigures
 
 __all__ = ["RequestTelemetry"]
 
@@ -48,6 +49,7 @@ class RequestTelemetry:
         self.finished = meter.create_counter("dualpath.requests", description="requests answered, by finish reason")
         self.prompt_total = 0
         self.cached_total = 0
+        self.figures = ClusterFigures()  # what GET /metrics on the API port shows
         self._live: dict[str, _Live] = {}
         observe("dualpath.gateway.in_flight", "requests admitted and not yet answered", lambda: [(len(self._live), {})])
         observe("dualpath.prompt_tokens", "prompt tokens of answered requests", lambda: [(self.prompt_total, {})], kind="counter")
@@ -101,15 +103,20 @@ class RequestTelemetry:
         if live.t_first_ns:
             ttft = (live.t_first_ns - live.t_start_ns) / 1e9
             self.ttft.record(ttft)
+            self.figures.ttft.observe(ttft)
             attrs["ttft_s"] = ttft
         if live.tokens > 1:
             tpot = (live.t_last_ns - live.t_first_ns) / 1e9 / (live.tokens - 1)
             self.tpot.record(tpot)
+            self.figures.tpot.observe(tpot)
             attrs["tpot_s"] = tpot
         self.finished.add(1, {"finish_reason": reason})
+        self.figures.requests[(out["info"].get("read_path") or "none", reason)] += 1
         if reason != "error":
             self.prompt_total += live.prompt_tokens
             self.cached_total += out["cached_tokens"]
+            self.figures.prompt_tokens += live.prompt_tokens
+            self.figures.cached_tokens += out["cached_tokens"]
         span = live.span
         if span.is_recording():
             info = out["info"]

@@ -5,11 +5,17 @@ from __future__ import annotations
 import argparse
 
 import uvicorn
-
-from dualpath.config import BusConfig, GatewayConfig, ModelConfigSpec, add_arguments, from_args
+from dualpath.config import (
+    BusConfig,
+    GatewayConfig,
+    ModelConfigSpec,
+    add_arguments,
+    from_args,
+)
 from dualpath.telemetry.logs import configure_logging
 from dualpath.telemetry.metrics import configure_metrics, shutdown_metrics
 from dualpath.telemetry.tracing import configure_tracing, shutdown_tracing
+
 from services.gateway.app import build_app
 from services.gateway.core import Gateway
 

@@ -7,7 +7,7 @@ publishers feed one stream; events are re-ordered by ``index`` before a consumer
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from dualpath.protocol import ProtocolError, decode
 from dualpath.protocol.messages import TokenEvent
@@ -24,7 +24,7 @@ class StreamOverflowError(Exception):
 
 
 class _Stream:
-    __slots__ = ("queue", "next_index", "held", "overflow")
+    __slots__ = ("held", "next_index", "overflow", "queue")
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue(maxsize=_MAX_PENDING)

@@ -1,19 +1,29 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with OpenAI-style logprobs.
+"""Token sampling: greedy, temperature, top-k, top-p, grammar masks, with OpenAI-style logprobs.
 
-Logprobs are ``log_softmax`` of the raw logits, before temperature, top-k/top-p or EOS
-suppression (what OpenAI and vLLM report), so they do not change with the sampling knobs.
+Logprobs are ``log_softmax`` of the raw logits, before temperature, top-k/top-p, EOS
+suppression or a grammar mask (what OpenAI and vLLM report), so they do not change with the
+sampling knobs.
+
+Structured outputs: ``SamplingParams.grammar`` (an llguidance grammar the gateway built from
+``response_format`` or a forced ``tool_choice``) travels with the request; each engine makes
+the request's ``TokenConstraint`` with ``grammar_constraint`` and passes it to ``sample``,
+which masks the row before choosing and advances the grammar past the chosen token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from dualpath.model.errors import ModelInputError
 
-__all__ = ["MAX_TOP_LOGPROBS", "SampledToken", "SamplingParams", "sample"]
+if TYPE_CHECKING:
+    from dualpath.structured.constraint import TokenConstraint
+
+__all__ = ["MAX_TOP_LOGPROBS", "SampledToken", "SamplingParams", "grammar_constraint", "sample"]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for `top_logprobs`
 
@@ -41,6 +51,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    grammar: str | None = None  # llguidance grammar (dualpath.structured.grammar); None: unconstrained
 
     def __post_init__(self) -> None:
         checks = (
@@ -75,6 +86,7 @@ def sample(
     *,
     suppress_eos: Sequence[bool] | None = None,
     eos_ids: Collection[int] = frozenset(),
+    constraints: Sequence[TokenConstraint | None] | None = None,
 ) -> list[SampledToken]:
     """Choose one token per row of ``logits [B, V]``.
 
@@ -82,29 +94,38 @@ def sample(
     generator; pass a seeded one for reproducible sampling; it must live on the logits'
     device or on CPU). Greedy rows take the argmax, ties going to the lowest id. Where
     ``suppress_eos[i]`` is true the ids in ``eos_ids`` cannot be chosen (min_tokens,
-    ignore_eos). ``top_logprobs`` holds ``params[i].top_logprobs`` entries (none when 0); the
+    ignore_eos), unless the row's grammar allows nothing else. Where ``constraints[i]`` is set,
+    tokens its grammar forbids cannot be chosen and the chosen token advances it (a finished
+    grammar allows only EOS). ``top_logprobs`` holds ``params[i].top_logprobs`` entries (none when 0); the
     chosen token's ``logprob`` is always filled, since it costs nothing.
 
     Raises:
-        ModelInputError: ``logits`` not 2-D, or lengths of ``params``, ``generators`` or
-            ``suppress_eos`` differing from ``B``.
+        ModelInputError: ``logits`` not 2-D, or lengths of ``params``, ``generators``,
+            ``suppress_eos`` or ``constraints`` differing from ``B``.
+        GrammarError: a grammar does not compile (``dualpath.chat.errors``).
     """
     if logits.dim() != 2:
         raise ModelInputError(f"logits must be [B, V], got {tuple(logits.shape)}")
     batch, vocab = logits.shape
     suppress = list(suppress_eos) if suppress_eos is not None else [False] * batch
-    if not len(params) == len(generators) == len(suppress) == batch:
+    cons = list(constraints) if constraints is not None else [None] * batch
+    if not len(params) == len(generators) == len(suppress) == len(cons) == batch:
         raise ModelInputError(f"{batch} logit rows but {len(params)} params, {len(generators)} generators, "
-                              f"{len(suppress)} suppress_eos entries")
+                              f"{len(suppress)} suppress_eos entries, {len(cons)} constraints")
     raw = logits.float()
     logprobs = torch.log_softmax(raw, dim=-1)  # [B, V]
     eos = torch.tensor(sorted(i for i in eos_ids if 0 <= i < vocab), dtype=torch.long, device=raw.device)
     out = []
     for i, p in enumerate(params):
         row = raw[i]
+        if cons[i] is not None:
+            row = cons[i].apply(row)
         if suppress[i] and eos.numel():
-            row = row.index_fill(0, eos, float("-inf"))
+            kept = row.index_fill(0, eos, float("-inf"))
+            row = kept if cons[i] is None or bool(torch.isfinite(kept).any()) else row
         token = int(row.argmax()) if p.temperature == 0.0 else _draw(row, p, generators[i])
+        if cons[i] is not None:
+            cons[i].accept(token)
         top: tuple[tuple[int, float], ...] = ()
         if p.top_logprobs:
             # Stable sort: equal logprobs are listed lowest id first, like the greedy choice.
@@ -130,3 +151,17 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | Non
     if generator is not None and generator.device != probs.device:
         probs = probs.to(generator.device)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def grammar_constraint(params: SamplingParams, model_dir: str, *, prefix: Iterable[int] = ()) -> TokenConstraint | None:
+    """The request's grammar state, or ``None`` when it is unconstrained.
+
+    ``model_dir`` is the checkpoint (its ``tokenizer.json`` gives the grammar's vocabulary);
+    ``prefix`` are tokens already sampled under the grammar (the decode engine replays the
+    prefill engine's first token).
+    """
+    if not params.grammar:
+        return None
+    from dualpath.structured.constraint import TokenConstraint
+
+    return TokenConstraint(params.grammar, model_dir, prefix=prefix)

@@ -1,9 +1,10 @@
-"""``Tokenizer``: a ``tokenizer.json`` (Hugging Face ``tokenizers``) plus the ChatML format.
+"""``Tokenizer``: a ``tokenizer.json`` (Hugging Face ``tokenizers``) plus the checkpoint's chat template.
 
 The serving path re-tokenizes the whole conversation every turn and relies on the ids of
 earlier turns being reproduced exactly (that is what makes their KV blocks hits), so
 ``encode`` never adds special tokens of its own and ``render_chat`` is a pure function of
-the messages.
+the messages. Chat messages are rendered with the checkpoint's own Jinja template
+(``dualpath.chat.template``; ChatML only when the checkpoint has none).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from dualpath.chat.errors import ChatError
+from dualpath.chat.template import ChatTemplate
 from dualpath.model.errors import ModelInputError, ModelLoadError
 
 __all__ = ["EOS_NAMES", "Tokenizer"]
@@ -24,16 +27,19 @@ EOS_NAMES = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</
 
 
 class Tokenizer:
-    """Text <-> token ids for one checkpoint, and ChatML rendering of chat messages.
+    """Text <-> token ids for one checkpoint, and rendering of chat messages with its template.
 
     Special tokens such as ``<|im_start|>`` are matched as single tokens wherever they
     appear in the text given to ``encode``.
     """
 
-    def __init__(self, tokenizer: HFTokenizer, *, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer: HFTokenizer, *, eos_token_ids: frozenset[int], chat_template: ChatTemplate | None = None,
+                 path: Path | None = None) -> None:
         self._tok = tokenizer
         self.eos_token_ids = eos_token_ids
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.chat_template = chat_template or ChatTemplate.from_dir(Path("/nonexistent"))
+        self.path = path  # the checkpoint directory (None: built in memory)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -43,9 +49,12 @@ class Tokenizer:
         ``eos_token_id`` of ``tokenizer_config.json``, ``generation_config.json`` and
         ``config.json`` where present.
 
+        The chat template: see ``dualpath.chat.template.ChatTemplate.from_dir``.
+
         Raises:
-            ModelLoadError: ``tokenizer.json`` missing or unparsable, or one of the optional
-                JSON files present but not a JSON object.
+            ModelLoadError: ``tokenizer.json`` missing or unparsable, one of the optional
+                JSON files present but not a JSON object, or a chat template that does not
+                compile.
         """
         path = Path(path)
         file = path / "tokenizer.json"
@@ -67,7 +76,11 @@ class Tokenizer:
         for extra in ("generation_config.json", "config.json"):
             value = _optional_json(path / extra).get("eos_token_id")
             eos.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
-        return cls(tok, eos_token_ids=frozenset(eos))
+        try:
+            template = ChatTemplate.from_dir(path)
+        except ChatError as exc:
+            raise ModelLoadError(path / "tokenizer_config.json", exc.message) from None
+        return cls(tok, eos_token_ids=frozenset(eos), chat_template=template, path=path)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; no BOS/EOS or other special tokens are added."""
@@ -91,26 +104,30 @@ class Tokenizer:
         """Id of a vocabulary entry (e.g. ``"<|im_end|>"``), or ``None``."""
         return self._tok.token_to_id(token)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """ChatML text of ``messages``.
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                    tools: list[dict] | None = None, **kwargs: Any) -> str:
+        """Prompt text of ``messages`` rendered with the checkpoint's chat template.
 
-        Each message becomes ``"<|im_start|>{role}\\n{content}<|im_end|>\\n"``; with
-        ``add_generation_prompt`` the text ends in ``"<|im_start|>assistant\\n"``. Content is
-        a string, ``None`` (e.g. an assistant turn carrying only tool calls) or a list of
-        ``{"type": "text", "text": ...}`` parts, which are concatenated.
+        Content is a string, ``None`` (rendered as empty text, except on an assistant turn
+        carrying ``tool_calls``, where the template sees ``None``) or a list of
+        ``{"type": "text", "text": ...}`` parts, which are concatenated. ``tools`` and
+        ``kwargs`` are passed to the template (HF's ``apply_chat_template`` semantics).
 
         Raises:
-            ModelInputError: a message is not a dict with a string ``role``, or its content
-                is of another type or holds a non-text part.
+            ModelInputError: a message is not a dict with a string ``role``, its content is
+                of another type or holds a non-text part, or the template refuses the messages.
         """
-        parts = []
+        chat = []
         for index, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ModelInputError(f"message {index} needs a string 'role'")
-            parts.append(f"<|im_start|>{message['role']}\n{_content_text(message.get('content'), index)}<|im_end|>\n")
-        if add_generation_prompt:
-            parts.append("<|im_start|>assistant\n")
-        return "".join(parts)
+            text = _content_text(message.get("content"), index)
+            keep_none = message.get("content") is None and message.get("role") == "assistant" and bool(message.get("tool_calls"))
+            chat.append({**message, "content": None if keep_none else text})
+        try:
+            return self.chat_template.render(chat, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
+        except ChatError as exc:
+            raise ModelInputError(exc.message) from None
 
 
 def _content_text(content: Any, index: int) -> str:

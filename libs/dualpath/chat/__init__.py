@@ -1,0 +1,3 @@
+"""The chat API's model-facing half: the checkpoint's chat template (``template``), tool calls
+(``tools``), and request planning (``plan``: messages, tools and response_format -> prompt text,
+grammar, output parser), with the errors the gateway answers as 400 (``errors``)."""

@@ -1,0 +1,230 @@
+"""Tool calls: the model's output formats, parsed into OpenAI ``tool_calls`` (whole or streamed),
+and the grammars that force a call.
+
+Formats (vLLM's tool-parser names):
+
+- ``hermes``: Hermes / Qwen2.5 / Qwen3: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
+  several in a row for parallel calls, after optional text.
+- ``llama3_json``: Llama 3.1+: the whole answer is ``{"name": ..., "parameters": {...}}``
+  (optionally after ``<|python_tag|>``, which decodes to nothing), calls separated by ``;``.
+
+``format_for_template`` picks one from the checkpoint's chat template; a ``--tool-parser``
+flag overrides it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from dualpath.structured.grammar import lark_json_rule
+
+__all__ = ["FORMATS", "StreamingToolParser", "ToolCall", "ToolFormat", "format_for_template", "tool_format"]
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI returns it
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _call_from(obj: Any, args_key: str) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    return ToolCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False) if not isinstance(args, str) else args)
+
+
+class ToolFormat:
+    """One output format: whole-text parsing, the start marker streaming waits for, forcing grammar."""
+
+    name = ""
+    start = ""  # text that opens a tool call ("" : the answer must begin with "{")
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """Split a finished answer into (content, tool calls); no calls: (text, [])."""
+        raise NotImplementedError
+
+    def grammar(self, tools: list[dict], *, parallel: bool) -> str:
+        """A Lark grammar (llguidance dialect, rule ``start``) whose every sentence is one (or, if
+        ``parallel``, several) valid calls of ``tools`` (OpenAI tool dicts) in this format."""
+        raise NotImplementedError
+
+
+class HermesFormat(ToolFormat):
+    name = "hermes"
+    start = "<tool_call>"
+    _call = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        at = text.find(self.start)
+        if at == -1:
+            return text, []
+        calls = []
+        for match in self._call.finditer(text, at):
+            try:
+                call = _call_from(json.loads(match.group(1)), "arguments")
+            except json.JSONDecodeError:
+                call = None
+            if call is None:
+                if not match.group(0).endswith("</tool_call>") and calls:
+                    break  # the answer was cut inside its last call (max_tokens): keep the complete ones
+                return text, []  # not a well-formed call: leave the text as it is
+            calls.append(call)
+        content = text[:at].strip()
+        return (content or None), calls
+
+    def grammar(self, tools: list[dict], *, parallel: bool) -> str:
+        rules = [f"f{i}: {lark_json_rule(_call_schema(t, 'arguments'))}" for i, t in enumerate(tools)]
+        fns = " | ".join(f"f{i}" for i in range(len(tools)))
+        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        return "\n".join([start, f'call: "<tool_call>\\n" ({fns}) "\\n</tool_call>"', *rules]) + "\n"
+
+
+class Llama3JsonFormat(ToolFormat):
+    name = "llama3_json"
+    start = ""
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        decoder = json.JSONDecoder()
+        pos = 0
+        while pos < len(body):
+            try:
+                obj, end = decoder.raw_decode(body, pos)
+            except json.JSONDecodeError:
+                return text, []
+            call = _call_from(obj, "parameters")
+            if call is None:
+                return text, []
+            calls.append(call)
+            pos = end
+            while pos < len(body) and body[pos] in " \t\r\n;":
+                pos += 1
+        return None, calls
+
+    def grammar(self, tools: list[dict], *, parallel: bool) -> str:
+        rules = [f"f{i}: {lark_json_rule(_call_schema(t, 'parameters'))}" for i, t in enumerate(tools)]
+        fns = " | ".join(f"f{i}" for i in range(len(tools)))
+        start = 'start: call ("; " call)*' if parallel else "start: call"
+        return "\n".join([start, f"call: {fns}", *rules]) + "\n"
+
+
+def _call_schema(tool: dict, args_key: str) -> dict:
+    fn = tool["function"]
+    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    return {"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
+            "required": ["name", args_key], "additionalProperties": False}
+
+
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Llama3JsonFormat())}
+
+
+def tool_format(name: str) -> ToolFormat:
+    """The format called ``name``.
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name not in FORMATS:
+        raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(sorted(FORMATS))}")
+    return FORMATS[name]
+
+
+def format_for_template(template: str) -> ToolFormat:
+    """Guess the checkpoint's tool-call format from its chat template (Hermes when unsure)."""
+    if "<tool_call>" in template:
+        return FORMATS["hermes"]
+    if '"parameters": ' in template or "<|python_tag|>" in template:
+        return FORMATS["llama3_json"]
+    return FORMATS["hermes"]
+
+
+class StreamingToolParser:
+    """Turns text deltas into OpenAI stream deltas: ``content`` until a tool call may start,
+    then one ``tool_calls`` delta per completed call (name and whole arguments).
+
+    Text that could be the start of a call marker is held back until it is decided; a call
+    still open when the answer ends is parsed at ``finish``.
+    """
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        self.fmt = fmt
+        self.text = ""  # everything so far
+        self._sent = 0  # content characters released
+        self._in_calls = False
+        self.calls: list[ToolCall] = []
+
+    def feed(self, delta: str) -> list[dict[str, Any]]:
+        """Deltas (``{"content": ...}`` or ``{"tool_calls": [...]}``) releasable after ``delta``."""
+        self.text += delta
+        out: list[dict[str, Any]] = []
+        if not self._in_calls:
+            out += self._content()
+        if self._in_calls and self.fmt.start:
+            out += self._completed_calls(final=False)
+        return out
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The remaining deltas once the answer ended."""
+        out: list[dict[str, Any]] = []
+        if not self._in_calls:
+            rest = self.text[self._sent:]
+            self._sent = len(self.text)
+            return [{"content": rest}] if rest else []
+        out += self._completed_calls(final=True)
+        return out
+
+    def _content(self) -> list[dict[str, Any]]:
+        start = self.fmt.start
+        if not start:  # llama3_json: a call is the whole answer, starting with "{"
+            stripped = self.text.lstrip().removeprefix("<|python_tag|>").lstrip()
+            if stripped.startswith("{"):
+                self._in_calls = True
+                return []
+            if not stripped:
+                return []
+            self._sent = len(self.text)
+            return [{"content": self.text}] if self.text else []
+        at = self.text.find(start, self._sent)
+        if at != -1:
+            self._in_calls = True
+            piece = self.text[self._sent:at].rstrip("\n") if at > self._sent else ""
+            self._sent = at
+            return [{"content": piece}] if piece else []
+        hold = next((k for k in range(min(len(start) - 1, len(self.text) - self._sent), 0, -1) if self.text.endswith(start[:k])), 0)
+        ready = len(self.text) - hold
+        if ready <= self._sent:
+            return []
+        piece, self._sent = self.text[self._sent:ready], ready
+        return [{"content": piece}]
+
+    def _completed_calls(self, *, final: bool) -> list[dict[str, Any]]:
+        body = self.text[self._sent:]
+        if not final and "</tool_call>" not in body:
+            return []
+        if not final:
+            body = body[: body.rfind("</tool_call>") + len("</tool_call>")]
+        _, calls = self.fmt.parse(body)
+        new = calls[len(self.calls):]
+        deltas = []
+        for call in new:
+            index = len(self.calls)
+            self.calls.append(call)
+            deltas.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                           "function": {"name": call.name, "arguments": call.arguments}}]})
+        if final and not self.calls:  # never a well-formed call: it was text after all
+            rest = self.text[self._sent:]
+            self._sent = len(self.text)
+            return [{"content": rest}] if rest else []
+        return deltas

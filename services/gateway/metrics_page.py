@@ -1,0 +1,93 @@
+"""``GET /metrics`` on the API port: the cluster-level figures a user looks for first, in
+Prometheus text format, whether or not the OpenTelemetry exporter (per-service metrics on
+``--metrics-port``) is on.
+
+- ``dualpath_ttft_seconds`` / ``dualpath_tpot_seconds``: histograms as the clients saw them
+  (arrival at the gateway to first token; mean gap between later tokens);
+- ``dualpath_prompt_tokens_total``, ``dualpath_cached_tokens_total`` and
+  ``dualpath_cached_token_ratio`` (the KV hit rate over answered requests);
+- ``dualpath_requests_total{read_path, finish_reason}``: answered requests by the read path
+  the scheduler chose (``pe``/``de``, ``none`` when no blocks were read);
+- from the scheduler's state: ``dualpath_queue_length``, ``dualpath_running_requests``,
+  ``dualpath_engines{role}``, ``dualpath_buffer_waits_total``, and ``dualpath_scheduler_up``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass, field
+
+from dualpath.telemetry.metrics import SECONDS_BUCKETS
+
+__all__ = ["ClusterFigures", "Histogram", "render_metrics"]
+
+
+@dataclass(slots=True)
+class Histogram:
+    """Cumulative-bucket histogram (Prometheus semantics: ``le`` upper bounds, plus +Inf)."""
+
+    bounds: tuple[float, ...] = SECONDS_BUCKETS
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def lines(self, name: str, help_text: str) -> list[str]:
+        out = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        running = 0
+        for bound, count in zip(self.bounds, self.counts):
+            running += count
+            out.append(f'{name}_bucket{{le="{bound:g}"}} {running}')
+        out += [f'{name}_bucket{{le="+Inf"}} {self.n}', f"{name}_sum {self.total:.9g}", f"{name}_count {self.n}"]
+        return out
+
+
+@dataclass(slots=True)
+class ClusterFigures:
+    """What the gateway measured over the requests it answered."""
+
+    ttft: Histogram = field(default_factory=Histogram)
+    tpot: Histogram = field(default_factory=Histogram)
+    requests: Counter = field(default_factory=Counter)  # (read_path, finish_reason) -> count
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def _esc(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render_metrics(figures: ClusterFigures, state) -> str:
+    """The page; ``state`` is the scheduler's ``StateReply`` or ``None`` when it did not answer."""
+    lines = figures.ttft.lines("dualpath_ttft_seconds", "time to first token, arrival at the gateway to first token")
+    lines += figures.tpot.lines("dualpath_tpot_seconds", "time per output token after the first (mean per request)")
+    ratio = figures.cached_tokens / figures.prompt_tokens if figures.prompt_tokens else 0.0
+    lines += ["# HELP dualpath_prompt_tokens_total prompt tokens of answered requests", "# TYPE dualpath_prompt_tokens_total counter",
+              f"dualpath_prompt_tokens_total {figures.prompt_tokens}",
+              "# HELP dualpath_cached_tokens_total prompt tokens whose KV was read from storage",
+              "# TYPE dualpath_cached_tokens_total counter", f"dualpath_cached_tokens_total {figures.cached_tokens}",
+              "# HELP dualpath_cached_token_ratio cached / prompt tokens over all answered requests",
+              "# TYPE dualpath_cached_token_ratio gauge", f"dualpath_cached_token_ratio {ratio:.6g}",
+              "# HELP dualpath_requests_total answered requests by read path and finish reason", "# TYPE dualpath_requests_total counter"]
+    for (path, reason), count in sorted(figures.requests.items()):
+        lines.append(f'dualpath_requests_total{{read_path="{_esc(path)}",finish_reason="{_esc(reason)}"}} {count}')
+    lines += ["# HELP dualpath_scheduler_up 1 when the scheduler answered this scrape", "# TYPE dualpath_scheduler_up gauge",
+              f"dualpath_scheduler_up {0 if state is None else 1}"]
+    if state is not None:
+        lines += ["# HELP dualpath_queue_length requests waiting in the scheduler's queue", "# TYPE dualpath_queue_length gauge",
+                  f"dualpath_queue_length {state.queued}",
+                  "# HELP dualpath_running_requests requests dispatched to engines and not finished", "# TYPE dualpath_running_requests gauge",
+                  f"dualpath_running_requests {state.running}",
+                  "# HELP dualpath_engines engines reporting to the scheduler", "# TYPE dualpath_engines gauge",
+                  f'dualpath_engines{{role="prefill"}} {state.prefill_engines}', f'dualpath_engines{{role="decode"}} {state.decode_engines}',
+                  "# HELP dualpath_buffer_waits_total dispatches put back because a node buffer was full",
+                  "# TYPE dualpath_buffer_waits_total counter", f"dualpath_buffer_waits_total {state.buffer_waits}"]
+    return "\n".join(lines) + "\n"
