@@ -31,7 +31,7 @@ from dualpath.core.decode_batcher import CANCELLED, DecodeBatcher, DecodeStep
 from dualpath.engine.common import EngineSetup, read_path_name
 from dualpath.engine.decode import DecodeSequence, KvMemory, decode_step
 from dualpath.kv import block_hashes
-from dualpath.model.sampling import SamplingParams, sample
+from dualpath.model.sampling import SamplingParams, grammar_constraint, sample
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.protocol.timeouts import TIMEOUTS
@@ -60,6 +60,7 @@ class Running:
     decode_s: float = 0.0  # admission to last token (set when it leaves)
     span: trace.Span = trace.INVALID_SPAN  # decode.request
     unsent: list = field(default_factory=list)  # (token, logprob, top) not yet streamed (stream interval)
+    constraint: object | None = None  # the request's grammar state (structured outputs), the first token replayed
 
 
 class DecodeEngine:
@@ -123,7 +124,8 @@ class DecodeEngine:
         seq = DecodeSequence(request_id=task.request_id, tokens=list(task.prompt_tokens) + [task.first_token], kv=kv, kv_len=n,
                              generated=[task.first_token])
         full = n // lay.block_tokens
-        return Running(task=task, seq=seq, params=params, gen=gen, chain=list(task.block_hashes[:full]))
+        return Running(task=task, seq=seq, params=params, gen=gen, chain=list(task.block_hashes[:full]),
+                       constraint=grammar_constraint(params, self.setup.model_dir, prefix=[task.first_token]))
 
     # ---- persistence -----------------------------------------------------------------------
     def _persist_prompt(self, r: Running) -> None:
@@ -252,7 +254,7 @@ class DecodeEngine:
         if active:
             toks = sample(logits[:len(active)].float().cpu(), [r.params for r in active], [r.gen for r in active],
                           suppress_eos=[r.params.ignore_eos or len(r.seq.generated) < r.params.min_tokens for r in active],
-                          eos_ids=self.setup.eos_ids)
+                          eos_ids=self.setup.eos_ids, constraints=[r.constraint for r in active])
             for r, tok in zip(active, toks):
                 r.seq.tokens.append(tok.token_id)
                 r.seq.generated.append(tok.token_id)

@@ -40,7 +40,7 @@ from dualpath.engine.common import EngineSetup, read_path_name
 from dualpath.engine.prefill import PrefillItem, run_prefill
 from dualpath.engine.prefill_io import BatchLayerIO, IoItem
 from dualpath.engine.profile import prefill_predictor
-from dualpath.model.sampling import SamplingParams, sample
+from dualpath.model.sampling import SamplingParams, grammar_constraint, sample
 from dualpath.protocol import RemoteError
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
@@ -302,7 +302,8 @@ class PrefillEngine:
         suppress = params.ignore_eos or params.min_tokens > 0
         failure: Exception | None = None
         with tracer.start_as_current_span("prefill.handoff", context=trace.set_span_in_context(job.span)):
-            tok = sample(logits.float().cpu(), [params], [gen], suppress_eos=[suppress], eos_ids=self.setup.eos_ids)[0]
+            tok = sample(logits.float().cpu(), [params], [gen], suppress_eos=[suppress], eos_ids=self.setup.eos_ids,
+                         constraints=[grammar_constraint(params, self.setup.model_dir)])[0]
             top = [[i, lp] for i, lp in tok.top_logprobs]
             await self.bus.publish(t.reply_subject, m.TokenEvent(request_id=t.request_id, index=0, token_ids=[tok.token_id],
                                                                    logprobs=[tok.logprob], top_logprobs=[top], ts=time.time()))

@@ -38,6 +38,7 @@ class EngineSetup:
     model_name: str
     eos_ids: frozenset[int]
     oracle: bool = False
+    model_dir: str = ""  # the checkpoint directory: its tokenizer is the vocabulary of structured-output grammars
     nic: DuplexNic | None = None  # the GPU's emulated full-duplex compute NIC (testbed); ``acquire`` = an H2D/D2H
 
     async def close(self) -> None:
@@ -79,4 +80,4 @@ async def build_engine(*, engine_id: str, namespace: str, model: ModelConfigSpec
                          peers=NicDirectory(cnic_prefix(namespace)) if nic else None, same_host=nic is not None)
     name = model.model_name or Path(model.model).resolve().name
     return EngineSetup(decoder=decoder, layout=layout, dataplane=dp, dtype=dtype_name(decoder.dtype), model_name=name,
-                       eos_ids=frozenset(tokenizer.eos_token_ids), oracle=emu.oracle, nic=nic)
+                       eos_ids=frozenset(tokenizer.eos_token_ids), oracle=emu.oracle, model_dir=str(model.model), nic=nic)
