@@ -15,6 +15,7 @@ from dualpath.config import (
     from_args,
 )
 from dualpath.core import CoreConfig, SchedulerCore
+from dualpath.ha.lease import add_lease_arguments, keep_leading, wait_for_leadership
 from dualpath.policy import Thresholds, get_policy
 from dualpath.policy.values import Role
 from dualpath.protocol import messages as m
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, BusConfig)
     add_arguments(p, SchedulerConfig)
     add_arguments(p, EmulationConfig, skip=("cnic_gbps", "oracle"))
+    add_lease_arguments(p)  # active/standby: act only while holding the JetStream KV lease
     p.add_argument("--alpha-tokens", type=int, default=0,
                    help="α: tokens a node reads from storage in 3 s (default: from the testbed profile, else 4M)")
     p.add_argument("--beta-tokens", type=int, default=0,
@@ -75,11 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     subjects = Subjects(bus_cfg.namespace)
 
     async def serve(bus: Bus, stop: asyncio.Event) -> None:
+        lease = await wait_for_leadership(bus.nc.jetstream(), subjects.sched_leader, ns, stop)  # standby until leader
+        if ns.leader_lease and lease is None:
+            return
         core = SchedulerCore(policy, CoreConfig(engine_timeout=cfg.engine_timeout, max_queue=cfg.max_queue,
                                                 max_attempts=cfg.max_attempts, trace_inputs=tracing_enabled()))
         register_metrics(core)
         async with anyio.create_task_group() as tasks:  # every dispatch and free the shell starts
             shell = SchedulerShell(bus, subjects, core, tasks)
+            tasks.start_soon(keep_leading, lease, stop)  # a lost lease sets stop: this scheduler steps down
             await bus.serve(subjects.submit, shell.on_submit, m.SubmitRequest)
             await bus.serve(subjects.engine_report, shell.on_engine_report, m.EngineReport)
             await bus.serve(subjects.node_report, shell.on_node_report, m.NodeReport)

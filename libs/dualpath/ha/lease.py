@@ -149,3 +149,44 @@ class LeaderLease:
         except Exception as exc:  # noqa: BLE001 - expiry frees it anyway
             log.warning("lease_release_failed", error=str(exc))
         self.revision = 0
+
+
+# ---- the scheduler's use of the lease (a small hook in services/scheduler/service.py) ----------
+
+def add_lease_arguments(parser) -> None:
+    """``--leader-lease``, ``--scheduler-id``, ``--lease-ttl``: active/standby schedulers."""
+    from dualpath.config import parse_bool
+
+    parser.add_argument("--leader-lease", type=parse_bool, default=False,
+                        help="run as one of several schedulers: act only while holding the JetStream KV lease (default false)")
+    parser.add_argument("--scheduler-id", default="", help="this scheduler's name in the lease (default: host and pid)")
+    parser.add_argument("--lease-ttl", type=float, default=3.0, help="seconds a dead leader keeps the lease (takeover bound)")
+
+
+async def wait_for_leadership(js: JetStreamContext, bucket: str, ns, stop: asyncio.Event) -> LeaderLease | None:
+    """Standby until this scheduler holds the lease (returns it), or None when leases are off
+    or ``stop`` came first (then ``stop`` is set)."""
+    if not ns.leader_lease:
+        return None
+    import os
+    import socket
+
+    holder = ns.scheduler_id or f"{socket.gethostname()}-{os.getpid()}"
+    lease = LeaderLease(js, bucket, holder, ttl=ns.lease_ttl)
+    log.info("scheduler_standby", holder=holder, bucket=bucket)
+    if not await lease.acquire(stop):
+        return None
+    log.info("scheduler_active", holder=holder, revision=lease.revision)
+    return lease
+
+
+async def keep_leading(lease: LeaderLease | None, stop: asyncio.Event) -> None:
+    """Renew ``lease`` until ``stop``; if it is lost, set ``stop`` so this scheduler stops acting
+    (the process ends and its supervisor starts it again as a standby)."""
+    if lease is None:
+        return
+    try:
+        await lease.hold(stop)
+    except LeaseLostError as exc:
+        log.error("scheduler_lease_lost", holder=lease.holder, error=str(exc))
+        stop.set()
