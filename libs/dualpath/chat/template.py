@@ -16,7 +16,8 @@ Rendering follows ``transformers.utils.chat_template_utils``: an
 ``messages``, ``tools``, ``documents``, ``add_generation_prompt`` plus the special tokens
 of ``tokenizer_config.json`` (``bos_token``, ``eos_token``, ...). Message keys whose value
 is ``None`` are dropped as HF does, except the ``content`` of an assistant turn that carries
-``tool_calls`` (DeepSeek's template tests ``content is none``).
+``tool_calls`` (DeepSeek's template tests ``content is none``); a template that cannot take
+that ``None`` (one concatenating content) gets empty text there instead.
 """
 
 from __future__ import annotations
@@ -176,9 +177,19 @@ class ChatTemplate:
         text = self.pick(template, tools=tools is not None)
         chat = [_normalize(m) for m in messages]
         variables = {**self.special_tokens, **kwargs}
+        compiled = _compile(text)
         try:
-            return _compile(text).render(messages=chat, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
-                                         **variables)
+            try:
+                return compiled.render(messages=chat, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
+                                       **variables)
+            except (TypeError, jinja2.UndefinedError):
+                if not any("content" in m and m["content"] is None for m in chat):
+                    raise
+                # A template that concatenates content (plain ChatML) cannot take the None of a
+                # tool-call turn: render that turn with empty text instead.
+                chat = [{**m, "content": ""} if "content" in m and m["content"] is None else m for m in chat]
+                return compiled.render(messages=chat, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
+                                       **variables)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused these messages: {exc}") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:

@@ -199,11 +199,12 @@ class StreamingToolParser:
         at = self.text.find(start, self._sent)
         if at != -1:
             self._in_calls = True
-            piece = self.text[self._sent:at].rstrip("\n") if at > self._sent else ""
+            piece = self.text[self._sent:at].rstrip() if at > self._sent else ""
             self._sent = at
             return [{"content": piece}] if piece else []
         hold = next((k for k in range(min(len(start) - 1, len(self.text) - self._sent), 0, -1) if self.text.endswith(start[:k])), 0)
         ready = len(self.text) - hold
+        ready = self._sent + len(self.text[self._sent:ready].rstrip())  # whitespace before a call is not content
         if ready <= self._sent:
             return []
         piece, self._sent = self.text[self._sent:ready], ready
