@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from dualpath.chat.errors import ChatTemplateError
 from dualpath.chat.template import CHATML_TEMPLATE, ChatTemplate
 from dualpath.model import ModelLoadError, Tokenizer, make_tiny_model

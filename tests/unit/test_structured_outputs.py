@@ -9,11 +9,14 @@ import json
 import jsonschema
 import pytest
 import torch
-
 from dualpath.chat.tools import FORMATS
 from dualpath.model import Decoder, SamplingParams, Tokenizer, make_tiny_model, sample
 from dualpath.model.sampling import grammar_constraint
-from dualpath.structured.grammar import json_object_grammar, json_schema_grammar, lark_grammar
+from dualpath.structured.grammar import (
+    json_object_grammar,
+    json_schema_grammar,
+    lark_grammar,
+)
 
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo", "Lima"]},
                                            "days": {"type": "integer", "minimum": 1, "maximum": 14},

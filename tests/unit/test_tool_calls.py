@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from dualpath.chat.errors import ChatTemplateError, GrammarError, ToolSpecError
 from dualpath.chat.plan import plan_chat
 from dualpath.chat.template import ChatTemplate
-from dualpath.chat.tools import FORMATS, StreamingToolParser, format_for_template, tool_format
+from dualpath.chat.tools import (
+    FORMATS,
+    StreamingToolParser,
+    format_for_template,
+    tool_format,
+)
 from dualpath.model import make_tiny_model
 from dualpath.structured.grammar import vocabulary
 
