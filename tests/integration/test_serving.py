@@ -3,6 +3,8 @@ managers and engines as separate processes, serving a tiny checkpoint made on di
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -92,3 +94,72 @@ def test_prompt_longer_than_context_is_a_400_that_says_so(stack):
     r = httpx.post(stack.url + "/v1/completions", json={"model": model["id"], "prompt": "a" * (model["max_model_len"] + 10)})
     assert r.status_code == 400
     assert "maximum context length" in r.json()["error"]["message"]
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "add", "description": "add two small numbers", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                              "b": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a", "b"]}}}]
+
+
+def test_forced_tool_call_comes_back_as_tool_calls_streamed_or_not(stack):
+    """The random tiny model never writes a call by itself; tool_choice=required makes it (a grammar)."""
+    client = _client(stack)
+    model = client.models.list().data[0].id
+    ask = dict(model=model, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=TOOLS,
+               tool_choice="required", parallel_tool_calls=False, max_tokens=120, temperature=0)
+    out = client.chat.completions.create(**ask)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.function.name in ("get_weather", "add") and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    assert set(args) == ({"city"} if call.function.name == "get_weather" else {"a", "b"})
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [(0, call.function.name, call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    named = client.chat.completions.create(**{**ask, "tool_choice": {"type": "function", "function": {"name": "add"}}})
+    assert named.choices[0].message.tool_calls[0].function.name == "add"
+
+
+def test_response_format_json_schema_gives_a_valid_object(stack):
+    client = _client(stack)
+    model = client.models.list().data[0].id
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer", "minimum": 0, "maximum": 5}},
+              "required": ["answer", "score"], "additionalProperties": False}
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Is it sunny?"}], max_tokens=60, temperature=0,
+                                         response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}})
+    value = json.loads(out.choices[0].message.content)
+    assert value["answer"] in ("yes", "no") and 0 <= value["score"] <= 5
+    assert out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "bogus"}}}}}]},
+     "tools[0].function.parameters"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "nope", "content": "1"}]}, "messages[1].tool_call_id"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format.json_schema.schema"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
+])
+def test_bad_tools_and_schemas_are_400s_naming_the_field(stack, body, param):
+    model = httpx.get(stack.url + "/v1/models").json()["data"][0]["id"]
+    r = httpx.post(stack.url + "/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "hi"}], **body})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == param and param.split("[")[0].split(".")[0] in r.json()["error"]["message"]
+
+
+def test_metrics_on_the_api_port_show_latency_histograms_cache_ratio_read_paths_and_queue(stack):
+    client = _client(stack)
+    model = client.models.list().data[0].id
+    client.completions.create(model=model, prompt="count the metrics", max_tokens=4, temperature=0)
+    r = httpx.get(stack.url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    for needle in ('dualpath_ttft_seconds_bucket{le="+Inf"}', "dualpath_tpot_seconds_count", "dualpath_cached_token_ratio",
+                   "dualpath_requests_total{read_path=", "dualpath_queue_length 0", "dualpath_scheduler_up 1", 'dualpath_engines{role="decode"} 1'):
+        assert needle in text, needle
+    count = next(line for line in text.splitlines() if line.startswith("dualpath_ttft_seconds_count"))
+    assert int(count.split()[-1]) >= 1
