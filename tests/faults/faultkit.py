@@ -28,10 +28,11 @@ def wait_until(pred: Callable[[], bool], timeout: float, step: float = 0.1) -> f
     t0 = time.monotonic()
     while True:
         try:
-            if pred():
-                return time.monotonic() - t0
+            ok = pred()
         except Exception:  # noqa: BLE001 - a probe against a recovering stack may fail
-            pass
+            ok = False
+        if ok:
+            return time.monotonic() - t0
         if time.monotonic() - t0 > timeout:
             raise AssertionError(f"condition not met within {timeout:.0f}s")
         time.sleep(step)
@@ -113,7 +114,6 @@ def tm_answers(stack, node: str) -> bool:
     import asyncio
 
     import nats
-
     from dualpath.protocol import decode, encode
     from dualpath.protocol import messages as m
     from dualpath.protocol.subjects import Subjects

@@ -11,6 +11,7 @@ import signal
 import time
 
 import pytest
+from conftest import start_stack
 from faultkit import (
     Answer,
     active_scheduler,
@@ -23,8 +24,6 @@ from faultkit import (
     tm_answers,
     wait_until,
 )
-
-from conftest import start_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
