@@ -6,15 +6,15 @@ from storage (``cached_tokens`` > 0): the agentic workload DualPath exists for."
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
 from typing import Annotated, Literal
 
 import pytest
-from pydantic import Field
-
 from conftest import start_stack
+from pydantic import Field
 
 agents = pytest.importorskip("agents")
 
@@ -40,7 +40,15 @@ def stack(tiny_model, tmp_path_factory):
 
 
 async def test_agents_sdk_completes_a_multi_turn_tool_loop_and_later_turns_hit_the_kv_cache(stack):
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner, ToolsToFinalOutputResult, function_tool
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        RunConfig,
+        Runner,
+        ToolsToFinalOutputResult,
+        function_tool,
+    )
     from openai import AsyncOpenAI
 
     calls: list[tuple[str, dict]] = []
@@ -83,5 +91,5 @@ async def test_agents_sdk_completes_a_multi_turn_tool_loop_and_later_turns_hit_t
     assert all(name in ("get_weather", "add") for name, _ in calls)
     assert usage[0][1] == 0, "the first turn has nothing cached yet"
     assert all(cached > 0 for _, cached in usage[1:]), usage
-    assert all(later[0] > earlier[0] for earlier, later in zip(usage, usage[1:])), "each turn extends the conversation"
+    assert all(later[0] > earlier[0] for earlier, later in itertools.pairwise(usage)), "each turn extends the conversation"
     assert result.final_output

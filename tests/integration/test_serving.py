@@ -8,7 +8,6 @@ import json
 import httpx
 import openai
 import pytest
-
 from conftest import start_stack
 
 pytestmark = pytest.mark.slow
@@ -107,8 +106,8 @@ def test_forced_tool_call_comes_back_as_tool_calls_streamed_or_not(stack):
     """The random tiny model never writes a call by itself; tool_choice=required makes it (a grammar)."""
     client = _client(stack)
     model = client.models.list().data[0].id
-    ask = dict(model=model, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=TOOLS,
-               tool_choice="required", parallel_tool_calls=False, max_tokens=120, temperature=0)
+    ask = {"model": model, "messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": TOOLS,
+               "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 120, "temperature": 0}
     out = client.chat.completions.create(**ask)
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls"
