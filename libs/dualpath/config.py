@@ -136,6 +136,21 @@ class EmulationConfig:
     def engines(self) -> int:
         return self.engines_per_node or self.gpus_per_node
 
+    def validate(self) -> None:
+        """Check the settings before anything starts.
+
+        Raises:
+            ValueError: a scale below 1, a slowdown not positive, or a negative NIC rate.
+            LookupError: an unknown modeled target or GPU (``dualpath.cost.errors``).
+        """
+        if self.snic_gbps < 0 or self.cnic_gbps < 0:
+            raise ValueError(f"NIC rates must not be negative (snic {self.snic_gbps:g}, cnic {self.cnic_gbps:g} Gbit/s)")
+        if self.modeled:
+            from dualpath.cost import cost_model
+
+            cost_model(self.target, self.gpu)
+        self.profile()
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerConfig:

@@ -57,7 +57,7 @@ def _make_tiny_model(argv: list[str]) -> int:
     try:
         path = make_tiny_model(ns.dir, layers=ns.layers, hidden=ns.hidden, heads=ns.heads, kv_heads=ns.kv_heads, vocab=ns.vocab,
                                seed=ns.seed, max_position=ns.max_position, tie_embeddings=ns.tie_embeddings)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         p.error(str(exc))
     print(f"wrote {path} (config.json, model.safetensors, tokenizer.json)")
     return 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from dualpath.telemetry.errors import TraceError, TraceSourceError
@@ -86,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.cmd == "show":
+        if ns.file and not os.path.isfile(ns.file):
+            print(f"dualpath trace: --file {ns.file}: no such file", file=sys.stderr)
+            return 2
         try:
             print(show(ns.request_id, file=ns.file, jaeger=ns.jaeger, attr_width=ns.width))
         except TraceError as exc:

@@ -167,6 +167,16 @@ def add_cluster_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _check_load(ns) -> None:
+    """The load's flags, checked before any stack starts (ValueError says which is wrong)."""
+    from loadgen.synthetic import SPECS
+
+    if ns.agents < 1 or ns.turns < 1:
+        raise ValueError(f"--agents and --turns must be at least 1, got {ns.agents} and {ns.turns}")
+    if ns.dataset.lower() not in SPECS and not Path(ns.dataset).is_file():
+        raise ValueError(f"--dataset must be one of {', '.join(SPECS)} or a trajectory JSONL file; {ns.dataset!r} is neither")
+
+
 def prepare(ns, prog: str, **spec_fields) -> tuple[TestbedSpec, list[str]] | None:
     """Validate modes and topology, make the output dir and model; None (message printed) on bad input."""
     modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
@@ -175,7 +185,10 @@ def prepare(ns, prog: str, **spec_fields) -> tuple[TestbedSpec, list[str]] | Non
         bad = [m for m in modes if m not in MODES]
         if bad:
             raise ValueError(f"unknown mode(s) {bad}; choose from {sorted(MODES)}")
-    except ValueError as exc:
+        _check_load(ns)
+        EmulationConfig(compute="modeled", target=ns.target, scale=ns.scale, gpus_per_node=ns.gpus_per_node,
+                        engines_per_node=ns.engines_per_node, snic_gbps=ns.snic_gbps, cnic_gbps=ns.cnic_gbps).validate()
+    except (ValueError, LookupError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return None
     out = Path(ns.out)

@@ -125,11 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         if ns.compute_quota_ms is not None and not ns.compute_quota_ms > 0:
             raise ValueError(f"--compute-quota-ms must be positive, got {ns.compute_quota_ms:g}")
         topology = parse_topology(ns.topology, ns.engines_per_node)
+        emu = emulation_from(ns)
+        if emu is not None:
+            emu.validate()
         model = ensure_model(ns.model, ns.run_dir, long_context=ns.compute == "modeled")
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, LookupError, FileNotFoundError) as exc:
         print(f"dualpath up: {exc}", file=sys.stderr)
         return 2
-    emu = emulation_from(ns)
     policy, read_path = mode_policy(ns.mode, ns.policy, ns.read_path)
     cfg = StackConfig(model=model, topology=topology, storage=ns.storage or str(Path(ns.run_dir) / "storage"), run_dir=ns.run_dir,
                       port=ns.port, host=ns.host, policy=policy, read_path=read_path, device=ns.device,
