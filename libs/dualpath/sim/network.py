@@ -1,0 +1,195 @@
+"""A fluid network: links of fixed capacity shared by concurrent flows, max-min fair.
+
+Links are one direction of a NIC: a node's storage NIC (SNIC) read and write directions,
+a GPU's compute NIC (CNIC) in and out directions (full duplex: the directions do not share
+capacity). A flow crosses one or more links (an RDMA write from a prefill GPU to a decode
+node's buffer uses the first's CNIC out and the second's CNIC in) and carries a number of
+bytes in a traffic class. Rates are max-min fair per class, classes in strict priority:
+``HIGH`` (model collectives) is allocated first, ``LOW`` (KV traffic) gets what is left —
+the paper's CNIC QoS, where KV uses the rest and all idle time (§5).
+
+Rates are recomputed when a flow starts or ends, over its *neighbourhood*: the flows that
+share a link with it, filled max-min over what flows further away leave of each link (those
+keep their rates until an event touches one of their own links). A storage read touches one
+SNIC, so its neighbourhood is exactly that link's flows and the share is exact; for flows
+over two CNICs this is local max-min, always feasible (no link is ever over capacity), and
+bounded in work however large the cluster. Each flow's completion is an event in the loop;
+only a flow whose rate changed is rescheduled (new version, the stale event ignored).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dualpath.sim.clock import EventLoop
+from dualpath.sim.series import Series
+
+__all__ = ["HIGH", "LOW", "Flow", "FluidNetwork", "Link"]
+
+HIGH, LOW = 0, 1
+_EPS_BYTES = 1e-3
+
+
+class Link:
+    """One direction of a NIC: ``capacity`` bytes/s; ``moved`` bytes carried so far."""
+
+    __slots__ = ("capacity", "flows", "moved", "name", "series")
+
+    def __init__(self, name: str, capacity: float, series: Series | None = None) -> None:
+        if not capacity > 0:
+            raise ValueError(f"link {name}: capacity must be positive, got {capacity}")
+        self.name = name
+        self.capacity = capacity
+        self.flows: dict[Flow, None] = {}  # insertion-ordered: runs are deterministic
+        self.moved = 0.0
+        self.series = series  # bytes over time, for links whose utilisation is reported
+
+    def __repr__(self) -> str:
+        return f"Link({self.name}, {len(self.flows)} flows)"
+
+
+class Flow:
+    """Bytes in transit over ``links``; ``on_done(arg)`` runs when the last byte arrives."""
+
+    __slots__ = ("arg", "cls", "last", "links", "on_done", "rate", "remaining", "size", "version")
+
+    def __init__(self, links: tuple[Link, ...], nbytes: float, cls: int, on_done: Callable[[Any], None], arg: Any) -> None:
+        self.links = links
+        self.size = nbytes
+        self.remaining = float(nbytes)
+        self.cls = cls
+        self.on_done = on_done
+        self.arg = arg
+        self.rate = 0.0
+        self.last = 0.0
+        self.version = 0
+
+
+class FluidNetwork:
+    """Flows over links in virtual time (see the module docstring)."""
+
+    __slots__ = ("flows_done", "loop")
+
+    def __init__(self, loop: EventLoop) -> None:
+        self.loop = loop
+        self.flows_done = 0
+
+    def start(self, links: tuple[Link, ...], nbytes: float, on_done: Callable[[Any], None], arg: Any = None,
+              cls: int = LOW) -> Flow | None:
+        """Start moving ``nbytes`` over ``links``; ``on_done(arg)`` when done. An empty flow
+        (no bytes or no links) completes at once, in a later event of the same instant."""
+        if nbytes <= 0 or not links:
+            self.loop.at(self.loop.now, on_done, arg)
+            return None
+        flow = Flow(links, nbytes, cls, on_done, arg)
+        flow.last = self.loop.now
+        for link in links:
+            link.flows[flow] = None
+        self._reallocate(links)
+        return flow
+
+    # -- rates ---------------------------------------------------------------------------
+    @staticmethod
+    def _neighbourhood(seeds: tuple[Link, ...]) -> tuple[list[Link], dict[Flow, None]]:
+        """The flows on the seed links and every link they cross."""
+        flows: dict[Flow, None] = {}
+        for link in seeds:
+            flows.update(link.flows)
+        links: dict[Link, None] = {}
+        for f in flows:
+            for link in f.links:
+                links[link] = None
+        return list(links), flows
+
+    def _settle(self, flows: dict[Flow, None] | tuple[Flow, ...]) -> None:
+        """Advance every flow's bytes to now at its current rate."""
+        now = self.loop.now
+        for f in flows:
+            dt = now - f.last
+            if dt > 0 and f.rate > 0:
+                moved = f.rate * dt
+                moved = min(moved, f.remaining)
+                f.remaining -= moved
+                for link in f.links:
+                    link.moved += moved
+                    if link.series is not None:
+                        link.series.add(f.last, now, moved)
+            f.last = now
+
+    def _reallocate(self, seeds: tuple[Link, ...]) -> None:
+        links, flows = self._neighbourhood(seeds)
+        self._settle(flows)
+        before = [f.rate for f in flows]
+        if len(links) == 1:
+            self._share_one(links[0], flows)
+        else:
+            self._max_min(links, flows)
+        loop, now = self.loop, self.loop.now
+        for f, rate in zip(flows, before):
+            if f.rate == rate and f.version:
+                continue  # same rate: its completion event still holds
+            f.version += 1
+            if f.rate > 0:
+                loop.at(now + f.remaining / f.rate, self._finish, (f, f.version))
+
+    @staticmethod
+    def _share_one(link: Link, flows: dict[Flow, None]) -> None:
+        high = [f for f in flows if f.cls == HIGH]
+        if not high:
+            share = link.capacity / len(flows) if flows else 0.0
+            for f in flows:
+                f.rate = share
+            return
+        hs = link.capacity / len(high)
+        for f in flows:
+            f.rate = hs if f.cls == HIGH else 0.0
+        # LOW flows starve only while HIGH flows saturate the link (always, in a single link).
+
+    @staticmethod
+    def _max_min(links: list[Link], flows: dict[Flow, None]) -> None:
+        """Progressive filling of ``flows``, class by class in priority order, over what the
+        flows outside the set leave of each link (they keep their rates)."""
+        residual = {}
+        for link in links:
+            left = link.capacity
+            for f in link.flows:
+                if f not in flows:
+                    left -= f.rate
+            residual[link] = left if left > 0 else 0.0
+        for cls in (HIGH, LOW):
+            active = {f: None for f in flows if f.cls == cls}
+            count: dict[Link, int] = {}
+            for f in active:
+                for link in f.links:
+                    count[link] = count.get(link, 0) + 1
+            while active:
+                bottleneck, share = None, float("inf")
+                for link, n in count.items():
+                    if n:
+                        s = residual[link] / n
+                        if s < share:
+                            bottleneck, share = link, s
+                if bottleneck is None:
+                    break
+                for f in [f for f in bottleneck.flows if f in active]:
+                    f.rate = share
+                    del active[f]
+                    for link in f.links:
+                        residual[link] -= share
+                        count[link] -= 1
+
+    def _finish(self, token: tuple[Flow, int]) -> None:
+        flow, version = token
+        if version != flow.version:
+            return
+        self._settle((flow,))
+        flow.remaining = 0.0
+        flow.version += 1
+        for link in flow.links:
+            del link.flows[flow]
+        remaining = tuple(link for link in flow.links if link.flows)
+        if remaining:
+            self._reallocate(remaining)
+        self.flows_done += 1
+        flow.on_done(flow.arg)

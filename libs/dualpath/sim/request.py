@@ -1,0 +1,45 @@
+"""One turn of one agent as it crosses the simulated cluster."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dualpath.policy import ReadSide
+from dualpath.sim.workload import Agent
+
+if TYPE_CHECKING:
+    from dualpath.sim.storage import NodeStorage
+
+__all__ = ["SimRequest"]
+
+
+class SimRequest:
+    """A request (one agent turn), where the scheduler placed it, and the times it passed
+    each stage (virtual seconds).
+
+    ``buffer``/``buffer_bytes``: the prefill node's DRAM buffer its hit KV occupies on the PE
+    read path, from the storage read to the end of its prefill (on the DE read path the hits
+    land in the request's slot in the decode node's buffer, reserved by the scheduler).
+    """
+
+    __slots__ = ("agent", "buffer", "buffer_bytes", "de", "gen", "hit", "key", "loaded", "pe", "prompt", "read_side", "rid",
+                 "t_batch", "t_first", "t_read", "t_submit", "ttst")
+
+    def __init__(self, rid: int, agent: Agent, prompt: int, hit: int, gen: int, now: float) -> None:
+        self.rid = rid
+        self.key = str(rid)  # the cores' request id
+        self.agent = agent
+        self.prompt = prompt
+        self.hit = hit
+        self.gen = gen
+        self.pe: Any = None  # PrefillEngineSim
+        self.de: Any = None  # DecodeEngineSim
+        self.read_side: ReadSide | None = None  # None: nothing to read
+        self.t_submit = now
+        self.t_read = -1.0  # hit KV in a buffer
+        self.t_batch = -1.0  # its first prefill batch started
+        self.t_first = -1.0  # first token (end of its prefill)
+        self.ttst = -1.0  # first -> second token
+        self.loaded = False  # its hit KV went to the prefill engine (first chunk)
+        self.buffer: NodeStorage | None = None
+        self.buffer_bytes = 0.0

@@ -1,0 +1,114 @@
+"""A node's storage side: the read queue in front of its storage NIC and its DRAM buffer.
+
+Reads are served FIFO, at most ``storage_parallel`` at once (the traffic manager's
+``StorageIO`` runs that many), each a flow on the node's SNIC read link, so concurrent reads
+share the NIC fairly. ``read_q`` (what the node reports to the scheduler) is the hit tokens
+queued or in flight.
+
+The DRAM buffer holds two kinds of KV. On a decode node, a *slot* per request, reserved by
+the scheduler (``ReserveSlot``) for the prompt's KV and released once that KV is in the
+decode engine's HBM: the DE read path's hits and the prefill engine's stores land there.
+On a prefill node, the hits the PE read path brings in: a read starts only when the buffer
+has room (back-pressure holds the queue; a request larger than the whole buffer goes
+alone rather than never) and its bytes are released at the end of the request's prefill.
+Writes (block persistence) are flows on the SNIC's write direction, which a full-duplex NIC
+does not share with reads.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from dualpath.sim.network import FluidNetwork, Link
+from dualpath.sim.request import SimRequest
+
+__all__ = ["NodeStorage"]
+
+
+class NodeStorage:
+    """Storage read queue, SNIC links and DRAM buffer of one node."""
+
+    __slots__ = ("_changed", "_on_read", "active", "buffer_bytes", "buffer_used", "bytes_read", "bytes_written", "hit_tokens_read",
+                 "name", "net", "node_id", "parallel", "queue", "read_link", "read_q", "slots", "write_link")
+
+    def __init__(self, node_id: int, name: str, net: FluidNetwork, read_link: Link, write_link: Link, *, buffer_bytes: float,
+                 parallel: int, on_read: Callable[[SimRequest], None], changed: Callable[[NodeStorage], None]) -> None:
+        self.node_id, self.name = node_id, name
+        self.net = net
+        self.read_link, self.write_link = read_link, write_link
+        self.buffer_bytes = buffer_bytes
+        self.buffer_used = 0.0
+        self.slots: dict[str, float] = {}
+        self.parallel = parallel
+        self.queue: deque[tuple[SimRequest, float, bool]] = deque()
+        self.active = 0
+        self.read_q = 0  # hit tokens queued or being read
+        self.bytes_read = 0.0
+        self.bytes_written = 0.0
+        self.hit_tokens_read = 0
+        self._on_read = on_read
+        self._changed = changed
+
+    # -- slots (decode nodes) ------------------------------------------------------------
+    def reserve(self, rid: str, nbytes: float) -> bool:
+        """Reserve a request's slot; False when the buffer has no room now (an empty buffer
+        takes any request, so an oversized one is not refused for ever)."""
+        if rid in self.slots:
+            return True
+        if self.buffer_used + nbytes > self.buffer_bytes and self.buffer_used > 0:
+            return False
+        self.slots[rid] = nbytes
+        self.buffer_used += nbytes
+        return True
+
+    def free_slot(self, rid: str) -> None:
+        nbytes = self.slots.pop(rid, None)
+        if nbytes is not None:
+            self.release(nbytes)
+
+    # -- reads ---------------------------------------------------------------------------
+    def read(self, req: SimRequest, nbytes: float, *, into_buffer: bool) -> None:
+        """Queue the read of ``req``'s hit KV (``nbytes``); ``into_buffer``: it needs room in
+        this node's buffer (PE read path) rather than in a slot already reserved."""
+        self.queue.append((req, nbytes, into_buffer))
+        self.read_q += req.hit
+        self._changed(self)
+        self._pump()
+
+    def _pump(self) -> None:
+        q = self.queue
+        while q and self.active < self.parallel:
+            req, nbytes, into_buffer = q[0]
+            if into_buffer:
+                if self.buffer_used + nbytes > self.buffer_bytes and self.buffer_used > 0:
+                    return  # back-pressure: wait for the buffer
+                self.buffer_used += nbytes
+                req.buffer, req.buffer_bytes = self, nbytes
+            q.popleft()
+            self.active += 1
+            self.net.start((self.read_link,), nbytes, self._done, (req, nbytes))
+
+    def _done(self, token: tuple[SimRequest, float]) -> None:
+        req, nbytes = token
+        self.active -= 1
+        self.bytes_read += nbytes
+        self.hit_tokens_read += req.hit
+        self.read_q -= req.hit
+        self._changed(self)
+        self._pump()
+        self._on_read(req)
+
+    def release(self, nbytes: float) -> None:
+        """KV of ``nbytes`` left the buffer."""
+        self.buffer_used -= nbytes
+        if self.buffer_used < 1e-6:
+            self.buffer_used = 0.0
+        if self.queue:
+            self._pump()
+
+    # -- writes --------------------------------------------------------------------------
+    def write(self, nbytes: float, on_done: Callable[[object], None], arg: object) -> None:
+        """Persist ``nbytes`` of Full Blocks through the SNIC's write direction."""
+        self.bytes_written += nbytes
+        self.net.start((self.write_link,), nbytes, on_done, arg)
