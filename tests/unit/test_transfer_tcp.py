@@ -61,13 +61,13 @@ async def duo() -> AsyncIterator[tuple[TcpTransport, TcpTransport, MemoryRegion,
 async def test_a_batch_of_256_blocks_is_one_request_and_one_reply(duo, monkeypatch) -> None:
     a, _, local, remote = duo
     answered = []
-    real = tcp_server._answer
+    real = tcp_server._resolve
 
-    async def counting(*args, **kwargs):
-        answered.append(args[3])  # the op
-        return await real(*args, **kwargs)
+    def counting(*args, **kwargs):
+        answered.append(args[5])  # the op
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(tcp_server, "_answer", counting)
+    monkeypatch.setattr(tcp_server, "_resolve", counting)
     entries = [
         TransferEntry(i * 4096, remote.region_id, (255 - i) * 4096, 4096) for i in range(256)
     ]

@@ -69,6 +69,7 @@ class TcpTransport(Transport):
         self._peers: dict[tuple[str, int], PeerConnection] = {}
         self._dialing: dict[tuple[str, int], asyncio.Lock] = {}
         self._batch_ids = itertools.count(1)
+        self._peer_of: dict[str, tuple[str, int]] = {}  # remote region id -> (host, port)
 
     async def start(self) -> None:
         """Listen on ``host:port`` (port 0 picks a free one; ``self.port`` then holds it).
@@ -104,6 +105,11 @@ class TcpTransport(Transport):
             self._listener.close()
             self._listener = None
 
+    async def connect(self, remote: RegionDescriptor) -> None:
+        """Learn a remote region (its peer's address); see ``Transport.connect``."""
+        await super().connect(remote)
+        self._peer_of[remote.region_id] = (str(remote.address["host"]), int(remote.address["port"]))
+
     def register(self, region: MemoryRegion) -> RegionDescriptor:
         """Serve ``region``; its descriptor carries this transport's listening address.
 
@@ -131,11 +137,15 @@ class TcpTransport(Transport):
         total = check_entries(self, local, entries)
         if total == 0:
             return 0
-        groups: dict[tuple[str, int], _Group] = {}
-        for entry in entries:
-            address = self._remote[entry.remote_region].address
-            key = (str(address["host"]), int(address["port"]))
-            groups.setdefault(key, _Group(key)).entries.append(entry)
+        peer_of = self._peer_of
+        first = peer_of[entries[0].remote_region]
+        if all(peer_of[e.remote_region] == first for e in entries):  # the usual batch: one peer
+            groups = {first: _Group(first, list(entries))}
+        else:
+            groups = {}
+            for entry in entries:
+                key = peer_of[entry.remote_region]
+                groups.setdefault(key, _Group(key)).entries.append(entry)
         futures: list[asyncio.Future[int]] = []
         conns: list[PeerConnection] = []
         # A timer, not a cancel scope: it costs nothing per batch until it fires, and when it

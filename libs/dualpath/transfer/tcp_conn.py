@@ -1,8 +1,9 @@
 """The initiating side of one tcp transport connection: pipelined batches to one peer.
 
 ``submit`` sends a batch's request (and a write's payload) and returns a future;
-``read_replies``, the connection's reader task, resolves futures as replies arrive, receiving
-a read's payload straight into the local region. When the connection breaks, every batch
+``read_replies`` registers the connection's reader callback, which resolves futures as
+replies arrive (in request order: the server answers a connection's batches in turn),
+receiving a read's payload straight into the local region. When the connection breaks, every batch
 in flight fails with the same error and the connection is marked dead (the transport dials
 a new one for the next batch).
 """
@@ -13,11 +14,12 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dualpath.transfer.errors import PeerLostError, TransferError
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.tcp_wire import (
+    IOV_MAX,
     MAX_ERROR_BYTES,
     REPLY,
     REPLY_MAGIC,
@@ -25,8 +27,6 @@ from dualpath.transfer.tcp_wire import (
     Status,
     decode_error,
     encode_request,
-    recv_exactly,
-    recv_into,
     send_buffers,
 )
 from dualpath.transfer.types import TransferEntry
@@ -43,6 +43,8 @@ class _Pending:
     future: asyncio.Future[int]
     views: list[memoryview]  # a read's destinations in the local region; empty for a write
     nbytes: int
+    todo: list[memoryview] = field(default_factory=list)  # what the reply's body still has to fill
+    error_body: memoryview | None = None  # set when the reply is an error
 
 
 class PeerConnection:
@@ -54,6 +56,12 @@ class PeerConnection:
         self._send_lock = asyncio.Lock()
         self._pending: dict[int, _Pending] = {}
         self._dead: TransferError | None = None
+        self._fd = sock.fileno()
+        self._head = bytearray(REPLY.size)
+        self._head_view = memoryview(self._head)
+        self._head_got = 0
+        self._cur: _Pending | None = None  # the batch whose reply is being received
+        self._ended: asyncio.Future[None] | None = None
 
     @property
     def alive(self) -> bool:
@@ -84,6 +92,15 @@ class PeerConnection:
         self._pending[batch_id] = _Pending(op, future, views if op is Op.READ else [], nbytes)
         started = False
         try:
+            if op is Op.READ and not self._send_lock.locked():
+                # The common small frame: one send, no lock round trip when the socket takes it.
+                sent = self.sock.send(frame)
+                if sent == len(frame):
+                    return future
+                started = True
+                async with self._send_lock:
+                    await send_buffers(self.sock, [memoryview(frame)[sent:]])
+                return future
             async with self._send_lock:
                 started = True
                 await send_buffers(self.sock, [frame, *views] if op is Op.WRITE else [frame])
@@ -108,21 +125,31 @@ class PeerConnection:
             self._dead = error
         self._fail_all(self._dead)
         with contextlib.suppress(OSError):  # OSError: already closed
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the reader and any blocked sender
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes any blocked sender
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(None)
 
     async def read_replies(self) -> None:
-        """The connection's reader task: resolve batches until the connection ends."""
+        """The connection's reader: resolve batches until the connection ends.
+
+        Replies are read by a reader callback registered once with the event loop (not a
+        receive per await): a wake-up reads the reply header and a read's payload straight
+        into the local region and resolves the batch's future, so the caller is the only task
+        that runs per batch."""
+        loop = asyncio.get_running_loop()
+        self._ended = loop.create_future()
+        if self._dead is not None:
+            self._ended.set_result(None)
+        else:
+            loop.add_reader(self._fd, self._on_readable)
         try:
-            while True:
-                await self._read_one()
+            await self._ended
         except asyncio.CancelledError:
             self.abort(PeerLostError(self.peer, "transport closed"))
             raise
-        except (OSError, ConnectionError) as exc:
-            self.abort(PeerLostError(self.peer, f"connection lost: {exc!r}"))
-        except TransferError as exc:
-            self.abort(exc)
         finally:
+            with contextlib.suppress(ValueError, OSError):  # already closed
+                loop.remove_reader(self._fd)
             # A sender woken by the shutdown fails fast and frees the lock; then close.
             acquired = False
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
@@ -131,48 +158,109 @@ class PeerConnection:
             if acquired:  # queued senders now fail on the closed socket instead of waiting
                 self._send_lock.release()
 
-    async def _read_one(self) -> None:
-        head = await recv_exactly(self.sock, REPLY.size)
-        magic, status, _op, _, error_len, batch_id, payload_len = REPLY.unpack(head)
-        pending = self._pending.pop(batch_id, None)
-        if magic != REPLY_MAGIC or pending is None or error_len > MAX_ERROR_BYTES:
-            raise TransferError(f"{self.peer}: malformed reply (batch {batch_id})")
+    def _on_readable(self) -> None:
         try:
+            while self._dead is None and self._receive():
+                pass
+        except (OSError, ConnectionError) as exc:
+            self.abort(PeerLostError(self.peer, f"connection lost: {exc!r}"))
+        except TransferError as exc:
+            self.abort(exc)
+
+    def _receive(self) -> bool:
+        """One step of the reply state machine; False when the socket has nothing more yet.
+
+        Raises:
+            ConnectionResetError: the peer closed the connection.
+            TransferError: a malformed reply (the stream cannot be resynchronised).
+        """
+        cur = self._cur
+        if cur is None:  # a reply header
+            got = _recv(self.sock, [self._head_view[self._head_got:]])
+            if got is None:
+                return False
+            self._head_got += got
+            if self._head_got < REPLY.size:
+                return True
+            self._head_got = 0
+            magic, status, _op, _, error_len, batch_id, payload_len = REPLY.unpack(self._head)
+            pending = self._pending.pop(batch_id, None)
+            if magic != REPLY_MAGIC or pending is None or error_len > MAX_ERROR_BYTES:
+                raise TransferError(f"{self.peer}: malformed reply (batch {batch_id})")
+            self._cur = pending
             if status != Status.OK:
-                error = decode_error(bytes(await recv_exactly(self.sock, error_len)), self.peer)
-                if not pending.future.done():
-                    pending.future.set_exception(error)
-                return
-            if pending.op is Op.READ:
+                pending.todo = [memoryview(bytearray(error_len))] if error_len else []
+                pending.error_body = pending.todo[0] if error_len else memoryview(b"")
+            elif pending.op is Op.READ:
                 if payload_len != pending.nbytes:
-                    raise TransferError(
-                        f"{self.peer}: read reply of {payload_len} B for {pending.nbytes} B"
-                    )
-                if pending.future.done():
-                    await _discard(self.sock, payload_len)  # its caller gave up
-                else:
-                    await recv_into(self.sock, pending.views)
-            if not pending.future.done():
-                pending.future.set_result(pending.nbytes)
-        except BaseException as exc:
-            # This batch left the pending table when its reply header arrived: fail it here.
-            if not pending.future.done():
-                if isinstance(exc, TransferError):
-                    pending.future.set_exception(exc)
-                else:
-                    closed = isinstance(exc, asyncio.CancelledError)
-                    detail = "transport closed" if closed else f"connection lost: {exc!r}"
-                    pending.future.set_exception(PeerLostError(self.peer, detail))
-            raise
-        finally:
-            _release(pending.views)
+                    raise TransferError(f"{self.peer}: read reply of {payload_len} B for {pending.nbytes} B")
+                # a read whose caller gave up drains its reply into scratch
+                pending.todo = [b for b in pending.views if b.nbytes] if not pending.future.done() else _scratch(payload_len)
+            else:
+                pending.todo = []
+            return True
+        if cur.todo:  # the reply's body: an error, or a read's payload into the region
+            got = _recv(self.sock, cur.todo[:IOV_MAX])
+            if got is None:
+                return False
+            _advance(cur.todo, got)
+            if cur.todo:
+                return True
+        self._cur = None
+        _release(cur.views)
+        if not cur.future.done():
+            if cur.error_body is not None:
+                cur.future.set_exception(decode_error(bytes(cur.error_body), self.peer))
+            else:
+                cur.future.set_result(cur.nbytes)
+        return bool(self._pending)  # nothing else awaited: epoll wakes us if more comes
 
     def _fail_all(self, error: TransferError) -> None:
         pending, self._pending = self._pending, {}
+        if self._cur is not None:
+            pending[-1] = self._cur
+            self._cur = None
         for item in pending.values():
             _release(item.views)
             if not item.future.done():
                 item.future.set_exception(error)
+
+
+def _recv(sock: socket.socket, bufs: list[memoryview]) -> int | None:
+    """Receive into ``bufs``; the byte count, or None when nothing is there yet.
+
+    Raises:
+        ConnectionResetError: the peer closed the connection.
+    """
+    try:
+        got = sock.recvmsg_into(bufs)[0] if len(bufs) > 1 else sock.recv_into(bufs[0])
+    except (BlockingIOError, InterruptedError):
+        return None
+    if got == 0:
+        raise ConnectionResetError("connection closed by peer")
+    return got
+
+
+def _advance(bufs: list[memoryview], n: int) -> None:
+    """Drop ``n`` bytes from the front of ``bufs`` (a scatter list), in place."""
+    while n:
+        size = bufs[0].nbytes
+        if n >= size:
+            n -= size
+            bufs.pop(0)
+        else:
+            bufs[0] = bufs[0][n:]
+            n = 0
+
+
+def _scratch(nbytes: int) -> list[memoryview]:
+    """Throw-away buffers for ``nbytes`` of a reply nobody waits for any more."""
+    out = []
+    while nbytes:
+        take = min(nbytes, _SCRATCH)
+        out.append(memoryview(bytearray(take)))
+        nbytes -= take
+    return out
 
 
 def local_views(buf: memoryview, entries: Sequence[TransferEntry]) -> list[memoryview]:
@@ -193,11 +281,3 @@ def _release(views: list[memoryview]) -> None:
     for view in views:
         view.release()
     views.clear()
-
-
-async def _discard(sock: socket.socket, nbytes: int) -> None:
-    scratch = memoryview(bytearray(min(nbytes, _SCRATCH)))
-    while nbytes:
-        take = min(nbytes, scratch.nbytes)
-        await recv_into(sock, [scratch[:take]])
-        nbytes -= take

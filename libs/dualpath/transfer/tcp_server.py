@@ -4,13 +4,23 @@ Requests on a connection are handled in order; the peer pipelines them, so the s
 buffers keep the link busy while one is being answered. Every entry is checked before any
 byte moves: a bad batch gets an error reply (a write's payload is read and dropped), and the
 connection keeps serving.
+
+The connection is a state machine driven by the event loop's reader callback (registered
+once, not per receive): a wake-up reads whatever arrived — request headers and entry tables
+land in a staging buffer, several pipelined requests at a time; a write's payload goes
+straight into the region — and answers every complete request with one ``sendmsg`` (a
+read's reply and its payload together). That is one loop wake-up and two or three syscalls
+per batch, the floor of an event-loop server; only a reply the socket cannot take at once
+waits for the writer callback (and reading pauses meanwhile, so replies stay in order).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -18,6 +28,7 @@ from dualpath.transfer.errors import OutOfBoundsError, TransferError, UnknownReg
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.tcp_wire import (
     ENTRY,
+    IOV_MAX,
     MAX_ENTRIES,
     MAX_TABLE_BYTES,
     REPLY,
@@ -27,17 +38,31 @@ from dualpath.transfer.tcp_wire import (
     Op,
     Status,
     encode_error,
-    recv_exactly,
-    recv_into,
-    send_buffers,
 )
 
 __all__ = ["serve_connection"]
 
 _log = logging.getLogger(__name__)
+_STAGE = 1 << 16  # staging buffer for headers and tables (grows for a larger table)
 _DRAIN_CHUNK = 1 << 20
 
 Lookup = Callable[[str], "MemoryRegion | None"]
+
+
+class _Malformed(Exception):
+    """A request stream that cannot be parsed (nor resynchronised)."""
+
+
+@dataclass(slots=True)
+class _Write:
+    """A write whose payload is being received (into the region, or dropped after an error)."""
+
+    batch_id: int
+    todo: list[memoryview]  # destinations still to fill, in order
+    views: list[memoryview]  # every destination (released at the end)
+    scatters: list[tuple[np.ndarray, memoryview]] = field(default_factory=list)
+    error: TransferError | None = None
+    drain: int = 0  # bytes still to drop (error case)
 
 
 async def serve_connection(sock: socket.socket, lookup: Lookup, node_id: str) -> None:
@@ -45,72 +70,239 @@ async def serve_connection(sock: socket.socket, lookup: Lookup, node_id: str) ->
 
     ``lookup`` maps a region id to the registered, open region (or ``None``).
     """
+    conn = _Connection(sock, lookup, node_id, asyncio.get_running_loop())
     try:
-        while True:
-            try:
-                head = await recv_exactly(sock, REQUEST.size)
-            except ConnectionError:
-                return  # the peer closed between batches: the normal end
-            magic, op, _cls, n_regions, n_entries, table_len, batch_id, payload_len = (
-                REQUEST.unpack(head)
-            )
-            if (
-                magic != REQUEST_MAGIC
-                or op not in (Op.READ, Op.WRITE)
-                or n_entries > MAX_ENTRIES
-                or table_len > MAX_TABLE_BYTES
-            ):
-                # A stream we cannot parse cannot be resynchronised: drop the connection.
-                _log.warning("tcp transport %s: malformed request, closing connection", node_id)
+        conn.start()
+        await conn.done
+    finally:
+        conn.close()
+
+
+class _Connection:
+    """One served connection (see the module docstring)."""
+
+    def __init__(self, sock: socket.socket, lookup: Lookup, node_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.sock, self.fd, self.lookup, self.node_id, self.loop = sock, sock.fileno(), lookup, node_id, loop
+        self.done: asyncio.Future[None] = loop.create_future()
+        self.stage = bytearray(_STAGE)
+        self.lo = self.hi = 0  # staged, unparsed bytes: stage[lo:hi]
+        self.write: _Write | None = None
+        self.out: list[memoryview] = []  # reply bytes the socket has not taken yet
+        self.out_release: list[memoryview] = []  # region views to release once ``out`` is sent
+        self.reading = False
+
+    def start(self) -> None:
+        self.loop.add_reader(self.fd, self._on_readable)
+        self.reading = True
+
+    def close(self) -> None:
+        if self.reading:
+            self.loop.remove_reader(self.fd)
+            self.reading = False
+        if self.out:
+            self.loop.remove_writer(self.fd)
+        self._release(self.out_release)
+        self.out.clear()
+        if self.write is not None:
+            self.write.scatters.clear()
+            self._release(self.write.views)
+            self.write = None
+        self.sock.close()
+
+    def _end(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    # ---- reading -------------------------------------------------------------------------
+    def _on_readable(self) -> None:
+        try:
+            self._pump()
+        except _Malformed:
+            _log.warning("tcp transport %s: malformed request, closing connection", self.node_id)
+            self._end()
+        except (ConnectionError, OSError):
+            self._end()  # the peer vanished (mid-batch or between batches); its side reports it
+
+    def _pump(self) -> None:
+        """Handle everything that can be handled without waiting."""
+        while not self.out and not self.done.done():
+            if self.write is not None:
+                if not self._receive_payload():
+                    return
+                continue
+            if self._parse_one():
+                if self.lo == self.hi and self.write is None:
+                    return  # answered all that came; epoll wakes us for more (saves an EAGAIN recv)
+                continue
+            if not self._receive_stage():
                 return
-            tables = await recv_exactly(sock, table_len + n_entries * ENTRY.size)
-            table, rows = bytes(tables[:table_len]), memoryview(tables)[table_len:]
-            await _answer(
-                sock, lookup, node_id, Op(op), batch_id, table, n_regions, rows, payload_len
-            )
-    except (ConnectionError, OSError):
-        return  # the peer vanished mid-batch; its side reports the failure
-    finally:
-        sock.close()
 
+    def _receive_stage(self) -> bool:
+        """Read into the staging buffer; False when nothing is there yet."""
+        if self.lo:
+            n = self.hi - self.lo
+            self.stage[:n] = self.stage[self.lo:self.hi]
+            self.lo, self.hi = 0, n
+        if self.hi == len(self.stage):
+            self.stage.extend(bytes(len(self.stage)))  # a request larger than the stage: grow
+        try:
+            got = self.sock.recv_into(memoryview(self.stage)[self.hi:])
+        except (BlockingIOError, InterruptedError):
+            return False
+        if got == 0:
+            raise ConnectionResetError("connection closed by peer")
+        self.hi += got
+        return True
 
-async def _answer(
-    sock: socket.socket,
-    lookup: Lookup,
-    node_id: str,
-    op: Op,
-    batch_id: int,
-    table: bytes,
-    n_regions: int,
-    rows: memoryview,
-    payload_len: int,
-) -> None:
-    scatters: list[tuple[np.ndarray, memoryview]] = []
-    try:
-        views = _resolve(lookup, node_id, table, n_regions, rows, op, scatters)
-        total = sum(v.nbytes for v in views)
-        if op is Op.WRITE and payload_len != total:
-            raise TransferError(f"write payload of {payload_len} B for {total} B of entries")
-    except TransferError as exc:
+    def _parse_one(self) -> bool:
+        """Answer (or start) the first staged request if it is complete."""
+        have = self.hi - self.lo
+        if have < REQUEST.size:
+            return False
+        magic, op, _cls, n_regions, n_entries, table_len, batch_id, payload_len = REQUEST.unpack_from(self.stage, self.lo)
+        if magic != REQUEST_MAGIC or op not in (Op.READ, Op.WRITE) or n_entries > MAX_ENTRIES or table_len > MAX_TABLE_BYTES:
+            raise _Malformed
+        need = REQUEST.size + table_len + n_entries * ENTRY.size
+        if have < need:
+            if need > len(self.stage):
+                self.stage.extend(bytes(need - len(self.stage)))
+            return False
+        start = self.lo + REQUEST.size
+        table = bytes(self.stage[start:start + table_len])
+        rows = bytes(self.stage[start + table_len:self.lo + need])
+        self.lo += need
+        self._start(Op(op), batch_id, table, n_regions, rows, payload_len)
+        return True
+
+    def _start(self, op: Op, batch_id: int, table: bytes, n_regions: int, rows: bytes, payload_len: int) -> None:
+        scatters: list[tuple[np.ndarray, memoryview]] = []
+        try:
+            views = _resolve(self.lookup, self.node_id, table, n_regions, memoryview(rows), op, scatters)
+            total = sum(v.nbytes for v in views)
+            if op is Op.WRITE and payload_len != total:
+                scatters.clear()
+                self._release(views)
+                raise TransferError(f"write payload of {payload_len} B for {total} B of entries")
+        except TransferError as exc:
+            if op is Op.WRITE and payload_len:
+                self.write = _Write(batch_id, [], [], error=exc, drain=payload_len)
+            else:
+                self._send_error(op, batch_id, exc)
+            return
         if op is Op.WRITE:
-            await _drain(sock, payload_len)
-        body = encode_error(exc)
-        head = REPLY.pack(REPLY_MAGIC, Status.ERROR, op, 0, len(body), batch_id, 0)
-        await send_buffers(sock, [head, body])
-        return
-    try:
-        if op is Op.WRITE:
-            await recv_into(sock, views)
-            for target, scratch in scatters:  # strided pieces: received together, placed at C speed
-                target[...] = np.frombuffer(scratch, dtype=np.uint8).reshape(target.shape)
-            await send_buffers(sock, [REPLY.pack(REPLY_MAGIC, Status.OK, op, 0, 0, batch_id, 0)])
+            self.write = _Write(batch_id, list(views), views, scatters)
         else:
-            head = REPLY.pack(REPLY_MAGIC, Status.OK, op, 0, 0, batch_id, total)
-            await send_buffers(sock, [head, *views])
-    finally:
-        scatters.clear()  # region.close() must not find arrays or slices of it still alive
+            self._send([memoryview(REPLY.pack(REPLY_MAGIC, Status.OK, op, 0, 0, batch_id, total)), *views], views)
+
+    def _receive_payload(self) -> bool:
+        """Fill the current write's destinations (staged bytes first); answer it when full.
+        False when the socket has nothing more yet."""
+        w = self.write
+        assert w is not None
+        if w.error is not None:
+            return self._drain(w)
+        while w.todo and self.lo < self.hi:  # bytes that arrived with the header
+            dst = w.todo[0]
+            take = min(dst.nbytes, self.hi - self.lo)
+            dst[:take] = self.stage[self.lo:self.lo + take]
+            self.lo += take
+            if take == dst.nbytes:
+                w.todo.pop(0)
+            else:
+                w.todo[0] = dst[take:]
+        while w.todo:
+            try:
+                got = self.sock.recvmsg_into(w.todo[:IOV_MAX])[0]
+            except (BlockingIOError, InterruptedError):
+                return False
+            if got == 0:
+                raise ConnectionResetError("connection closed by peer")
+            _advance(w.todo, got)
+        for target, scratch in w.scatters:  # strided pieces: received together, placed at C speed
+            target[...] = np.frombuffer(scratch, dtype=np.uint8).reshape(target.shape)
+        w.scatters.clear()
+        self.write = None
+        self._send([memoryview(REPLY.pack(REPLY_MAGIC, Status.OK, Op.WRITE, 0, 0, w.batch_id, 0))], w.views)
+        return True
+
+    def _drain(self, w: _Write) -> bool:
+        """Drop a rejected write's payload to stay in sync, then send its error."""
+        staged = min(w.drain, self.hi - self.lo)
+        self.lo += staged
+        w.drain -= staged
+        scratch = memoryview(bytearray(min(w.drain, _DRAIN_CHUNK))) if w.drain else None
+        while w.drain:
+            assert scratch is not None
+            try:
+                got = self.sock.recv_into(scratch[:min(w.drain, scratch.nbytes)])
+            except (BlockingIOError, InterruptedError):
+                return False
+            if got == 0:
+                raise ConnectionResetError("connection closed by peer")
+            w.drain -= got
+        self.write = None
+        assert w.error is not None
+        self._send_error(Op.WRITE, w.batch_id, w.error)
+        return True
+
+    # ---- writing -------------------------------------------------------------------------
+    def _send_error(self, op: Op, batch_id: int, exc: TransferError) -> None:
+        body = encode_error(exc)
+        self._send([memoryview(REPLY.pack(REPLY_MAGIC, Status.ERROR, op, 0, len(body), batch_id, 0)), memoryview(body)], [])
+
+    def _send(self, bufs: list[memoryview], release: list[memoryview]) -> None:
+        """Send ``bufs`` now as far as the socket takes them; the rest from the writer
+        callback, with reading paused (replies go out in request order)."""
+        bufs = [b.cast("B") if b.format != "B" else b for b in bufs if b.nbytes]
+        while bufs:
+            try:
+                sent = self.sock.sendmsg(bufs[:IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                break
+            _advance(bufs, sent)
+        if not bufs:
+            self._release(release)
+            return
+        self.out, self.out_release = bufs, release
+        if self.reading:
+            self.loop.remove_reader(self.fd)
+            self.reading = False
+        self.loop.add_writer(self.fd, self._on_writable)
+
+    def _on_writable(self) -> None:
+        try:
+            while self.out:
+                try:
+                    sent = self.sock.sendmsg(self.out[:IOV_MAX])
+                except (BlockingIOError, InterruptedError):
+                    return
+                _advance(self.out, sent)
+        except (ConnectionError, OSError):
+            self._end()
+            return
+        self.loop.remove_writer(self.fd)
+        self._release(self.out_release)
+        self.loop.add_reader(self.fd, self._on_readable)
+        self.reading = True
+        self._on_readable()  # requests staged meanwhile
+
+    @staticmethod
+    def _release(views: list[memoryview]) -> None:
         for view in views:
             view.release()
+        views.clear()
+
+
+def _advance(bufs: list[memoryview], n: int) -> None:
+    """Drop ``n`` bytes from the front of ``bufs`` (a scatter/gather list), in place."""
+    while n:
+        size = bufs[0].nbytes
+        if n >= size:
+            n -= size
+            bufs.pop(0)
+        else:
+            bufs[0] = bufs[0][n:]
+            n = 0
 
 
 def _resolve(
@@ -181,12 +373,3 @@ def _resolve(
         arrays.clear()
         arr = strided = None
     return views
-
-
-async def _drain(sock: socket.socket, nbytes: int) -> None:
-    """Read and drop ``nbytes`` (a rejected write's payload) to stay in sync."""
-    scratch = memoryview(bytearray(min(nbytes, _DRAIN_CHUNK)))
-    while nbytes:
-        take = min(nbytes, len(scratch))
-        await recv_into(sock, [scratch[:take]])
-        nbytes -= take

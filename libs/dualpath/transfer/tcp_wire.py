@@ -35,6 +35,7 @@ from dualpath.transfer.types import TransferEntry
 
 __all__ = [
     "ENTRY",
+    "IOV_MAX",
     "MAX_ENTRIES",
     "MAX_TABLE_BYTES",
     "REPLY",
@@ -57,7 +58,8 @@ ENTRY = struct.Struct("<IQQIQ")  # region slot, offset, length, count, stride: 3
 MAX_ENTRIES = 1 << 20  # bounds the entry table a server will buffer (32 MiB)
 MAX_TABLE_BYTES = 1 << 20  # bounds the region-id table
 MAX_ERROR_BYTES = 1 << 16
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
+IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024  # buffers per sendmsg/recvmsg
+_IOV_MAX = IOV_MAX
 
 
 class Op(IntEnum):
