@@ -45,8 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         from dualpath.bench.index import main as index_bench
 
         return index_bench(argv[1:])
+    if argv[:1] == ["structured"]:  # constrained decoding's per-token cost has its own flags
+        from dualpath.bench.structured import main as structured_bench
+
+        return structured_bench(argv[1:])
     p = argparse.ArgumentParser(prog="dualpath bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=sorted([*BENCHES, "loadgen", "index"]))
+    p.add_argument("what", choices=sorted([*BENCHES, "loadgen", "index", "structured"]))
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--engines", type=int, default=1152, help="scheduler: cluster size in GPUs (engines)")
     p.add_argument("--seconds", type=float, default=0.0, help="scheduler: measuring time (0 = the benchmark's default)")
