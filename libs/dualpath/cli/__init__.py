@@ -9,6 +9,7 @@
     dualpath loadgen --url URL --dataset 32k|48k|64k|FILE ...
     dualpath experiment offline|online ...     (the paper's experiments on the emulated testbed)
     dualpath trace show REQUEST_ID --file F | --jaeger URL
+    dualpath sim offline|online|paper|validate|plan ...   (the paper's experiments in a cluster simulator)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ PASSTHROUGH = {
     "bench": "dualpath.bench",
     "experiment": "dualpath.cli.experiment",
     "trace": "dualpath.cli.trace",
+    "sim": "dualpath.cli.sim",
 }
 
 

@@ -1,0 +1,124 @@
+"""Runs the command line asks for: offline (JCT per mode) and online (APS within SLO).
+
+``run_offline`` simulates each mode on the same agents (drawn once, copied per mode) and
+returns the testbed experiment's result shape (``dualpath experiment offline``): per-mode
+rows, the basic/dualpath and dualpath/oracle ratios, the ablation steps when asked.
+``run_online`` simulates one arrival rate; ``sweep_online`` searches the highest APS whose
+turns meet the SLO with the load generator's own search (``loadgen.sweep.next_rate``).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from dualpath.sim.config import ABLATION, SimConfig
+from dualpath.sim.report import run_figures
+from dualpath.sim.simulation import Simulation
+from dualpath.sim.workload import Agent, Workload, build_agents
+from loadgen.sweep import SweepPlan, SweepState, next_rate
+
+__all__ = ["Ticker", "run_offline", "run_online", "sweep_online"]
+
+
+class Ticker:
+    """A progress line on stderr every ``every_s`` wall seconds (``enabled``: auto = a terminal)."""
+
+    def __init__(self, label: str, enabled: bool | None = None, every_s: float = 1.0) -> None:
+        self.label = label
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.every_s = every_s
+        self._last = time.perf_counter()
+        self._t0 = self._last
+
+    def __call__(self, sim: Simulation) -> None:
+        now = time.perf_counter()
+        if not self.enabled or now - self._last < self.every_s:
+            return
+        self._last = now
+        total = len(sim.agents)
+        done = sim.agents_done + sim.agents_failed
+        bar = "#" * int(20 * done / max(total, 1))
+        end = "\r" if sys.stderr.isatty() else "\n"
+        print(f"{self.label} [{bar:<20}] agents {done}/{total} turns {sim.metrics.turns_done} virtual {sim.loop.now:8.1f}s "
+              f"wall {now - self._t0:6.1f}s", end=end, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled and sys.stderr.isatty():
+            print(file=sys.stderr)
+
+
+def _simulate(cfg: SimConfig, workload: Workload, agents: list[Agent], progress: bool | None, until: float = float("inf")) -> Simulation:
+    sim = Simulation(cfg, workload, copy.deepcopy(agents))
+    ticker = Ticker(f"[{cfg.mode}]", progress)
+    sim.run(until, tick=ticker)
+    ticker.close()
+    return sim
+
+
+def run_offline(base: SimConfig, workload: Workload, modes: list[str], *, ablation: bool = False, progress: bool | None = None,
+                say: Callable[[str], None] | None = None) -> dict:
+    """Every mode on the same agents, all started at 0; the result dict (module docstring)."""
+    if ablation:
+        modes = [*ABLATION, *(m for m in modes if m not in ABLATION)]
+    t0 = time.perf_counter()
+    agents = build_agents(replace(workload, rate=None), base.block_tokens)
+    rows = {}
+    for mode in modes:
+        sim = _simulate(replace(base, mode=mode), workload, agents, progress)
+        rows[mode] = run_figures(sim)
+        if say:
+            say(f"[{mode}] JCT {sim.end_time:.1f} s (virtual), {sim.metrics.turns_done} turns, {sim.loop.events} events, "
+                f"wall {sim.wall_s:.1f} s")
+    jct = {m: r["jct_s"] for m, r in rows.items()}
+
+    def ratio(a: str, b: str) -> float | None:
+        return jct[a] / jct[b] if a in jct and b in jct and jct[b] > 0 else None
+
+    return {
+        "target": base.target, "topology": base.topology, "engines_per_node": base.engines, "dataset": workload.dataset,
+        "agents": workload.agents, "turns": workload.turns, "start_at": workload.start_at, "seed": workload.seed,
+        "modes": rows,
+        "ratios": {"basic/dualpath": ratio("basic", "dualpath"), "dualpath/oracle": ratio("dualpath", "oracle")},
+        "io_bound": (base.prefill_nodes + base.decode_nodes) / base.prefill_nodes,
+        "ablation": [{"mode": m, "jct_s": jct[m], "reduction": 1 - jct[m] / jct[ABLATION[0]]} for m in ABLATION] if ablation else None,
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def run_online(cfg: SimConfig, workload: Workload, *, slo_ttft: float, slo_tpot: float, progress: bool | None = None) -> dict:
+    """One online run: agents arrive at ``workload.rate`` for ``workload.duration_s``; every
+    agent runs its turns (with tool-call pauses) to the end. SLO attainment counts the turns
+    submitted while arrivals lasted."""
+    agents = build_agents(workload, cfg.block_tokens)
+    sim = _simulate(cfg, workload, agents, progress)
+    row = run_figures(sim)
+    horizon = workload.duration_s or sim.end_time
+    attainment = sim.metrics.slo_attainment(slo_ttft, slo_tpot, until=horizon)
+    row.update({"rate": workload.rate, "arrived": len(agents), "attainment": attainment,
+                "achieved_aps": len(agents) / max(a.arrival for a in agents) if agents else 0.0})
+    return row
+
+
+def sweep_online(cfg: SimConfig, workload: Workload, *, slo_ttft: float, slo_tpot: float, attainment: float = 0.99,
+                 start_rate: float = 0.5, probes: int = 8, tolerance: float = 0.05, progress: bool | None = None,
+                 say: Callable[[str], None] | None = None) -> dict:
+    """The highest APS whose turns meet the SLO (``attainment`` of them), by the load
+    generator's search; every probe reported."""
+    plan, state = SweepPlan(start_rate=start_rate, max_probes=probes, tolerance=tolerance), SweepState()
+    while (rate := next_rate(plan, state)) is not None:
+        row = run_online(cfg, replace(workload, rate=rate), slo_ttft=slo_ttft, slo_tpot=slo_tpot, progress=progress)
+        passed = row["attainment"] is not None and row["attainment"] >= attainment
+        point = {"rate": rate, "passed": passed, "attainment": row["attainment"], "failed_turns": 0,
+                 "ttft_p50": row["latency_s"]["ttft"].get("p50"), "tpot_p50": row["latency_s"]["tpot"].get("p50")}
+        state.points.append(point)
+        if passed:
+            state.best = max(rate, state.best or 0.0)
+        else:
+            state.lowest_failure = min(rate, state.lowest_failure or float("inf"))
+        if say:
+            say(f"[{cfg.mode}] {rate:.3f} APS: attainment {row['attainment']}, {'pass' if passed else 'fail'}")
+    return {"max_aps": state.best, "points": state.points}

@@ -1,0 +1,81 @@
+"""The figures of a run, as the testbed experiments report them, and the PNGs.
+
+Per mode: JCT (offline: the last agent's end), TTFT/TTST/TPOT/e2e percentiles, the queueing
+and execution shares of TTFT, the cache hit rate, per-node SNIC read utilisation over time
+and overall, SNIC bytes max/avg across nodes (whole job and its first 5%), attention time
+max/avg across prefill engines in the first 5% of the job (paper §7), event volume, wall
+time and peak memory of the simulating process.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+from dualpath.policy import max_over_avg
+from dualpath.sim.metrics import percentiles
+from dualpath.sim.simulation import Simulation
+
+__all__ = ["EARLY_SHARE", "peak_memory_mb", "run_figures"]
+
+EARLY_SHARE = 0.05  # "the first 5% of the job"
+SERIES_POINTS = 200  # points of a utilisation curve in result.json
+
+
+def peak_memory_mb() -> float:
+    """Peak resident memory of this process so far, MiB."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1 << 20) if sys.platform == "darwin" else rss / 1024
+
+
+def _ratio(values: list[float]) -> float | None:
+    return max_over_avg(values) if values and any(v > 0 for v in values) else None
+
+
+def snic_series(sim: Simulation, end: float) -> tuple[float, dict[str, list[float]]]:
+    """Per-node SNIC read utilisation (0..1) on a common grid of about ``SERIES_POINTS`` bins."""
+    cap = sim.cfg.snic_bytes_per_s()
+    width = max(s.read_link.series.width for s in sim.storage.values())  # type: ignore[union-attr]
+    while end / width > SERIES_POINTS:
+        width *= 2
+    out = {}
+    for name, s in sim.storage.items():
+        bins = s.read_link.series.rebinned(width, end)  # type: ignore[union-attr]
+        out[name] = [min(1.0, b / width / cap) for b in bins]
+    return width, out
+
+
+def run_figures(sim: Simulation) -> dict:
+    """The result row of one finished simulation."""
+    m, end = sim.metrics, sim.end_time or sim.loop.now
+    early = EARLY_SHARE * end
+    ttft, queue = percentiles(m.ttft), percentiles(m.queue)
+    node_bytes = {name: s.bytes_read for name, s in sim.storage.items()}
+    early_bytes = [s.read_link.series.window(0.0, early) for s in sim.storage.values()]  # type: ignore[union-attr]
+    attention_early = [pe.attention.window(0.0, early) for pe in sim.prefill_engines.values()]
+    cap = sim.cfg.snic_bytes_per_s()
+    width, series = snic_series(sim, end)
+    util = {n: b / max(end, 1e-9) / cap for n, b in node_bytes.items()}
+    q_share = queue["mean"] / ttft["mean"] if ttft.get("n") and ttft["mean"] > 0 else None
+    return {
+        "mode": sim.cfg.mode,
+        "jct_s": end,
+        "agents": len(sim.agents), "agents_done": sim.agents_done, "agents_failed": sim.agents_failed,
+        "turns_completed": m.turns_done,
+        "cache_hit_rate": m.hit_tokens / m.prompt_tokens if m.prompt_tokens else None,
+        "latency_s": {"ttft": ttft, "ttft_queue": queue, "ttft_exec": percentiles(m.exec), "ttst": percentiles(m.ttst),
+                      "tpot": percentiles(m.tpot), "e2e": percentiles(m.e2e)},
+        "ttft_share": {"queueing": q_share, "execution": None if q_share is None else 1 - q_share},
+        "snic_bytes_read": node_bytes,
+        "snic_read_utilisation": util,
+        "snic_util_max": max(util.values()), "snic_util_avg": sum(util.values()) / len(util),
+        "snic_bytes_max_over_avg": _ratio(list(node_bytes.values())),
+        "snic_bytes_max_over_avg_early": _ratio(early_bytes),
+        "attention_max_over_avg_early": _ratio(attention_early),
+        "snic_series": {"bin_s": width, "utilisation": series},
+        "scheduler": {"passes": sim.scheduler.passes, "back_pressure": sim.scheduler.back_pressure,
+                      "failures": sim.scheduler.failures},
+        "events": sim.loop.events, "flows": sim.net.flows_done,
+        "wall_s": sim.wall_s, "peak_memory_mb": peak_memory_mb(),
+        "hbm_tokens_per_decode_engine": sim.hbm_tokens,
+    }
