@@ -1,0 +1,150 @@
+"""The cluster simulator: conservation, determinism, hand-checked timings, the fluid network."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+from dualpath.cost import cost_model
+from dualpath.sim import SimConfig, Simulation, Workload
+from dualpath.sim.clock import EventLoop
+from dualpath.sim.network import HIGH, LOW, FluidNetwork, Link
+from dualpath.sim.workload import Agent, build_agents
+
+
+def small(mode: str = "dualpath", **kw) -> Simulation:
+    cfg = SimConfig(target="ds27b", prefill_nodes=1, decode_nodes=2, engines_per_node=2, mode=mode, **kw)
+    return Simulation(cfg, Workload(dataset="32k", agents=24, turns=5, start_at=0.5, seed=3))
+
+
+@pytest.mark.parametrize("mode", ["basic", "dualpath", "dualpath-rr", "basic-nolw"])
+def test_bytes_read_equal_hit_tokens_times_kv_bytes_and_every_turn_completes_once(mode):
+    sim = small(mode)
+    expected_turns = sum(a.turns for a in sim.agents)
+    m = sim.run()
+    assert m.turns_done == expected_turns
+    assert sim.agents_done == len(sim.agents) and sim.agents_failed == 0
+    read = sum(s.bytes_read for s in sim.storage.values())
+    assert read == pytest.approx(m.hit_tokens * sim.kv_bytes_per_token, rel=1e-9)
+    assert sum(s.hit_tokens_read for s in sim.storage.values()) == m.hit_tokens
+    assert m.hit_tokens > 0.9 * m.prompt_tokens  # warm storage: the sets' ~95%+ hit rate
+    assert all(s.read_q == 0 and not s.slots and s.buffer_used == 0 for s in sim.storage.values())  # nothing left behind
+    assert sim.scheduler.core.running == 0 and sim.scheduler.core.queued == 0
+
+
+def test_basic_reads_only_on_prefill_nodes_and_oracle_reads_nothing():
+    basic = small("basic")
+    basic.run()
+    assert [n for n, s in basic.storage.items() if s.bytes_read] == ["p0"]
+    oracle = small("oracle")
+    oracle.run()
+    assert sum(s.bytes_read + s.bytes_written for s in oracle.storage.values()) == 0
+
+
+def test_the_same_seed_gives_the_same_run_and_another_seed_does_not():
+    a, b = small(), small()
+    a.run()
+    b.run()
+    assert a.end_time == b.end_time
+    assert list(a.metrics.ttft) == list(b.metrics.ttft) and list(a.metrics.tpot) == list(b.metrics.tpot)
+    assert a.loop.events == b.loop.events
+    c = Simulation(a.cfg, Workload(dataset="32k", agents=24, turns=5, start_at=0.5, seed=4))
+    c.run()
+    assert c.end_time != a.end_time
+
+
+def one_request(mode: str, *, hit: int, prompt: int, gen: int) -> tuple[Simulation, Agent]:
+    cfg = SimConfig(target="ds27b", prefill_nodes=1, decode_nodes=1, engines_per_node=1, mode=mode)
+    agent = Agent(0, prompt - 10, array("i", [10]), array("i", [gen]), 0.0)
+    agent.persisted = hit
+    return Simulation(cfg, Workload(agents=1), [agent]), agent
+
+
+@pytest.mark.parametrize("mode", ["basic", "dualpath", "basic-nolw", "oracle"])
+def test_one_requests_time_is_the_closed_form_sum_of_its_load_prefill_and_decode(mode):
+    hit, prompt, gen = 8192, 8192 + 300, 40
+    sim, _ = one_request(mode, hit=hit, prompt=prompt, gen=gen)
+    m = sim.run()
+    cost, kvb, cfg = sim.cost, sim.kv_bytes_per_token, sim.cfg
+    snic, cnic, layers = cfg.snic_bytes_per_s(), cfg.cnic_bytes_per_s(), cost.target.layers
+    compute = cost.prefill_time([(hit, prompt - hit)])
+    oracle = mode == "oracle"
+    read = 0.0 if oracle else hit * kvb / snic  # storage -> buffer, alone on the SNIC
+    load = hit * kvb / cnic  # layer-wise loads into the prefill GPU
+    store = (prompt - hit if mode == "dualpath" else prompt) * kvb / cnic  # KV to the decode side
+    if oracle:
+        prefill = compute
+    elif mode == "basic-nolw":
+        prefill = load + compute + store
+    else:
+        prefill = max(compute, load + compute / layers, store)
+    h2d = 0.0 if oracle else prompt * kvb / cnic  # decode buffer -> HBM
+    steps = [sim.decode_cost.decode_step_time([prompt + i]) for i in range(gen - 1)]
+    ttft = m.ttft[0]
+    assert ttft == pytest.approx(read + prefill, rel=1e-5)
+    decode = m.e2e[0] - ttft - h2d
+    assert decode == pytest.approx(sum(steps), rel=2e-3)  # aggregated steps: secant of a near-linear step time
+    assert m.tpot[0] == pytest.approx((h2d + sum(steps)) / (gen - 1), rel=2e-3)
+    assert m.ttst[0] == pytest.approx(steps[0], rel=2e-3)
+
+
+def test_a_lone_dualpath_request_reads_on_the_prefill_side_when_both_queues_are_empty():
+    """A tie goes to the prefill side (the classic path)."""
+    sim, _ = one_request("dualpath", hit=4096, prompt=4200, gen=4)
+    sim.run()
+    assert sim.storage["p0"].bytes_read > 0 and sim.storage["d0"].bytes_read == 0
+
+
+def test_decode_event_volume_does_not_grow_with_tokens_generated():
+    short, _ = one_request("oracle", hit=0, prompt=2000, gen=10)
+    long_, _ = one_request("oracle", hit=0, prompt=2000, gen=5000)
+    short.run()
+    long_.run()
+    assert long_.loop.events == short.loop.events
+
+
+def test_two_flows_on_one_link_share_it_and_the_survivor_speeds_up():
+    loop = EventLoop()
+    net = FluidNetwork(loop)
+    link = Link("l", 100.0)
+    done: dict[str, float] = {}
+    net.start((link,), 100.0, lambda k: done.__setitem__(k, loop.now), "a")
+    net.start((link,), 300.0, lambda k: done.__setitem__(k, loop.now), "b")
+    loop.run()
+    # both at 50/s until a ends at 2 s (b has 200 left), then b alone at 100/s: 4 s
+    assert done == {"a": pytest.approx(2.0), "b": pytest.approx(4.0)}
+    assert link.moved == pytest.approx(400.0)
+
+
+def test_max_min_gives_a_flow_the_capacity_its_bottlenecked_neighbour_cannot_use():
+    loop = EventLoop()
+    net = FluidNetwork(loop)
+    narrow, wide = Link("narrow", 10.0), Link("wide", 100.0)
+    f1 = net.start((narrow, wide), 1e6, lambda _: None)
+    f2 = net.start((wide,), 1e6, lambda _: None)
+    assert f1.rate == pytest.approx(10.0) and f2.rate == pytest.approx(90.0)
+
+
+def test_kv_traffic_gets_only_what_high_priority_traffic_leaves():
+    loop = EventLoop()
+    net = FluidNetwork(loop)
+    cnic, other = Link("cnic", 100.0), Link("other", 30.0)
+    model = net.start((cnic, other), 1e6, lambda _: None, cls=HIGH)  # capped at 30 by its other link
+    kv = net.start((cnic,), 1e6, lambda _: None, cls=LOW)
+    assert model.rate == pytest.approx(30.0) and kv.rate == pytest.approx(70.0)
+
+
+def test_the_workload_is_the_load_generators_set():
+    from loadgen.dataset import load_dataset
+
+    agents = build_agents(Workload(dataset="64k", agents=5, seed=2))
+    trajectories = load_dataset("64k", agents=5, seed=2)
+    assert [list(a.gens) for a in agents] == [list(t.gen_tokens) for t in trajectories]
+    assert [a.system for a in agents] == [t.system_tokens for t in trajectories]
+
+
+def test_decode_totals_give_the_same_step_time_as_context_lengths():
+    cost = cost_model("ds660b")
+    ctx = [500, 3000, 70000, 2047]
+    totals = cost.decode_step_time_totals(len(ctx), sum(c + 1 for c in ctx), sum(min(c + 1, 2048) for c in ctx))
+    assert totals == pytest.approx(cost.decode_step_time(ctx))
