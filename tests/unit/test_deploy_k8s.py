@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from dualpath.config import (
     BusConfig,
     EmulationConfig,
