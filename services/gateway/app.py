@@ -29,7 +29,9 @@ __all__ = ["build_app"]
 
 
 def _error(status: int, message: str, *, etype: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": etype, "param": param, "code": status}})
+    headers = {"Retry-After": "1"} if status in (429, 503) else None  # overloaded or failing over: come back shortly
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": etype, "param": param, "code": status}},
+                        headers=headers)
 
 
 def build_app(gw: Gateway) -> FastAPI:
