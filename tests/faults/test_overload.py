@@ -9,9 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from faultkit import model_of
-
 from conftest import start_stack
+from faultkit import model_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
