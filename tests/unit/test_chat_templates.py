@@ -5,10 +5,12 @@ DeepSeek-V3 (``tests/data/chat_templates``) render byte for byte what ``transfor
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
+import tokenizers
 from dualpath.chat.errors import ChatTemplateError
 from dualpath.chat.template import CHATML_TEMPLATE, ChatTemplate
 from dualpath.model import ModelLoadError, Tokenizer, make_tiny_model
@@ -172,3 +174,20 @@ def test_a_template_that_does_not_compile_fails_the_load_naming_the_file(tiny, t
     d = _checkpoint(tiny, tmp_path / "m", chat_template="{% for %}")
     with pytest.raises(ModelLoadError, match="tokenizer_config.json"):
         Tokenizer.from_dir(d)
+
+
+@pytest.mark.parametrize("name", sorted(SPECIALS))
+def test_served_prompt_ids_equal_transformers_tokenized_chat(tiny, tmp_path, name):
+    """What the gateway submits (render, then encode without added specials) is HF's
+    ``apply_chat_template(tokenize=True)``, ids for ids, for a checkpoint carrying the template."""
+    d = _checkpoint(tiny, tmp_path / "m", chat_template=_source(name), **SPECIALS[name])
+    # The family's control tokens are single special tokens of the vocabulary, as in the real checkpoint.
+    raw = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+    raw.add_special_tokens(sorted(set(re.findall(r"<\|[a-z_]+\|>|<｜[^｜]+｜>", _source(name))) | set(SPECIALS[name].values())))
+    raw.save(str(d / "tokenizer.json"))
+    messages, tools = _case(name, True)
+    tok = Tokenizer.from_dir(d)
+    ours = tok.encode(tok.render_chat(messages, tools=tools))
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), chat_template=_source(name), **SPECIALS[name])
+    assert ours == list(hf.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False))
+    assert len(ours) < len(tok.render_chat(messages, tools=tools).encode())  # the control tokens are single ids
