@@ -162,3 +162,50 @@ def test_metrics_on_the_api_port_show_latency_histograms_cache_ratio_read_paths_
         assert needle in text, needle
     count = next(line for line in text.splitlines() if line.startswith("dualpath_ttft_seconds_count"))
     assert int(count.split()[-1]) >= 1
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_checkpoint_written_by_transformers_is_served_with_its_tokens_and_logprobs(tiny_model, tmp_path, family):
+    """A sharded checkpoint saved by ``transformers`` (its own config.json format) is served with
+    exactly the greedy tokens and logprobs transformers computes."""
+    import shutil
+
+    import torch
+    transformers = pytest.importorskip("transformers")
+
+    torch.manual_seed(1)
+    cfg_cls, model_cls = ((transformers.Qwen2Config, transformers.Qwen2ForCausalLM) if family == "qwen2"
+                          else (transformers.LlamaConfig, transformers.LlamaForCausalLM))
+    cfg = cfg_cls(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.2, bos_token_id=256, eos_token_id=258)
+    model = model_cls(cfg).eval()
+    ckpt = tmp_path / f"hf-{family}"
+    model.save_pretrained(ckpt, max_shard_size="200KB")
+    assert len(list(ckpt.glob("model-*.safetensors"))) > 1
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model / name, ckpt / name)
+    prompt = list(b"Agents call tools, then read the results.")
+    steps = 8
+    with torch.no_grad():
+        ids, expected = torch.tensor([prompt]), []
+        for _ in range(steps):
+            lp = torch.log_softmax(model(ids).logits[0, -1].float(), -1)
+            token = int(lp.argmax())
+            expected.append((token, float(lp[token])))
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    s = start_stack(ckpt, tmp_path / "storage", tmp_path / "run")
+    try:
+        r = httpx.post(s.url + "/v1/completions", timeout=120, json={
+            "model": ckpt.name, "prompt": prompt, "max_tokens": steps, "temperature": 0, "logprobs": 1, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+    finally:
+        s.stop()
+    got_text = body["choices"][0]["logprobs"]["tokens"]
+    got_lps = body["choices"][0]["logprobs"]["token_logprobs"]
+    assert body["usage"]["completion_tokens"] == steps and len(got_lps) == steps
+    from dualpath.model import Tokenizer
+
+    tok = Tokenizer.from_dir(ckpt)
+    assert got_text == [tok.decode([t]) for t, _ in expected]
+    assert got_lps == pytest.approx([lp for _, lp in expected], abs=1e-4)
