@@ -94,7 +94,10 @@ class Gateway:
         self.model_config = ModelConfig.from_dir(model.model)
         self.model_dir = str(Path(model.model).resolve())
         if cfg.tool_parser in ("", "auto"):
-            self.tool_format = format_for_template(self.tokenizer.chat_template.pick(tools=True))
+            try:
+                self.tool_format = format_for_template(self.tokenizer.chat_template.pick(tools=True))
+            except ChatError:  # several named templates and no default: requests name theirs
+                self.tool_format = tool_format("hermes")
         else:
             self.tool_format = tool_format(cfg.tool_parser)  # ValueError names the known ones
         self.model_name = model.model_name or Path(model.model).resolve().name
@@ -111,6 +114,10 @@ class Gateway:
         async with Bus.open(self.bus_cfg.urls(), f"gateway-{self.cfg.gateway_id}", **self.bus_cfg.connect_options()) as bus:
             self.bus = bus
             await bus.subscribe_raw(self.subjects.tokens_wildcard(self.cfg.gateway_id), self.streams.on_message)
+            try:  # the grammar vocabulary (~1 s per 100K tokens), built now rather than in the first structured request
+                await asyncio.to_thread(vocabulary, self.model_dir, self.model_config.vocab_size)
+            except Exception as exc:  # noqa: BLE001 - structured outputs then fail per request with a clear error
+                log.warning("grammar_vocabulary_failed", error=str(exc))
             log.info("gateway_ready", model=self.model_name, port=self.cfg.port)
             try:
                 yield
@@ -179,6 +186,9 @@ class Gateway:
             bool(body.tools) and body.tool_choice not in (None, "none", "auto"))
         try:
             vocab = vocabulary(self.model_dir, self.model_config.vocab_size) if needs_grammar else None
+        except Exception as exc:  # noqa: BLE001 - llguidance cannot read this tokenizer
+            raise ApiError(500, f"structured outputs are unavailable for this checkpoint's tokenizer: {exc}", etype="server_error") from None
+        try:
             plan = plan_chat(messages, template=self.tokenizer.chat_template, tool_format=self.tool_format, vocab=vocab,
                              tools=body.tools, tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
                              response_format=body.response_format, template_name=body.chat_template_name,
