@@ -3,7 +3,8 @@
 ``read_q`` (the paper's per-node storage read queue) is the tokens (and bytes) of Full Blocks
 that were asked for and not yet read: the scheduler compares it across nodes to pick the read
 side. File I/O runs in worker threads (it blocks); when an emulated SNIC is attached (testbed),
-every byte is paced through it, so the queue it builds up is the real one the scheduler sees.
+every byte is paced through it, so the queue it builds up is the real one the scheduler sees. A
+read or write returns when its last byte has crossed the SNIC (completion, not start).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from dualpath.kv import BlockMissingError, BlockStore, CorruptBlockError
+from dualpath.transfer.nic import sleep_until, withdraw
 from dualpath.transfer.types import TrafficClass
 
 __all__ = ["BlockFormat", "ReadResult", "StorageIO"]
@@ -80,18 +82,29 @@ class StorageIO:
                 # Blocks go in groups of about one NIC chunk: one pacing grant and one worker
                 # thread hop per group rather than per block.
                 group = max(1, (self.nic.chunk_bytes if self.nic is not None else 1 << 20) // bb)
-                for g in range(0, n, group):
-                    ids = hashes[g:g + group]
+                starts = range(0, n, group)
+                # Every group is queued on the SNIC at once, so the link's timeline runs on
+                # while a worker thread is still reading the previous group's files.
+                grants = [self.nic.enqueue(len(hashes[g:g + group]) * bb, TrafficClass.KV) for g in starts] if self.nic else []
+                try:
+                    end = 0.0
+                    for i, g in enumerate(starts):
+                        if grants:
+                            end = await grants[i]  # the group's bytes are on the link from now
+                        ids = hashes[g:g + group]
+                        done, failed = await asyncio.to_thread(self._read_group, model_digest, ids, fmt, dest, g)
+                        loaded += done
+                        self.bytes_read += done * bb  # per group, so utilisation sampled over time is smooth
+                        self.read_q_tokens -= (done + (failed is not None)) * fmt.block_tokens
+                        self.read_q_bytes -= (done + (failed is not None)) * bb
+                        if failed is not None:
+                            bad.append(failed)
+                            break
+                    else:
+                        await sleep_until(end)  # complete: the last group has crossed the link
+                finally:
                     if self.nic is not None:
-                        await self.nic.acquire(len(ids) * bb, TrafficClass.KV)
-                    done, failed = await asyncio.to_thread(self._read_group, model_digest, ids, fmt, dest, g)
-                    loaded += done
-                    self.bytes_read += done * bb  # per group, so utilisation sampled over time is smooth
-                    self.read_q_tokens -= (done + (failed is not None)) * fmt.block_tokens
-                    self.read_q_bytes -= (done + (failed is not None)) * bb
-                    if failed is not None:
-                        bad.append(failed)
-                        break
+                        withdraw([self.nic], grants)
                 read_s = time.perf_counter() - t0
         finally:
             # blocks never attempted leave the queue too
@@ -119,12 +132,20 @@ class StorageIO:
         written = 0
         if self.oracle:
             return 0
-        for i, h in enumerate(hashes):
-            if self.write_nic is not None:
-                await self.write_nic.acquire(bb, TrafficClass.KV)
-            payload = src[i * bb:(i + 1) * bb]
-            written += await asyncio.to_thread(
-                self.store.write, model_digest=model_digest, block_hash=h, layers=fmt.layers, tokens=fmt.block_tokens,
-                bytes_per_token_layer=fmt.bytes_per_token_layer, dtype=fmt.dtype, payload=payload)
+        nic = self.write_nic
+        grants = [nic.enqueue(bb, TrafficClass.KV) for _ in hashes] if nic is not None else []
+        try:
+            end = 0.0
+            for i, h in enumerate(hashes):
+                if grants:
+                    end = await grants[i]
+                payload = src[i * bb:(i + 1) * bb]
+                written += await asyncio.to_thread(
+                    self.store.write, model_digest=model_digest, block_hash=h, layers=fmt.layers, tokens=fmt.block_tokens,
+                    bytes_per_token_layer=fmt.bytes_per_token_layer, dtype=fmt.dtype, payload=payload)
+            await sleep_until(end)  # the last block has crossed the SNIC
+        finally:
+            if nic is not None:
+                withdraw([nic], grants)
         self.bytes_written += written
         return written

@@ -10,11 +10,11 @@ callers pass around over the control plane; bytes never travel that way.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Self
 
 from dualpath.transfer.errors import OutOfBoundsError, UnknownRegionError
-from dualpath.transfer.nic import DuplexNic, EmulatedNic, split_entries
+from dualpath.transfer.nic import DuplexNic, EmulatedNic, complete, reserve, withdraw
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.types import RegionDescriptor, TrafficClass, TransferEntry
 
@@ -114,7 +114,7 @@ class Transport(abc.ABC):
             PeerLostError: the peer went away mid-batch.
             TransferTimeoutError: the batch took longer than the transport's timeout.
         """
-        return await self._transfer(local, entries, traffic_class, read=True, links=self._links(True, peer_nic))
+        return await self._transfer(local, entries, traffic_class, read=True, links=self._nic_links(True, peer_nic))
 
     async def write(
         self,
@@ -126,7 +126,7 @@ class Transport(abc.ABC):
     ) -> int:
         """Copy every entry's local range to its remote region; return the bytes moved once
         the remote side holds all of them. Paced and raises as ``read``."""
-        return await self._transfer(local, entries, traffic_class, read=False, links=self._links(False, peer_nic))
+        return await self._transfer(local, entries, traffic_class, read=False, links=self._nic_links(False, peer_nic))
 
     @abc.abstractmethod
     async def _transfer(
@@ -134,10 +134,9 @@ class Transport(abc.ABC):
         links: tuple[EmulatedNic, ...],
     ) -> int:
         """Move one batch: remote ranges into ``local`` when ``read``, else ``local`` out;
-        every chunk of ``_chunks`` is granted by ``_pace`` on ``links`` before it moves, and
-        the batch ends no earlier than ``sleep_until`` the last grant's end."""
+        with emulated ``links`` the move runs under ``_paced``."""
 
-    def _links(self, read: bool, peer: DuplexNic | None) -> tuple[EmulatedNic, ...]:
+    def _nic_links(self, read: bool, peer: DuplexNic | None) -> tuple[EmulatedNic, ...]:
         """The emulated links one batch occupies (none when neither end is emulated)."""
         if self._nic is not None:
             return self._nic.links(read, peer)
@@ -146,20 +145,20 @@ class Transport(abc.ABC):
         return ()
 
     @staticmethod
-    def _chunks(entries: Sequence[TransferEntry], links: tuple[EmulatedNic, ...]) -> list[list[TransferEntry]]:
-        """The batch in the pieces the emulated links pace (whole when there are none)."""
+    async def _paced(links: tuple[EmulatedNic, ...], total: int, cls: TrafficClass, move: Awaitable[object]) -> None:
+        """Run ``move`` (the host moving a checked batch of ``total`` bytes) while the batch's
+        chunks are queued on every link at once; return when both are done: the bytes have
+        landed and the links have sent the last chunk (bytes / rate of link time)."""
         if not links:
-            return [list(entries)]
-        return split_entries(entries, min(link.chunk_bytes for link in links))
-
-    @staticmethod
-    async def _pace(links: tuple[EmulatedNic, ...], nbytes: int, cls: TrafficClass) -> float:
-        """Wait until every link has started sending ``nbytes``; return when the last of them
-        will have sent them (``time.monotonic``; 0.0 without links)."""
-        end = 0.0
-        for link in links:
-            end = max(end, await link.acquire(nbytes, cls))
-        return end
+            await move
+            return
+        futures = reserve(links, total, cls)
+        try:
+            await move
+        except BaseException:
+            withdraw(links, futures)
+            raise
+        await complete(links, futures)
 
     def descriptor(self, region_id: str) -> RegionDescriptor:
         """The descriptor of a remote region learned through ``connect``.

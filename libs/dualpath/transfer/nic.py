@@ -51,7 +51,8 @@ import numpy as np
 
 from dualpath.transfer.types import TrafficClass, TransferEntry
 
-__all__ = ["DuplexNic", "EmulatedNic", "NicDirectory", "chunk_bytes_for", "sleep_until", "split_entries"]
+__all__ = ["DuplexNic", "EmulatedNic", "NicDirectory", "chunk_bytes_for", "complete", "reserve", "sleep_until", "split_entries",
+           "withdraw"]
 
 _HISTORY_S = 10.0  # grants older than this are dropped from the utilisation window
 
@@ -209,16 +210,16 @@ class EmulatedNic:
             del _attached[self.key]
         self._state.close(unlink=self._owner)
 
-    async def acquire(self, nbytes: int, traffic_class: TrafficClass = TrafficClass.KV) -> float:
-        """Wait until the link starts sending ``nbytes`` of ``traffic_class``; return the
-        ``time.monotonic()`` at which the link will have sent them (the job's completion).
-
-        Cancelling the caller before its turn gives the turn up; nothing is accounted.
-        """
-        if nbytes <= 0:
-            return time.monotonic()
+    def enqueue(self, nbytes: int, traffic_class: TrafficClass = TrafficClass.KV) -> asyncio.Future[float]:
+        """Queue a job of ``nbytes`` now; the future resolves when the link starts sending it,
+        to the ``time.monotonic()`` at which it will have sent it. A batch queues all its
+        chunks at once, so the link's timeline has no gaps while the host is slow to come
+        back for the next one. ``withdraw`` a future that is no longer wanted."""
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(nbytes, loop.create_future())
+        waiter = _Waiter(max(nbytes, 0), loop.create_future())
+        if nbytes <= 0:
+            waiter.future.set_result(time.monotonic())
+            return waiter.future
         with self._state.locked() as st:
             if st[_Q_MODEL] + st[_Q_KV] <= 0:
                 # Nothing was queued anywhere: the link may have been idle, and idle time banks
@@ -227,14 +228,31 @@ class EmulatedNic:
             st[_QUEUED[traffic_class]] += nbytes
         self._queues[traffic_class].append(waiter)
         self._dispatch()
+        return waiter.future
+
+    def withdraw(self, future: asyncio.Future[float]) -> None:
+        """Give up a queued job (nothing is accounted); a granted one stays granted."""
+        for cls, queue in self._queues.items():
+            for waiter in queue:
+                if waiter.future is future:
+                    queue.remove(waiter)
+                    with self._state.locked() as st:
+                        st[_QUEUED[cls]] = max(0.0, st[_QUEUED[cls]] - waiter.nbytes)
+                    future.cancel()
+                    self._dispatch()
+                    return
+
+    async def acquire(self, nbytes: int, traffic_class: TrafficClass = TrafficClass.KV) -> float:
+        """Wait until the link starts sending ``nbytes`` of ``traffic_class``; return the
+        ``time.monotonic()`` at which the link will have sent them (the job's completion).
+
+        Cancelling the caller before its turn gives the turn up; nothing is accounted.
+        """
+        future = self.enqueue(nbytes, traffic_class)
         try:
-            return await waiter.future
+            return await future
         except asyncio.CancelledError:
-            if waiter in self._queues[traffic_class]:
-                self._queues[traffic_class].remove(waiter)
-                with self._state.locked() as st:
-                    st[_QUEUED[traffic_class]] = max(0.0, st[_QUEUED[traffic_class]] - nbytes)
-                self._dispatch()
+            self.withdraw(future)
             raise
 
     async def send(self, nbytes: int, traffic_class: TrafficClass = TrafficClass.KV) -> None:
@@ -403,13 +421,47 @@ class DuplexNic:
         return end
 
     async def copy(self, nbytes: int, traffic_class: TrafficClass = TrafficClass.KV) -> None:
-        """A whole loopback copy: ``acquire``, then wait until it is complete."""
-        await sleep_until(await self.acquire(nbytes, traffic_class))
+        """A whole loopback copy, in chunks queued at once on both directions: returns when
+        it is complete."""
+        links = self.links(True, self)
+        await complete(links, reserve(links, nbytes, traffic_class))
 
     def close(self) -> None:
         self.rx.close()
         if self.tx is not self.rx:
             self.tx.close()
+
+
+def reserve(links: Sequence[EmulatedNic], nbytes: int, traffic_class: TrafficClass) -> list[asyncio.Future[float]]:
+    """Queue ``nbytes`` on every link, cut into each link's chunks (all at once: see
+    ``EmulatedNic.enqueue``); ``await complete(...)`` on the result."""
+    futures = []
+    for link in links:
+        chunk = link.chunk_bytes
+        for start in range(0, nbytes, chunk):
+            futures.append(link.enqueue(min(chunk, nbytes - start), traffic_class))
+    return futures
+
+
+async def complete(links: Sequence[EmulatedNic], futures: list[asyncio.Future[float]]) -> None:
+    """Wait until every reserved chunk has been sent (the batch's completion); on
+    cancellation or error the chunks not granted yet are withdrawn."""
+    try:
+        end = 0.0
+        for future in futures:
+            end = max(end, await future)
+        await sleep_until(end)
+    except BaseException:
+        withdraw(links, futures)
+        raise
+
+
+def withdraw(links: Sequence[EmulatedNic], futures: list[asyncio.Future[float]]) -> None:
+    """Give up the reserved chunks not granted yet (a batch that failed)."""
+    for future in futures:
+        if not future.done():
+            for link in links:
+                link.withdraw(future)
 
 
 class NicDirectory:

@@ -18,7 +18,7 @@ import numpy as np
 
 from dualpath.transfer.base import Transport, check_entries
 from dualpath.transfer.errors import RegionInUseError, UnknownRegionError
-from dualpath.transfer.nic import DuplexNic, EmulatedNic, sleep_until
+from dualpath.transfer.nic import DuplexNic, EmulatedNic
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.types import RegionDescriptor, TrafficClass, TransferEntry
 
@@ -90,28 +90,18 @@ class ShmTransport(Transport):
         self, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass, *, read: bool,
         links: tuple[EmulatedNic, ...] = (),
     ) -> int:
-        """A memcpy per chunk; see ``Transport.read``/``write``."""
+        """One memcpy (numpy, in a worker thread when large); see ``Transport.read``/``write``."""
         total = check_entries(self, local, entries)
         if total == 0:
             return 0
-        if not links:
-            if total >= self.thread_copy_bytes:
-                await anyio.to_thread.run_sync(self._copy_numpy, local, list(entries), read)
-            else:
-                self._copy(local, list(entries), read)
-            return total
-        # Emulated links: chunks are granted in turn and copied once granted; the batch ends
-        # when its last chunk has been sent on every link.
-        end = 0.0
-        for chunk in self._chunks(entries, links):
-            nbytes = sum(e.nbytes for e in chunk)
-            end = await self._pace(links, nbytes, cls)
-            if nbytes >= self.thread_copy_bytes:
-                await anyio.to_thread.run_sync(self._copy_numpy, local, chunk, read)
-            else:
-                self._copy(local, chunk, read)
-        await sleep_until(end)
+        await self._paced(links, total, cls, self._move(local, list(entries), read, total))
         return total
+
+    async def _move(self, local: MemoryRegion, entries: list[TransferEntry], read: bool, total: int) -> None:
+        if total >= self.thread_copy_bytes:
+            await anyio.to_thread.run_sync(self._copy_numpy, local, entries, read)
+        else:
+            self._copy(local, entries, read)
 
     def _region(self, region_id: str) -> MemoryRegion:
         region = self._mapped.get(region_id) or self._local.get(region_id)

@@ -21,7 +21,7 @@ import anyio
 from dualpath.transfer._tasks import TaskSet
 from dualpath.transfer.base import Transport, check_entries
 from dualpath.transfer.errors import PeerLostError, TransferTimeoutError
-from dualpath.transfer.nic import DuplexNic, EmulatedNic, sleep_until
+from dualpath.transfer.nic import DuplexNic, EmulatedNic
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.tcp_conn import PeerConnection
 from dualpath.transfer.tcp_server import serve_connection
@@ -132,7 +132,7 @@ class TcpTransport(Transport):
         self, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass, *, read: bool,
         links: tuple[EmulatedNic, ...] = (),
     ) -> int:
-        """One request frame per peer and chunk; see ``Transport.read``/``write``."""
+        """One request frame per peer; see ``Transport.read``/``write``."""
         op = Op.READ if read else Op.WRITE
         total = check_entries(self, local, entries)
         if total == 0:
@@ -157,21 +157,23 @@ class TcpTransport(Transport):
             for conn in conns:
                 conn.abort(TransferTimeoutError(conn.peer, self.timeout_s))
 
-        timer = asyncio.get_running_loop().call_later(self.timeout_s, expire)
-        end = 0.0  # when the emulated links will have sent the last chunk
-        try:
+        async def move() -> None:
             for group in groups.values():
                 conn = await self._connection(group.peer)
                 conns.append(conn)
-                for chunk in self._chunks(group.entries, links):
-                    if links:
-                        end = max(end, await self._pace(links, sum(e.nbytes for e in chunk), cls))
-                    batch_id = next(self._batch_ids)
-                    futures.append(await conn.submit(op, cls, batch_id, local, chunk))
-            moved = await futures[0] if len(futures) == 1 else int(sum(await asyncio.gather(*futures)))
-            if end:
-                await sleep_until(end)
-            return moved
+                futures.append(await conn.submit(op, cls, next(self._batch_ids), local, group.entries))
+            if len(futures) == 1:
+                await futures[0]
+            else:
+                await asyncio.gather(*futures)
+
+        timer = asyncio.get_running_loop().call_later(self.timeout_s, expire)
+        try:
+            if links:
+                await self._paced(links, total, cls, move())
+            else:
+                await move()
+            return total
         except PeerLostError as exc:
             if not expired:
                 raise

@@ -30,7 +30,7 @@ from dualpath.transfer.errors import (
     TransportUnavailableError,
     UnknownRegionError,
 )
-from dualpath.transfer.nic import DuplexNic, EmulatedNic, sleep_until
+from dualpath.transfer.nic import DuplexNic, EmulatedNic
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.types import RegionDescriptor, TrafficClass, TransferEntry
 from dualpath.transfer.verbs_cm import CmListener, request_answer
@@ -223,7 +223,7 @@ class VerbsTransport(Transport):
         self, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass, *, read: bool,
         links: tuple[EmulatedNic, ...] = (),
     ) -> int:
-        """RDMA READ (``read``) or WRITE work requests per chunk; see ``Transport.read``/``write``."""
+        """RDMA READ (``read``) or WRITE work requests; see ``Transport.read``/``write``."""
         total = check_entries(self, local, entries)
         if total == 0:
             return 0
@@ -231,22 +231,20 @@ class VerbsTransport(Transport):
         opcode = getattr(dev.pv.e, "IBV_WR_RDMA_READ" if read else "IBV_WR_RDMA_WRITE")
         mr = self._mr(local)
         base = local.address
-        chunks = self._chunks(entries, links)
         futures: list[asyncio.Future[None]] = []
-        end = 0.0
+
+        async def move() -> None:
+            for region_id, pieces in self._pieces(list(entries), base, dev.max_msg).items():
+                remote = self._remote[region_id]
+                link = await self._link(remote)
+                for start in range(0, len(pieces), self.max_send_wr):
+                    part = pieces[start : start + self.max_send_wr]
+                    futures.append(await self._post(link, cls, opcode, mr, part, remote))
+            await asyncio.gather(*futures)
+
         try:
             with anyio.fail_after(self.timeout_s):
-                for chunk in chunks:
-                    if links:
-                        end = await self._pace(links, sum(e.nbytes for e in chunk), cls)
-                    for region_id, pieces in self._pieces(chunk, base, dev.max_msg).items():
-                        remote = self._remote[region_id]
-                        link = await self._link(remote)
-                        for start in range(0, len(pieces), self.max_send_wr):
-                            part = pieces[start : start + self.max_send_wr]
-                            futures.append(await self._post(link, cls, opcode, mr, part, remote))
-                await asyncio.gather(*futures)
-                await sleep_until(end)
+                await self._paced(links, total, cls, move())
         except TimeoutError:
             # A QP whose requests never complete is unusable: drop it (its MR stays valid).
             stuck = {id(i.link): i for i in self._inflight.values() if i.future in futures}
