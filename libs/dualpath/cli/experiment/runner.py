@@ -82,11 +82,19 @@ def _emulation(spec: TestbedSpec, oracle: bool, slowdown: float) -> EmulationCon
                            oracle=oracle, slowdown=slowdown)
 
 
+def decode_hbm_tokens(target: str, gpu: str = "h800") -> int:
+    """KV tokens one decode GPU's HBM holds for ``target`` (the cost model: HBM less weights and
+    a reserve), so HBM admission constrains decode batches as on the modeled cluster."""
+    from dualpath.cost import cost_model
+
+    return cost_model(target, gpu).hbm_kv_capacity_tokens()
+
+
 def _stack_config(spec: TestbedSpec, m: Mode, emu: EmulationConfig, out: Path) -> StackConfig:
     buffer_mb = max(64, emu.profile().buffer_bytes(spec.topology.engines_per_node) >> 20)
     return StackConfig(model=spec.model, topology=spec.topology, storage=str(out / "storage"), run_dir=str(out / "run"), port=free_port(),
                        policy=m.policy, read_path=m.read_path, emulation=emu, buffer_mb=buffer_mb,
-                       kv_capacity_tokens=1 << 22,
+                       kv_capacity_tokens=decode_hbm_tokens(spec.target),
                        # Fewer, larger token events: the 2-core emulation host's CPU goes to the
                        # modeled cluster, not to per-token messaging (TTFT is unaffected).
                        extra_env={"DUALPATH_STREAM_INTERVAL": str(spec.stream_interval), "DUALPATH_MAX_RUNNING": "1024",
