@@ -53,30 +53,67 @@ def test_llama3_json_answer_is_a_call_with_parameters_and_plain_text_is_content(
     assert LLAMA.parse('{"not": "a call"}') == ('{"not": "a call"}', [])
 
 
+def _assemble(deltas: list[dict]) -> tuple[str, list[dict]]:
+    """What a client (the openai SDK, the Agents SDK) rebuilds from stream deltas."""
+    content = "".join(d.get("content", "") for d in deltas)
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        for tc in d.get("tool_calls", []):
+            call = calls.setdefault(tc["index"], {"id": None, "name": None, "arguments": ""})
+            call["id"] = tc.get("id", call["id"])
+            call["name"] = tc.get("function", {}).get("name", call["name"])
+            call["arguments"] += tc.get("function", {}).get("arguments", "")
+    return content, [calls[i] for i in sorted(calls)]
+
+
+HERMES_TWO_CALLS = ('Checking <tool_c stuff.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris}"}}\n</tool_call>\n'
+                    '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, {"c": 3}]}}\n</tool_call>')
+
+
 @pytest.mark.parametrize("chunk", [1, 3, 7, 1000])
 def test_streamed_hermes_deltas_rebuild_the_same_content_and_calls(chunk):
-    text = ('Checking <tool_c stuff.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
     parser = StreamingToolParser(HERMES)
     deltas = []
-    for i in range(0, len(text), chunk):
-        deltas += parser.feed(text[i:i + chunk])
+    for i in range(0, len(HERMES_TWO_CALLS), chunk):
+        deltas += parser.feed(HERMES_TWO_CALLS[i:i + chunk])
     deltas += parser.finish()
-    content = "".join(d.get("content", "") for d in deltas)
-    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    content, calls = _assemble(deltas)
     assert content == "Checking <tool_c stuff."
-    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        (0, "get_weather", {"city": "Paris"}), (1, "add", {"a": 1, "b": 2})]
-    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    whole_content, whole = HERMES.parse(HERMES_TWO_CALLS)
+    assert content == whole_content
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [(w.name, json.loads(w.arguments)) for w in whole]
+    assert [c["arguments"] for c in calls] == [w.arguments for w in whole]
+    assert all(c["id"].startswith("call_") for c in calls)
 
 
-def test_streamed_text_without_calls_is_all_content_and_llama_json_streams_one_call_at_the_end():
+def test_a_call_streams_a_header_then_pieces_of_its_arguments_as_openai_does():
+    parser = StreamingToolParser(HERMES)
+    out = parser.feed('<tool_call>\n{"name": "add", "arguments": ') + parser.feed('{"a": 1,') + parser.feed(' "b": 2}')
+    out += parser.feed("}\n</tool_call>") + parser.finish()
+    first = out[0]["tool_calls"][0]
+    assert first["index"] == 0 and first["type"] == "function" and first["function"] == {"name": "add", "arguments": ""}
+    pieces = [d["tool_calls"][0]["function"]["arguments"] for d in out[1:]]
+    assert len(pieces) >= 2 and "".join(pieces) == '{"a": 1, "b": 2}'
+    assert all("id" not in d["tool_calls"][0] for d in out[1:])
+
+
+def test_a_call_with_its_keys_reordered_is_sent_whole_when_it_closes():
+    parser = StreamingToolParser(HERMES)
+    out = parser.feed('<tool_call>\n{"arguments": {"a": 1}, "name": "add"}\n</tool_call>') + parser.finish()
+    _, calls = _assemble(out)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("add", {"a": 1})]
+
+
+def test_streamed_text_without_calls_is_all_content_and_llama_json_streams_its_calls():
     parser = StreamingToolParser(HERMES)
     out = parser.feed("no calls here <tool") + parser.feed("s> at all") + parser.finish()
     assert "".join(d["content"] for d in out) == "no calls here <tools> at all"
     parser = StreamingToolParser(LLAMA)
-    out = parser.feed('{"name": "add", ') + parser.feed('"parameters": {"a": 1, "b": 2}}') + parser.finish()
-    assert [d["tool_calls"][0]["function"]["name"] for d in out] == ["add"]
+    text = '{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    out = [d for ch in text for d in parser.feed(ch)] + parser.finish()
+    content, calls = _assemble(out)
+    assert content == "" and [(c["name"], json.loads(c["arguments"])) for c in calls] == [("add", {"a": 1, "b": 2}),
+                                                                                          ("get_weather", {"city": "Oslo"})]
 
 
 def test_format_follows_the_template_unless_named():

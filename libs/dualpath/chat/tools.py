@@ -47,6 +47,9 @@ class ToolFormat:
 
     name = ""
     start = ""  # text that opens a tool call ("" : the answer must begin with "{")
+    header: re.Pattern  # a call up to its arguments value (group 1: the name), for streaming
+    close: re.Pattern  # what follows a call's arguments value, up to the call's end
+    end_marker = ""  # text that ends every call ("": none)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """Split a finished answer into (content, tool calls); no calls: (text, [])."""
@@ -61,6 +64,9 @@ class ToolFormat:
 class HermesFormat(ToolFormat):
     name = "hermes"
     start = "<tool_call>"
+    header = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+    close = re.compile(r"\s*\}\s*</tool_call>\s*")
+    end_marker = "</tool_call>"
     _call = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -73,6 +79,8 @@ class HermesFormat(ToolFormat):
                 call = _call_from(json.loads(match.group(1)), "arguments")
             except json.JSONDecodeError:
                 call = None
+            if call is not None:  # the arguments as the model wrote them (what streaming sends)
+                call.arguments = _raw_arguments(self.header, text, match.start()) or call.arguments
             if call is None:
                 if not match.group(0).endswith("</tool_call>") and calls:
                     break  # the answer was cut inside its last call (max_tokens): keep the complete ones
@@ -91,6 +99,8 @@ class HermesFormat(ToolFormat):
 class Llama3JsonFormat(ToolFormat):
     name = "llama3_json"
     start = ""
+    header = re.compile(r'[\s;]*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*')
+    close = re.compile(r"\s*\}\s*;?\s*")
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         body = text.strip().removeprefix("<|python_tag|>").strip()
@@ -107,6 +117,7 @@ class Llama3JsonFormat(ToolFormat):
             call = _call_from(obj, "parameters")
             if call is None:
                 return text, []
+            call.arguments = _raw_arguments(self.header, body, pos) or call.arguments
             calls.append(call)
             pos = end
             while pos < len(body) and body[pos] in " \t\r\n;":
@@ -150,12 +161,55 @@ def format_for_template(template: str) -> ToolFormat:
     return FORMATS["hermes"]
 
 
-class StreamingToolParser:
-    """Turns text deltas into OpenAI stream deltas: ``content`` until a tool call may start,
-    then one ``tool_calls`` delta per completed call (name and whole arguments).
+def _raw_arguments(header: re.Pattern, text: str, at: int) -> str | None:
+    """The arguments value of the call at ``text[at:]`` exactly as written, if it has the usual shape."""
+    m = header.match(text, at)
+    end = _value_end(text, m.end()) if m else None
+    return text[m.end():end].strip() if end is not None else None
 
-    Text that could be the start of a call marker is held back until it is decided; a call
-    still open when the answer ends is parsed at ``finish``.
+
+def _value_end(text: str, start: int) -> int | None:
+    """End (exclusive) of the JSON value starting at ``text[start:]`` (after whitespace), or None
+    while it is incomplete."""
+    i, n = start, len(text)
+    while i < n and text[i] in " \t\r\n":
+        i += 1
+    if i >= n:
+        return None
+    if text[i] not in "{[\"":
+        m = re.compile(r"[^,}\]\s]*").match(text, i)
+        return m.end() if m.end() < n else None
+    depth, in_str, escaped = 0, False, False
+    for j in range(i, n):
+        c = text[j]
+        if in_str:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_str = False
+                if depth == 0:
+                    return j + 1
+        elif c == '"':
+            in_str = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return None
+
+
+class StreamingToolParser:
+    """Turns text deltas into OpenAI stream deltas, as the OpenAI API streams them: ``content``
+    until a tool call may start; then per call a first delta with its ``index``, ``id``,
+    ``type`` and ``function.name`` (``arguments: ""``) and further deltas with pieces of
+    ``function.arguments`` as the model writes them.
+
+    Text that could be the start of a call marker is held back until it is decided. A call
+    written in another key order is sent whole once it closes (or at ``finish``).
     """
 
     def __init__(self, fmt: ToolFormat) -> None:
@@ -163,6 +217,10 @@ class StreamingToolParser:
         self.text = ""  # everything so far
         self._sent = 0  # content characters released
         self._in_calls = False
+        self._pos = 0  # calls region: where the next call (or the current call's close) is looked for
+        self._state = "seek"  # seek (a call header) | args (streaming its arguments) | close (its end marker)
+        self._args_from = 0  # the current call's arguments: start, and how far they were sent
+        self._args_sent = 0
         self.calls: list[ToolCall] = []
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
@@ -171,18 +229,25 @@ class StreamingToolParser:
         out: list[dict[str, Any]] = []
         if not self._in_calls:
             out += self._content()
-        if self._in_calls and self.fmt.start:
-            out += self._completed_calls(final=False)
+        if self._in_calls:
+            out += self._calls()
         return out
 
     def finish(self) -> list[dict[str, Any]]:
         """The remaining deltas once the answer ended."""
-        out: list[dict[str, Any]] = []
         if not self._in_calls:
             rest = self.text[self._sent:]
             self._sent = len(self.text)
             return [{"content": rest}] if rest else []
-        out += self._completed_calls(final=True)
+        out = self._calls()
+        rest = self.text[self._pos:]
+        if self._state == "seek" and rest.strip():
+            _, calls = self.fmt.parse(rest)
+            if calls:
+                out += [self._whole(c) for c in calls]
+            elif not self.calls:  # never a well-formed call: it was text after all
+                out.append({"content": self.text[self._sent:]})
+            self._pos = len(self.text)
         return out
 
     def _content(self) -> list[dict[str, Any]]:
@@ -190,7 +255,7 @@ class StreamingToolParser:
         if not start:  # llama3_json: a call is the whole answer, starting with "{"
             stripped = self.text.lstrip().removeprefix("<|python_tag|>").lstrip()
             if stripped.startswith("{"):
-                self._in_calls = True
+                self._in_calls, self._pos = True, 0
                 return []
             if not stripped:
                 return []
@@ -200,7 +265,7 @@ class StreamingToolParser:
         if at != -1:
             self._in_calls = True
             piece = self.text[self._sent:at].rstrip() if at > self._sent else ""
-            self._sent = at
+            self._sent = self._pos = at
             return [{"content": piece}] if piece else []
         hold = next((k for k in range(min(len(start) - 1, len(self.text) - self._sent), 0, -1) if self.text.endswith(start[:k])), 0)
         ready = len(self.text) - hold
@@ -210,22 +275,48 @@ class StreamingToolParser:
         piece, self._sent = self.text[self._sent:ready], ready
         return [{"content": piece}]
 
-    def _completed_calls(self, *, final: bool) -> list[dict[str, Any]]:
-        body = self.text[self._sent:]
-        if not final and "</tool_call>" not in body:
-            return []
-        if not final:
-            body = body[: body.rfind("</tool_call>") + len("</tool_call>")]
-        _, calls = self.fmt.parse(body)
-        new = calls[len(self.calls):]
-        deltas = []
-        for call in new:
-            index = len(self.calls)
-            self.calls.append(call)
-            deltas.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
-                                           "function": {"name": call.name, "arguments": call.arguments}}]})
-        if final and not self.calls:  # never a well-formed call: it was text after all
-            rest = self.text[self._sent:]
-            self._sent = len(self.text)
-            return [{"content": rest}] if rest else []
-        return deltas
+    def _whole(self, call: ToolCall) -> dict[str, Any]:
+        index = len(self.calls)
+        self.calls.append(call)
+        return {"tool_calls": [{"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]}
+
+    def _calls(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        text = self.text
+        while True:
+            if self._state == "seek":
+                m = self.fmt.header.match(text, self._pos)
+                if m is None:
+                    end = text.find(self.fmt.end_marker, self._pos) if self.fmt.end_marker else -1
+                    if end == -1:
+                        return out
+                    # A call in another shape (keys reordered): send it whole.
+                    segment_end = end + len(self.fmt.end_marker)
+                    out += [self._whole(c) for c in self.fmt.parse(text[self._pos:segment_end])[1]]
+                    self._pos = segment_end
+                    continue
+                call = ToolCall(name=json.loads('"' + m.group(1) + '"'), arguments="")
+                index = len(self.calls)
+                self.calls.append(call)
+                out.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                            "function": {"name": call.name, "arguments": ""}}]})
+                self._state, self._args_from = "args", m.end()
+                self._args_sent = m.end()
+            if self._state == "args":
+                end = _value_end(text, self._args_from)
+                upto = end if end is not None else len(text)
+                if upto > self._args_sent:
+                    piece = text[self._args_sent:upto]
+                    piece = piece.lstrip() if self._args_sent == self._args_from else piece
+                    self._args_sent = upto
+                    if piece:
+                        self.calls[-1].arguments += piece
+                        out.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": piece}}]})
+                if end is None:
+                    return out
+                self._state, self._pos = "close", end
+            if self._state == "close":
+                m = self.fmt.close.match(text, self._pos)
+                if m is None:
+                    return out
+                self._state, self._pos = "seek", m.end()
