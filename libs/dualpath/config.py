@@ -110,6 +110,11 @@ class EmulationConfig:
     oracle: bool = opt(False, "oracle mode: no storage reads and no KV transfers (hits are free)", "DUALPATH_ORACLE")
     slowdown: float = opt(1.0, "testbed slow motion: modeled times x this and NIC rates / this, so the host's own "
                                "overhead shrinks in proportion (reported times are divided back)", "DUALPATH_SLOWDOWN")
+    model_traffic: str = opt("auto", "modeled expert-parallel all-to-all of MoE targets on the emulated CNIC (MODEL class): "
+                                     "auto (the share crossing nodes; none when EP fits one node), on (every remote EP "
+                                     "rank through the CNIC), off", "DUALPATH_MODEL_TRAFFIC")
+    nic_classes: int = opt(2, "traffic classes of the emulated CNICs: 2 (model traffic first, KV low priority) or 1 "
+                              "(one FIFO queue for both: no isolation)", "DUALPATH_NIC_CLASSES")
 
     @property
     def modeled(self) -> bool:
@@ -145,6 +150,9 @@ class EmulationConfig:
         """
         if self.snic_gbps < 0 or self.cnic_gbps < 0:
             raise ValueError(f"NIC rates must not be negative (snic {self.snic_gbps:g}, cnic {self.cnic_gbps:g} Gbit/s)")
+        if self.model_traffic not in ("auto", "on", "off") or self.nic_classes not in (1, 2):
+            raise ValueError(f"model_traffic must be auto, on or off and nic_classes 1 or 2 (got {self.model_traffic!r}, "
+                             f"{self.nic_classes})")
         if self.modeled:
             from dualpath.cost import cost_model
 

@@ -372,4 +372,6 @@ class DecodeEngine:
                               seq=len(self.running) + len(self.waiting), tok=self.batcher.context_tokens(),
                               free_hbm_tokens=self.batcher.free_tokens, capacity_tokens=self.batcher.capacity_tokens, finished=done,
                               block_bytes=self.setup.layout.block_bytes,
-                              stats={"busy_s": self.busy_s, "modeled_s": getattr(self.setup.decoder, "modeled_s", 0.0)}, ts=time.time())
+                              stats={"busy_s": self.busy_s, "modeled_s": getattr(self.setup.decoder, "modeled_s", 0.0),
+                                     **(self.setup.decoder.traffic.stats() if getattr(self.setup.decoder, "traffic", None) else {})},
+                              ts=time.time())

@@ -362,4 +362,5 @@ class PrefillEngine:
     def _stats(self) -> dict:
         d = self.setup.decoder
         return {"busy_s": self.busy_s, "kv_wait_s": self.kv_wait_s, "modeled_s": getattr(d, "modeled_s", 0.0),
-                "attention_s": getattr(d, "attention_s", 0.0), "buffer_waits": self.buffer_waits}
+                "attention_s": getattr(d, "attention_s", 0.0), "buffer_waits": self.buffer_waits,
+                **(d.traffic.stats() if getattr(d, "traffic", None) is not None else {})}  # testbed: model traffic, CNIC bytes

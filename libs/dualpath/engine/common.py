@@ -68,7 +68,11 @@ async def build_engine(*, engine_id: str, namespace: str, model: ModelConfigSpec
     decoder = _decoder(model, emu, role, tokenizer.vocab_size)
     layout = SlotLayout(layers=decoder.num_layers, block_tokens=model.block_tokens,
                         bytes_per_token_layer=decoder.config.kv_bytes_per_token_layer(decoder.dtype))
-    nic = emu.profile().cnic(namespace, engine_id) if emu.cnic_gbps else None  # the GPU's full-duplex CNIC
+    nic = emu.profile().cnic(namespace, engine_id, one_class=emu.nic_classes == 1) if emu.cnic_gbps else None  # the GPU's CNIC
+    if nic is not None and emu.modeled and emu.model_traffic != "off":  # MoE all-to-all on the CNIC (testbed)
+        from dualpath.testbed.collectives import attach_model_traffic
+
+        attach_model_traffic(decoder, nic, emu)
     region = MemoryRegion(f"{namespace}-{engine_id}-win", window_mb << 20)
     local = create_transport("shm", node_id=node.node_id, nic=nic)
     remote = create_transport(node.transport, node_id=node.node_id, host=node.data_host, nic=nic)

@@ -55,6 +55,7 @@ class ModeledDecoder:
         self.modeled_s = 0.0  # time the cost model asked for (times slowdown: host seconds)
         self.busy_s = 0.0  # time the calls actually took
         self.attention_s = 0.0  # modeled attention time (load-balance figure)
+        self.traffic = None  # testbed.collectives.ModelTraffic of a MoE target (set by attach_model_traffic)
 
     @property
     def overhead_s(self) -> float:
@@ -88,9 +89,11 @@ class ModeledDecoder:
             if layer == self.num_layers - 1:  # the LM head rides on the last layer: a batch costs prefill_time
                 seconds += self.cost.prefill_head_time(batch)
         n = hidden.shape[0]
+        comm = self.traffic.start(layer, n) if self.traffic is not None else None  # MoE all-to-all, overlapped
         pattern = (positions.to(torch.int64) * 31 + layer) % 251  # [N]
         kv = pattern.to(torch.uint8).view(n, 1, 1).expand(n, 2, self.head_dim).contiguous()
         self.modeled_s += self._sleep(seconds, t0)
+        self.modeled_s += self._wait_comm(comm)
         self.busy_s += time.perf_counter() - t0
         return hidden, kv[:, 0].unsqueeze(1), kv[:, 1].unsqueeze(1)
 
@@ -98,10 +101,20 @@ class ModeledDecoder:
         """One decode step of the whole batch in one call: the modeled time, then the logits."""
         t0 = time.perf_counter()
         seconds = self.cost.decode_step_time(context_lens)
+        comm = self.traffic.start(None, len(context_lens), self.cost.target.moe_layers) if self.traffic is not None else None
         logits = self.logits(torch.tensor(inputs, dtype=torch.float32).unsqueeze(1))
         self.modeled_s += self._sleep(seconds, t0)
+        self.modeled_s += self._wait_comm(comm)
         self.busy_s += time.perf_counter() - t0
         return logits
+
+    def _wait_comm(self, comm) -> float:
+        """Wait for an all-to-all still in flight after the compute (modeled time, not overhead)."""
+        if comm is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.traffic.wait(comm)
+        return time.perf_counter() - t0
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """A peaked distribution over printable letters, varying with the input token."""

@@ -66,14 +66,15 @@ class HardwareProfile:
 
         return chunk_bytes_for(rate * self.slowdown)
 
-    def cnic(self, namespace: str, engine_id: str):
+    def cnic(self, namespace: str, engine_id: str, *, one_class: bool = False):
         """The emulated full-duplex CNIC of GPU ``engine_id``, shared with the host's other
-        processes (they find it through ``NicDirectory(cnic_prefix(namespace))``)."""
+        processes (they find it through ``NicDirectory(cnic_prefix(namespace))``);
+        ``one_class``: model and KV traffic share one FIFO queue (no isolation)."""
         from dualpath.transfer.nic import DuplexNic, NicDirectory
 
         rate = self.cnic_bytes_per_s()
         return DuplexNic.create(rate, name=f"{engine_id}-cnic", chunk_bytes=self.nic_chunk_bytes(rate),
-                                shared=NicDirectory.key(cnic_prefix(namespace), engine_id))
+                                shared=NicDirectory.key(cnic_prefix(namespace), engine_id), one_class=one_class)
 
     def buffer_bytes(self, engines_per_node: int) -> int:
         share = min(1.0, engines_per_node / self.gpus_per_node)

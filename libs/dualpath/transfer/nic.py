@@ -57,8 +57,8 @@ __all__ = ["DuplexNic", "EmulatedNic", "NicDirectory", "chunk_bytes_for", "compl
 _HISTORY_S = 10.0  # grants older than this are dropped from the utilisation window
 
 # Fields of a link's state (float64 each), private or in shared memory.
-_BUSY, _CREDIT, _Q_MODEL, _Q_KV, _BUSY_S, _SENT_MODEL, _SENT_KV, _RATE, _CHUNK, _MIN_KV = range(10)
-_FIELDS = 10
+_BUSY, _CREDIT, _Q_MODEL, _Q_KV, _BUSY_S, _SENT_MODEL, _SENT_KV, _RATE, _CHUNK, _MIN_KV, _ONE_CLASS = range(11)
+_FIELDS = 11
 _QUEUED = {TrafficClass.MODEL: _Q_MODEL, TrafficClass.KV: _Q_KV}
 _SENT = {TrafficClass.MODEL: _SENT_MODEL, TrafficClass.KV: _SENT_KV}
 _SHM_DIR = "/dev/shm"
@@ -69,6 +69,7 @@ _attached: dict[str, EmulatedNic] = {}  # shared links this process has opened, 
 class _Waiter:
     nbytes: int
     future: asyncio.Future[float]
+    cls: TrafficClass = TrafficClass.KV  # the class it is counted in (its queue may be the only one)
 
 
 def chunk_bytes_for(rate_bytes_per_s: float) -> int:
@@ -153,9 +154,13 @@ class EmulatedNic:
         min_kv_share: float = 0.01,
         max_lag_s: float = 0.1,
         shared: str | None = None,
+        one_class: bool = False,
     ) -> None:
-        """Raises:
-        ValueError: a non-positive rate, or ``min_kv_share`` outside ``(0, 0.5]``.
+        """``one_class``: no isolation — every job waits in one FIFO queue whatever its class
+        (counted in its own class still), the baseline the two-class link is compared with.
+
+        Raises:
+            ValueError: a non-positive rate, or ``min_kv_share`` outside ``(0, 0.5]``.
         """
         if rate_bytes_per_s <= 0:
             raise ValueError(f"NIC rate must be positive, got {rate_bytes_per_s}")
@@ -166,6 +171,7 @@ class EmulatedNic:
         with state.locked() as st:
             st[:] = 0.0
             st[_RATE], st[_CHUNK], st[_MIN_KV] = float(rate_bytes_per_s), chunk, min_kv_share
+            st[_ONE_CLASS] = 1.0 if one_class else 0.0
         self._init(name, state, burst_bytes, max_lag_s, owner=True)
         if shared:
             _attached[shared] = self
@@ -182,6 +188,7 @@ class EmulatedNic:
         self.burst_bytes = 0 if burst_bytes is None else burst_bytes
         self.max_lag_s = max_lag_s
         self._kv_weight = float(st[_MIN_KV]) / (1.0 - float(st[_MIN_KV]))
+        self.one_class = bool(st[_ONE_CLASS])
         self._queues: dict[TrafficClass, deque[_Waiter]] = {c: deque() for c in TrafficClass}
         self._grants: deque[tuple[float, float, TrafficClass, int]] = deque()
         self._timer: asyncio.TimerHandle | None = None
@@ -216,10 +223,12 @@ class EmulatedNic:
         chunks at once, so the link's timeline has no gaps while the host is slow to come
         back for the next one. ``withdraw`` a future that is no longer wanted."""
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(max(nbytes, 0), loop.create_future())
+        waiter = _Waiter(max(nbytes, 0), loop.create_future(), traffic_class)
         if nbytes <= 0:
             waiter.future.set_result(time.monotonic())
             return waiter.future
+        if self.one_class:
+            traffic_class = TrafficClass.KV  # one FIFO queue for every class
         with self._state.locked() as st:
             if st[_Q_MODEL] + st[_Q_KV] <= 0:
                 # Nothing was queued anywhere: the link may have been idle, and idle time banks
@@ -334,16 +343,16 @@ class EmulatedNic:
                 if picked is None:
                     blocked = any(self._queues.values())
                     break
-                cls, waiter = picked
-                st[_QUEUED[cls]] = max(0.0, st[_QUEUED[cls]] - waiter.nbytes)
+                queue_cls, waiter = picked
+                st[_QUEUED[queue_cls]] = max(0.0, st[_QUEUED[queue_cls]] - waiter.nbytes)
                 if waiter.future.done():  # cancelled between wake-up and dispatch
                     continue
                 start = float(st[_BUSY])
                 duration = waiter.nbytes / self.rate
                 st[_BUSY] = start + duration
                 st[_BUSY_S] += duration
-                st[_SENT[cls]] += waiter.nbytes
-                self._grants.append((start, start + duration, cls, waiter.nbytes))
+                st[_SENT[waiter.cls]] += waiter.nbytes
+                self._grants.append((start, start + duration, waiter.cls, waiter.nbytes))
                 waiter.future.set_result(start + duration)
                 break
             busy_until = float(st[_BUSY])
@@ -384,10 +393,10 @@ class DuplexNic:
 
     @classmethod
     def create(cls, rate_bytes_per_s: float, *, name: str, chunk_bytes: int | None = None, shared: str | None = None,
-               min_kv_share: float = 0.01) -> DuplexNic:
+               min_kv_share: float = 0.01, one_class: bool = False) -> DuplexNic:
         """Two links of ``rate_bytes_per_s``, shared under ``{shared}-rx``/``-tx`` when a key is given."""
         return cls(*(EmulatedNic(rate_bytes_per_s, name=f"{name}-{d}", chunk_bytes=chunk_bytes, min_kv_share=min_kv_share,
-                                 shared=f"{shared}-{d}" if shared else None) for d in ("rx", "tx")))
+                                 shared=f"{shared}-{d}" if shared else None, one_class=one_class) for d in ("rx", "tx")))
 
     @classmethod
     def attach(cls, shared: str) -> DuplexNic:
