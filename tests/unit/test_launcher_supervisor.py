@@ -79,3 +79,11 @@ def test_dualpath_up_refuses_bad_replica_and_cluster_counts_with_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:  # argparse: a usage line and the error, exit 2
         main(["--nats-cluster", "2"])
     assert exc.value.code == 2
+
+
+def test_dualpath_experiment_soak_refuses_unknown_kinds_and_bad_times_with_exit_2(capsys):
+    from dualpath.cli.experiment import main
+
+    assert main(["soak", "--kinds", "engine,gpu"]) == 2
+    assert "unknown kinds gpu" in capsys.readouterr().err
+    assert main(["soak", "--minutes", "0"]) == 2

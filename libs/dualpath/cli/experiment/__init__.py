@@ -10,10 +10,12 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
-    if not argv or argv[0] not in ("offline", "online"):
-        print("usage: dualpath experiment offline|online [flags]  (--help after the name lists them)", file=sys.stderr)
+    if not argv or argv[0] not in ("offline", "online", "soak"):
+        print("usage: dualpath experiment offline|online|soak [flags]  (--help after the name lists them)", file=sys.stderr)
         return 2
-    if argv[0] == "offline":
+    if argv[0] == "soak":  # faults under load: kills while agents are served
+        from dualpath.cli.experiment.soak import main as run
+    elif argv[0] == "offline":
         from dualpath.cli.experiment.offline import main as run
     else:
         from dualpath.cli.experiment.online import main as run
