@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dualpath.bus.embedded import free_port
-from dualpath.config import EmulationConfig
 from dualpath.cli.experiment.sampler import ClusterSampler
 from dualpath.cli.launcher.stack import Stack, StackConfig
 from dualpath.cli.launcher.topology import Topology, parse_topology
 from dualpath.cli.launcher.up import ensure_model
+from dualpath.config import EmulationConfig
 
-__all__ = ["ABLATION", "MODES", "Mode", "ModeResult", "TestbedSpec", "add_cluster_arguments", "prepare", "run_mode"]
+__all__ = ["ABLATION", "MODES", "Mode", "ModeResult", "TestbedSpec", "add_cluster_arguments", "emulation_config", "prepare", "run_mode"]
 
 @dataclass(frozen=True, slots=True)
 class Mode:
@@ -61,6 +61,8 @@ class TestbedSpec:
     online_rate: float = 0.0  # 0 = offline (all agents at once)
     duration: float = 0.0
     extra_loadgen: tuple[str, ...] = ()
+    model_traffic: str = "auto"  # MoE all-to-all on the emulated CNICs: auto (cross-node share), on, off
+    nic_classes: int = 2  # 2: model traffic first, KV low priority; 1: one FIFO queue (no isolation)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -76,10 +78,15 @@ class ModeResult:
     extra: dict = field(default_factory=dict)
 
 
+def emulation_config(spec: TestbedSpec, oracle: bool, slowdown: float) -> EmulationConfig:
+    """The emulation settings of one stack of ``spec``."""
+    return _emulation(spec, oracle, slowdown)
+
+
 def _emulation(spec: TestbedSpec, oracle: bool, slowdown: float) -> EmulationConfig:
     return EmulationConfig(compute="modeled", target=spec.target, scale=spec.scale, gpus_per_node=spec.gpus_per_node,
                            engines_per_node=spec.topology.engines_per_node, snic_gbps=spec.snic_gbps, cnic_gbps=spec.cnic_gbps,
-                           oracle=oracle, slowdown=slowdown)
+                           oracle=oracle, slowdown=slowdown, model_traffic=spec.model_traffic, nic_classes=spec.nic_classes)
 
 
 def decode_hbm_tokens(target: str, gpu: str = "h800") -> int:
@@ -120,7 +127,7 @@ def _warm_up(spec: TestbedSpec, mode: str, out: Path, say) -> None:
     stack = Stack(_stack_config(spec, m, emu, out)).start(timeout=300)
     try:
         t0 = time.monotonic()
-        proc = subprocess.run([*_loadgen(spec, stack.url, spec.warmup_turns, out / "warmup"), "--offline"], capture_output=True, text=True)
+        proc = subprocess.run([*_loadgen(spec, stack.url, spec.warmup_turns, out / "warmup"), "--offline"], capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             say(f"[{mode}] warm-up load generator exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
         say(f"[{mode}] warm-up done in {time.monotonic() - t0:.0f} s")
@@ -148,7 +155,7 @@ def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
         say(f"[{mode}] {spec.agents} agents x {spec.turns} turns of the {spec.dataset} set" + (" (all at once)" if offline else f" at {spec.online_rate} APS"))
         sampler.reset_clock()
         t0 = time.monotonic()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         wall = time.monotonic() - t0
         time.sleep(2 * 0.2 + 0.1)  # one more round of reports
     finally:
