@@ -39,7 +39,8 @@ def stack(tiny_model, tmp_path_factory):
         s.stop()
 
 
-async def test_agents_sdk_completes_a_multi_turn_tool_loop_and_later_turns_hit_the_kv_cache(stack):
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+async def test_agents_sdk_completes_a_multi_turn_tool_loop_and_later_turns_hit_the_kv_cache(stack, streamed):
     from agents import (
         Agent,
         ModelSettings,
@@ -76,20 +77,29 @@ async def test_agents_sdk_completes_a_multi_turn_tool_loop_and_later_turns_hit_t
     client = AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     agent = Agent(name="planner", instructions="Plan a trip: check the weather, then do the sums.",
                   model=OpenAIChatCompletionsModel(model="tiny-qwen-template", openai_client=client),
-                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0.0, max_tokens=120),
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0.0, max_tokens=120,
+                                               include_usage=True),
                   tools=[get_weather, add], tool_use_behavior=stop_after_three_tool_turns, reset_tool_choice=False)
-    result = await Runner.run(agent, "Weather in Paris, and what is 2 + 3?", max_turns=TOOL_TURNS + 1,
-                              run_config=RunConfig(tracing_disabled=True))
+    ask = {"max_turns": TOOL_TURNS + 1, "run_config": RunConfig(tracing_disabled=True)}
+    question = "Weather in Paris, and what is 2 + 3?" + (" (streamed)" if streamed else "")
+    if streamed:  # tool calls arrive as OpenAI-style stream deltas, rebuilt by the SDK
+        result = Runner.run_streamed(agent, question, **ask)
+        async for _ in result.stream_events():
+            pass
+    else:
+        result = await Runner.run(agent, question, **ask)
     await client.close()
 
     usage = [(r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens) for r in result.raw_responses]
-    print("\nagent transcript (OpenAI Agents SDK on the tiny model, Qwen2.5 template):")
+    print(f"\nagent transcript (OpenAI Agents SDK, Runner.{'run_streamed' if streamed else 'run'}, tiny model, Qwen2.5 template):")
     for turn, ((prompt, cached), (name, args)) in enumerate(zip(usage, calls), 1):
         print(f"  turn {turn}: tool call {name}({json.dumps(args)})  prompt_tokens={prompt} cached_tokens={cached}")
     print(f"  final output: {result.final_output!r}")
     assert len(result.raw_responses) == TOOL_TURNS and len(calls) == TOOL_TURNS
     assert all(name in ("get_weather", "add") for name, _ in calls)
-    assert usage[0][1] == 0, "the first turn has nothing cached yet"
-    assert all(cached > 0 for _, cached in usage[1:]), usage
+    # The first turn hits only what an earlier run left (the system prompt and tools); every
+    # later turn also reads this run's earlier turns.
+    assert usage[0][1] < usage[0][0]
+    assert all(later[1] > 0 and later[1] > earlier[1] for earlier, later in itertools.pairwise(usage)), usage
     assert all(later[0] > earlier[0] for earlier, later in itertools.pairwise(usage)), "each turn extends the conversation"
     assert result.final_output
