@@ -34,6 +34,7 @@ __all__ = ["ApiError", "Gateway", "Prepared", "StreamPart"]
 
 log = get_logger("gateway")
 tracer = get_tracer("dualpath.gateway")
+_FAILOVER_S = 6.0  # a standby scheduler takes over within its lease TTL (3 s) plus its poll (dualpath.ha.lease)
 _READ_PATHS = {"auto": m.ReadPath.AUTO, "pe": m.ReadPath.PE, "de": m.ReadPath.DE}
 
 
@@ -243,7 +244,7 @@ class Gateway:
                                   reply_subject=self.subjects.tokens(self.cfg.gateway_id, rid), read_path=int(prep.read_path),
                                   block_tokens=self.block_tokens, arrival_ts=time.time(), trace=carrier(root))
             try:
-                await self.bus.request(self.subjects.submit, req, m.SubmitReply, timeout=TIMEOUTS.submit)
+                await self._submit(req)
             except BusTimeoutError as exc:
                 self.streams.close(rid)
                 raise ApiError(503, f"no scheduler available: {exc}", etype="server_error") from None
@@ -252,6 +253,20 @@ class Gateway:
                 if exc.code in (400, 409):  # the scheduler refused this request (empty, too large, duplicate id)
                     raise ApiError(exc.code, exc.message) from None
                 raise ApiError(429 if exc.code == 429 else 503, exc.message, etype="server_error") from None
+
+    async def _submit(self, req: m.SubmitRequest) -> None:
+        """Submit, waiting out a scheduler failover: while no scheduler listens (the active one died
+        and a standby is taking the lease over) the submit, which nobody received, is sent again
+        for up to ``_FAILOVER_S``. Raises BusTimeoutError and RemoteError like ``Bus.request``."""
+        deadline = time.monotonic() + _FAILOVER_S
+        while True:
+            try:
+                await self.bus.request(self.subjects.submit, req, m.SubmitReply, timeout=TIMEOUTS.submit)
+                return
+            except BusTimeoutError as exc:
+                if not exc.no_responders or time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(0.2)
 
     async def cancel(self, rid: str, reason: str) -> None:
         if self.bus is not None:
