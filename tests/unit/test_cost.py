@@ -140,10 +140,21 @@ def test_more_expert_parallelism_frees_hbm_for_kv_cache():
         cost_model("ds660b", ep=1).hbm_kv_capacity_tokens()
 
 
-@pytest.mark.parametrize("target", sorted(TARGETS))
-def test_prefill_throughput_is_plausible_for_one_hopper_gpu(target):
-    tokens_per_s = cost_model(target).prefill_tokens_per_s()
-    assert 500 < tokens_per_s < 100_000  # dense-MLA V3 at 32K is the slowest, ~900/s
+def test_qwen32b_prefill_throughput_matches_a_roofline_worked_by_hand():
+    """Qwen2.5-32B, 16 turns of 429 new tokens on 32K cached ones, one H800: GEMMs are
+    2 x 32.76e9 FLOP per token at 65% of 989 TFLOPS, attention 4 x 64 layers x (40 x 128) x
+    the mean context (32,768 + 429/2) FLOP per token at 55%: ~5,500 tokens/s, compute-bound."""
+    gemm_s = 2 * 32.76e9 / (989e12 * 0.65)
+    attention_s = 4 * 64 * 40 * 128 * (32768 + 429 / 2) / (989e12 * 0.55)
+    assert cost_model("qwen32b").prefill_tokens_per_s() == pytest.approx(1 / (gemm_s + attention_s), rel=0.10)
+
+
+def test_prefill_throughput_orders_the_targets_by_their_work_per_token():
+    """Fewest FLOPs per token first: DS 27B (4.4B active, sparse attention) beats Qwen-32B,
+    and dense-MLA V3 at 32K context (~630 GFLOP per token) is the slowest of all."""
+    rate = {t: cost_model(t).prefill_tokens_per_s() for t in TARGETS}
+    assert rate["ds27b"] > rate["ds660b"] > rate["qwen32b"] > rate["dsv3"]
+    assert rate["ds27b"] > 5 * rate["qwen32b"]
 
 
 def test_unknown_target_error_lists_the_valid_names():

@@ -135,6 +135,30 @@ def _warm_up(spec: TestbedSpec, mode: str, out: Path, say) -> None:
         stack.stop()
 
 
+def _warm_key(spec: TestbedSpec) -> str:
+    """What the warm-up's storage depends on (not the mode: KV bytes are the same whichever
+    path loaded them)."""
+    import hashlib
+
+    key = json.dumps([spec.model, spec.target, spec.scale, spec.dataset, spec.agents, spec.seed, spec.warmup_turns,
+                      list(spec.extra_loadgen), spec.topology.prefill_nodes, spec.topology.decode_nodes])
+    return hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
+
+
+def _warmed_storage(spec: TestbedSpec, mode: str, out: Path, say) -> None:
+    """The mode's storage after the warm-up: the first mode runs it, later modes (and reruns
+    with the same settings) start from a copy of its storage, index included."""
+    cached = spec.out / f"warm-storage-{_warm_key(spec)}"
+    if not (cached / ".complete").exists():
+        _warm_up(spec, mode, out, say)
+        shutil.rmtree(cached, ignore_errors=True)
+        shutil.copytree(out / "storage", cached)
+        (cached / ".complete").write_text("")
+        return
+    shutil.copytree(cached, out / "storage", ignore=shutil.ignore_patterns(".complete"))
+    say(f"[{mode}] storage from the shared warm-up ({cached.name})")
+
+
 def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
     """Start a fresh stack (empty storage) for ``mode``, run the agents, stop; return the figures."""
     m = MODES[mode]
@@ -145,7 +169,7 @@ def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
     out.mkdir(parents=True, exist_ok=True)
     offline = not spec.online_rate
     if spec.warmup_turns and offline:
-        _warm_up(spec, mode, out, say)
+        _warmed_storage(spec, mode, out, say)
     say(f"[{mode}] starting {spec.topology} stack ({m.label or m.policy})" + (f", {spec.slowdown:g}x slow motion" if spec.slowdown != 1 else ""))
     stack = Stack(_stack_config(spec, m, emu, out)).start(timeout=300)
     sampler = ClusterSampler(stack.nats_url, stack.namespace).start()
