@@ -6,14 +6,25 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from dualpath.policy import (
-    ClusterState, LoadAccumulator, PendingRequest, ReadPath, ReadSide, Thresholds, alpha_tokens, beta_tokens,
-    get_policy, max_over_avg,
-)
 from dualpath.bench.scheduler import format_report, run_bench
+from dualpath.policy import (
+    ClusterState,
+    LoadAccumulator,
+    PendingRequest,
+    ReadPath,
+    ReadSide,
+    Thresholds,
+    alpha_tokens,
+    beta_tokens,
+    get_policy,
+    max_over_avg,
+)
 from dualpath.policy.errors import (
-    EmptyValuesError, InvalidThresholdError, InvalidTopologyError, NegativeLoadError, UnknownMemberError,
+    EmptyValuesError,
+    InvalidThresholdError,
+    InvalidTopologyError,
+    NegativeLoadError,
+    UnknownMemberError,
     UnknownPolicyError,
 )
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import anyio
 import numpy as np
 import pytest
-
 from dualpath.transfer import (
     MemoryRegion,
     OutOfBoundsError,

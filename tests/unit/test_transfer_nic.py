@@ -9,9 +9,6 @@ from collections.abc import Callable
 
 import anyio
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from dualpath.transfer import (
     EmulatedNic,
     MemoryRegion,
@@ -21,6 +18,8 @@ from dualpath.transfer import (
     create_transport,
     split_entries,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.anyio
 

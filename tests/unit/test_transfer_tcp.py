@@ -12,7 +12,6 @@ from dataclasses import replace
 import anyio
 import numpy as np
 import pytest
-
 from dualpath.transfer import (
     MemoryRegion,
     OutOfBoundsError,

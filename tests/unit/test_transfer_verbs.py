@@ -20,7 +20,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from dualpath.transfer import (
     MemoryRegion,
     PeerLostError,
