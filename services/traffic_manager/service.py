@@ -21,7 +21,13 @@ import time
 
 from dualpath.bus import Bus
 from dualpath.bus.client import HandlerError
-from dualpath.config import BusConfig, EmulationConfig, NodeConfig, add_arguments, from_args
+from dualpath.config import (
+    BusConfig,
+    EmulationConfig,
+    NodeConfig,
+    add_arguments,
+    from_args,
+)
 from dualpath.kv import BlockStore
 from dualpath.node import BufferFullError, BufferPool, StorageIO
 from dualpath.node.storage_io import BlockFormat

@@ -13,7 +13,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -72,7 +72,7 @@ class MooncakeLoopback:
         self.size = size
         self._proc: subprocess.Popen[bytes] | None = None
 
-    def __enter__(self) -> MooncakeLoopback:
+    def __enter__(self) -> Self:
         """Start the target and the local engine.
 
         Raises:
