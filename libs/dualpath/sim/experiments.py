@@ -93,6 +93,10 @@ def run_online(cfg: SimConfig, workload: Workload, *, slo_ttft: float, slo_tpot:
     """One online run: agents arrive at ``workload.rate`` for ``workload.duration_s``; every
     agent runs its turns (with tool-call pauses) to the end. SLO attainment counts the turns
     submitted while arrivals lasted."""
+    if workload.rate is not None and workload.duration_s is not None:
+        # only the agents that can arrive in time (a Poisson count stays below mean + 6 sd + 16)
+        mean = workload.rate * workload.duration_s
+        workload = replace(workload, agents=min(workload.agents, int(mean + 6 * mean**0.5 + 16)))
     agents = build_agents(workload, cfg.block_tokens)
     sim = _simulate(cfg, workload, agents, progress)
     row = run_figures(sim)

@@ -123,6 +123,8 @@ class FluidNetwork:
         before = [f.rate for f in flows]
         if len(links) == 1:
             self._share_one(links[0], flows)
+        elif len(flows) == 1:
+            self._alone(next(iter(flows)))
         else:
             self._max_min(links, flows)
         loop, now = self.loop, self.loop.now
@@ -145,6 +147,19 @@ class FluidNetwork:
         for f in flows:
             f.rate = hs if f.cls == HIGH else 0.0
         # LOW flows starve only while HIGH flows saturate the link (always, in a single link).
+
+    @staticmethod
+    def _alone(flow: Flow) -> None:
+        """One flow over several links: the least any of them leaves it (the general case
+        below gives the same, with more work)."""
+        rate = float("inf")
+        for link in flow.links:
+            left = link.capacity
+            for f in link.flows:
+                if f is not flow:
+                    left -= f.rate
+            rate = min(rate, left)
+        flow.rate = rate if rate > 0 else 0.0
 
     @staticmethod
     def _max_min(links: list[Link], flows: dict[Flow, None]) -> None:

@@ -61,6 +61,7 @@ class Workload:
     burstiness: float = 1.0
     tool_gap_s: float = 0.0
     duration_s: float | None = None  # online: arrivals stop after this (agents beyond are dropped)
+    append_scale: float = 1.0  # every append multiplied by this (the paper's append-length sweep)
     warm: bool | None = None  # the context an agent starts with is already in storage (None: when start_at > 0)
 
 
@@ -79,7 +80,8 @@ def build_agents(w: Workload, block_tokens: int = 64) -> list[Agent]:
         at = float(times[i])
         if w.duration_s is not None and w.rate is not None and at > w.duration_s:
             break
-        agent = Agent(i, t.system_tokens, array("i", t.append_tokens), array("i", t.gen_tokens), at)
+        appends = t.append_tokens if w.append_scale == 1.0 else [max(1, round(a * w.append_scale)) for a in t.append_tokens]
+        agent = Agent(i, t.system_tokens, array("i", appends), array("i", t.gen_tokens), at)
         if warm:  # as the testbed's untimed warm-up turns leave it: the folded context is persisted
             agent.persisted = t.system_tokens - t.system_tokens % block_tokens
         out.append(agent)
