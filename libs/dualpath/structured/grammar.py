@@ -92,15 +92,21 @@ def lark_json_rule(schema: dict[str, Any]) -> str:
 
 
 def check_grammar(grammar: str, tokenizer: llg.LLTokenizer | None, *, param: str) -> None:
-    """Compile ``grammar`` once (against the vocabulary when given).
+    """Compile ``grammar`` (against the vocabulary when given); results are cached, since an
+    agent sends the same tools and schemas every turn.
 
     Raises:
         GrammarError: it does not compile; the message is llguidance's, ``param`` the field.
     """
-    try:
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-        error = "; ".join(messages) if is_error else ""
-    except (ValueError, TypeError, RuntimeError) as exc:
-        error = str(exc)
+    error = _compile_error(grammar, tokenizer)
     if error:
         raise GrammarError(f"{param} cannot be compiled into a grammar: {error}", param=param)
+
+
+@lru_cache(maxsize=256)
+def _compile_error(grammar: str, tokenizer: llg.LLTokenizer | None) -> str:
+    try:
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+        return "; ".join(messages) if is_error else ""
+    except (ValueError, TypeError, RuntimeError) as exc:
+        return str(exc)
