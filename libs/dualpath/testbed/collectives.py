@@ -13,8 +13,8 @@ carry the volume, in the ``MODEL`` traffic class.
 ``ModelTraffic`` is called from the compute thread: ``start`` queues a layer's all-to-all on
 the engine's event loop, the layer computes meanwhile, and ``wait`` returns when the
 all-to-all has completed (a layer takes the longer of the two, as with DeepEP's overlap). It
-records each all-to-all's completion time and its uncontended time (bytes / rate), whose
-ratio is the inflation KV traffic causes.
+records each all-to-all's completion time on the links' own timeline (queued -> last chunk
+sent) and its uncontended time (bytes / rate), whose ratio is the inflation KV traffic causes.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import concurrent.futures
 import time
 
 from dualpath.cost import CostModel
-from dualpath.transfer.nic import DuplexNic, complete, reserve
+from dualpath.transfer.nic import DuplexNic, reserve, sleep_until, withdraw
 from dualpath.transfer.types import TrafficClass
 
 __all__ = ["ModelTraffic", "alltoall_bytes_per_token_layer", "attach_model_traffic"]
@@ -77,11 +77,19 @@ class ModelTraffic:
     async def _send(self, nbytes: int) -> None:
         t0 = time.monotonic()
         links = (self.nic.tx, self.nic.rx)
-        await complete(links, reserve(links, nbytes, TrafficClass.MODEL))
+        futures = reserve(links, nbytes, TrafficClass.MODEL)
+        try:
+            end = max([await f for f in futures])
+        except BaseException:
+            withdraw(links, futures)
+            raise
+        # Completion on the links' own timeline (queued -> last chunk sent): what the NIC's
+        # scheduling costs it, without the host's timer latency that a wall clock would add.
         self.count += 1
         self.bytes += nbytes
-        self.actual_s += time.monotonic() - t0
+        self.actual_s += max(end - t0, 0.0)
         self.ideal_s += nbytes / min(link.rate for link in links)
+        await sleep_until(end)
 
     def stats(self) -> dict[str, float]:
         """What an engine reports: all-to-all count, bytes, completion and uncontended
