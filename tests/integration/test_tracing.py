@@ -177,6 +177,18 @@ def test_the_decision_span_carries_the_choice_and_what_the_policy_compared(trace
     assert a["hit_tokens"] == traced_run.cached[1]
 
 
+def test_every_prefill_batch_span_carries_its_predicted_time_under_the_compute_quota(traced_run):
+    """The torch backend predicts from its start-up profile; the quota is the default 300 ms."""
+    batches = [s["attributes"] for s in traced_run.spans if s["name"] == "prefill.batch"]
+    assert len(batches) >= 2
+    for a in batches:
+        assert a["predicted_by"] == "profile" and a["quota_s"] == pytest.approx(0.3) and a["predicted_s"] > 0
+        assert a["chunked"] is False and a["over_quota"] is False  # short prompts: whole requests, well under the quota
+        assert a["predicted_s"] <= a["quota_s"]
+        assert len(a["request_cached_tokens"]) == len(a["request_new_tokens"]) == a["requests"]
+        assert sum(a["request_new_tokens"]) == a["new_tokens"] and sum(a["request_cached_tokens"]) == a["cached_tokens"]
+
+
 def test_the_de_path_turn_has_one_fetch_and_one_store_span_per_layer(traced_run):
     spans = _trace_of(traced_run, traced_run.rids[1])
     batch = next(s for s in spans if s["name"] == "prefill.batch")
