@@ -168,7 +168,7 @@ def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
         shutil.rmtree(out / stale, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     offline = not spec.online_rate
-    if spec.warmup_turns and offline:
+    if spec.warmup_turns:  # offline, and online probes: agents met mid-trajectory with their history in storage
         _warmed_storage(spec, mode, out, say)
     say(f"[{mode}] starting {spec.topology} stack ({m.label or m.policy})" + (f", {spec.slowdown:g}x slow motion" if spec.slowdown != 1 else ""))
     stack = Stack(_stack_config(spec, m, emu, out)).start(timeout=300)
