@@ -25,7 +25,15 @@ from pathlib import Path
 
 from dualpath.cli.launcher.stack import Stack, StackConfig, StackError
 from dualpath.cli.launcher.topology import parse_topology
-from dualpath.config import EmulationConfig, GatewayConfig, ModelConfigSpec, NodeConfig, SchedulerConfig, default_of
+from dualpath.config import (
+    EmulationConfig,
+    EngineConfig,
+    GatewayConfig,
+    ModelConfigSpec,
+    NodeConfig,
+    SchedulerConfig,
+    default_of,
+)
 
 __all__ = ["build_parser", "ensure_model", "main"]
 
@@ -44,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which side reads hit KV")
     p.add_argument("--device", default=default_of(ModelConfigSpec, "device"), help="torch device for engines (cpu, cuda)")
     p.add_argument("--buffer-mb", type=int, default=default_of(NodeConfig, "buffer_mb"), help="DRAM buffer per node, MiB")
-    p.add_argument("--compute-quota-ms", type=float, default=None,
-                   help="prefill compute quota per batch, ms (paper §6.2; default: the engine's, 300)")
+    p.add_argument("--compute-quota-ms", type=float, default=default_of(EngineConfig, "compute_quota_ms"),
+                   help="prefill compute quota per batch, ms (paper §6.2): FIFO packing while the predicted batch time fits")
     p.add_argument("--nats-url", default="", help="use this NATS server instead of an embedded one")
     p.add_argument("--api-key", default="", help="require this bearer token on /v1/*")
     p.add_argument("--replicas", type=int, default=1, help="schedulers and kv-persistence replicas (2+: no single point of failure)")
@@ -122,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.replicas < 1:
             raise ValueError("--replicas must be at least 1")
-        if ns.compute_quota_ms is not None and not ns.compute_quota_ms > 0:
+        if not ns.compute_quota_ms > 0:
             raise ValueError(f"--compute-quota-ms must be positive, got {ns.compute_quota_ms:g}")
         topology = parse_topology(ns.topology, ns.engines_per_node)
         emu = emulation_from(ns)
