@@ -42,6 +42,8 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode expert parallelism: auto (every decode GPU), target (the cost model's default, as the testbed), or N")
     g.add_argument("--hbm-tokens", type=int, default=0, help="decode KV capacity per engine in tokens (0: the cost model's)")
     g.add_argument("--max-running", type=int, default=1024, help="decode: most requests batched together")
+    g.add_argument("--collective-share", type=float, default=0.0,
+                   help="prefill: CNIC time the model's collectives take per second of compute (high priority, KV yields)")
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", default="64k", help="32k, 48k, 64k or a trajectory JSONL file")
     w.add_argument("--agents", type=int, default=256)
@@ -68,7 +70,8 @@ def _config(ns: argparse.Namespace, mode: str = "dualpath"):
                 raise ValueError(f"--decode-ep must be auto, target or a positive integer, got {ns.decode_ep!r}")
         return SimConfig(target=ns.target, gpu=ns.gpu, prefill_nodes=p, decode_nodes=d, gpus_per_node=ns.gpus_per_node,
                          engines_per_node=ns.engines_per_node, snic_gbps=ns.snic_gbps, cnic_gbps=ns.cnic_gbps, dram_buffer_gb=ns.dram_gb,
-                         quota_s=ns.quota_ms / 1000, decode_ep=decode_ep, hbm_tokens=ns.hbm_tokens, max_running=ns.max_running, mode=mode)
+                         quota_s=ns.quota_ms / 1000, decode_ep=decode_ep, hbm_tokens=ns.hbm_tokens, max_running=ns.max_running, mode=mode,
+                         collective_share=ns.collective_share)
     except ValueError as exc:
         raise _Fail(str(exc)) from None
 

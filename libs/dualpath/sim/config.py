@@ -85,7 +85,7 @@ class SimConfig:
     decode_ep: int = -1  # decode expert parallelism: -1 = the target's default (the testbed's), 0 = every decode GPU
     pass_interval_s: float = 0.002  # the scheduler's loop period: passes at most this often
     report_interval_s: float = 0.2  # traffic managers report read_q this often (the services' default)
-    collective_share: float = 0.0  # CNIC share model collectives (high priority) take while an engine computes
+    collective_share: float = 0.0  # prefill: CNIC time model collectives (high priority) take per second of compute
     persist: bool = True  # decode persists full blocks (next turn's hits); False: hits are free
     extra: dict = field(default_factory=dict, compare=False)
 

@@ -12,6 +12,10 @@ chunk. The simulator only times what the core chose:
 - stores: the KV the decode side needs, written after each layer — PE read path: hit and new
   tokens; DE read path: only the new ones (this CNIC out, the DE's CNIC in).
 
+With ``collective_share`` > 0 the batch also puts high-priority traffic (the model's
+collectives) on this GPU's CNIC, in both directions: ``share x capacity x C`` bytes, which the
+KV flows yield to (the paper's CNIC QoS, §5).
+
 Layer-wise prefill overlaps them: layer l computes once its load is in, so the batch ends at
 ``max(t0 + C, last load + C/L, last store)`` — per layer ``max(load, compute)`` with the
 pipeline's first/last layer exposed. Without layer-wise prefill (the ablation's first step)
@@ -24,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from dualpath.core.prefill_batcher import PrefillBatch, PrefillBatcher
 from dualpath.policy import ReadSide
-from dualpath.sim.network import Link
+from dualpath.sim.network import HIGH, Link
 from dualpath.sim.request import SimRequest
 from dualpath.sim.series import Series
 
@@ -32,6 +36,10 @@ if TYPE_CHECKING:
     from dualpath.sim.simulation import Simulation
 
 __all__ = ["PrefillEngineSim"]
+
+
+def _ignore(_: object) -> None:
+    pass
 
 
 class _Batch:
@@ -96,6 +104,11 @@ class PrefillEngineSim:
             store = it.new + (req.hit if first and pe_path else 0)
             b.stores.append(((self.cnic_out, de.cnic_in), store * kvb))
         net = sim.net
+        share = sim.cfg.collective_share
+        if share > 0:  # model collectives (EP all-to-all) on this GPU's CNIC, high priority, not waited for
+            nbytes = share * self.cnic_in.capacity * compute
+            net.start((self.cnic_in,), nbytes, _ignore, None, cls=HIGH)
+            net.start((self.cnic_out,), nbytes, _ignore, None, cls=HIGH)
         if sim.mode.layerwise:
             b.pending = 1 + len(loads) + len(b.stores)
             sim.loop.at(now + compute, self._part, b)
