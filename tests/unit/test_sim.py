@@ -148,3 +148,52 @@ def test_decode_totals_give_the_same_step_time_as_context_lengths():
     ctx = [500, 3000, 70000, 2047]
     totals = cost.decode_step_time_totals(len(ctx), sum(c + 1 for c in ctx), sum(min(c + 1, 2048) for c in ctx))
     assert totals == pytest.approx(cost.decode_step_time(ctx))
+
+
+class _StubSim:
+    """What ``DecodeEngineSim`` needs of a simulation: a loop, a cost model, a config."""
+
+    def __init__(self) -> None:
+        self.loop = EventLoop()
+        self.decode_cost = cost_model("ds660b", ep=32)
+        self.cfg = SimConfig(block_tokens=64)
+        self.done: dict[int, float] = {}
+
+    def decode_done(self, req, de) -> None:
+        self.done[req.rid] = self.loop.now
+
+
+def test_aggregated_decode_finishes_each_request_within_a_step_of_a_step_by_step_reference():
+    from dualpath.sim.decode import DecodeEngineSim
+    from dualpath.sim.request import SimRequest
+
+    sim = _StubSim()
+    de = DecodeEngineSim(sim, 0, "d0e0", 0, Link("in", 1.0), Link("out", 1.0), hbm_tokens=1 << 22)
+    # (arrival s, prompt, tokens): joins and leaves at different times, contexts around top-k
+    spec = [(0.0, 30000, 200), (0.5, 1500, 400), (1.2, 9000, 50), (2.0, 60000, 300), (2.1, 800, 2)]
+    agent = Agent(0, 1, array("i", [1]), array("i", [1]), 0.0)
+    for rid, (t, prompt, gen) in enumerate(spec):
+        req = SimRequest(rid, agent, prompt, 0, gen, t)
+        sim.loop.at(t, de.add, req)
+    sim.loop.run()
+    # step-by-step reference: a request joins at the first step boundary after it arrives
+    cost, t, running, done, pending = sim.decode_cost, 0.0, {}, {}, list(enumerate(spec))
+    while pending or running:
+        while pending and pending[0][1][0] <= t:
+            rid, (_, prompt, gen) = pending.pop(0)
+            running[rid] = [prompt, gen - 1]
+        if not running:
+            t = pending[0][1][0]
+            continue
+        step = cost.decode_step_time([ctx for ctx, _ in running.values()])
+        t += step
+        for rid in list(running):
+            running[rid][0] += 1
+            running[rid][1] -= 1
+            if running[rid][1] <= 0:
+                done[rid] = t
+                del running[rid]
+    assert done.keys() == sim.done.keys()
+    for rid, end in done.items():
+        assert sim.done[rid] == pytest.approx(end, abs=0.03), rid  # a step is ~15-25 ms: joins fall between steps
+        assert sim.done[rid] == pytest.approx(end, rel=0.01), rid

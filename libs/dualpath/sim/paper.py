@@ -79,9 +79,11 @@ def _jct(result: dict, mode: str) -> float:
     return result["modes"][mode]["jct_s"]
 
 
-def paper_rows(size: Size, say=None, *, online: bool = True) -> list[dict]:
+def paper_rows(size: Size, say=None, *, online: bool = True, offline: bool = True) -> list[dict]:
     """Run every experiment of ``size`` and return the rows (see the module docstring);
-    ``online`` False leaves out the APS sweeps."""
+    ``online``/``offline`` False leaves out the APS sweeps / the offline runs."""
+    if not offline:
+        return _online_rows(size, say) if online else []
     rows: list[dict] = []
     # -- DS 660B 2P4D: headline, oracle distance, ablation, load balance -------------------
     r = _offline("ds660b", 2, 4, size.agents_660b, size, ["basic-nolw", "basic", "dualpath-rr", "dualpath", "oracle"], say)
@@ -168,12 +170,14 @@ def main(argv: list[str]) -> int:
     g.add_argument("--full", action="store_true", help="whole trajectories and the 48P96D/44P88D scale runs (hours)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--out", default="", help="write paper.json here")
-    p.add_argument("--offline-only", action="store_true", help="skip the online (APS) rows")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--offline-only", action="store_true", help="skip the online (APS) rows")
+    only.add_argument("--online-only", action="store_true", help="only the online (APS) rows")
     ns = p.parse_args(argv)
     size = SIZES["quick" if ns.quick else "full" if ns.full else "reduced"]
     say = (lambda msg: print(msg, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
-    rows = paper_rows(size, say, online=not ns.offline_only)
+    rows = paper_rows(size, say, online=not ns.offline_only, offline=not ns.online_only)
     wall = time.perf_counter() - t0
     result = {"size": "quick" if ns.quick else "full" if ns.full else "reduced", "rows": rows, "wall_s": wall}
     if ns.out:
