@@ -54,7 +54,7 @@ def test_the_reduced_paper_table_has_one_row_per_figure(capsys):
     rows = json.loads(out)["rows"]
     names = [r["name"] for r in rows]
     assert len(names) == len(set(names)) >= 18
-    assert {"ds660b_2p4d_dualpath_over_basic", "ds27b_1p1d_dualpath_over_basic", "snic_bytes_max_over_avg_round_robin",
+    assert {"ds660b_2p4d_dualpath_over_basic", "ds27b_1p1d_dualpath_over_basic", "snic_max_over_avg_round_robin",
             "ablation_scheduler_jct_reduction_pct", "scale_offline_jct_ratio", "pd_speedup_max"} <= set(names)
     for r in rows:
         assert set(r) >= {"name", "paper", "sim", "ratio"}

@@ -2,7 +2,8 @@
 
 Per mode: JCT (offline: the last agent's end), TTFT/TTST/TPOT/e2e percentiles, the queueing
 and execution shares of TTFT, the cache hit rate, per-node SNIC read utilisation over time
-and overall, SNIC bytes max/avg across nodes (whole job and its first 5%), attention time
+and overall, SNIC bytes max/avg across nodes (whole job, its first 5%, and per time bin averaged over the
+job: ``snic_max_over_avg_windowed``), attention time
 max/avg across prefill engines in the first 5% of the job (paper §7), event volume, wall
 time and peak memory of the simulating process.
 """
@@ -45,6 +46,14 @@ def snic_series(sim: Simulation, end: float) -> tuple[float, dict[str, list[floa
     return width, out
 
 
+def windowed_max_over_avg(series: dict[str, list[float]], end_bin: int | None = None) -> float | None:
+    """Mean over time bins of (max / mean across nodes) of the bytes each node read in the
+    bin, over the bins where any node read: how unevenly the SNICs are loaded at a time."""
+    columns = list(zip(*series.values()))[:end_bin]
+    ratios = [max(c) * len(c) / sum(c) for c in columns if sum(c) > 0]
+    return sum(ratios) / len(ratios) if ratios else None
+
+
 def run_figures(sim: Simulation) -> dict:
     """The result row of one finished simulation."""
     m, end = sim.metrics, sim.end_time or sim.loop.now
@@ -71,6 +80,7 @@ def run_figures(sim: Simulation) -> dict:
         "snic_util_max": max(util.values()), "snic_util_avg": sum(util.values()) / len(util),
         "snic_bytes_max_over_avg": _ratio(list(node_bytes.values())),
         "snic_bytes_max_over_avg_early": _ratio(early_bytes),
+        "snic_max_over_avg_windowed": windowed_max_over_avg(series),
         "attention_max_over_avg_early": _ratio(attention_early),
         "snic_series": {"bin_s": width, "utilisation": series},
         "scheduler": {"passes": sim.scheduler.passes, "back_pressure": sim.scheduler.back_pressure,
