@@ -64,7 +64,7 @@ class Job:
     hit_blocks: int = 0
     source: RegionDescriptor | None = None  # where the hits are (PE buffer or DE slot)
     source_offset: int = 0
-    dest: RegionDescriptor | None = None
+    dest: RegionDescriptor  # the DE buffer slot
     pe_slot: bool = False
     cancelled: bool = False  # cancelled while its batch ran: dropped when the batch ends
     t_submit: float = field(default_factory=time.perf_counter)
@@ -250,7 +250,7 @@ class PrefillEngine:
         for job in jobs:
             job.t_first_batch = job.t_first_batch or now
         t0 = time.perf_counter()
-        modeled0 = getattr(s.decoder, "modeled_s", 0.0)
+        charged0 = getattr(s.decoder, "compute_charged_s", 0.0)
         with self._batch_span(batch, jobs) as span:
             io = BatchLayerIO(s.dataplane, s.layout, items, dtype=s.decoder.dtype, kv_heads=s.decoder.kv_heads,
                               head_dim=s.decoder.head_dim, device=s.decoder.device, owner=f"b{id(items):x}", oracle=s.oracle,
@@ -263,8 +263,8 @@ class PrefillEngine:
             self.kv_in_bytes += io.stats.fetch_bytes
             self.kv_out_bytes += io.stats.store_bytes
             if span.is_recording():
-                if getattr(s.decoder, "modeled", False):  # the cost model's seconds this batch was charged (slow motion undone)
-                    span.set_attribute("charged_s", (s.decoder.modeled_s - modeled0) / s.decoder.slowdown)
+                if getattr(s.decoder, "modeled", False):  # the cost model's compute seconds this batch was charged
+                    span.set_attribute("charged_s", s.decoder.compute_charged_s - charged0)
                 self._trace_batch(span, io, result, time.perf_counter() - t0)
         return result
 

@@ -67,3 +67,4 @@ def test_the_modeled_backend_charges_exactly_the_predicted_batch_time(target):
     for layer in range(dec.num_layers):
         hidden, _, _ = dec.forward_layer(layer, hidden, positions, segments, past)
     assert dec.modeled_s / slowdown == pytest.approx(predict(batch), rel=1e-9)
+    assert dec.compute_charged_s == pytest.approx(predict(batch), rel=1e-12)  # what prefill.batch reports as charged_s

@@ -55,6 +55,7 @@ class ModeledDecoder:
         self.modeled_s = 0.0  # time the cost model asked for (times slowdown: host seconds)
         self.busy_s = 0.0  # time the calls actually took
         self.attention_s = 0.0  # modeled attention time (load-balance figure)
+        self.compute_charged_s = 0.0  # cost-model compute seconds charged (no slow motion, no communication waits)
         self.traffic = None  # testbed.collectives.ModelTraffic of a MoE target (set by attach_model_traffic)
 
     @property
@@ -92,6 +93,7 @@ class ModeledDecoder:
         comm = self.traffic.start(layer, n) if self.traffic is not None else None  # MoE all-to-all, overlapped
         pattern = (positions.to(torch.int64) * 31 + layer) % 251  # [N]
         kv = pattern.to(torch.uint8).view(n, 1, 1).expand(n, 2, self.head_dim).contiguous()
+        self.compute_charged_s += seconds
         self.modeled_s += self._sleep(seconds, t0)
         self.modeled_s += self._wait_comm(comm)
         self.busy_s += time.perf_counter() - t0
