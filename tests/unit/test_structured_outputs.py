@@ -96,6 +96,15 @@ def test_forced_hermes_tool_call_is_well_formed_and_parses(dec, tok, tiny):
     assert content is None and len(calls) == 1 and calls[0].name in ("get_weather", "add")
 
 
+def test_forced_llama3_json_tool_call_parses_with_its_parameters(dec, tok, tiny):
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["id"]}}}]
+    grammar = lark_grammar(FORMATS["llama3_json"].grammar(tools, parallel=False))
+    ids = _generate(dec, tok, tiny, "<|im_start|>user\nfind it<|im_end|>\n<|im_start|>assistant\n", grammar)
+    content, calls = FORMATS["llama3_json"].parse(tok.decode(ids))
+    assert content is None and [c.name for c in calls] == ["lookup"] and 0 <= json.loads(calls[0].arguments)["id"] <= 9
+
+
 def test_json_object_grammar_opens_an_object(dec, tok, tiny):
     ids = _generate(dec, tok, tiny, "x", json_object_grammar(), max_tokens=12)
     assert tok.decode(ids).startswith("{")

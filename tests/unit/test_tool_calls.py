@@ -4,6 +4,7 @@ JSON formats whole and streamed, choosing the format from the template, and the 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from dualpath.chat.errors import ChatTemplateError, GrammarError, ToolSpecError
@@ -114,6 +115,12 @@ def test_streamed_text_without_calls_is_all_content_and_llama_json_streams_its_c
     content, calls = _assemble(out)
     assert content == "" and [(c["name"], json.loads(c["arguments"])) for c in calls] == [("add", {"a": 1, "b": 2}),
                                                                                           ("get_weather", {"city": "Oslo"})]
+
+
+def test_published_templates_choose_their_own_tool_format():
+    data = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
+    assert format_for_template((data / "qwen2.5-instruct.jinja").read_text()) is HERMES
+    assert format_for_template((data / "llama-3.1-instruct.jinja").read_text()) is LLAMA
 
 
 def test_format_follows_the_template_unless_named():
