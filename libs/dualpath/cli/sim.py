@@ -137,7 +137,11 @@ def format_offline(result: dict) -> str:
         lines.append("ablation (JCT reduction vs basic-nolw; paper, 64K: 17.21%, then 38.19% and 45.62% more):")
         for step in result["ablation"]:
             lines.append(f"  {step['mode']:<12} {step['jct_s']:>9.1f} s  {100 * step['reduction']:>6.2f}%")
-    lines.append(f"wall {result['wall_s']:.1f} s, peak memory {max(r['peak_memory_mb'] for r in result['modes'].values()):.0f} MiB")
+    stopped = [r["stopped_at"] for r in result["modes"].values() if r.get("stopped_at")]
+    if stopped:
+        lines.append(f"stopped at {stopped[0]:g} virtual s (--until): JCT is that time, not the job's end")
+    lines.append(f"wall {result['wall_s']:.1f} s (agents built in {result['agents_build_s']:.1f} s), "
+                 f"peak memory {max(r['peak_memory_mb'] for r in result['modes'].values()):.0f} MiB")
     return "\n".join(lines)
 
 
@@ -146,11 +150,13 @@ def _offline(argv: list[str]) -> int:
     add_cluster_arguments(p)
     p.add_argument("--modes", default="basic,dualpath,oracle")
     p.add_argument("--ablation", action="store_true", help="also run the ablation steps basic-nolw -> basic -> dualpath-rr -> dualpath")
+    p.add_argument("--until", type=float, default=0.0, help="stop at this virtual time (0: run to the end); measures throughput")
     ns = p.parse_args(argv)
     from dualpath.sim.experiments import run_offline
 
     base, workload, modes = _config(ns), _workload(ns), _modes(ns.modes)
-    result = run_offline(base, workload, modes, ablation=ns.ablation, progress=_progress(ns), say=_say)
+    result = run_offline(base, workload, modes, ablation=ns.ablation, progress=_progress(ns), say=_say,
+                         until=ns.until if ns.until > 0 else float("inf"))
     out = _out(ns)
     if out is not None:
         from dualpath.sim.plots import plot_jct, plot_snic
@@ -257,9 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dualpath sim {argv[0]}: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # bad input the checks above did not foresee (an unreadable trajectory file ...)
+        from dualpath.cost import CostModelError
         from loadgen.errors import InputError, TrajectoryFormatError
 
-        if isinstance(exc, (InputError, TrajectoryFormatError, ValueError)):
+        if isinstance(exc, (InputError, TrajectoryFormatError, CostModelError, ValueError)):
             print(f"dualpath sim {argv[0]}: {exc}", file=sys.stderr)
             return 2
         raise

@@ -49,7 +49,7 @@ SIZES = {
     "quick": Size(agents_660b=96, agents_27b=48, turns=2, start_at=0.5, scale_to=(4, 8, 2), online_turns=2, online_duration=30.0,
                   probes=3, online_scale_to=(4, 8)),
     "reduced": Size(agents_660b=2048, agents_27b=1024, turns=6, start_at=0.5, scale_to=(8, 16, 4), online_turns=4,
-                    online_duration=300.0, probes=6, online_scale_to=(8, 16)),
+                    online_duration=300.0, probes=8, online_scale_to=(8, 16)),
     "full": Size(agents_660b=2048, agents_27b=1024, turns=None, start_at=0.0, scale_to=(48, 96, 24), online_turns=8,
                  online_duration=600.0, probes=8, online_scale_to=(44, 88)),
 }
@@ -136,6 +136,15 @@ def paper_rows(size: Size, say=None, *, online: bool = True, offline: bool = Tru
     return rows
 
 
+def _start_rate(cfg: SimConfig, size: Size, context: int = 45_000) -> float:
+    """Half the APS at which the prefill nodes' SNICs would be saturated by mid-trajectory
+    turns of the 64K set (the sweep then doubles or halves from there)."""
+    from dualpath.cost import get_target
+
+    turn_bytes = context * get_target(cfg.target).kv_bytes_per_token()
+    return 0.5 * cfg.prefill_nodes * cfg.snic_bytes_per_s() / turn_bytes / size.online_turns
+
+
 def _online_rows(size: Size, say) -> list[dict]:
     rows = []
     aps = {}
@@ -143,14 +152,15 @@ def _online_rows(size: Size, say) -> list[dict]:
         for mode in ("basic", "dualpath"):
             cfg = SimConfig(target=target, prefill_nodes=p, decode_nodes=d, decode_ep=0, mode=mode)
             w = Workload(dataset="64k", agents=1 << 20, turns=size.online_turns, start_at=0.5, duration_s=size.online_duration)
-            aps[(target, mode)] = sweep_online(cfg, w, slo_ttft=4.0, slo_tpot=0.05, start_rate=0.4 * p, probes=size.probes,
+            aps[(target, mode)] = sweep_online(cfg, w, slo_ttft=4.0, slo_tpot=0.05, start_rate=_start_rate(cfg, size), probes=size.probes,
                                                tolerance=0.1, say=say)["max_aps"]
         b, dp = aps[(target, "basic")], aps[(target, "dualpath")]
         rows.append(_row(f"online_{target}_aps_ratio", paper, dp / b if b and dp else None, f"{p}P{d}D, SLO TTFT 4 s, TPOT 50 ms"))
     p, d = size.online_scale_to
     cfg = SimConfig(target="ds660b", prefill_nodes=p, decode_nodes=d, decode_ep=0, mode="dualpath")
     w = Workload(dataset="64k", agents=1 << 20, turns=size.online_turns, start_at=0.5, duration_s=size.online_duration)
-    big = sweep_online(cfg, w, slo_ttft=4.0, slo_tpot=0.05, start_rate=0.4 * p, probes=size.probes, tolerance=0.1, say=say)["max_aps"]
+    big = sweep_online(cfg, w, slo_ttft=4.0, slo_tpot=0.05, start_rate=_start_rate(cfg, size), probes=size.probes, tolerance=0.1,
+                       say=say)["max_aps"]
     small = aps[("ds660b", "dualpath")]
     rows.append(_row("online_scale_aps_ratio", (p / 2) * 1.0, big / small if big and small else None,
                      f"{p}P{d}D / 2P4D max APS; paper 44P88D / 2P4D: 8.8 / 0.4 = 22x (node ratio)"))
