@@ -68,9 +68,10 @@ class ServerProcess:
     A context manager: entering waits for the URL, leaving terminates the process.
     """
 
-    def __init__(self, proc: subprocess.Popen, url: str) -> None:
+    def __init__(self, proc: subprocess.Popen, url: str, drain: threading.Thread | None = None) -> None:
         self.proc = proc
         self.url = url
+        self._drain = drain  # reads the output until the process ends
 
     @classmethod
     def start(cls, module: str, args: list[str], timeout_s: float = 20.0) -> "ServerProcess":
@@ -91,11 +92,12 @@ class ServerProcess:
             out = proc.communicate()[0]
             raise RuntimeError(f"{module} did not start: {line} {out}".strip())
         # Drain later output so a chatty server never blocks on a full pipe.
-        threading.Thread(target=proc.stdout.read, daemon=True).start()
-        return cls(proc, line.removeprefix("listening on "))
+        drain = threading.Thread(target=proc.stdout.read, daemon=True)
+        drain.start()
+        return cls(proc, line.removeprefix("listening on "), drain)
 
     def stop(self) -> None:
-        """Terminate the process (kill after 5 s) and wait for it."""
+        """Terminate the process (kill after 5 s), wait for it and close its output pipe."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -103,6 +105,10 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self._drain is not None:
+            self._drain.join(5)  # EOF once the process is gone
+        if self.proc.stdout is not None and (self._drain is None or not self._drain.is_alive()):
+            self.proc.stdout.close()
 
     def __enter__(self) -> "ServerProcess":
         return self

@@ -177,7 +177,8 @@ class _Phase:
     def server_cpu_s(self) -> float | None:
         """CPU seconds the server process has used so far (None off Linux)."""
         try:
-            fields = open(f"/proc/{self.server.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{self.server.proc.pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
         except OSError:
             return None
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime

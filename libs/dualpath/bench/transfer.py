@@ -133,6 +133,8 @@ def roundtrip_floor_us(reply_bytes: int = 0, rounds: int = 2000) -> float:
     finally:
         proc.kill()
         proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 async def _floor_client(port: int, expect: int, rounds: int) -> float:

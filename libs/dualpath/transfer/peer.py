@@ -39,10 +39,11 @@ class PeerProcess:
     descriptors: dict[str, RegionDescriptor] = field(default_factory=dict)
 
     def kill(self) -> None:
-        """Kill the peer at once (SIGKILL) and reap it."""
+        """Kill the peer at once (SIGKILL), reap it and close its pipes."""
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=10)
+        self._close_pipes()
 
     def stop(self) -> None:
         """Ask the peer to exit (close its stdin); kill it if it does not within 5 s."""
@@ -53,6 +54,12 @@ class PeerProcess:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.kill()
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
 
     def __enter__(self) -> Self:
         return self
