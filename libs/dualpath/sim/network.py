@@ -102,24 +102,23 @@ class FluidNetwork:
                 links[link] = None
         return list(links), flows
 
-    def _settle(self, flows: dict[Flow, None] | tuple[Flow, ...]) -> None:
-        """Advance every flow's bytes to now at its current rate."""
+    def _settle(self, flow: Flow, rate: float) -> None:
+        """Advance ``flow``'s bytes to now at ``rate`` (the rate it had since ``flow.last``)."""
         now = self.loop.now
-        for f in flows:
-            dt = now - f.last
-            if dt > 0 and f.rate > 0:
-                moved = f.rate * dt
-                moved = min(moved, f.remaining)
-                f.remaining -= moved
-                for link in f.links:
-                    link.moved += moved
-                    if link.series is not None:
-                        link.series.add(f.last, now, moved)
-            f.last = now
+        dt = now - flow.last
+        if dt > 0 and rate > 0:
+            moved = rate * dt
+            moved = min(moved, flow.remaining)
+            flow.remaining -= moved
+            last = flow.last
+            for link in flow.links:
+                link.moved += moved
+                if link.series is not None:
+                    link.series.add(last, now, moved)
+        flow.last = now
 
     def _reallocate(self, seeds: tuple[Link, ...]) -> None:
         links, flows = self._neighbourhood(seeds)
-        self._settle(flows)
         before = [f.rate for f in flows]
         if len(links) == 1:
             self._share_one(links[0], flows)
@@ -127,13 +126,16 @@ class FluidNetwork:
             self._alone(next(iter(flows)))
         else:
             self._max_min(links, flows)
-        loop, now = self.loop, self.loop.now
+        # Only a flow whose rate changed is settled (at its old rate) and rescheduled: the
+        # others keep moving at the same rate, and their completion events still hold.
+        loop, now, settle, finish = self.loop, self.loop.now, self._settle, self._finish
         for f, rate in zip(flows, before):
             if f.rate == rate and f.version:
-                continue  # same rate: its completion event still holds
+                continue
+            settle(f, rate)
             f.version += 1
             if f.rate > 0:
-                loop.at(now + f.remaining / f.rate, self._finish, (f, f.version))
+                loop.at(now + f.remaining / f.rate, finish, (f, f.version))
 
     @staticmethod
     def _share_one(link: Link, flows: dict[Flow, None]) -> None:
@@ -198,7 +200,7 @@ class FluidNetwork:
         flow, version = token
         if version != flow.version:
             return
-        self._settle((flow,))
+        self._settle(flow, flow.rate)
         flow.remaining = 0.0
         flow.version += 1
         for link in flow.links:
