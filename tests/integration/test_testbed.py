@@ -8,37 +8,45 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import start_stack
 
 pytestmark = pytest.mark.slow
 
 
-def test_a_small_offline_experiment_runs_the_ablation_and_oracle_and_reports_every_figure(tmp_path):
+def _long_context_agents(path, agents: int, turns: int) -> None:
+    """Agents met deep into long trajectories (24K-token contexts) with short answers: a turn
+    is mostly loading its cached KV, so the run is bound by the storage NICs (the paper's
+    regime) while staying short."""
+    with path.open("w") as f:
+        for i in range(agents):
+            f.write(json.dumps({"id": f"agent-{i}", "system_tokens": 24000 + 64 * i,
+                                "append_tokens": [400] * (turns + 1), "gen_tokens": [8] * (turns + 1)}) + "\n")
+
+
+def test_on_a_storage_bound_run_dualpath_beats_basic_by_reading_on_the_decode_node_and_oracle_is_fastest(tmp_path):
+    """The headline claim on the real services: pooling both nodes' storage NICs shortens the
+    job (I/O bound here: 2x), the decode node's SNIC really reads, skipping I/O is faster still."""
+    data = tmp_path / "agents.jsonl"
+    _long_context_agents(data, agents=12, turns=3)
     out = tmp_path / "offline"
-    proc = subprocess.run([sys.executable, "-m", "dualpath.cli", "experiment", "offline", "--agents", "3", "--turns", "2",
-                           "--dataset", "32k", "--engines-per-node", "1", "--ablation", "--modes", "basic,dualpath,oracle",
-                           "--slowdown", "1.5", "--out", str(out), "--json"],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "dualpath.cli", "experiment", "offline", "--agents", "12", "--turns", "3",
+                           "--dataset", str(data), "--start-at", "0", "--modes", "basic,dualpath,oracle", "--slowdown", "2",
+                           "--out", str(out), "--json"],
+                          capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)
-    assert result == json.loads((out / "result.json").read_text())
-    assert list(result["modes"]) == ["basic-nolw", "basic", "dualpath-rr", "dualpath", "oracle"]  # ablation order, then the rest
-    for mode, row in result["modes"].items():
-        assert row["jct_s"] > 0 and row["turns_completed"] == 6 and not row["errors"], (mode, row)
-        assert row["host_s"] == pytest.approx(1.5 * row["jct_s"])  # slow motion: modeled seconds reported
-        assert row["overhead_share"]["mean"] is not None
-        assert set(row["snic_read_utilisation"]) == {"p0", "d0"}
-    for mode in ("basic-nolw", "basic"):
-        assert result["modes"][mode]["snic_bytes_read"]["d0"] == 0  # basic reads on the PE side only
-        assert result["modes"][mode]["cache_hit_rate"] > 0.5  # warmed-up agents hit their earlier turns' KV
-    assert result["modes"]["oracle"]["snic_bytes_read"] == {"p0": 0, "d0": 0}  # oracle reads nothing
-    steps = result["ablation"]
-    assert [s["mode"] for s in steps] == ["basic-nolw", "basic", "dualpath-rr", "dualpath"] and steps[0]["reduction"] == 0
-    for s in steps:
-        assert s["reduction"] == pytest.approx(1 - s["jct_s"] / steps[0]["jct_s"])
-    assert result["ratios"]["basic/dualpath"] > 0 and result["io_bound"] == 2.0 and result["start_at"] == 0.5
-    assert (out / "jct.png").stat().st_size > 0 and (out / "snic_utilisation.png").stat().st_size > 0
+    rows = result["modes"]
+    for mode, row in rows.items():
+        assert row["turns_completed"] == 36 and not row["errors"], (mode, row)
+        assert row["cache_hit_rate"] > 0.9  # the warm-up's KV is in storage: every timed turn is mostly hits
+    basic, dualpath, oracle = (rows[m]["jct_s"] for m in ("basic", "dualpath", "oracle"))
+    assert basic / dualpath >= 1.3, (basic, dualpath)  # the I/O bound is 2.0x; a clear margin, not noise
+    assert oracle < dualpath, (oracle, dualpath)
+    assert rows["basic"]["snic_bytes_read"]["d0"] == 0  # basic loads through the prefill node only
+    read = rows["dualpath"]["snic_bytes_read"]
+    assert read["d0"] >= 0.25 * (read["d0"] + read["p0"]), read  # dualpath reads on the decode node too
+    assert rows["oracle"]["snic_bytes_read"] == {"p0": 0, "d0": 0}
+    assert result["ratios"]["efficiency"] >= 0.65  # most of min((P+D)/P, basic/oracle) is captured
 
 
 def test_loadgen_online_against_a_real_stack_reuses_kv_and_meets_a_loose_slo(tiny_model, tmp_path):
@@ -48,7 +56,7 @@ def test_loadgen_online_against_a_real_stack_reuses_kv_and_meets_a_loose_slo(tin
         proc = subprocess.run([sys.executable, "-m", "dualpath.cli", "loadgen", "--url", s.url, "--dataset", "32k", "--scale", "0.01",
                                "--agents", "20", "--turns", "3", "--rate", "2", "--duration", "4", "--tokenizer", str(tiny_model),
                                "--slo-ttft", "10", "--slo-tpot", "1", "--out", str(out), "--progress", "never", "--api", "chat"],
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=300, check=False)
         assert proc.returncode == 0, proc.stderr[-2000:]
         report = json.loads((out / "report.json").read_text())
         run = report["run"]

@@ -179,3 +179,35 @@ async def test_an_engine_data_plane_charges_the_decode_gpus_cnic_for_its_buffer_
             region.unlink()
         pe_nic.close()
         de_nic.close()
+
+
+async def test_the_host_transport_does_not_change_the_modeled_time_of_a_transfer() -> None:
+    """The same 2 MB read over tcp and over shared memory: the same link time, and each takes
+    at least that long (the host copy hides inside the modeled time)."""
+    tag = uuid.uuid4().hex[:10]
+    local = MemoryRegion(f"test-host-l-{tag}", 4 * MB)
+    remote = MemoryRegion(f"test-host-r-{tag}", 4 * MB)
+    timeline = {}
+    try:
+        for kind in ("tcp", "shm"):
+            nic = DuplexNic.create(RATE, name=f"cnic-{kind}")
+            engine, buffer = create_transport(kind, node_id="n0", nic=nic), create_transport(kind, node_id="n1")
+            try:
+                await engine.start()
+                await buffer.start()
+                await engine.connect(buffer.register(remote))
+                t0 = time.monotonic()
+                await engine.read(local, [TransferEntry(0, remote.region_id, 0, 2 * MB)])
+                elapsed = time.monotonic() - t0
+            finally:
+                await engine.close()
+                await buffer.close()
+            first = nic.rx._grants[0][0]
+            timeline[kind] = nic.rx.busy_until - first
+            assert nic.rx.busy_seconds == pytest.approx(2 * MB / RATE)
+            assert elapsed >= 2 * MB / RATE * 0.98, (kind, elapsed)
+    finally:
+        for region in (local, remote):
+            region.close()
+            region.unlink()
+    assert timeline["tcp"] == pytest.approx(timeline["shm"], rel=0.1), timeline
