@@ -12,6 +12,7 @@ from dualpath.engine.dataplane import EngineDataPlane
 from dualpath.engine.layout import SlotLayout
 from dualpath.model import Decoder, Tokenizer
 from dualpath.model.config import dtype_from_name
+from dualpath.model.sampling import warm_grammar_vocabulary
 from dualpath.transfer import MemoryRegion, create_transport
 from dualpath.testbed.profile import cnic_prefix
 from dualpath.transfer.nic import DuplexNic, NicDirectory
@@ -66,6 +67,8 @@ async def build_engine(*, engine_id: str, namespace: str, model: ModelConfigSpec
     emu = emu or EmulationConfig()
     tokenizer = Tokenizer.from_dir(model.model)
     decoder = _decoder(model, emu, role, tokenizer.vocab_size)
+    if not emu.modeled:  # structured outputs' vocabulary, built now rather than in the engine loop
+        await warm_grammar_vocabulary(model.model, decoder.config.vocab_size)
     layout = SlotLayout(layers=decoder.num_layers, block_tokens=model.block_tokens,
                         bytes_per_token_layer=decoder.config.kv_bytes_per_token_layer(decoder.dtype))
     nic = emu.profile().cnic(namespace, engine_id, one_class=emu.nic_classes == 1) if emu.cnic_gbps else None  # the GPU's CNIC

@@ -23,7 +23,7 @@ from dualpath.model.errors import ModelInputError
 if TYPE_CHECKING:
     from dualpath.structured.constraint import TokenConstraint
 
-__all__ = ["MAX_TOP_LOGPROBS", "SampledToken", "SamplingParams", "grammar_constraint", "sample"]
+__all__ = ["MAX_TOP_LOGPROBS", "SampledToken", "SamplingParams", "grammar_constraint", "sample", "warm_grammar_vocabulary"]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for `top_logprobs`
 
@@ -165,3 +165,18 @@ def grammar_constraint(params: SamplingParams, model_dir: str, *, prefix: Iterab
     from dualpath.structured.constraint import TokenConstraint
 
     return TokenConstraint(params.grammar, model_dir, prefix=prefix)
+
+
+async def warm_grammar_vocabulary(model_dir: str, n_vocab: int) -> str:
+    """Build the checkpoint's grammar vocabulary off the event loop (about 1 s per 100K tokens), so
+    the first structured-output request does not stall an engine loop. Returns "" or the error,
+    which the first structured request will then raise."""
+    import asyncio
+
+    from dualpath.structured.grammar import vocabulary
+
+    try:
+        await asyncio.to_thread(vocabulary, str(model_dir), n_vocab)
+    except Exception as exc:  # noqa: BLE001 - reported, and raised again by the request that needs it
+        return str(exc)
+    return ""
