@@ -147,22 +147,26 @@ def run_soak(ns: argparse.Namespace, say=lambda _m: None) -> dict:
             t.join()
         say("soak over; asking every completed prompt again on the undisturbed stack")
         time.sleep(ns.fault_window)  # let the last restart finish before the reference run
-        mismatched = _recheck(soak)
+        mismatched, unanswered = _recheck(soak)
         restarts = sum(1 for e in stack.events if e.kind == "restarted")
     finally:
         stack.stop()
-    return _report(ns, soak, kills, mismatched, restarts)
+    report = _report(ns, soak, kills, mismatched, restarts)
+    report["recheck_unanswered"] = unanswered  # the stack did not recover: the reference run failed
+    return report
 
 
-def _recheck(soak: Soak) -> int:
+def _recheck(soak: Soak) -> tuple[int, int]:
+    """(answers that differ, prompts the stack could not answer again) over the completed requests."""
     done = [o for o in soak.outcomes if o.status == "completed"]
     ref = Soak(url=soak.url, model=soak.model, max_tokens=soak.max_tokens, turns=1, turn_tokens=0, client_timeout=soak.client_timeout)
-    bad = 0
+    differ = unanswered = 0
     with httpx.Client(base_url=soak.url) as http:
         for o in done:
             again = ref.ask(http, o.prompt)
-            bad += again.status != "completed" or again.text != o.text
-    return bad
+            unanswered += again.status != "completed"
+            differ += again.status == "completed" and again.text != o.text
+    return differ, unanswered
 
 
 def _report(ns, soak: Soak, kills: list[dict], mismatched: int, restarts: int) -> dict:
@@ -228,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(f"soak {report['minutes']} min, {len(report['kills'])} kills ({report['restarts']} restarts): started {report['started']}, "
-              f"completed {report['completed']}, failed {report['failed']}, lost {report['lost']}, mismatched {report['mismatched']}; "
+              f"completed {report['completed']}, failed {report['failed']}, lost {report['lost']}, mismatched {report['mismatched']} "
+              f"(not answered again: {report['recheck_unanswered']}); "
               f"SLO attainment outside fault windows {report['slo']['attainment_outside_faults']}")
-    return 0 if report["lost"] == 0 and report["mismatched"] == 0 else 1
+    return 0 if report["lost"] == 0 and report["mismatched"] == 0 and report["recheck_unanswered"] == 0 else 1
