@@ -133,3 +133,21 @@ def test_bench_drives_the_core_at_the_offered_rate_and_dispatches_every_request_
     assert "requests/s" in text and "submitted" in text
     with pytest.raises(InvalidTopologyError):
         run_bench(engines=100)
+
+
+def test_bench_feeds_every_report_and_tick_at_its_real_rate():
+    d = run_bench(engines=24, seconds=1.0, seed=2, warmup_s=1.0)
+    ev = d["events_per_s"]
+    assert ev["EngineReported"] == pytest.approx(24 / 0.2, rel=0.05)  # every engine every 0.2 s
+    assert ev["NodeReported"] == pytest.approx(3 / 0.2, rel=0.1)  # every traffic manager every 0.2 s
+    assert ev["TimeAdvanced"] == pytest.approx(1 / d["tick_s"], rel=0.01)
+    assert ev["SlotReserved"] > 0 and ev["DispatchAnswered"] > 0
+    assert 0 < d["core_utilisation"]
+
+
+def test_bench_cli_refuses_a_cluster_size_it_cannot_build_with_one_line_and_status_2(capsys):
+    from dualpath.bench import main
+
+    assert main(["scheduler", "--engines", "10000", "--json"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and "multiple of 24" in out.err

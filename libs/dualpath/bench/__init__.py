@@ -9,18 +9,35 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
 __all__ = ["main"]
 
 
-def _scheduler(ns) -> dict:
+def _scheduler(ns) -> tuple[dict, Callable[[dict], str]]:
     from dualpath.bench.scheduler import format_report, run_bench
 
-    kw = {"engines": ns.engines}
+    kw: dict = {"engines": ns.engines}
     if ns.seconds:
         kw["seconds"] = ns.seconds
-    result = run_bench(**kw)
-    return result, format_report
+    if ns.warmup is not None:
+        kw["warmup_s"] = ns.warmup
+    return run_bench(**kw), format_report
+
+
+def _check(ns) -> str:
+    """A one-line complaint about bad flags, or ""."""
+    if ns.what == "scheduler":
+        from dualpath.bench.scheduler import validate_engines
+        from dualpath.policy.errors import InvalidTopologyError
+
+        try:
+            validate_engines(ns.engines)
+        except InvalidTopologyError as exc:
+            return exc.reason
+        if ns.seconds < 0 or (ns.warmup is not None and ns.warmup < 0):
+            return "--seconds and --warmup must not be negative"
+    return ""
 
 
 def _transfer(ns) -> dict:
@@ -53,9 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("what", choices=sorted([*BENCHES, "loadgen", "index", "structured"]))
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--engines", type=int, default=1152, help="scheduler: cluster size in GPUs (engines)")
-    p.add_argument("--seconds", type=float, default=0.0, help="scheduler: measuring time (0 = the benchmark's default)")
+    p.add_argument("--seconds", type=float, default=0.0, help="scheduler: virtual seconds measured (0 = the benchmark's default, 10)")
+    p.add_argument("--warmup", type=float, default=None, help="scheduler: virtual seconds before measuring (default 8)")
     p.add_argument("--quick", action="store_true", help="transfer: fewer points (a smoke run)")
     ns = p.parse_args(argv)
+    problem = _check(ns)
+    if problem:
+        print(f"dualpath bench {ns.what}: {problem}", file=sys.stderr)
+        return 2
     result, fmt = BENCHES[ns.what](ns)
     if ns.json:
         json.dump(result, sys.stdout, indent=2, default=str)

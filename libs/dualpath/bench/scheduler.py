@@ -1,273 +1,305 @@
-"""Scheduler benchmark (a benchmark, not a test): how fast the policy decides at the paper's
-largest scale, on one core.
+"""Scheduler benchmark (a benchmark, not a test): the whole scheduler core at the paper's
+load, on one core.
 
-Cluster: ``engines`` GPUs as 1P:2D nodes of 8 (1,152 → 48P96D: 384 PEs, 768 DEs).
-Load: the paper's largest online run, 8.8 agents/s, each agent running its turns back to
-back. By Little's law an agent that issues T requests during its life adds T requests to
-the arrival stream whatever its turn duration, so the request rate is ``8.8 × T``; with
-T = 157 (the 64K trace's average turns, the most of the three sets) that is 1,381.6
-requests/s (528/s with the 32K set's 60 turns).
+Cluster: ``engines`` GPUs as 1P:2D groups of 8-GPU nodes (1,152 = 48 groups: 384 PEs and
+768 DEs; 10,008 = 417 groups). Load: the paper's per-GPU request rate. Its largest online
+run serves 8.8 agents/s on 1,152 GPUs, each agent running 157 turns back to back (the 64K
+set's average); by Little's law that is 8.8 × 157 = 1,381.6 requests/s, 1.1993 per GPU,
+so 12,003 requests/s at 10,008 GPUs.
 
-The harness is a small discrete-event loop in virtual time: Poisson arrivals; a read
-finishes after its node's storage NIC (FIFO, 400 Gbps) reads the hit tokens, a prefill
-after its PE computes the miss tokens, a decode after ``gen × TPOT``; every arrival and
-every finish runs a scheduling pass over the waiting queue. Only the policy's own work is
-timed, in CPU time of the calling thread (``thread_time_ns`` around ``schedule``,
-``on_assigned`` and the completions, less the clock's own cost), so other processes on a
-shared machine do not inflate it; the first ``warmup_s`` virtual seconds fill the cluster and are not recorded.
+Every event the service would feed the core arrives at its real rate, in virtual time
+stepped every ``tick_s``:
+
+- ``RequestSubmitted``: Poisson arrivals at the per-GPU rate;
+- ``EngineReported`` from every engine and ``NodeReported`` from every node every 0.2 s
+  (phases spread evenly), carrying the fake engines' seq_e/tok_e/free HBM/read_q and the
+  requests they finished since their previous report;
+- ``SlotReserved`` and ``DispatchAnswered`` one tick after each ``ReserveSlot`` /
+  ``Dispatch`` command;
+- ``TimeAdvanced`` once per tick (the service ticks whenever a message arrived).
+
+The fake cluster behind the commands: a read takes its node's storage NIC (FIFO, 400
+Gbps, DeepSeek-V3.2 KV bytes per token), a prefill its PE's compute (FIFO, 10,000 miss
+tokens/s), a decode ``gen × TPOT``. Only the core is timed: the CPU time of the calling
+thread (``thread_time_ns``) around each tick's batch of ``core.handle`` calls, so other
+processes on a shared machine do not inflate it. ``requests_per_s`` = requests submitted
+in the measured window / core CPU seconds spent in it: the rate one core could sustain
+with this event mix. ``core_utilisation`` = core CPU seconds / virtual seconds at the
+offered load (below 1.0: one core keeps up).
 """
 
 from __future__ import annotations
 
-import heapq
 import platform
 import random
-import statistics
 import time
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 
+from dualpath.core import (
+    CoreConfig,
+    Dispatch,
+    DispatchAnswered,
+    EngineReported,
+    FailRequest,
+    NodeReported,
+    RequestSubmitted,
+    ReserveSlot,
+    SchedulerCore,
+    SlotReserved,
+    TimeAdvanced,
+)
 from dualpath.policy.errors import InvalidTopologyError
-from dualpath.policy.registry import Policy, get_policy
-from dualpath.policy.state import ClusterState
+from dualpath.policy.registry import get_policy
 from dualpath.policy.thresholds import Thresholds
-from dualpath.policy.values import PendingRequest
+from dualpath.policy.values import Role
 
-__all__ = ["BenchWorkload", "format_report", "run_bench"]
+__all__ = ["PAPER_REQUESTS_PER_GPU_S", "BenchWorkload", "format_report", "run_bench", "validate_engines"]
 
 _BLOCK = 64
 _GPUS_PER_NODE = 8
+_GROUP_GPUS = 3 * _GPUS_PER_NODE  # one prefill node and two decode nodes
 _KV_BYTES_PER_TOKEN = 656 * 61  # DeepSeek-V3.2, FP8 MLA (dualpath.cost.targets)
 _SNIC_BYTES_PER_S = 50e9  # 400 Gbps storage NIC per node
 _PREFILL_TOKENS_PER_S = 10_000.0  # miss tokens one GPU prefills per second (assumed)
 _DECODE_HBM_TOKENS = 800_000  # KV capacity per decode GPU (assumed, ~40 GB at 48 KB/token)
-_BURST = 256  # queue length of the batched-pass measurement
+_REPORT_S = 0.2  # engines and traffic managers report every 0.2 s
+PAPER_REQUESTS_PER_GPU_S = 8.8 * 157 / 1152  # the paper's largest online load per GPU
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BenchWorkload:
-    """Arrival process and request shape (the 64K trace's averages, PAPER.md)."""
+    """Request shape (the 64K trace's averages, PAPER.md) and the per-GPU request rate."""
 
-    agents_per_s: float = 8.8
-    turns_per_agent: int = 157
+    requests_per_gpu_s: float = PAPER_REQUESTS_PER_GPU_S
     context_tokens: int = 32_721
     append_tokens: int = 429
     gen_tokens: int = 176
     tpot_s: float = 0.036
 
-    @property
-    def request_rate(self) -> float:
-        """Requests per second: agents/s × turns per agent (Little's law)."""
-        return self.agents_per_s * self.turns_per_agent
+
+def validate_engines(engines: int) -> None:
+    """Raises InvalidTopologyError unless ``engines`` is a positive multiple of 24."""
+    if engines < _GROUP_GPUS or engines % _GROUP_GPUS:
+        raise InvalidTopologyError(f"--engines {engines}: need a positive multiple of {_GROUP_GPUS} "
+                                   f"(groups of one prefill and two decode nodes of {_GPUS_PER_NODE} GPUs), e.g. 1152 or 10008")
 
 
-def _request(rng: random.Random, rid: int, w: BenchWorkload) -> tuple[PendingRequest, int]:
-    """A turn with context uniform in [0, 2×avg), the previous context as the block-aligned
-    hit, and generation uniform in [gen/2, 3·gen/2]; returns it with its gen length."""
-    context = rng.randrange(0, 2 * w.context_tokens)
-    prompt = context + rng.randint(w.append_tokens // 2, 3 * w.append_tokens // 2)
-    gen = rng.randint(w.gen_tokens // 2, 3 * w.gen_tokens // 2)
-    hit = context // _BLOCK * _BLOCK
-    return PendingRequest(request_id=rid, prompt_tokens=prompt, hit_tokens=hit, total_len=prompt + gen), gen
-
-
-def _clock_overhead_ns() -> int:
-    """The cost of one ``thread_time_ns`` pair (large on virtual machines), the median of
-    many, so each timed region can have it subtracted."""
-    perf = time.thread_time_ns
-    samples = []
-    for _ in range(2001):
-        t0 = perf()
-        samples.append(perf() - t0)
-    return int(statistics.median(samples))
-
-
-def _percentile(sorted_vals: list[int], q: float) -> float:
-    if not sorted_vals:
-        return 0.0
-    return float(sorted_vals[min(len(sorted_vals) - 1, int(q * len(sorted_vals)))])
-
-
-def run_bench(
-    engines: int = 1152,
-    seconds: float = 20.0,
-    seed: int = 0,
-    *,
-    policy: str = "dualpath",
-    warmup_s: float = 10.0,
-    workload: BenchWorkload = BenchWorkload(),
-) -> dict:
-    """Simulate ``warmup_s + seconds`` virtual seconds of the workload and time the policy.
-
-    Returns a JSON-ready dict (see ``format_report`` for the meaning of each figure).
+def run_bench(engines: int = 1152, seconds: float = 10.0, seed: int = 0, *, policy: str = "dualpath", warmup_s: float = 8.0,
+              tick_s: float = 0.001, workload: BenchWorkload = BenchWorkload()) -> dict:
+    """Drive a ``SchedulerCore`` for ``warmup_s + seconds`` virtual seconds; JSON-ready figures.
 
     Raises:
-        InvalidTopologyError: ``engines`` is not a positive multiple of 24 (1P:2D nodes of
-            8 GPUs).
+        InvalidTopologyError: ``engines`` is not a positive multiple of 24.
         UnknownPolicyError: unknown ``policy``.
+        ValueError: ``seconds`` or ``tick_s`` not positive, or ``warmup_s`` negative.
     """
-    if engines < 24 or engines % 24:
-        raise InvalidTopologyError(f"engines={engines}: need a multiple of 24 (1P:2D nodes of 8 GPUs)")
-    p_nodes = engines // 24
-    state = ClusterState.from_topology(
-        prefill_nodes=p_nodes, decode_nodes=2 * p_nodes, gpus_per_node=_GPUS_PER_NODE,
-        decode_hbm_tokens=_DECODE_HBM_TOKENS,
-    )
-    thresholds = Thresholds.from_profile(
-        snic_bytes_per_s=_SNIC_BYTES_PER_S, kv_bytes_per_token=_KV_BYTES_PER_TOKEN,
-        prefill_tokens_per_s=_PREFILL_TOKENS_PER_S,
-    )
-    chosen = get_policy(policy, thresholds)
-    sim = _Sim(state, chosen, workload, random.Random(seed), warmup_s)
+    validate_engines(engines)
+    if not seconds > 0 or not tick_s > 0 or warmup_s < 0:
+        raise ValueError(f"need seconds > 0, tick > 0 and warmup >= 0 (got {seconds}, {tick_s}, {warmup_s})")
+    thresholds = Thresholds.from_profile(snic_bytes_per_s=_SNIC_BYTES_PER_S, kv_bytes_per_token=_KV_BYTES_PER_TOKEN,
+                                         prefill_tokens_per_s=_PREFILL_TOKENS_PER_S)
+    core = SchedulerCore(get_policy(policy, thresholds), CoreConfig(max_queue=1 << 30))
+    sim = _FakeCluster(core, engines, workload, random.Random(seed), tick_s)
     wall0 = time.perf_counter()
-    sim.run(warmup_s + seconds)
-    burst = _burst_rate(chosen, state, workload, random.Random(seed + 1))
-    d = _summary(sim, seconds, workload)
-    d.update({
-        "policy": policy,
+    sim.run(warmup_s, record=False)
+    sim.run(seconds, record=True)
+    wall = time.perf_counter() - wall0
+    core_s = sim.core_ns / 1e9
+    groups = engines // _GROUP_GPUS
+    return {
         "engines": engines,
-        "prefill_engines": len(state.prefill_engines),
-        "decode_engines": len(state.decode_engines),
-        "topology": f"{p_nodes}P{2 * p_nodes}D x {_GPUS_PER_NODE} GPUs",
+        "topology": f"{groups}P{2 * groups}D x {_GPUS_PER_NODE} GPUs",
+        "policy": policy,
+        "offered_requests_per_s": workload.requests_per_gpu_s * engines,
+        "rate_derivation": f"8.8 agents/s x 157 turns / 1152 GPUs = {workload.requests_per_gpu_s:.4f} requests/s per GPU",
+        "virtual_seconds": seconds,
+        "warmup_seconds": warmup_s,
+        "tick_s": tick_s,
+        "submitted": sim.submitted,
+        "finished": sim.finished,
+        "failed": sim.failed,
+        "events_per_s": {k: v / seconds for k, v in sorted(sim.events.items())},
+        "commands_per_s": {k: v / seconds for k, v in sorted(sim.commands.items())},
+        "mean_in_flight": sim.in_flight_sum / max(1, sim.steps_recorded),
+        "max_queued": sim.max_queued,
+        "core_cpu_seconds": core_s,
+        "requests_per_s": sim.submitted / core_s if core_s else 0.0,
+        "core_utilisation": core_s / seconds,
+        "aim_requests_per_s": 12_000,
+        "wall_seconds": wall,
+        "python": platform.python_version(),
+        "workload": asdict(workload),
         "alpha_tokens": thresholds.alpha_tokens,
         "beta_tokens": thresholds.beta_tokens,
-        "burst_queue": _BURST,
-        "burst_decisions_per_s": burst,
-        "wall_seconds": time.perf_counter() - wall0,
-        "clock_overhead_ns": sim.clock_ns,
-        "python": platform.python_version(),
-    })
-    return d
-
-
-def _summary(sim: _Sim, seconds: float, w: BenchWorkload) -> dict:
-    """The timing figures of a finished run."""
-    lat = sorted(sim.pass_ns)
-    decide_s = sum(sim.pass_ns) / 1e9
-    total_s = decide_s + (sim.apply_ns + sim.update_ns) / 1e9
-    rate = w.request_rate
-    return {
-        "workload": asdict(w),
-        "request_rate_per_s": rate,
-        "rate_derivation": (f"{w.agents_per_s} agents/s x {w.turns_per_agent} turns/agent "
-                            f"(Little's law) = {rate:.1f} requests/s"),
-        "virtual_seconds": seconds,
-        "decisions": sim.decisions,
-        "passes": len(lat),
-        "decisions_per_pass": sim.decisions / len(lat) if lat else 0.0,
-        "mean_in_flight": statistics.fmean(sim.in_flight) if sim.in_flight else 0.0,
-        "max_waiting": sim.max_waiting,
-        "pass_latency_us": {"p50": _percentile(lat, 0.50) / 1e3, "p99": _percentile(lat, 0.99) / 1e3,
-                            "max": (lat[-1] / 1e3) if lat else 0.0},
-        "decisions_per_s": sim.decisions / decide_s if decide_s else 0.0,
-        "decisions_per_s_with_state_updates": sim.decisions / total_s if total_s else 0.0,
-        "core_fraction_used": total_s / seconds,
-        "headroom": (sim.decisions / total_s) / rate if total_s else 0.0,
-        "headroom_policy_only": (sim.decisions / decide_s) / rate if decide_s else 0.0,
     }
 
 
-def _burst_rate(policy: Policy, state: ClusterState, w: BenchWorkload, rng: random.Random) -> float:
-    """Decisions/s of one pass over a queue of ``_BURST`` requests on the warm state (not
-    applied), the median of several passes: the batched regime of a periodic scheduler."""
-    queue = [_request(rng, 10**12 + i, w)[0] for i in range(_BURST)]
-    rates = []
-    for _ in range(9):
-        t0 = time.thread_time_ns()
-        placed = len(policy.schedule(queue, state))
-        elapsed = time.thread_time_ns() - t0
-        rates.append(placed / (elapsed / 1e9) if elapsed else 0.0)
-    return statistics.median(rates)
+class _FakeCluster:
+    """Engines and traffic managers that answer the core's commands in virtual time."""
 
-
-class _Sim:
-    """The virtual-time harness around one policy and one cluster state."""
-
-    def __init__(self, state: ClusterState, policy: Policy, w: BenchWorkload, rng: random.Random, warmup_s: float) -> None:
-        self.state, self.policy, self.w, self.rng, self.warmup_s = state, policy, w, rng, warmup_s
-        self.events: list[tuple[float, int, int, int]] = []  # (time, seq, kind, request id)
-        self.seq = 0
-        self.waiting: list[PendingRequest] = []
-        self.gen: dict[int, int] = {}
-        self.read_free_at: dict[int, float] = {}  # node -> time its storage NIC is idle
-        self.pe_free_at: dict[int, float] = {}
+    def __init__(self, core: SchedulerCore, engines: int, w: BenchWorkload, rng: random.Random, tick_s: float) -> None:
+        self.core, self.w, self.rng, self.tick = core, w, rng, tick_s
+        self.rate = w.requests_per_gpu_s * engines
+        groups = engines // _GROUP_GPUS
+        nodes = 3 * groups
+        self.node_names = [f"n{j}" for j in range(nodes)]
+        self.names = [f"e{i}" for i in range(engines)]
+        self.node_of = [i // _GPUS_PER_NODE for i in range(engines)]
+        self.decode = [self.node_of[i] % 3 != 0 for i in range(engines)]  # node 3g prefill, 3g+1 and 3g+2 decode
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.node_index = {name: j for j, name in enumerate(self.node_names)}
+        self.seq = [0] * engines
+        self.tok = [0] * engines
+        self.free = [_DECODE_HBM_TOKENS if d else 0 for d in self.decode]
+        self.done: list[list[str]] = [[] for _ in range(engines)]
+        self.read_q = [0] * nodes
+        self.snic_free_at = [0.0] * nodes
+        self.pe_free_at = [0.0] * engines
         self.read_rate = _SNIC_BYTES_PER_S / _KV_BYTES_PER_TOKEN  # tokens/s per node
-        self.pass_ns: list[int] = []
-        self.apply_ns = self.update_ns = self.decisions = self.max_waiting = 0
-        self.in_flight: list[int] = []
-        self.clock_ns = _clock_overhead_ns()  # subtracted from every timed region
+        period = max(1, round(_REPORT_S / tick_s))
+        self.period = period
+        self.engine_phase: list[list[int]] = [[] for _ in range(period)]
+        for i in range(engines):
+            self.engine_phase[i * period // engines].append(i)
+        self.node_phase: list[list[int]] = [[] for _ in range(period)]
+        for j in range(nodes):
+            self.node_phase[j * period // nodes].append(j)
+        self.later: defaultdict[int, list[tuple]] = defaultdict(list)  # step -> things that happen then
+        self.shape: dict[str, tuple[int, int, int, int]] = {}  # request -> (miss, hit, total, gen)
+        self.step = 0
+        self.next_rid = 0
+        self.next_arrival = rng.expovariate(self.rate)
+        self.answers: list = []  # events for the next tick (answers to this tick's commands)
+        self.core_ns = 0
+        self.submitted = self.finished = self.failed = self.max_queued = self.in_flight_sum = self.steps_recorded = 0
+        self.events: Counter[str] = Counter()
+        self.commands: Counter[str] = Counter()
+        # Every engine and node introduces itself at time 0 (membership is built once).
+        hello = [self._report(i, 0.0) for i in range(engines)] + [NodeReported(now=0.0, node=n, read_q_tokens=0) for n in self.node_names]
+        for ev in hello:
+            core.handle(ev)
 
-    def _push(self, t: float, kind: int, rid: int) -> None:
-        self.seq += 1
-        heapq.heappush(self.events, (t, self.seq, kind, rid))
+    def _report(self, i: int, now: float) -> EngineReported:
+        done = self.done[i]
+        self.done[i] = []
+        decode = self.decode[i]
+        return EngineReported(now=now, engine=self.names[i], node=self.node_names[self.node_of[i]], role=Role.DECODE if decode else Role.PREFILL,
+                              seq=self.seq[i], tok=self.tok[i], free_hbm_tokens=self.free[i],
+                              capacity_tokens=_DECODE_HBM_TOKENS if decode else 0, block_bytes=_KV_BYTES_PER_TOKEN * _BLOCK,
+                              finished=tuple(done))
 
-    def run(self, until: float) -> None:
-        """Process events up to virtual time ``until``."""
-        rid = 0
-        self._push(self.rng.expovariate(self.w.request_rate), 0, rid)
-        state, perf = self.state, time.thread_time_ns
-        finish = (None, state.on_read_finished, state.on_prefill_finished, state.on_finished)
-        while self.events and self.events[0][0] < until:
-            now, _, kind, r = heapq.heappop(self.events)
-            record = now >= self.warmup_s
-            if kind == 0:  # arrival
-                req, self.gen[r] = _request(self.rng, r, self.w)
-                self.waiting.append(req)
-                rid += 1
-                self._push(now + self.rng.expovariate(self.w.request_rate), 0, rid)
-            else:
-                t0 = perf()
-                finish[kind](r)
-                if record:
-                    self.update_ns += max(0, perf() - t0 - self.clock_ns)
-                if kind != 3:
-                    continue
-                del self.gen[r]
-            if self.waiting:
-                self._pass(now, record)
+    def _arrivals(self, now: float, events: list) -> None:
+        w, rng = self.w, self.rng
+        while self.next_arrival < now:
+            context = rng.randrange(0, 2 * w.context_tokens)
+            prompt = context + rng.randint(w.append_tokens // 2, 3 * w.append_tokens // 2)
+            gen = rng.randint(w.gen_tokens // 2, 3 * w.gen_tokens // 2)
+            rid = f"r{self.next_rid}"
+            self.next_rid += 1
+            hit = min(context // _BLOCK * _BLOCK, prompt - 1)
+            self.shape[rid] = (prompt - hit, hit, prompt + gen, gen)
+            events.append(RequestSubmitted(now=now, request_id=rid, prompt_tokens=prompt, hit_blocks=context // _BLOCK,
+                                           block_tokens=_BLOCK, max_tokens=gen))
+            self.next_arrival += rng.expovariate(self.rate)
 
-    def _pass(self, now: float, record: bool) -> None:
-        state, perf = self.state, time.thread_time_ns
-        t0 = perf()
-        decided = self.policy.schedule(self.waiting, state)
-        t1 = perf()
-        for a in decided:
-            state.on_assigned(a)
-        t2 = perf()
+    def _due(self, now: float) -> None:
+        """What the fake cluster finishes in this tick (reads, prefills, decodes)."""
+        for item in self.later.pop(self.step, ()):
+            kind = item[0]
+            if kind == 0:  # read done on node j
+                self.read_q[item[1]] -= item[2]
+            elif kind == 1:  # prefill done: PE -> DE
+                _, rid, pe, de = item
+                miss, _hit, total, gen = self.shape[rid]
+                self.seq[pe] -= 1
+                self.tok[pe] -= miss
+                self.done[pe].append(rid)
+                self.seq[de] += 1
+                self.tok[de] += total
+                self.free[de] -= total
+                self._at(now + gen * self.w.tpot_s, (2, rid, de))
+            else:  # decode done
+                _, rid, de = item
+                _miss, _hit, total, _gen = self.shape.pop(rid)
+                self.seq[de] -= 1
+                self.tok[de] -= total
+                self.free[de] += total
+                self.done[de].append(rid)
+                self.finished += 1
+
+    def _at(self, t: float, item: tuple) -> None:
+        self.later[max(self.step + 1, int(t / self.tick))].append(item)
+
+    def _run_task(self, c: Dispatch, now: float) -> None:
+        """The PE accepted ``c``: it queues the read on the read node, then computes."""
+        pe, de = self.index[c.prefill_engine], self.index[c.decode_engine]
+        miss, hit, _total, _gen = self.shape[c.request_id]
+        self.seq[pe] += 1
+        self.tok[pe] += miss
+        ready = now
+        if c.read_side is not None:
+            j = self.node_index[c.prefill_node if c.read_side == 0 else c.decode_node]
+            self.read_q[j] += hit
+            ready = max(now, self.snic_free_at[j]) + hit / self.read_rate
+            self.snic_free_at[j] = ready
+            self._at(ready, (0, j, hit))
+        done = max(ready, self.pe_free_at[pe]) + miss / _PREFILL_TOKENS_PER_S
+        self.pe_free_at[pe] = done
+        self._at(done, (1, c.request_id, pe, de))
+
+    def run(self, seconds: float, *, record: bool) -> None:
+        core, perf = self.core, time.thread_time_ns
+        handle = core.handle
+        for _ in range(round(seconds / self.tick)):
+            self.step += 1
+            now = self.step * self.tick
+            phase = self.step % self.period
+            events = self.answers
+            self.answers = []
+            self._arrivals(now, events)
+            self._due(now)
+            events.extend(self._report(i, now) for i in self.engine_phase[phase])
+            events.extend(NodeReported(now=now, node=self.node_names[j], read_q_tokens=self.read_q[j]) for j in self.node_phase[phase])
+            events.append(TimeAdvanced(now=now))
+            t0 = perf()
+            out = [handle(ev) for ev in events]
+            spent = perf() - t0
+            if record:
+                self.core_ns += spent
+                self.steps_recorded += 1
+                self.in_flight_sum += core.running
+                self.max_queued = max(self.max_queued, core.queued)
+                for ev in events:
+                    self.events[type(ev).__name__] += 1
+                    if type(ev) is RequestSubmitted:
+                        self.submitted += 1
+            for cmds in out:
+                for c in cmds:
+                    self._command(c, now, record)
+
+    def _command(self, c, now: float, record: bool) -> None:
         if record:
-            self.max_waiting = max(self.max_waiting, len(self.waiting))
-            if decided:
-                self.pass_ns.append(max(0, t1 - t0 - self.clock_ns))
-                self.decisions += len(decided)
-                self.apply_ns += max(0, t2 - t1 - self.clock_ns)
-                self.in_flight.append(state.live_count)
-        del self.waiting[: len(decided)]
-        for a in decided:
-            read_done = max(now, self.read_free_at.get(a.read_node, 0.0)) + a.read_tokens / self.read_rate
-            self.read_free_at[a.read_node] = read_done
-            prefill_done = max(read_done, self.pe_free_at.get(a.prefill_engine, 0.0)) + (
-                a.prefill_tokens / _PREFILL_TOKENS_PER_S)
-            self.pe_free_at[a.prefill_engine] = prefill_done
-            self._push(read_done, 1, a.request_id)
-            self._push(prefill_done, 2, a.request_id)
-            self._push(prefill_done + self.gen[a.request_id] * self.w.tpot_s, 3, a.request_id)
+            self.commands[type(c).__name__] += 1
+        if type(c) is ReserveSlot:
+            self.answers.append(SlotReserved(now=now + self.tick, request_id=c.request_id, attempt=c.attempt, region=None, offset=0))
+        elif type(c) is Dispatch:
+            self._run_task(c, now + self.tick)
+            self.answers.append(DispatchAnswered(now=now + self.tick, request_id=c.request_id, attempt=c.attempt))
+        elif type(c) is FailRequest:
+            self.shape.pop(c.request_id, None)
+            self.failed += 1
 
 
 def format_report(d: dict) -> str:
     """The benchmark result as a few human-readable lines."""
-    lat = d["pass_latency_us"]
+    ev = d["events_per_s"]
     return "\n".join([
-        f"scheduler bench: policy={d['policy']}  {d['engines']} GPUs = {d['topology']} "
-        f"({d['prefill_engines']} PEs, {d['decode_engines']} DEs), python {d['python']}, one core",
-        f"load: {d['rate_derivation']}; mean in flight {d['mean_in_flight']:.0f}, max waiting {d['max_waiting']}",
-        f"thresholds: alpha={d['alpha_tokens']:,} tokens (3 s of SNIC), beta={d['beta_tokens']:,} tokens (5 s of GPU)",
-        f"decisions: {d['decisions']:,} in {d['passes']:,} passes over {d['virtual_seconds']:.0f} virtual s "
-        f"({d['decisions_per_pass']:.2f} per pass)",
-        f"pass latency (thread CPU time): p50 {lat['p50']:.1f} us, p99 {lat['p99']:.1f} us, max {lat['max']:.1f} us",
-        f"throughput: {d['decisions_per_s']:,.0f} decisions/s (policy), "
-        f"{d['decisions_per_s_with_state_updates']:,.0f}/s with state updates",
-        f"batched: one pass over {d['burst_queue']} queued requests places them at "
-        f"{d['burst_decisions_per_s']:,.0f} decisions/s",
-        f"one core: {100 * d['core_fraction_used']:.1f}% busy at {d['request_rate_per_s']:.1f} req/s "
-        f"-> headroom {d['headroom']:.1f}x with state updates, {d['headroom_policy_only']:.1f}x "
-        f"for the decisions alone (aim >= 10x)",
+        f"scheduler core bench: policy={d['policy']}  {d['engines']} GPUs = {d['topology']}, python {d['python']}, one core",
+        f"load: {d['rate_derivation']} -> {d['offered_requests_per_s']:,.0f} requests/s offered",
+        "events/s: " + ", ".join(f"{k} {v:,.0f}" for k, v in ev.items()),
+        (f"requests: {d['submitted']:,} submitted, {d['finished']:,} finished, {d['failed']} failed in {d['virtual_seconds']:.0f} "
+         f"virtual s (after {d['warmup_seconds']:.0f} s warm-up); mean in flight {d['mean_in_flight']:,.0f}, max queued {d['max_queued']}"),
+        (f"core: {d['core_cpu_seconds']:.3f} CPU s -> {d['requests_per_s']:,.0f} requests/s on one core "
+         f"(aim {d['aim_requests_per_s']:,}); utilisation {100 * d['core_utilisation']:.1f}% of one core at the offered load"),
     ])

@@ -101,6 +101,7 @@ from dualpath.policy.values import Assignment, ReadSide, Role
 __all__ = ["CoreConfig", "SchedulerCore"]
 
 _QUEUED, _RESERVING, _DISPATCHING, _RUNNING = 0, 1, 2, 3  # _Request.stage
+_DECODE = Role.DECODE
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -246,7 +247,7 @@ class SchedulerCore:
                                        block_bytes=ev.block_bytes)
             self._stale = True
         member.last_seen = ev.now
-        member.seq, member.tok, member.free_hbm = ev.seq, ev.tok, ev.free_hbm_tokens
+        seq, tok, free = member.seq, member.tok, member.free_hbm = ev.seq, ev.tok, ev.free_hbm_tokens
         if ev.block_bytes:
             member.block_bytes = ev.block_bytes
         if ev.finished:
@@ -254,9 +255,10 @@ class SchedulerCore:
                 self._finish(rid, member)
         if member.acked:
             reflect(member, self._k)
-        if not self._stale and self._state is not None:
-            self._state.report_engine(member.num, seq=ev.seq + member.dseq, tok=ev.tok + member.dtok,
-                                      free_hbm_tokens=ev.free_hbm_tokens - member.dhbm if member.role == Role.DECODE else None)
+        state = self._state
+        if state is not None and not self._stale:
+            state.report_engine(member.num, seq + member.dseq, tok + member.dtok,
+                                free - member.dhbm if member.role is _DECODE else None)
         return []
 
     def _node_reported(self, ev: NodeReported) -> list[Command]:

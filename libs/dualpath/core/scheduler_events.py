@@ -32,9 +32,11 @@ Attempts: each placement of a request is one ``attempt`` (0, 1, ...). Answers ca
 attempt they answer; an answer for an older attempt is *stale* and is handled as such (a
 stale slot is freed, a stale failure ignored).
 
-The types are frozen, slotted, keyword-only dataclasses and hold no I/O objects; ``payload``
-and ``region`` are opaque to the core (the driver's own request and region descriptor,
-handed back unchanged).
+The types are slotted, keyword-only dataclasses and hold no I/O objects; ``payload`` and
+``region`` are opaque to the core (the driver's own request and region descriptor, handed
+back unchanged). Treat them as immutable. They are not ``frozen`` on purpose: a frozen
+dataclass sets each field through ``object.__setattr__`` and costs ~2.5x as much to build,
+and at 10,000 GPUs the driver builds ~75,000 events and the core ~36,000 commands a second.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ __all__ = [
 
 BUFFER_FULL = 507  # DispatchFailed.code: a node buffer had no room now (back-pressure, not a failure)
 
-_ev = {"frozen": True, "slots": True, "kw_only": True}
+_ev = {"slots": True, "kw_only": True}  # not frozen: see the module docstring
 
 
 class Stage(IntEnum):

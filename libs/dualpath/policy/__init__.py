@@ -21,7 +21,14 @@ from dualpath.policy.intra import Chunk, PrefillBatch, PrefillWork, pack_prefill
 from dualpath.policy.registry import POLICY_NAMES, Policy, get_policy
 from dualpath.policy.state import ClusterState, EngineState, NodeState
 from dualpath.policy.thresholds import Thresholds, alpha_tokens, beta_tokens
-from dualpath.policy.values import Assignment, NodeSpec, PendingRequest, ReadPath, ReadSide, Role
+from dualpath.policy.values import (
+    Assignment,
+    NodeSpec,
+    PendingRequest,
+    ReadPath,
+    ReadSide,
+    Role,
+)
 
 __all__ = [
     "POLICY_NAMES",

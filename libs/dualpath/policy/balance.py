@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 
-from dualpath.policy.errors import EmptyValuesError, NegativeLoadError, UnknownMemberError
+from dualpath.policy.errors import (
+    EmptyValuesError,
+    NegativeLoadError,
+    UnknownMemberError,
+)
 
 __all__ = ["LoadAccumulator", "max_over_avg"]
 

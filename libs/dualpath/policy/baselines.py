@@ -55,7 +55,7 @@ def schedule_round_robin(
         n = state.assigned_total + i
         k = _next_fit(pes, n % len(pes), lambda e: tok.get(e.engine_id, e.tok) <= beta)
         need = r.total_len
-        j = _next_fit(des, n % len(des), lambda e: free.get(e.engine_id, e.free_hbm_tokens) >= need)
+        j = _next_fit(des, n % len(des), lambda e, need=need: free.get(e.engine_id, e.free_hbm_tokens) >= need)
         if k is None or j is None:
             break
         pe, de = pes[k], des[j]

@@ -47,6 +47,11 @@ class LazyIndex:
         walk starts, once however often the key changed in between."""
         self._dirty.add(member)
 
+    def marker(self) -> Callable[[int], None]:
+        """``update`` as a bare callable (the dirty set's ``add``), for hot loops that call it
+        tens of thousands of times a second."""
+        return self._dirty.add
+
     def _flush(self) -> None:
         heap, key_of = self._heap, self._key_of
         for member in self._dirty:
@@ -67,19 +72,22 @@ class LazyIndex:
         n = len(heap)
         if not n:
             return
-        frontier = [(heap[0], 0)]  # [(entry, position in heap)]
+        key, member = heap[0]
+        frontier = [(key, member, 0)]  # (key, member, position in heap): flat tuples compare fastest
         seen: set[int] = set()
         while frontier:
-            entry, i = heappop(frontier)
+            key, member, i = heappop(frontier)
             child = 2 * i + 1
             if child < n:
-                heappush(frontier, (heap[child], child))
-                if child + 1 < n:
-                    heappush(frontier, (heap[child + 1], child + 1))
-            member = entry[1]
-            if member not in seen and key_of(member) == entry[0]:
+                k, mem = heap[child]
+                heappush(frontier, (k, mem, child))
+                child += 1
+                if child < n:
+                    k, mem = heap[child]
+                    heappush(frontier, (k, mem, child))
+            if member not in seen and key_of(member) == key:
                 seen.add(member)
-                yield entry
+                yield heap[i]
 
 
 def _empty_lists(n: int) -> list[list[Entry]]:

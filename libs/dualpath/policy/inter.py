@@ -81,8 +81,7 @@ def select_decode_groups(waiting: Sequence[PendingRequest], count: int, state: C
             for engine in nodes[node_id].engines:
                 free = engine.free_hbm_tokens
                 total += free
-                if free > biggest:
-                    biggest = free
+                biggest = max(biggest, free)
             max_free[node_id], free_total[node_id] = biggest, total
         return biggest >= need and free_total[node_id] >= need
 

@@ -11,6 +11,9 @@ engine's capacity) rather than go negative.
 Not thread-safe: one owner (the scheduler loop, the simulator) drives it.
 """
 
+# Conditional expressions instead of min()/max() calls: these run on every report and charge.
+# ruff: noqa: FURB136, PLR1730
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -113,6 +116,9 @@ class ClusterState:
         self.prefill_index = LazyIndex((e.engine_id for e in self.prefill_engines), lambda m: engines[m].tok)
         self.decode_index = LazyIndex((e.engine_id for e in self.decode_engines), lambda m: engines[m].tok)
         self.decode_group_index = LazyIndex((n.node_id for n in self.decode_nodes), lambda m: by_node[m].tok_sum)
+        self._prefill_dirty = self.prefill_index.marker()
+        self._decode_dirty = self.decode_index.marker()
+        self._group_dirty = self.decode_group_index.marker()
         self.assigned_total = 0  # decisions ever applied; round robin's cursor
         self._live: dict[int, _Live] = {}
 
@@ -220,16 +226,30 @@ class ClusterState:
             self._charge(self.engines[a.prefill_engine], -1, -a.prefill_tokens)
 
     # -- reports from group leaders ------------------------------------------------
-    def report_engine(self, engine_id: int, *, seq: int, tok: int, free_hbm_tokens: int | None = None) -> None:
+    def report_engine(self, engine_id: int, seq: int, tok: int, free_hbm_tokens: int | None = None) -> None:
         """Overwrite an engine's counters with what its group leader reported.
 
         Raises:
             UnknownEngineError: no such engine.
         """
-        engine = self._engine(engine_id)
-        self._charge(engine, seq - engine.seq, tok - engine.tok)
+        engine = self.engines.get(engine_id)
+        if engine is None:
+            raise UnknownEngineError(engine_id)
+        engine.seq = seq if seq > 0 else 0
         if free_hbm_tokens is not None:
             engine.free_hbm_tokens = max(0, min(engine.hbm_tokens, free_hbm_tokens))
+        if tok < 0:
+            tok = 0
+        old = engine.tok
+        if tok != old:  # _charge's index upkeep, inlined: engines report 5 times a second each
+            engine.tok = tok
+            node_id = engine.node_id
+            self.nodes[node_id].tok_sum += tok - old
+            if engine.role is _DECODE:
+                self._decode_dirty(engine_id)
+                self._group_dirty(node_id)
+            else:
+                self._prefill_dirty(engine_id)
 
     def report_node(self, node_id: int, *, read_q: int) -> None:
         """Overwrite a node's storage read queue (tokens) with its traffic manager's figure.
@@ -308,7 +328,7 @@ class ClusterState:
         self.nodes[engine.node_id].tok_sum += t - engine.tok
         engine.tok = t
         if engine.role is _DECODE:
-            self.decode_index.update(engine.engine_id)
-            self.decode_group_index.update(engine.node_id)
+            self._decode_dirty(engine.engine_id)
+            self._group_dirty(engine.node_id)
         else:
-            self.prefill_index.update(engine.engine_id)
+            self._prefill_dirty(engine.engine_id)
