@@ -138,3 +138,26 @@ def test_logprobs_under_a_grammar_are_the_raw_model_logprobs(tiny, tok):
     got = sample(logits, [params], [None], eos_ids=tok.eos_token_ids, constraints=[grammar_constraint(params, str(tiny))])[0]
     assert got.token_id == ord("7")
     assert got.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[ord("7")]))
+
+
+def test_auto_tool_choice_with_a_response_format_answers_either_a_call_or_that_json(dec, tok, tiny):
+    """What an agent with tools and a typed final output sends: the answer may call a tool or give the
+    typed object, and nothing else."""
+    from dualpath.chat.plan import plan_chat
+    from dualpath.chat.template import ChatTemplate
+    from dualpath.structured.grammar import vocabulary
+
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["id"]}}}]
+    schema = {"type": "object", "properties": {"done": {"type": "boolean"}}, "required": ["done"]}
+    plan = plan_chat([{"role": "user", "content": "go"}], template=ChatTemplate.from_dir(tiny), tool_format=FORMATS["hermes"],
+                     vocab=vocabulary(str(tiny), 400), tools=tools, tool_choice="auto", parallel_tool_calls=False,
+                     response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}})
+    assert not plan.forced and plan.grammar
+    for prompt in ("<|im_start|>user\ngo<|im_end|>\n<|im_start|>assistant\n", "abc", "Z9"):
+        text = tok.decode(_generate(dec, tok, tiny, prompt, plan.grammar, max_tokens=100))
+        content, calls = FORMATS["hermes"].parse(text)
+        if calls:
+            assert content is None and calls[0].name == "lookup"
+        else:
+            jsonschema.validate(json.loads(text), schema)
