@@ -125,6 +125,8 @@ def _check_history(messages: list[dict[str, Any]], arguments_as_text: bool) -> l
     out = []
     for i, msg in enumerate(messages):
         msg = dict(msg)
+        if msg.get("tool_calls") == []:
+            del msg["tool_calls"]  # some clients send an empty list; templates test for the key
         content = msg.get("content")
         if content is None and not (msg.get("role") == "assistant" and msg.get("tool_calls")):
             msg["content"] = ""  # as the serving tokenizer always did (HF would drop the key)
