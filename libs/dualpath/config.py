@@ -232,7 +232,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_converter(kind), default=None, help=help_text)
 
 
-def default_of(cls: type, name: str) -> Any:
+def default_of(cls: type[Any], name: str) -> Any:
     """The default of field ``name`` of config class ``cls``: launchers take their flags' defaults
     from here, so ``dualpath up`` and a service run alone agree on them."""
     return cls.__dataclass_fields__[name].default

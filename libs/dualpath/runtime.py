@@ -21,7 +21,6 @@ import inspect
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Union
 
 import anyio
 from anyio.abc import TaskGroup
@@ -34,7 +33,7 @@ from dualpath.telemetry.tracing import configure_tracing, shutdown_tracing
 
 __all__ = ["ServiceMain", "periodic", "run_service"]
 
-ServiceMain = Union[Callable[[Bus, asyncio.Event, TaskGroup], Awaitable[None]], Callable[[Bus, asyncio.Event], Awaitable[None]]]
+ServiceMain = Callable[[Bus, asyncio.Event, TaskGroup], Awaitable[None]] | Callable[[Bus, asyncio.Event], Awaitable[None]]
 if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport there
     from exceptiongroup import BaseExceptionGroup
 

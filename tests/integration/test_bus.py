@@ -20,6 +20,7 @@ pytestmark = pytest.mark.anyio
 
 async def test_a_handler_answers_and_a_garbage_message_gets_a_400_while_serving_goes_on(nats_server) -> None:
     async with Bus.open(nats_server.url, "t") as bus:
+
         async def lookup(req: m.LookupRequest) -> m.LookupReply:
             return m.LookupReply(hit_blocks=len(req.hashes))
 
@@ -36,6 +37,7 @@ async def test_a_handler_answers_and_a_garbage_message_gets_a_400_while_serving_
 
 async def test_a_handler_error_becomes_an_error_reply_with_its_code(nats_server) -> None:
     async with Bus.open(nats_server.url, "t") as bus:
+
         async def refuse(_req: m.FreeRequest) -> m.Ok:
             raise HandlerError(409, "already there")
 
@@ -110,7 +112,12 @@ async def test_publishes_past_the_handler_bound_are_dropped_and_counted(nats_ser
         server._error_cb = _ignore
         await server.serve("t.report", slow, m.EngineReport, max_in_flight=3)
         for i in range(10):
-            await client.publish("t.report", m.EngineReport(engine_id=f"e{i}", role=int(m.Role.PREFILL), node_id="n", seq=0, tok=0, free_hbm_tokens=0, capacity_tokens=0))
+            await client.publish(
+                "t.report",
+                m.EngineReport(
+                    engine_id=f"e{i}", role=int(m.Role.PREFILL), node_id="n", seq=0, tok=0, free_hbm_tokens=0, capacity_tokens=0
+                ),
+            )
         await client.nc.flush()
         await server.nc.flush()
         with anyio.fail_after(5):

@@ -52,8 +52,14 @@ BAD = [
 
 @pytest.mark.parametrize("args", BAD, ids=lambda a: a or "(nothing)")  # ~10 s of CPU in all
 def test_bad_input_is_refused_with_one_line_and_exit_code_2(args: str, tmp_path) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", *args.split()], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dualpath.cli", *args.split()],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:

@@ -28,8 +28,12 @@ def test_every_bus_request_names_its_timeout_from_the_table() -> None:
         for call in _bus_requests(ast.parse(path.read_text(), str(path))):
             calls += 1
             t = {k.arg: k.value for k in call.keywords}.get("timeout")
-            named = (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "TIMEOUTS"
-                     and t.attr in BusTimeouts.__dataclass_fields__)
+            named = (
+                isinstance(t, ast.Attribute)
+                and isinstance(t.value, ast.Name)
+                and t.value.id == "TIMEOUTS"
+                and t.attr in BusTimeouts.__dataclass_fields__
+            )
             if not named:
                 bad.append(f"{path.relative_to(ROOT)}:{call.lineno}: timeout={ast.unparse(t) if t else '(none)'}")
     assert calls >= 10  # the walk does find the services' requests

@@ -4,5 +4,13 @@ from dualpath.bus.client import DEFAULT_MAX_IN_FLIGHT, Bus
 from dualpath.bus.embedded import EmbeddedNats, nats_server_binary
 from dualpath.bus.errors import BUSY, BusOverflowError, BusTimeoutError, HandlerError
 
-__all__ = ["BUSY", "DEFAULT_MAX_IN_FLIGHT", "Bus", "BusOverflowError", "BusTimeoutError", "EmbeddedNats", "HandlerError",
-           "nats_server_binary"]
+__all__ = [
+    "BUSY",
+    "DEFAULT_MAX_IN_FLIGHT",
+    "Bus",
+    "BusOverflowError",
+    "BusTimeoutError",
+    "EmbeddedNats",
+    "HandlerError",
+    "nats_server_binary",
+]

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import anyio
 import nats
@@ -79,8 +79,9 @@ class Bus:
         ``options`` go to ``nats.connect`` and may carry ``user_credentials``, ``tls`` etc.
         (see ``dualpath.config.BusConfig``).
         """
-        nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                error_cb=_log_error, allow_reconnect=True, **options)
+        nc = await nats.connect(
+            url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, error_cb=_log_error, allow_reconnect=True, **options
+        )
         return cls(nc, name, tasks)
 
     @classmethod
@@ -127,14 +128,15 @@ class Bus:
             raise BusTimeoutError(subject, timeout, no_responders=True) from None
         except NatsTimeoutError:
             raise BusTimeoutError(subject, timeout) from None
-        answer = decode(reply.data, reply_type, ErrorReply)
+        answer: Any = decode(reply.data, reply_type, ErrorReply)
         if isinstance(answer, ErrorReply):
             raise RemoteError(answer.code, answer.message, subject)
-        return answer
+        return cast(T, answer)
 
     # ---- serving ---------------------------------------------------------------------------
-    async def serve(self, subject: str, handler: Handler, *accepts: type, queue: str = "",
-                    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+    async def serve(
+        self, subject: str, handler: Handler, *accepts: type, queue: str = "", max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    ) -> None:
         """Run ``handler(message)`` for every message of the ``accepts`` types on ``subject``.
 
         Returns once the server has the subscription. The handler's return value (a message or
@@ -190,7 +192,7 @@ class Bus:
         token = otel_context.attach(propagate.extract(raw.headers or {}))
         try:
             try:
-                msg = decode(raw.data, *accepts)
+                msg: Any = decode(raw.data, *accepts)
                 answer = await handler(msg)
             except ProtocolError as exc:
                 log.warning("bad_message", subject=raw.subject, error=exc.reason)

@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 __all__ = ["EmbeddedNats", "free_port", "nats_server_binary"]
 
@@ -38,19 +39,21 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EmbeddedNats:
     """A ``nats-server`` child process bound to loopback; use as a context manager."""
 
-    def __init__(self, *, port: int | None = None, host: str = "127.0.0.1", jetstream_dir: str | None = None,
-                 log_file: str | None = None) -> None:
+    def __init__(
+        self, *, port: int | None = None, host: str = "127.0.0.1", jetstream_dir: str | None = None, log_file: str | None = None
+    ) -> None:
         self.host = host
         self.port = port or free_port(host)
         self._jetstream_dir = jetstream_dir
         self._log_file = log_file
         self._proc: subprocess.Popen | None = None
+        self._conf: IO[str] | None = None  # the server's config file, removed by ``stop``
 
     @property
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 10.0) -> "EmbeddedNats":
+    def start(self, timeout: float = 10.0) -> EmbeddedNats:
         """Start the server and wait until it accepts connections.
 
         Raises:
@@ -63,12 +66,11 @@ class EmbeddedNats:
         cmd = [nats_server_binary(), "-a", self.host, "-p", str(self.port), "-c", self._conf.name]
         if self._jetstream_dir:
             cmd += ["-js", "-sd", self._jetstream_dir]
-        out = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL
-        try:
-            self._proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True)
-        finally:
-            if self._log_file:
-                out.close()
+        if self._log_file:
+            with open(self._log_file, "ab") as out:
+                self._proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True)
+        else:
+            self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -90,12 +92,12 @@ class EmbeddedNats:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
-        conf = getattr(self, "_conf", None)
+        conf = self._conf
         if conf is not None:
             Path(conf.name).unlink(missing_ok=True)
             self._conf = None
 
-    def __enter__(self) -> "EmbeddedNats":
+    def __enter__(self) -> EmbeddedNats:
         return self.start()
 
     def __exit__(self, *exc) -> None:

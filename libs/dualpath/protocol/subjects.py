@@ -10,7 +10,9 @@ from __future__ import annotations
 import re
 
 __all__ = [
-    "DEFAULT_NAMESPACE", "Subjects", "check_id",
+    "DEFAULT_NAMESPACE",
+    "Subjects",
+    "check_id",
 ]
 
 DEFAULT_NAMESPACE = "dualpath"
