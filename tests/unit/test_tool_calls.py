@@ -110,6 +110,9 @@ def test_streamed_text_without_calls_is_all_content_and_llama_json_streams_its_c
     out = parser.feed("no calls here <tool") + parser.feed("s> at all") + parser.finish()
     assert "".join(d["content"] for d in out) == "no calls here <tools> at all"
     parser = StreamingToolParser(LLAMA)
+    out = parser.feed("The ") + parser.feed("answer") + parser.feed(" is 3.") + parser.finish()
+    assert "".join(d["content"] for d in out) == "The answer is 3."
+    parser = StreamingToolParser(LLAMA)
     text = '{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get_weather", "parameters": {"city": "Oslo"}}'
     out = [d for ch in text for d in parser.feed(ch)] + parser.finish()
     content, calls = _assemble(out)

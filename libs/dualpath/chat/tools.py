@@ -259,8 +259,8 @@ class StreamingToolParser:
                 return []
             if not stripped:
                 return []
-            self._sent = len(self.text)
-            return [{"content": self.text}] if self.text else []
+            piece, self._sent = self.text[self._sent:], len(self.text)
+            return [{"content": piece}] if piece else []
         at = self.text.find(start, self._sent)
         if at != -1:
             self._in_calls = True
