@@ -7,6 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dualpath.chat.errors import ChatTemplateError, GrammarError, ToolSpecError
 from dualpath.chat.plan import plan_chat
 from dualpath.chat.template import ChatTemplate
@@ -198,3 +201,31 @@ def test_image_content_is_refused_naming_the_message(tiny):
     with pytest.raises(ChatTemplateError) as err:
         _plan(tiny, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     assert err.value.param == "messages[0].content"
+
+
+_names = st.sampled_from(["add", "get_weather", "x_1"])
+_args = st.dictionaries(st.sampled_from(["a", "city", "q"]), st.one_of(st.integers(-5, 99), st.text("ab\"}{<> ", max_size=6)), max_size=3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(content=st.text("abc <tol_>\n{}", max_size=12).filter(lambda t: not t[:1].isspace()),
+       calls=st.lists(st.tuples(_names, _args), max_size=3), fmt=st.sampled_from(["hermes", "llama3_json"]),
+       cuts=st.lists(st.integers(1, 9), min_size=1, max_size=40))
+def test_any_chunking_of_an_answer_streams_what_the_whole_answer_parses_to(content, calls, fmt, cuts):
+    f = FORMATS[fmt]
+    if fmt == "hermes":
+        text = content + "".join(f'\n<tool_call>\n{{"name": "{n}", "arguments": {json.dumps(a)}}}\n</tool_call>' for n, a in calls)
+    else:
+        text = "; ".join(f'{{"name": "{n}", "parameters": {json.dumps(a)}}}' for n, a in calls) if calls else content
+    parser = StreamingToolParser(f)
+    deltas, pos, i = [], 0, 0
+    while pos < len(text):
+        step = cuts[i % len(cuts)]
+        deltas += parser.feed(text[pos:pos + step])
+        pos, i = pos + step, i + 1
+    deltas += parser.finish()
+    streamed_content, streamed_calls = _assemble(deltas)
+    whole_content, whole_calls = f.parse(text)
+    assert streamed_content == (whole_content or "")
+    assert [(c["name"], c["arguments"]) for c in streamed_calls] == [(c.name, c.arguments) for c in whole_calls]
+    assert [(c.name, json.loads(c.arguments)) for c in whole_calls] == [(n, a) for n, a in calls]
