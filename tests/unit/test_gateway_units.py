@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -110,3 +111,42 @@ def test_a_stream_whose_consumer_falls_behind_ends_with_an_overflow_error_not_a_
         return got
 
     assert asyncio.run(go()) == [0, 1]
+
+
+def _gateway(tiny_model, tmp_path, template: str | None, **cfg):
+    import json
+    import shutil
+
+    from dualpath.config import BusConfig, ModelConfigSpec
+    from services.gateway.core import Gateway
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model, model)
+    if template is not None:
+        config = json.loads((model / "tokenizer_config.json").read_text())
+        config["chat_template"] = template
+        (model / "tokenizer_config.json").write_text(json.dumps(config))
+    return Gateway(GatewayConfig(**cfg), BusConfig(), ModelConfigSpec(model=str(model)))
+
+
+def test_tool_parser_follows_the_checkpoint_template_unless_the_flag_names_one(tiny_model, tmp_path):
+    llama = (Path(__file__).resolve().parents[1] / "data" / "chat_templates" / "llama-3.1-instruct.jinja").read_text()
+    assert _gateway(tiny_model, tmp_path / "a", llama).tool_format.name == "llama3_json"
+    assert _gateway(tiny_model, tmp_path / "b", None).tool_format.name == "hermes"
+    assert _gateway(tiny_model, tmp_path / "c", llama, tool_parser="hermes").tool_format.name == "hermes"
+    with pytest.raises(ValueError, match="unknown tool parser"):
+        _gateway(tiny_model, tmp_path / "d", None, tool_parser="nope")
+
+
+def test_chat_request_with_a_forced_tool_carries_a_grammar_and_the_rendered_tools(tiny_model, tmp_path):
+    from services.gateway.api_types import ChatCompletionRequest
+
+    qwen = (Path(__file__).resolve().parents[1] / "data" / "chat_templates" / "qwen2.5-instruct.jinja").read_text()
+    gw = _gateway(tiny_model, tmp_path, qwen)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
+    body = ChatCompletionRequest(model=gw.model_name, messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice="required")
+    prep = gw.prepare_chat(body)
+    assert prep.sampling["grammar"] and prep.tool_format.name == "hermes" and prep.constrained
+    assert '"name": "add"' in gw.tokenizer.decode(prep.prompt_tokens)  # the template rendered the tools
+    plain = gw.prepare_chat(ChatCompletionRequest(model=gw.model_name, messages=[{"role": "user", "content": "hi"}]))
+    assert "grammar" not in plain.sampling and plain.tool_format is None
