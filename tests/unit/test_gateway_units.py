@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from dualpath.cli.launcher.topology import parse_topology
 from dualpath.config import GatewayConfig, add_arguments, from_args
 from dualpath.protocol import encode
 from dualpath.protocol.messages import TokenEvent
 from services.gateway.detok import Detokenizer
 from services.gateway.streams import TokenStreams
-from dualpath.cli.launcher.topology import parse_topology
 
 
 class CharTok:
