@@ -25,6 +25,7 @@ One batch is in flight at a time, as on an engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 
 from dualpath.core.batch_errors import (
     BatchOrderError,
@@ -83,7 +84,6 @@ class PrefillBatch:
 
 @dataclass(slots=True)
 class _Entry:
-    key: int  # arrival number: the policy packer's request id
     request_id: str
     cached: int  # tokens whose KV exists (hits, then chunks computed so far)
     total: int  # prompt tokens
@@ -103,7 +103,6 @@ class PrefillBatcher:
             raise InvalidThresholdError("block_tokens", block_tokens)
         self.predict, self.quota_s, self.block_tokens = predict, quota_s, block_tokens
         self._queue: dict[str, _Entry] = {}  # insertion order is FIFO order
-        self._arrivals = 0
         self._in_flight: PrefillBatch | None = None
         self._dropped: set[str] = set()  # removed while their batch was in flight
 
@@ -119,8 +118,7 @@ class PrefillBatcher:
             raise DuplicateRequestError(request_id)
         if cached < 0 or total <= cached:
             raise InvalidRequestError(request_id, f"needs 0 <= cached < total, got cached={cached}, total={total}")
-        self._queue[request_id] = _Entry(self._arrivals, request_id, cached, total)
-        self._arrivals += 1
+        self._queue[request_id] = _Entry(request_id, cached, total)
 
     def remove(self, request_id: str) -> bool:
         """Forget a request (cancelled or failed); False when it is not here. A request of
@@ -142,13 +140,12 @@ class PrefillBatcher:
             raise BatchOrderError("the previous batch is still in flight: report it finished or failed first")
         if not self._queue:
             return None
-        entries = list(self._queue.values())
-        by_key = {e.key: e for e in entries}
-        # Packing stops at the quota, so only a queue prefix is ever looked at; building the
-        # work list lazily would save little next to the predictions themselves.
-        work = [PrefillWork(request_id=e.key, cached=e.cached, remaining=e.total - e.cached) for e in entries]
+        # Packing stops at the quota: only the queue's head is read (lazily); the packer's
+        # request ids are queue positions.
+        work = (PrefillWork(request_id=i, cached=e.cached, remaining=e.total - e.cached) for i, e in enumerate(self._queue.values()))
         packed = pack_prefill_batch(work, self.predict, quota_s=self.quota_s, block_tokens=self.block_tokens)
-        items = tuple(BatchItem(request_id=by_key[c.request_id].request_id, cached=c.cached, new=c.new, last=c.completes)
+        head = list(islice(self._queue.values(), len(packed.chunks)))
+        items = tuple(BatchItem(request_id=head[c.request_id].request_id, cached=c.cached, new=c.new, last=c.completes)
                       for c in packed.chunks)
         self._in_flight = PrefillBatch(items=items, predicted_s=packed.predicted_s, quota_s=self.quota_s, over_quota=packed.over_quota)
         return self._in_flight

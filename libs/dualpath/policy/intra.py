@@ -14,7 +14,7 @@ next chunk starts aligned; the last chunk is whatever remains.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from dualpath.policy.errors import InvalidRequestError, InvalidThresholdError
@@ -78,13 +78,14 @@ def chunk_sizes(cached: int, remaining: int, block_tokens: int) -> range:
 
 
 def pack_prefill_batch(
-    queue: Sequence[PrefillWork],
+    queue: Iterable[PrefillWork],
     predict: Predict,
     *,
     quota_s: float = DEFAULT_QUOTA_S,
     block_tokens: int = 64,
 ) -> PrefillBatch:
-    """Pack the next batch from ``queue`` (FIFO): whole requests while the prediction
+    """Pack the next batch from ``queue`` (FIFO; read only as far as the batch reaches, so a
+    lazy iterable of a long queue costs the batch, not the queue): whole requests while the prediction
     stays within ``quota_s``; the first request that does not fit is cut to its largest
     block-aligned chunk that fits, and the batch ends there. When not even the smallest
     chunk of the queue's head fits an empty batch, that chunk alone is the batch
