@@ -114,6 +114,7 @@ def tm_answers(stack, node: str) -> bool:
     import asyncio
 
     import nats
+
     from dualpath.protocol import decode, encode
     from dualpath.protocol import messages as m
     from dualpath.protocol.subjects import Subjects

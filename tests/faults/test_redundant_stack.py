@@ -1,7 +1,9 @@
 """Faults on the redundant form (``dualpath up --replicas 2 --nats-cluster 3``, 2P2D): real
 kill -9 and SIGSTOP of real processes; each test states the recovery bound it checks.
 
-One stack serves the module (starting it is the slow part); every test leaves it whole again.
+One stack serves the module (starting it is the slow part); every test leaves it whole again,
+except the traffic-manager test, which runs last (a restarted traffic manager is not yet
+re-adopted by every engine, see its xfail reason).
 """
 
 from __future__ import annotations
@@ -140,27 +142,6 @@ def test_one_nats_server_of_three_killed_services_reconnect(stack, reference):
     assert time.monotonic() - t0 < 60
 
 
-@pytest.mark.xfail(reason="the scheduler keeps placing DE reads on a node whose traffic manager is dead until the "
-                          "request's attempts run out (503); the node leaving scheduling is the scheduler core's part", strict=False)
-def test_traffic_manager_killed_during_de_reads_requests_retried_elsewhere(stack, reference):
-    """Bound: with a decode node's traffic manager dead, DE-path requests are answered within 15 s
-    (retried on the other node); the node serves again within 20 s of its return."""
-    long = "the repository has these files and each of them matters " * 12  # several full blocks: hits to read
-    first = complete(stack, long, max_tokens=16)
-    assert first.text is not None
-    stack.supervisor.hold("traffic-manager-d0")
-    t0 = time.monotonic()
-    os.kill(stack.pid("traffic-manager-d0"), signal.SIGKILL)
-    answers = concurrently(lambda _i: complete(stack, long, max_tokens=16, read_path="de", timeout=40), range(4), workers=4)
-    served = time.monotonic() - t0
-    stack.supervisor.restart_now("traffic-manager-d0")
-    took = wait_until(lambda: tm_answers(stack, "d0"), 30)
-    record("traffic manager back (answers again)", took, 20.0)
-    print("answers with the traffic manager dead:", [a.error or "ok" for a in answers], f"in {served:.1f}s")
-    assert all(a.text == first.text for a in answers), [a.error for a in answers]
-    record("traffic manager killed during DE reads (requests answered)", served, 15.0)
-
-
 def test_decode_engine_paused_past_heartbeat_is_expelled_and_rejoins_without_duplicates(stack, reference):
     """Bound: SIGSTOP for 5 s (engine timeout 3 s): every request completes with its exact greedy
     answer (no duplicate or missing tokens) within 30 s; the engine is back in /health within 10 s of SIGCONT."""
@@ -184,3 +165,28 @@ def test_decode_engine_paused_past_heartbeat_is_expelled_and_rejoins_without_dup
     record("decode engine paused (all requests answered)", time.monotonic() - t0, 30.0)
     wait_until(lambda: _whole(stack), 20)
     record("decode engine resumed (rejoined)", time.monotonic() - t1, 10.0)
+
+
+@pytest.mark.xfail(reason="the scheduler keeps placing DE reads on a node whose traffic manager is dead until the "
+                          "request's attempts run out (503), and engines keep the restarted traffic manager's old data-plane "
+                          "address (PeerLostError); scheduler / transfer layer", strict=False)
+def test_traffic_manager_killed_during_de_reads_requests_retried_elsewhere(stack, reference):
+    """Bound: with a decode node's traffic manager dead, DE-path requests are answered within 15 s
+    (retried on the other node); the node serves again within 20 s of its return."""
+    long = "the repository has these files and each of them matters " * 12  # several full blocks: hits to read
+    first = complete(stack, long, max_tokens=16)
+    assert first.text is not None
+    stack.supervisor.hold("traffic-manager-d0")
+    t0 = time.monotonic()
+    os.kill(stack.pid("traffic-manager-d0"), signal.SIGKILL)
+    answers = concurrently(lambda _i: complete(stack, long, max_tokens=16, read_path="de", timeout=40), range(4), workers=4)
+    served = time.monotonic() - t0
+    stack.supervisor.restart_now("traffic-manager-d0")
+    took = wait_until(lambda: tm_answers(stack, "d0"), 30)
+    record("traffic manager back (answers again)", took, 20.0)
+    served_again = wait_until(lambda: all(a.text == first.text for a in concurrently(
+        lambda _i: complete(stack, long, max_tokens=16, read_path="de", timeout=20), range(8), workers=4)), 30)
+    record("traffic manager back (DE reads served on every node)", served_again, 20.0)
+    print("answers with the traffic manager dead:", [a.error or "ok" for a in answers], f"in {served:.1f}s")
+    assert all(a.text == first.text for a in answers), [a.error for a in answers]
+    record("traffic manager killed during DE reads (requests answered)", served, 15.0)

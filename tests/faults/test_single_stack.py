@@ -25,7 +25,8 @@ def _mount_tmpfs(path: Path, size: str = "4m") -> bool:
     path.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, check=False).returncode == 0
+    cmd = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+    return subprocess.run(cmd, capture_output=True, check=False).returncode == 0
 
 
 def _fill(path: Path) -> Path:
