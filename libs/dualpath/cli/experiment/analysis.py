@@ -47,5 +47,8 @@ def mode_figures(r: ModeResult) -> dict:
         "snic_bytes_max_over_avg": max_over_avg(list(node_bytes.values())) if node_bytes and any(node_bytes.values()) else None,
         "attention_max_over_avg": max_over_avg(attention) if attention and any(attention) else None,
         "overhead_share": {"mean": sum(overhead) / len(overhead) if overhead else None, "max": max(overhead, default=None)},
+        # how long prefill layer loops waited for their KV (fetch or store on the NICs), and computed, modeled seconds
+        "prefill_kv_wait_s": sum(s.get("kv_wait_s", 0.0) for s in prefill.values()) / r.slowdown,
+        "prefill_modeled_s": sum(s.get("modeled_s", 0.0) for s in prefill.values()) / r.slowdown,
         "loadgen_exit": r.loadgen_exit,
     }
