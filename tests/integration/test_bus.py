@@ -156,11 +156,23 @@ async def test_closing_the_bus_cancels_a_handler_that_outlives_the_grace(nats_se
         assert server.nc.is_closed
 
 
-def test_the_service_runner_hands_main_a_task_group_and_ends_its_tasks_after_main_returns(nats_server, monkeypatch) -> None:
-    """A background task still running when ``main`` returns is cancelled after the grace; the service exits 0."""
+@pytest.fixture()
+def in_process_runner(monkeypatch):
+    """``run_service`` in this process, without configuring its logging, tracing and metrics:
+    those are process-wide and would outlive the test (a log stream bound to a captured stderr)."""
     import dualpath.runtime as runtime
 
-    monkeypatch.setattr(runtime, "_GRACE_S", 0.2)
+    for name in ("configure_logging", "configure_tracing", "shutdown_tracing", "shutdown_metrics"):
+        monkeypatch.setattr(runtime, name, lambda *a, **k: None)
+    monkeypatch.setattr(runtime, "configure_metrics", lambda *a, **k: False)
+    return runtime
+
+
+def test_the_service_runner_hands_main_a_task_group_and_ends_its_tasks_after_main_returns(
+    nats_server, in_process_runner, monkeypatch
+) -> None:
+    """A background task still running when ``main`` returns is cancelled after the grace; the service exits 0."""
+    monkeypatch.setattr(in_process_runner, "_GRACE_S", 0.2)
     seen: dict[str, object] = {}
 
     async def main(bus: Bus, stop: asyncio.Event, tasks) -> None:
@@ -183,7 +195,7 @@ def test_the_service_runner_hands_main_a_task_group_and_ends_its_tasks_after_mai
     assert time.monotonic() - t0 < 10.0
 
 
-def test_a_service_whose_main_fails_exits_1_with_a_one_line_message(nats_server, capsys) -> None:
+def test_a_service_whose_main_fails_exits_1_with_a_one_line_message(nats_server, in_process_runner, capsys) -> None:
     async def main(_bus: Bus, _stop: asyncio.Event) -> None:
         raise RuntimeError("the index is corrupt")
 
