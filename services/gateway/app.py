@@ -15,12 +15,12 @@ import time
 import uuid
 from typing import Any
 
-from dualpath.chat.tools import StreamingToolParser
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dualpath.chat.tools import StreamingToolParser
 from services.gateway.api_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.core import ApiError, Gateway, Prepared
 from services.gateway.metrics_page import render_metrics
@@ -30,15 +30,18 @@ __all__ = ["build_app"]
 
 def _error(status: int, message: str, *, etype: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
     headers = {"Retry-After": "1"} if status in (429, 503) else None  # overloaded or failing over: come back shortly
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": etype, "param": param, "code": status}},
-                        headers=headers)
+    return JSONResponse(
+        status_code=status, content={"error": {"message": message, "type": etype, "param": param, "code": status}}, headers=headers
+    )
 
 
 def build_app(gw: Gateway) -> FastAPI:
     # FastAPI >= 0.16x traces every HTTP request on its own when a tracer provider is set: a
     # second trace per request beside the gateway's own root span (services.gateway.observe),
     # and one per health probe. Its HTTP metrics stay on.
-    own = {"telemetry": {"tracing": False, "operation_spans": False}} if "telemetry" in inspect.signature(FastAPI).parameters else {}
+    own: dict[str, Any] = (
+        {"telemetry": {"tracing": False, "operation_spans": False}} if "telemetry" in inspect.signature(FastAPI).parameters else {}
+    )
     app = FastAPI(title="DualPath gateway", lifespan=gw.lifespan, **own)
 
     @app.exception_handler(RequestValidationError)
@@ -48,8 +51,11 @@ def build_app(gw: Gateway) -> FastAPI:
         field = ".".join(loc) or None
         if first.get("type") == "json_invalid":
             return _error(400, f"malformed JSON body: {first.get('msg', '')}")
-        return _error(422 if first.get("type") != "missing" else 400,
-                      f"{'field ' + repr(field) + ': ' if field else ''}{first.get('msg', 'invalid request')}", param=field)
+        return _error(
+            422 if first.get("type") != "missing" else 400,
+            f"{'field ' + repr(field) + ': ' if field else ''}{first.get('msg', 'invalid request')}",
+            param=field,
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -70,10 +76,16 @@ def build_app(gw: Gateway) -> FastAPI:
     async def health() -> JSONResponse:
         state = await gw.cluster_state()
         ok = state is not None and state.prefill_engines > 0 and state.decode_engines > 0
-        body = {"status": "ok" if ok else "unavailable"}
+        body: dict[str, Any] = {"status": "ok" if ok else "unavailable"}
         if state is not None:
-            body.update(prefill_engines=state.prefill_engines, decode_engines=state.decode_engines,
-                        queued=state.queued, running=state.running, policy=state.policy, buffer_waits=state.buffer_waits)
+            body.update(
+                prefill_engines=state.prefill_engines,
+                decode_engines=state.decode_engines,
+                queued=state.queued,
+                running=state.running,
+                policy=state.policy,
+                buffer_waits=state.buffer_waits,
+            )
         return JSONResponse(status_code=200 if ok else 503, content=body)
 
     @app.get("/metrics")
@@ -83,8 +95,12 @@ def build_app(gw: Gateway) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": gw.model_name, "object": "model", "created": gw.started,
-                                             "owned_by": "dualpath", "max_model_len": gw.max_context}]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": gw.model_name, "object": "model", "created": gw.started, "owned_by": "dualpath", "max_model_len": gw.max_context}
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -103,8 +119,9 @@ async def _answer(gw: Gateway, prep: Prepared, request: Request, *, chat: bool):
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     await gw.submit(rid, prep)
     if prep.stream:
-        return StreamingResponse(_sse(gw, rid, prep, request, chat), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+        return StreamingResponse(
+            _sse(gw, rid, prep, request, chat), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Request-Id": rid}
+        )
     try:
         result = await gw.collect(rid, prep)
     finally:
@@ -113,24 +130,40 @@ async def _answer(gw: Gateway, prep: Prepared, request: Request, *, chat: bool):
 
 
 def _usage(prep: Prepared, result) -> dict:
-    return {"prompt_tokens": len(prep.prompt_tokens), "completion_tokens": len(result.token_ids),
-            "total_tokens": len(prep.prompt_tokens) + len(result.token_ids),
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+    return {
+        "prompt_tokens": len(prep.prompt_tokens),
+        "completion_tokens": len(result.token_ids),
+        "total_tokens": len(prep.prompt_tokens) + len(result.token_ids),
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+    }
 
 
 def _logprobs_chat(gw: Gateway, ids, lps, tops) -> dict:
     content = []
     for tid, lp, top in zip(ids, lps, tops):
         tok = gw.tokenizer.decode([tid])
-        content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()),
-                        "top_logprobs": [{"token": gw.tokenizer.decode([t]), "logprob": l, "bytes": list(gw.tokenizer.decode([t]).encode())} for t, l in top]})
+        content.append(
+            {
+                "token": tok,
+                "logprob": lp,
+                "bytes": list(tok.encode()),
+                "top_logprobs": [
+                    {"token": gw.tokenizer.decode([t]), "logprob": lp_t, "bytes": list(gw.tokenizer.decode([t]).encode())}
+                    for t, lp_t in top
+                ],
+            }
+        )
     return {"content": content}
 
 
 def _logprobs_completion(gw: Gateway, ids, lps, tops) -> dict:
     toks = [gw.tokenizer.decode([t]) for t in ids]
-    return {"tokens": toks, "token_logprobs": list(lps), "top_logprobs": [{gw.tokenizer.decode([t]): l for t, l in top} for top in tops],
-            "text_offset": []}
+    return {
+        "tokens": toks,
+        "token_logprobs": list(lps),
+        "top_logprobs": [{gw.tokenizer.decode([t]): lp_t for t, lp_t in top} for top in tops],
+        "text_offset": [],
+    }
 
 
 def _finish_reason(finish: str, has_calls: bool) -> str:
@@ -144,15 +177,30 @@ def _full_body(gw: Gateway, rid: str, prep: Prepared, result, chat: bool) -> dic
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [c.to_openai() for c in calls]
-        choice = {"index": 0, "message": message, "finish_reason": _finish_reason(result.finish_reason, bool(calls)),
-                  "logprobs": _logprobs_chat(gw, result.token_ids, result.logprobs, result.top_logprobs) if prep.want_logprobs else None}
+        choice = {
+            "index": 0,
+            "message": message,
+            "finish_reason": _finish_reason(result.finish_reason, bool(calls)),
+            "logprobs": _logprobs_chat(gw, result.token_ids, result.logprobs, result.top_logprobs) if prep.want_logprobs else None,
+        }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason,
-                  "logprobs": _logprobs_completion(gw, result.token_ids, result.logprobs, result.top_logprobs) if prep.want_logprobs else None}
+        choice = {
+            "index": 0,
+            "text": result.text,
+            "finish_reason": result.finish_reason,
+            "logprobs": _logprobs_completion(gw, result.token_ids, result.logprobs, result.top_logprobs) if prep.want_logprobs else None,
+        }
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": gw.model_name, "choices": [choice],
-            "usage": _usage(prep, result), "dualpath": result.info}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": gw.model_name,
+        "choices": [choice],
+        "usage": _usage(prep, result),
+        "dualpath": result.info,
+    }
 
 
 async def _sse(gw: Gateway, rid: str, prep: Prepared, request: Request, chat: bool):
@@ -160,16 +208,25 @@ async def _sse(gw: Gateway, rid: str, prep: Prepared, request: Request, chat: bo
     obj = "chat.completion.chunk" if chat else "text_completion"
     tools = StreamingToolParser(prep.tool_format) if chat and prep.tool_format is not None else None
 
-    def chunk(delta_text: str | None, finish: str | None, ids=(), lps=(), tops=(), extra: dict | None = None,
-              delta: dict | None = None) -> str:
+    def chunk(
+        delta_text: str | None, finish: str | None, ids=(), lps=(), tops=(), extra: dict | None = None, delta: dict | None = None
+    ) -> str:
         if chat:
             if delta is None:
                 delta = {} if delta_text is None else {"content": delta_text}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish,
-                      "logprobs": _logprobs_chat(gw, ids, lps, tops) if prep.want_logprobs and ids else None}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "finish_reason": finish,
+                "logprobs": _logprobs_chat(gw, ids, lps, tops) if prep.want_logprobs and ids else None,
+            }
         else:
-            choice = {"index": 0, "text": delta_text or "", "finish_reason": finish,
-                      "logprobs": _logprobs_completion(gw, ids, lps, tops) if prep.want_logprobs and ids else None}
+            choice = {
+                "index": 0,
+                "text": delta_text or "",
+                "finish_reason": finish,
+                "logprobs": _logprobs_completion(gw, ids, lps, tops) if prep.want_logprobs and ids else None,
+            }
         body = {"id": rid, "object": obj, "created": created, "model": gw.model_name, "choices": [choice]}
         if extra:
             body.update(extra)
@@ -177,8 +234,13 @@ async def _sse(gw: Gateway, rid: str, prep: Prepared, request: Request, chat: bo
 
     try:
         if chat:
-            first = {"id": rid, "object": obj, "created": created, "model": gw.model_name,
-                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}]}
+            first = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": gw.model_name,
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}],
+            }
             yield f"data: {json.dumps(first)}\n\n"
         async for part in gw.stream(rid, prep):
             if await request.is_disconnected():

@@ -9,6 +9,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opentelemetry import trace
+
 from dualpath.bus import Bus, BusTimeoutError
 from dualpath.chat.errors import ChatError
 from dualpath.chat.plan import plan_chat
@@ -23,8 +25,6 @@ from dualpath.protocol.timeouts import TIMEOUTS
 from dualpath.structured.grammar import vocabulary
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.tracing import carrier, flush_tracing, get_tracer
-from opentelemetry import trace
-
 from services.gateway.api_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.detok import Detokenizer
 from services.gateway.observe import RequestTelemetry
@@ -127,37 +127,82 @@ class Gateway:
                 # shutdown_tracing: the last requests' spans must be out by now.
                 flush_tracing()
 
+    def _connected(self) -> Bus:
+        """The bus (connected in ``lifespan``).
+
+        Raises:
+            ApiError: 503 before the gateway is connected.
+        """
+        if self.bus is None:
+            raise ApiError(503, "the gateway is not connected to the bus yet", etype="server_error")
+        return self.bus
+
     # ---- preparation -----------------------------------------------------------------------
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
-                           etype="not_found_error", param="model")
+            raise ApiError(
+                404, f"model {name!r} does not exist; this server serves {self.model_name!r}", etype="not_found_error", param="model"
+            )
 
     def _sampling(self, body, max_new: int, top_logprobs: int, logprobs: bool, grammar: str | None) -> dict:
-        out = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "max_tokens": max_new,
-               "min_tokens": min(body.min_tokens, max_new), "ignore_eos": body.ignore_eos, "seed": body.seed,
-               "logprobs": logprobs, "top_logprobs": top_logprobs}
+        out = {
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "max_tokens": max_new,
+            "min_tokens": min(body.min_tokens, max_new),
+            "ignore_eos": body.ignore_eos,
+            "seed": body.seed,
+            "logprobs": logprobs,
+            "top_logprobs": top_logprobs,
+        }
         if grammar:
             out["grammar"] = grammar
         return out
 
-    def _finish_prepare(self, body, tokens: list[int], logprobs: bool, top: int, t_start_ns: int = 0, *,
-                        grammar: str | None = None, tool_fmt: ToolFormat | None = None) -> Prepared:
+    def _finish_prepare(
+        self,
+        body,
+        tokens: list[int],
+        logprobs: bool,
+        top: int,
+        t_start_ns: int = 0,
+        *,
+        grammar: str | None = None,
+        tool_fmt: ToolFormat | None = None,
+    ) -> Prepared:
         if not tokens:
             raise ApiError(400, "the prompt is empty", param="prompt")
         if len(tokens) >= self.max_context:
-            raise ApiError(400, f"this model's maximum context length is {self.max_context} tokens, but the prompt has "
-                                f"{len(tokens)} tokens; shorten the prompt", param="messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {self.max_context} tokens, but the prompt has "
+                f"{len(tokens)} tokens; shorten the prompt",
+                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            )
         room = self.max_context - len(tokens)
         asked = body.max_completion_tokens or body.max_tokens
         if asked is not None and asked > room:
-            raise ApiError(400, f"max_tokens={asked} plus the prompt's {len(tokens)} tokens exceeds the maximum context "
-                                f"length of {self.max_context} tokens", param="max_tokens")
+            raise ApiError(
+                400,
+                f"max_tokens={asked} plus the prompt's {len(tokens)} tokens exceeds the maximum context "
+                f"length of {self.max_context} tokens",
+                param="max_tokens",
+            )
         max_new = asked or min(room, 256)
-        return Prepared(prompt_tokens=tokens, sampling=self._sampling(body, max_new, top, logprobs, grammar), stops=body.stops(),
-                        stream=body.stream, include_usage=bool((body.stream_options or {}).get("include_usage")),
-                        want_logprobs=logprobs, read_path=_READ_PATHS[body.dualpath_read_path or "auto"],
-                        t_start_ns=t_start_ns, t_tokenized_ns=time.time_ns(), tool_format=tool_fmt, constrained=bool(grammar))
+        return Prepared(
+            prompt_tokens=tokens,
+            sampling=self._sampling(body, max_new, top, logprobs, grammar),
+            stops=body.stops(),
+            stream=body.stream,
+            include_usage=bool((body.stream_options or {}).get("include_usage")),
+            want_logprobs=logprobs,
+            read_path=_READ_PATHS[body.dualpath_read_path or "auto"],
+            t_start_ns=t_start_ns,
+            t_tokenized_ns=time.time_ns(),
+            tool_format=tool_fmt,
+            constrained=bool(grammar),
+        )
 
     def prepare_completion(self, body: CompletionRequest) -> Prepared:
         t_start_ns = time.time_ns()
@@ -184,28 +229,50 @@ class Gateway:
             if raw.content is None and raw.role == "assistant" and raw.tool_calls:
                 msg["content"] = None  # DeepSeek-style templates test ``content is none``
         needs_grammar = bool(body.response_format and body.response_format.get("type") not in (None, "text")) or (
-            bool(body.tools) and body.tool_choice not in (None, "none", "auto"))
+            bool(body.tools) and body.tool_choice not in (None, "none", "auto")
+        )
         try:
             vocab = vocabulary(self.model_dir, self.model_config.vocab_size) if needs_grammar else None
         except Exception as exc:  # noqa: BLE001 - llguidance cannot read this tokenizer
-            raise ApiError(500, f"structured outputs are unavailable for this checkpoint's tokenizer: {exc}", etype="server_error") from None
+            raise ApiError(
+                500, f"structured outputs are unavailable for this checkpoint's tokenizer: {exc}", etype="server_error"
+            ) from None
         try:
-            plan = plan_chat(messages, template=self.tokenizer.chat_template, tool_format=self.tool_format, vocab=vocab,
-                             tools=body.tools, tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
-                             response_format=body.response_format, template_name=body.chat_template_name,
-                             template_kwargs=body.chat_template_kwargs)
+            plan = plan_chat(
+                messages,
+                template=self.tokenizer.chat_template,
+                tool_format=self.tool_format,
+                vocab=vocab,
+                tools=body.tools,
+                tool_choice=body.tool_choice,
+                parallel_tool_calls=body.parallel_tool_calls,
+                response_format=body.response_format,
+                template_name=body.chat_template_name,
+                template_kwargs=body.chat_template_kwargs,
+            )
         except ChatError as exc:
             raise ApiError(400, exc.message, param=exc.param) from None
-        return self._finish_prepare(body, self.tokenizer.encode(plan.prompt), body.logprobs, body.top_logprobs or 0, t_start_ns,
-                                    grammar=plan.grammar, tool_fmt=plan.tool_format)
+        return self._finish_prepare(
+            body,
+            self.tokenizer.encode(plan.prompt),
+            body.logprobs,
+            body.top_logprobs or 0,
+            t_start_ns,
+            grammar=plan.grammar,
+            tool_fmt=plan.tool_format,
+        )
 
     # ---- submission ------------------------------------------------------------------------
     async def _lookup(self, hashes: list[int]) -> int:
         if not hashes or not self.cfg.prefix_cache:
             return 0
         try:
-            reply = await self.bus.request(self.subjects.kv_lookup, m.LookupRequest(model_digest=self.model_digest, hashes=hashes),
-                                           m.LookupReply, timeout=TIMEOUTS.kv_lookup)
+            reply = await self._connected().request(
+                self.subjects.kv_lookup,
+                m.LookupRequest(model_digest=self.model_digest, hashes=hashes),
+                m.LookupReply,
+                timeout=TIMEOUTS.kv_lookup,
+            )
             return reply.hit_blocks
         except (BusTimeoutError, RemoteError) as exc:
             log.warning("kv_lookup_failed", error=str(exc))  # serve anyway, as a full recompute
@@ -220,8 +287,14 @@ class Gateway:
             ApiError: 503 when no scheduler answers, 429 when it is full, 400/409 when it refuses the
                 request (empty or larger than any decode engine's KV memory / a duplicate id).
         """
-        root = self.telemetry.start(rid, prompt_tokens=len(prep.prompt_tokens), read_path=prep.read_path, stream=prep.stream,
-                                    t_start_ns=prep.t_start_ns, t_tokenized_ns=prep.t_tokenized_ns)
+        root = self.telemetry.start(
+            rid,
+            prompt_tokens=len(prep.prompt_tokens),
+            read_path=prep.read_path,
+            stream=prep.stream,
+            t_start_ns=prep.t_start_ns,
+            t_tokenized_ns=prep.t_tokenized_ns,
+        )
         try:
             await self._admit(rid, prep, root)
         except Exception as exc:
@@ -239,10 +312,20 @@ class Gateway:
             if span.is_recording():
                 span.set_attributes({"blocks": len(hashes), "hit_blocks": hit})
             self.streams.open(rid)
-            req = m.SubmitRequest(request_id=rid, model=self.model_name, model_digest=self.model_digest,
-                                  prompt_tokens=prep.prompt_tokens, block_hashes=hashes, hit_blocks=hit, sampling=prep.sampling,
-                                  reply_subject=self.subjects.tokens(self.cfg.gateway_id, rid), read_path=int(prep.read_path),
-                                  block_tokens=self.block_tokens, arrival_ts=time.time(), trace=carrier(root))
+            req = m.SubmitRequest(
+                request_id=rid,
+                model=self.model_name,
+                model_digest=self.model_digest,
+                prompt_tokens=prep.prompt_tokens,
+                block_hashes=hashes,
+                hit_blocks=hit,
+                sampling=prep.sampling,
+                reply_subject=self.subjects.tokens(self.cfg.gateway_id, rid),
+                read_path=int(prep.read_path),
+                block_tokens=self.block_tokens,
+                arrival_ts=time.time(),
+                trace=carrier(root),
+            )
             try:
                 await self._submit(req)
             except BusTimeoutError as exc:
@@ -261,7 +344,7 @@ class Gateway:
         deadline = time.monotonic() + _FAILOVER_S
         while True:
             try:
-                await self.bus.request(self.subjects.submit, req, m.SubmitReply, timeout=TIMEOUTS.submit)
+                await self._connected().request(self.subjects.submit, req, m.SubmitReply, timeout=TIMEOUTS.submit)
                 return
             except BusTimeoutError as exc:
                 if not exc.no_responders or time.monotonic() >= deadline:
@@ -279,7 +362,7 @@ class Gateway:
 
     async def cluster_state(self) -> m.StateReply | None:
         try:
-            return await self.bus.request(self.subjects.sched_state, m.StateRequest(), m.StateReply, timeout=TIMEOUTS.sched_state)
+            return await self._connected().request(self.subjects.sched_state, m.StateRequest(), m.StateReply, timeout=TIMEOUTS.sched_state)
         except (BusTimeoutError, RemoteError):
             return None
 
@@ -293,8 +376,17 @@ class Gateway:
                 self.telemetry.on_event(rid, ev)
                 if ev.error:
                     res.finish_reason = "error"
-                    yield StreamPart(text="", token_ids=[], logprobs=[], top_logprobs=[], finish_reason="error",
-                                     error=ev.error, error_code=ev.error_code, info=ev.info, result=res)
+                    yield StreamPart(
+                        text="",
+                        token_ids=[],
+                        logprobs=[],
+                        top_logprobs=[],
+                        finish_reason="error",
+                        error=ev.error,
+                        error_code=ev.error_code,
+                        info=ev.info,
+                        result=res,
+                    )
                     return
                 ids = list(ev.token_ids)
                 text = detok.add(ids)
@@ -306,8 +398,15 @@ class Gateway:
                     await self.cancel(rid, "stop string")
                     res.text = detok.emitted
                     res.cached_tokens, res.info = ev.cached_tokens, ev.info
-                    yield StreamPart(text=text, token_ids=ids, logprobs=ev.logprobs, top_logprobs=ev.top_logprobs,
-                                     finish_reason="stop", info=ev.info, result=res)
+                    yield StreamPart(
+                        text=text,
+                        token_ids=ids,
+                        logprobs=ev.logprobs,
+                        top_logprobs=ev.top_logprobs,
+                        finish_reason="stop",
+                        info=ev.info,
+                        result=res,
+                    )
                     return
                 if ev.finish_reason is None:
                     yield StreamPart(text=text, token_ids=ids, logprobs=ev.logprobs, top_logprobs=ev.top_logprobs)
@@ -315,19 +414,42 @@ class Gateway:
                 text += detok.flush()
                 res.text, res.finish_reason = detok.emitted, ev.finish_reason
                 res.cached_tokens, res.info = ev.cached_tokens, ev.info
-                yield StreamPart(text=text, token_ids=ids, logprobs=ev.logprobs, top_logprobs=ev.top_logprobs,
-                                 finish_reason=ev.finish_reason, info=ev.info, result=res)
+                yield StreamPart(
+                    text=text,
+                    token_ids=ids,
+                    logprobs=ev.logprobs,
+                    top_logprobs=ev.top_logprobs,
+                    finish_reason=ev.finish_reason,
+                    info=ev.info,
+                    result=res,
+                )
                 return
         except StreamOverflowError:
             self.telemetry.outcome(rid, "error", error="overflow")
             await self.cancel(rid, "client too slow")
-            yield StreamPart(text="", token_ids=[], logprobs=[], top_logprobs=[], finish_reason="error",
-                             error="the client read the stream too slowly; the request was cancelled", error_code=503, result=res)
+            yield StreamPart(
+                text="",
+                token_ids=[],
+                logprobs=[],
+                top_logprobs=[],
+                finish_reason="error",
+                error="the client read the stream too slowly; the request was cancelled",
+                error_code=503,
+                result=res,
+            )
         except (TimeoutError, asyncio.TimeoutError):
             self.telemetry.outcome(rid, "error", error="timeout")
             await self.cancel(rid, "timeout")
-            yield StreamPart(text="", token_ids=[], logprobs=[], top_logprobs=[], finish_reason="error",
-                             error=f"request did not finish within {self.cfg.request_timeout:.0f}s", error_code=504, result=res)
+            yield StreamPart(
+                text="",
+                token_ids=[],
+                logprobs=[],
+                top_logprobs=[],
+                finish_reason="error",
+                error=f"request did not finish within {self.cfg.request_timeout:.0f}s",
+                error_code=504,
+                result=res,
+            )
 
     async def collect(self, rid: str, prep: Prepared) -> Result:
         """Wait for the whole answer (non-streaming).
@@ -338,6 +460,6 @@ class Gateway:
         async for part in self.stream(rid, prep):
             if part.finish_reason == "error":
                 raise ApiError(part.error_code or 500, part.error, etype="server_error")
-            if part.finish_reason is not None:
+            if part.finish_reason is not None and part.result is not None:
                 return part.result
         raise ApiError(500, "token stream ended without a final event", etype="server_error")

@@ -27,9 +27,9 @@ class Detokenizer:
         of context, as tokenizers with leading-space rules decode a piece differently alone):
         per-token cost stays constant instead of growing with the answer."""
         ctx = max(0, self._stable_ids - _CONTEXT_IDS)
-        head = self._tok.decode(self.ids[ctx:self._stable_ids])
+        head = self._tok.decode(self.ids[ctx : self._stable_ids])
         full = self._tok.decode(self.ids[ctx:])
-        text = self._stable_text + full[len(head):] if full.startswith(head) else self._tok.decode(self.ids)
+        text = self._stable_text + full[len(head) :] if full.startswith(head) else self._tok.decode(self.ids)
         if not text.endswith("\ufffd"):
             self._stable_ids, self._stable_text = len(self.ids), text
         return text
@@ -54,13 +54,13 @@ class Detokenizer:
             cut = text.find(s, max(0, len(self.emitted) - len(s)))
             if cut != -1:
                 self.stopped = True
-                delta = text[len(self.emitted):cut] if cut >= len(self.emitted) else ""
+                delta = text[len(self.emitted) : cut] if cut >= len(self.emitted) else ""
                 self.emitted += delta
                 return delta
         ready = len(text) - self._hold(text)
         if ready <= len(self.emitted):
             return ""
-        delta = text[len(self.emitted):ready]
+        delta = text[len(self.emitted) : ready]
         self.emitted = text[:ready]
         return delta
 
@@ -69,6 +69,6 @@ class Detokenizer:
         if self.stopped:
             return ""
         text = self._decode()
-        delta = text[len(self.emitted):]
+        delta = text[len(self.emitted) :]
         self.emitted = text
         return delta

@@ -70,24 +70,40 @@ def render_metrics(figures: ClusterFigures, state) -> str:
     lines = figures.ttft.lines("dualpath_ttft_seconds", "time to first token, arrival at the gateway to first token")
     lines += figures.tpot.lines("dualpath_tpot_seconds", "time per output token after the first (mean per request)")
     ratio = figures.cached_tokens / figures.prompt_tokens if figures.prompt_tokens else 0.0
-    lines += ["# HELP dualpath_prompt_tokens_total prompt tokens of answered requests", "# TYPE dualpath_prompt_tokens_total counter",
-              f"dualpath_prompt_tokens_total {figures.prompt_tokens}",
-              "# HELP dualpath_cached_tokens_total prompt tokens whose KV was read from storage",
-              "# TYPE dualpath_cached_tokens_total counter", f"dualpath_cached_tokens_total {figures.cached_tokens}",
-              "# HELP dualpath_cached_token_ratio cached / prompt tokens over all answered requests",
-              "# TYPE dualpath_cached_token_ratio gauge", f"dualpath_cached_token_ratio {ratio:.6g}",
-              "# HELP dualpath_requests_total answered requests by read path and finish reason", "# TYPE dualpath_requests_total counter"]
+    lines += [
+        "# HELP dualpath_prompt_tokens_total prompt tokens of answered requests",
+        "# TYPE dualpath_prompt_tokens_total counter",
+        f"dualpath_prompt_tokens_total {figures.prompt_tokens}",
+        "# HELP dualpath_cached_tokens_total prompt tokens whose KV was read from storage",
+        "# TYPE dualpath_cached_tokens_total counter",
+        f"dualpath_cached_tokens_total {figures.cached_tokens}",
+        "# HELP dualpath_cached_token_ratio cached / prompt tokens over all answered requests",
+        "# TYPE dualpath_cached_token_ratio gauge",
+        f"dualpath_cached_token_ratio {ratio:.6g}",
+        "# HELP dualpath_requests_total answered requests by read path and finish reason",
+        "# TYPE dualpath_requests_total counter",
+    ]
     for (path, reason), count in sorted(figures.requests.items()):
         lines.append(f'dualpath_requests_total{{read_path="{_esc(path)}",finish_reason="{_esc(reason)}"}} {count}')
-    lines += ["# HELP dualpath_scheduler_up 1 when the scheduler answered this scrape", "# TYPE dualpath_scheduler_up gauge",
-              f"dualpath_scheduler_up {0 if state is None else 1}"]
+    lines += [
+        "# HELP dualpath_scheduler_up 1 when the scheduler answered this scrape",
+        "# TYPE dualpath_scheduler_up gauge",
+        f"dualpath_scheduler_up {0 if state is None else 1}",
+    ]
     if state is not None:
-        lines += ["# HELP dualpath_queue_length requests waiting in the scheduler's queue", "# TYPE dualpath_queue_length gauge",
-                  f"dualpath_queue_length {state.queued}",
-                  "# HELP dualpath_running_requests requests dispatched to engines and not finished", "# TYPE dualpath_running_requests gauge",
-                  f"dualpath_running_requests {state.running}",
-                  "# HELP dualpath_engines engines reporting to the scheduler", "# TYPE dualpath_engines gauge",
-                  f'dualpath_engines{{role="prefill"}} {state.prefill_engines}', f'dualpath_engines{{role="decode"}} {state.decode_engines}',
-                  "# HELP dualpath_buffer_waits_total dispatches put back because a node buffer was full",
-                  "# TYPE dualpath_buffer_waits_total counter", f"dualpath_buffer_waits_total {state.buffer_waits}"]
+        lines += [
+            "# HELP dualpath_queue_length requests waiting in the scheduler's queue",
+            "# TYPE dualpath_queue_length gauge",
+            f"dualpath_queue_length {state.queued}",
+            "# HELP dualpath_running_requests requests dispatched to engines and not finished",
+            "# TYPE dualpath_running_requests gauge",
+            f"dualpath_running_requests {state.running}",
+            "# HELP dualpath_engines engines reporting to the scheduler",
+            "# TYPE dualpath_engines gauge",
+            f'dualpath_engines{{role="prefill"}} {state.prefill_engines}',
+            f'dualpath_engines{{role="decode"}} {state.decode_engines}',
+            "# HELP dualpath_buffer_waits_total dispatches put back because a node buffer was full",
+            "# TYPE dualpath_buffer_waits_total counter",
+            f"dualpath_buffer_waits_total {state.buffer_waits}",
+        ]
     return "\n".join(lines) + "\n"

@@ -11,13 +11,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from dualpath.protocol.messages import TokenEvent
-from dualpath.telemetry.metrics import SECONDS_BUCKETS, get_meter, observe
-from dualpath.telemetry.tracing import get_tracer
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 
+from dualpath.protocol.messages import TokenEvent
+from dualpath.telemetry.metrics import SECONDS_BUCKETS, get_meter, observe
+from dualpath.telemetry.tracing import get_tracer
 from services.gateway.metrics_page import ClusterFigures
 
 __all__ = ["RequestTelemetry"]
@@ -42,10 +42,18 @@ class RequestTelemetry:
 
     def __init__(self) -> None:
         meter = get_meter("dualpath.gateway")
-        self.ttft = meter.create_histogram("dualpath.ttft", unit="s", description="time to first token, arrival at the gateway to first token",
-                                           explicit_bucket_boundaries_advisory=SECONDS_BUCKETS)
-        self.tpot = meter.create_histogram("dualpath.tpot", unit="s", description="time per output token after the first (mean per request)",
-                                           explicit_bucket_boundaries_advisory=SECONDS_BUCKETS)
+        self.ttft = meter.create_histogram(
+            "dualpath.ttft",
+            unit="s",
+            description="time to first token, arrival at the gateway to first token",
+            explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
+        )
+        self.tpot = meter.create_histogram(
+            "dualpath.tpot",
+            unit="s",
+            description="time per output token after the first (mean per request)",
+            explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
+        )
         self.finished = meter.create_counter("dualpath.requests", description="requests answered, by finish reason")
         self.prompt_total = 0
         self.cached_total = 0
@@ -64,10 +72,20 @@ class RequestTelemetry:
         t_start_ns = t_start_ns or time.time_ns()
         span = tracer.start_span("request", context=Context(), start_time=t_start_ns)
         if span.is_recording():
-            span.set_attributes({"request_id": rid, "prompt_tokens": prompt_tokens, "stream": stream,
-                                 "dualpath.read_path.requested": _READ_PATH_NAMES.get(int(read_path), str(read_path))})
-            tok = tracer.start_span("gateway.tokenize", context=trace.set_span_in_context(span), start_time=t_start_ns,
-                                    attributes={"prompt_tokens": prompt_tokens})
+            span.set_attributes(
+                {
+                    "request_id": rid,
+                    "prompt_tokens": prompt_tokens,
+                    "stream": stream,
+                    "dualpath.read_path.requested": _READ_PATH_NAMES.get(int(read_path), str(read_path)),
+                }
+            )
+            tok = tracer.start_span(
+                "gateway.tokenize",
+                context=trace.set_span_in_context(span),
+                start_time=t_start_ns,
+                attributes={"prompt_tokens": prompt_tokens},
+            )
             tok.end(end_time=t_tokenized_ns or t_start_ns)
         self._live[rid] = _Live(span=span, t_start_ns=t_start_ns, prompt_tokens=prompt_tokens)
         return span
@@ -120,8 +138,14 @@ class RequestTelemetry:
         span = live.span
         if span.is_recording():
             info = out["info"]
-            attrs.update({"cached_tokens": out["cached_tokens"], "dualpath.read_path": info.get("read_path", ""),
-                          "prefill_engine": info.get("prefill_engine", ""), "decode_engine": info.get("decode_engine", "")})
+            attrs.update(
+                {
+                    "cached_tokens": out["cached_tokens"],
+                    "dualpath.read_path": info.get("read_path", ""),
+                    "prefill_engine": info.get("prefill_engine", ""),
+                    "decode_engine": info.get("decode_engine", ""),
+                }
+            )
             span.set_attributes(attrs)
             if reason == "error":
                 span.set_status(Status(StatusCode.ERROR, out["error"] or "request failed"))

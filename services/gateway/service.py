@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import uvicorn
+
 from dualpath.config import (
     BusConfig,
     GatewayConfig,
@@ -15,7 +16,6 @@ from dualpath.config import (
 from dualpath.telemetry.logs import configure_logging
 from dualpath.telemetry.metrics import configure_metrics, shutdown_metrics
 from dualpath.telemetry.tracing import configure_tracing, shutdown_tracing
-
 from services.gateway.app import build_app
 from services.gateway.core import Gateway
 
@@ -41,8 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_tracing()
         return 1
     try:
-        uvicorn.run(build_app(gw), host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
-                    timeout_graceful_shutdown=5)
+        uvicorn.run(build_app(gw), host=cfg.host, port=cfg.port, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
     finally:
         shutdown_metrics()
         shutdown_tracing()  # flush: spans of the last requests must not be lost

@@ -75,11 +75,17 @@ async def test_agents_sdk_completes_a_multi_turn_tool_loop_and_later_turns_hit_t
         return ToolsToFinalOutputResult(is_final_output=True, final_output="; ".join(str(r.output) for r in results))
 
     client = AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    agent = Agent(name="planner", instructions="Plan a trip: check the weather, then do the sums.",
-                  model=OpenAIChatCompletionsModel(model="tiny-qwen-template", openai_client=client),
-                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0.0, max_tokens=120,
-                                               include_usage=True),
-                  tools=[get_weather, add], tool_use_behavior=stop_after_three_tool_turns, reset_tool_choice=False)
+    agent = Agent(
+        name="planner",
+        instructions="Plan a trip: check the weather, then do the sums.",
+        model=OpenAIChatCompletionsModel(model="tiny-qwen-template", openai_client=client),
+        model_settings=ModelSettings(
+            tool_choice="required", parallel_tool_calls=False, temperature=0.0, max_tokens=120, include_usage=True
+        ),
+        tools=[get_weather, add],
+        tool_use_behavior=stop_after_three_tool_turns,
+        reset_tool_choice=False,
+    )
     ask = {"max_turns": TOOL_TURNS + 1, "run_config": RunConfig(tracing_disabled=True)}
     question = "Weather in Paris, and what is 2 + 3?" + (" (streamed)" if streamed else "")
     if streamed:  # tool calls arrive as OpenAI-style stream deltas, rebuilt by the SDK

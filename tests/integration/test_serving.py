@@ -30,8 +30,7 @@ def _client(stack) -> openai.OpenAI:
 def test_openai_client_completes_without_streaming(stack, tiny_model):
     client = _client(stack)
     model = client.models.list().data[0].id
-    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello there"}],
-                                         max_tokens=12, temperature=0)
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello there"}], max_tokens=12, temperature=0)
     assert out.choices[0].finish_reason in ("length", "stop")
     assert out.usage.completion_tokens == len(out.choices[0].message.content.encode()) or out.choices[0].finish_reason == "stop"
     assert out.usage.prompt_tokens > 0
@@ -43,8 +42,11 @@ def test_openai_client_streams_the_same_tokens_as_a_plain_request(stack):
     model = client.models.list().data[0].id
     prompt = "stream me something"
     plain = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
-    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=model, prompt=prompt, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == plain.choices[0].text
     assert len(text) > 0
@@ -56,8 +58,9 @@ def test_openai_client_streams_the_same_tokens_as_a_plain_request(stack):
 def test_chat_stream_via_openai_client_yields_role_then_content(stack):
     client = _client(stack)
     model = client.models.list().data[0].id
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
-                                            temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0, stream=True
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks)
@@ -95,19 +98,43 @@ def test_prompt_longer_than_context_is_a_400_that_says_so(stack):
     assert "maximum context length" in r.json()["error"]["message"]
 
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city", "parameters": {
-    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}}, "required": ["city"]}}},
-         {"type": "function", "function": {"name": "add", "description": "add two small numbers", "parameters": {
-             "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
-                                              "b": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a", "b"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}}, "required": ["city"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "add two small numbers",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["a", "b"],
+            },
+        },
+    },
+]
 
 
 def test_forced_tool_call_comes_back_as_tool_calls_streamed_or_not(stack):
     """The random tiny model never writes a call by itself; tool_choice=required makes it (a grammar)."""
     client = _client(stack)
     model = client.models.list().data[0].id
-    ask = {"model": model, "messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": TOOLS,
-               "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 120, "temperature": 0}
+    ask = {
+        "model": model,
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": 120,
+        "temperature": 0,
+    }
     out = client.chat.completions.create(**ask)
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -128,23 +155,49 @@ def test_forced_tool_call_comes_back_as_tool_calls_streamed_or_not(stack):
 def test_response_format_json_schema_gives_a_valid_object(stack):
     client = _client(stack)
     model = client.models.list().data[0].id
-    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer", "minimum": 0, "maximum": 5}},
-              "required": ["answer", "score"], "additionalProperties": False}
-    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Is it sunny?"}], max_tokens=60, temperature=0,
-                                         response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}})
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer", "minimum": 0, "maximum": 5}},
+        "required": ["answer", "score"],
+        "additionalProperties": False,
+    }
+    out = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Is it sunny?"}],
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}},
+    )
     value = json.loads(out.choices[0].message.content)
     assert value["answer"] in ("yes", "no") and 0 <= value["score"] <= 5
     assert out.choices[0].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "bogus"}}}}}]},
-     "tools[0].function.parameters"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "nope", "content": "1"}]}, "messages[1].tool_call_id"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-     "response_format.json_schema.schema"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "bogus"}}}},
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "nope", "content": "1"}]},
+            "messages[1].tool_call_id",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
+    ],
+)
 def test_bad_tools_and_schemas_are_400s_naming_the_field(stack, body, param):
     model = httpx.get(stack.url + "/v1/models").json()["data"][0]["id"]
     r = httpx.post(stack.url + "/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "hi"}], **body})
@@ -159,8 +212,15 @@ def test_metrics_on_the_api_port_show_latency_histograms_cache_ratio_read_paths_
     r = httpx.get(stack.url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text
-    for needle in ('dualpath_ttft_seconds_bucket{le="+Inf"}', "dualpath_tpot_seconds_count", "dualpath_cached_token_ratio",
-                   "dualpath_requests_total{read_path=", "dualpath_queue_length 0", "dualpath_scheduler_up 1", 'dualpath_engines{role="decode"} 1'):
+    for needle in (
+        'dualpath_ttft_seconds_bucket{le="+Inf"}',
+        "dualpath_tpot_seconds_count",
+        "dualpath_cached_token_ratio",
+        "dualpath_requests_total{read_path=",
+        "dualpath_queue_length 0",
+        "dualpath_scheduler_up 1",
+        'dualpath_engines{role="decode"} 1',
+    ):
         assert needle in text, needle
     count = next(line for line in text.splitlines() if line.startswith("dualpath_ttft_seconds_count"))
     assert int(count.split()[-1]) >= 1
@@ -173,13 +233,28 @@ def test_checkpoint_written_by_transformers_is_served_with_its_tokens_and_logpro
     import shutil
 
     import torch
+
     transformers = pytest.importorskip("transformers")
 
     torch.manual_seed(1)
-    cfg_cls, model_cls = ((transformers.Qwen2Config, transformers.Qwen2ForCausalLM) if family == "qwen2"
-                          else (transformers.LlamaConfig, transformers.LlamaForCausalLM))
-    cfg = cfg_cls(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.2, bos_token_id=256, eos_token_id=258)
+    cfg_cls, model_cls = (
+        (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)
+        if family == "qwen2"
+        else (transformers.LlamaConfig, transformers.LlamaForCausalLM)
+    )
+    cfg = cfg_cls(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        bos_token_id=256,
+        eos_token_id=258,
+    )
     model = model_cls(cfg).eval()
     ckpt = tmp_path / f"hf-{family}"
     model.save_pretrained(ckpt, max_shard_size="200KB")
@@ -197,8 +272,11 @@ def test_checkpoint_written_by_transformers_is_served_with_its_tokens_and_logpro
             ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
     s = start_stack(ckpt, tmp_path / "storage", tmp_path / "run")
     try:
-        r = httpx.post(s.url + "/v1/completions", timeout=120, json={
-            "model": ckpt.name, "prompt": prompt, "max_tokens": steps, "temperature": 0, "logprobs": 1, "ignore_eos": True})
+        r = httpx.post(
+            s.url + "/v1/completions",
+            timeout=120,
+            json={"model": ckpt.name, "prompt": prompt, "max_tokens": steps, "temperature": 0, "logprobs": 1, "ignore_eos": True},
+        )
         assert r.status_code == 200, r.text
         body = r.json()
     finally:

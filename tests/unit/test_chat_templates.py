@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import tokenizers
+
 from dualpath.chat.errors import ChatTemplateError
 from dualpath.chat.template import CHATML_TEMPLATE, ChatTemplate
 from dualpath.model import ModelLoadError, Tokenizer, make_tiny_model
@@ -24,34 +25,52 @@ SPECIALS = {
     "deepseek-v3": {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"},
 }
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                      "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City name"},
-                                                                                       "unit": {"enum": ["C", "F"]}},
-                                                     "required": ["city"]}}},
-    {"type": "function", "function": {"name": "add", "description": "Add two integers",
-                                      "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                                                     "required": ["a", "b"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "description": "City name"}, "unit": {"enum": ["C", "F"]}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]},
+        },
+    },
 ]
 PLAIN = [
     {"role": "system", "content": "You are terse. Ünïcode ✓"},
     {"role": "user", "content": "Hello!"},
     {"role": "assistant", "content": "Hi. What do you need?"},
-    {"role": "user", "content": "Tell me a <joke> & a \"quote\"."},
+    {"role": "user", "content": 'Tell me a <joke> & a "quote".'},
 ]
 # History with a tool call and its result. DeepSeek-V3's template concatenates ``arguments``
 # as text; Qwen's and Llama's render a mapping with ``tojson`` (HF's convention).
 TOOL_HISTORY = [
     {"role": "system", "content": "Use tools when useful."},
     {"role": "user", "content": "Weather in Paris, in C?"},
-    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
-                                                        "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}}]},
-    {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 21, \"sky\": \"clear\"}"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21, "sky": "clear"}'},
 ]
 DEEPSEEK_TOOL_HISTORY = [
     {"role": "user", "content": "Weather in Paris?"},
     {"role": "assistant", "content": "Let me check."},
-    {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 21}"},
-    {"role": "tool", "tool_call_id": "call_2", "content": "{\"temp\": 22}"},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+    {"role": "tool", "tool_call_id": "call_2", "content": '{"temp": 22}'},
     {"role": "assistant", "content": "21 degrees."},
     {"role": "user", "content": "And tomorrow?"},
 ]
@@ -83,7 +102,8 @@ def test_published_template_renders_exactly_what_transformers_renders(tiny, name
     messages, tool_list = _case(name, tools)
     expected = _hf(tiny, name).apply_chat_template(messages, tools=tool_list, tokenize=False, add_generation_prompt=generation_prompt)
     ours = ChatTemplate({"default": _source(name)}, special_tokens=SPECIALS[name]).render(
-        messages, tools=tool_list, add_generation_prompt=generation_prompt)
+        messages, tools=tool_list, add_generation_prompt=generation_prompt
+    )
     assert ours == expected
     if tools and name != "deepseek-v3":  # DeepSeek-V3's template does not show tool definitions
         assert "get_weather" in ours.split("Weather in Paris")[0]
@@ -92,12 +112,17 @@ def test_published_template_renders_exactly_what_transformers_renders(tiny, name
 def test_deepseek_tool_call_turn_renders_its_calls_where_transformers_drops_the_content_key():
     """transformers drops ``content=None`` and DeepSeek-V3's template then fails; we keep ``None``
     on assistant turns with tool calls, so the template renders its tool-call branch."""
-    messages = [{"role": "user", "content": "Weather?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
     text = ChatTemplate({"default": _source("deepseek-v3")}, special_tokens=SPECIALS["deepseek-v3"]).render(messages)
-    assert "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```" in text
+    assert '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n```' in text
     assert text.endswith("<｜tool▁output▁begin｜>sunny<｜tool▁output▁end｜><｜tool▁outputs▁end｜>")
 
 
@@ -127,8 +152,11 @@ def test_chat_template_jinja_file_replaces_the_config_template(tiny, tmp_path):
 
 
 def test_named_templates_pick_default_tool_use_or_a_name(tiny, tmp_path):
-    named = [{"name": "default", "template": "D{{ messages[0]['content'] }}"},
-             {"name": "tool_use", "template": "T{{ tools | length }}"}, {"name": "rag", "template": "R"}]
+    named = [
+        {"name": "default", "template": "D{{ messages[0]['content'] }}"},
+        {"name": "tool_use", "template": "T{{ tools | length }}"},
+        {"name": "rag", "template": "R"},
+    ]
     d = _checkpoint(tiny, tmp_path / "m", chat_template=named)
     tpl = Tokenizer.from_dir(d).chat_template
     assert tpl.render([{"role": "user", "content": "x"}]) == "Dx"
@@ -166,7 +194,8 @@ def test_raise_exception_and_sandbox_escapes_become_template_errors():
 
 def test_tojson_does_not_escape_html_and_honours_indent():
     out = ChatTemplate({"default": "{{ messages[0] | tojson }}|{{ {'a': [1]} | tojson(indent=2) }}"}).render(
-        [{"role": "user", "content": "<b>é</b>"}])
+        [{"role": "user", "content": "<b>é</b>"}]
+    )
     assert out == '{"role": "user", "content": "<b>é</b>"}|{\n  "a": [\n    1\n  ]\n}'
 
 

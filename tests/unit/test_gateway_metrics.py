@@ -8,9 +8,9 @@ import re
 from pathlib import Path
 
 import yaml
-from dualpath.protocol import messages as m
 from prometheus_client.parser import text_string_to_metric_families
 
+from dualpath.protocol import messages as m
 from services.gateway.metrics_page import ClusterFigures, Histogram, render_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,7 +83,8 @@ def test_compose_stack_loads_the_dashboard_from_prometheus_that_scrapes_the_api_
     scrape = {j["job_name"]: j["static_configs"][0]["targets"] for j in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"]}
     port = services["gateway"]["environment"]["DUALPATH_PORT"]
     assert scrape["dualpath-api"] == [f"gateway:{port}"]
-    dualpath_services = {name for name, svc in services.items() if str(svc.get("command", [""])[0]) == "dualpath"
-                         and "service" in svc.get("command", [])}
+    dualpath_services = {
+        name for name, svc in services.items() if str(svc.get("command", [""])[0]) == "dualpath" and "service" in svc.get("command", [])
+    }
     assert {t.split(":")[0] for t in scrape["dualpath-services"]} == dualpath_services
     assert compose["configs"]["prometheus-conf"]["file"] == "./prometheus.yml"

@@ -9,6 +9,7 @@ import json
 import jsonschema
 import pytest
 import torch
+
 from dualpath.chat.tools import FORMATS
 from dualpath.model import Decoder, SamplingParams, Tokenizer, make_tiny_model, sample
 from dualpath.model.sampling import grammar_constraint
@@ -18,11 +19,16 @@ from dualpath.structured.grammar import (
     lark_grammar,
 )
 
-SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo", "Lima"]},
-                                           "days": {"type": "integer", "minimum": 1, "maximum": 14},
-                                           "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 2},
-                                           "ok": {"type": "boolean"}},
-          "required": ["city", "days", "tags", "ok"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Tokyo", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 2},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["city", "days", "tags", "ok"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +92,22 @@ def test_replaying_the_first_tokens_into_a_fresh_grammar_continues_exactly(dec, 
 
 
 def test_forced_hermes_tool_call_is_well_formed_and_parses(dec, tok, tiny):
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}},
-             {"type": "function", "function": {"name": "add", "parameters": {
-                 "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]},
+            },
+        },
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a"]},
+            },
+        },
+    ]
     grammar = lark_grammar(FORMATS["hermes"].grammar(tools, parallel=False))
     ids = _generate(dec, tok, tiny, "<|im_start|>user\nweather?<|im_end|>\n<|im_start|>assistant\n", grammar)
     content, calls = FORMATS["hermes"].parse(tok.decode(ids))
@@ -97,8 +115,15 @@ def test_forced_hermes_tool_call_is_well_formed_and_parses(dec, tok, tiny):
 
 
 def test_forced_llama3_json_tool_call_parses_with_its_parameters(dec, tok, tiny):
-    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
-        "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["id"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "parameters": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["id"]},
+            },
+        }
+    ]
     grammar = lark_grammar(FORMATS["llama3_json"].grammar(tools, parallel=False))
     ids = _generate(dec, tok, tiny, "<|im_start|>user\nfind it<|im_end|>\n<|im_start|>assistant\n", grammar)
     content, calls = FORMATS["llama3_json"].parse(tok.decode(ids))
@@ -147,12 +172,26 @@ def test_auto_tool_choice_with_a_response_format_answers_either_a_call_or_that_j
     from dualpath.chat.template import ChatTemplate
     from dualpath.structured.grammar import vocabulary
 
-    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
-        "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["id"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "parameters": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["id"]},
+            },
+        }
+    ]
     schema = {"type": "object", "properties": {"done": {"type": "boolean"}}, "required": ["done"]}
-    plan = plan_chat([{"role": "user", "content": "go"}], template=ChatTemplate.from_dir(tiny), tool_format=FORMATS["hermes"],
-                     vocab=vocabulary(str(tiny), 400), tools=tools, tool_choice="auto", parallel_tool_calls=False,
-                     response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}})
+    plan = plan_chat(
+        [{"role": "user", "content": "go"}],
+        template=ChatTemplate.from_dir(tiny),
+        tool_format=FORMATS["hermes"],
+        vocab=vocabulary(str(tiny), 400),
+        tools=tools,
+        tool_choice="auto",
+        parallel_tool_calls=False,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+    )
     assert not plan.forced and plan.grammar
     for prompt in ("<|im_start|>user\ngo<|im_end|>\n<|im_start|>assistant\n", "abc", "Z9"):
         text = tok.decode(_generate(dec, tok, tiny, prompt, plan.grammar, max_tokens=100))

@@ -23,10 +23,22 @@ from dualpath.model import make_tiny_model
 from dualpath.structured.grammar import vocabulary
 
 HERMES, LLAMA = FORMATS["hermes"], FORMATS["llama3_json"]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
-         {"type": "function", "function": {"name": "add", "parameters": {
-             "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]},
+        },
+    },
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +47,10 @@ def tiny(tmp_path_factory):
 
 
 def test_hermes_answer_with_text_and_two_calls_parses_into_content_and_calls():
-    text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
+    text = (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    )
     content, calls = HERMES.parse(text)
     assert content == "Let me look."
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
@@ -70,8 +84,10 @@ def _assemble(deltas: list[dict]) -> tuple[str, list[dict]]:
     return content, [calls[i] for i in sorted(calls)]
 
 
-HERMES_TWO_CALLS = ('Checking <tool_c stuff.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris}"}}\n</tool_call>\n'
-                    '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, {"c": 3}]}}\n</tool_call>')
+HERMES_TWO_CALLS = (
+    'Checking <tool_c stuff.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris}"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, {"c": 3}]}}\n</tool_call>'
+)
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 1000])
@@ -79,7 +95,7 @@ def test_streamed_hermes_deltas_rebuild_the_same_content_and_calls(chunk):
     parser = StreamingToolParser(HERMES)
     deltas = []
     for i in range(0, len(HERMES_TWO_CALLS), chunk):
-        deltas += parser.feed(HERMES_TWO_CALLS[i:i + chunk])
+        deltas += parser.feed(HERMES_TWO_CALLS[i : i + chunk])
     deltas += parser.finish()
     content, calls = _assemble(deltas)
     assert content == "Checking <tool_c stuff."
@@ -119,8 +135,10 @@ def test_streamed_text_without_calls_is_all_content_and_llama_json_streams_its_c
     text = '{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get_weather", "parameters": {"city": "Oslo"}}'
     out = [d for ch in text for d in parser.feed(ch)] + parser.finish()
     content, calls = _assemble(out)
-    assert content == "" and [(c["name"], json.loads(c["arguments"])) for c in calls] == [("add", {"a": 1, "b": 2}),
-                                                                                          ("get_weather", {"city": "Oslo"})]
+    assert content == "" and [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("add", {"a": 1, "b": 2}),
+        ("get_weather", {"city": "Oslo"}),
+    ]
 
 
 def test_published_templates_choose_their_own_tool_format():
@@ -131,15 +149,20 @@ def test_published_templates_choose_their_own_tool_format():
 
 def test_format_follows_the_template_unless_named():
     assert format_for_template("... <tool_call> ...") is HERMES
-    assert format_for_template('{{- \'{"name": "\' + tool_call.name + \'", \' }}{{- \'"parameters": \' }}') is LLAMA
+    assert format_for_template("{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}") is LLAMA
     assert tool_format("llama3_json") is LLAMA
     with pytest.raises(ValueError, match="hermes"):
         tool_format("mistral")
 
 
 def _plan(tiny, messages=None, **kw):
-    return plan_chat(messages or [{"role": "user", "content": "hi"}], template=ChatTemplate.from_dir(tiny), tool_format=HERMES,
-                     vocab=vocabulary(str(tiny), 300), **kw)
+    return plan_chat(
+        messages or [{"role": "user", "content": "hi"}],
+        template=ChatTemplate.from_dir(tiny),
+        tool_format=HERMES,
+        vocab=vocabulary(str(tiny), 300),
+        **kw,
+    )
 
 
 def test_required_and_named_tool_choice_force_a_grammar_and_auto_does_not(tiny):
@@ -168,11 +191,16 @@ def test_tool_choice_naming_no_tool_is_refused(tiny):
 
 
 def test_tool_message_without_a_matching_call_is_refused_naming_it(tiny):
-    messages = [{"role": "user", "content": "hi"},
-                {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
-                                                                        "function": {"name": "add", "arguments": "{\"a\": 1, \"b\": 2}"}}]},
-                {"role": "tool", "tool_call_id": "c1", "content": "3"},
-                {"role": "tool", "tool_call_id": "c9", "content": "?"}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+        {"role": "tool", "tool_call_id": "c9", "content": "?"},
+    ]
     with pytest.raises(ToolSpecError) as err:
         _plan(tiny, messages, tools=TOOLS)
     assert err.value.param == "messages[3].tool_call_id"
@@ -190,8 +218,10 @@ def test_uncompilable_json_schema_is_refused_naming_the_field(tiny):
 
 
 def test_tool_call_arguments_that_are_not_json_are_refused(tiny):
-    messages = [{"role": "user", "content": "hi"},
-                {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{a: 1"}}]}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{a: 1"}}]},
+    ]
     with pytest.raises(ToolSpecError) as err:
         _plan(tiny, messages, tools=TOOLS)
     assert err.value.param == "messages[1].tool_calls[0].function.arguments"
@@ -204,13 +234,16 @@ def test_image_content_is_refused_naming_the_message(tiny):
 
 
 _names = st.sampled_from(["add", "get_weather", "x_1"])
-_args = st.dictionaries(st.sampled_from(["a", "city", "q"]), st.one_of(st.integers(-5, 99), st.text("ab\"}{<> ", max_size=6)), max_size=3)
+_args = st.dictionaries(st.sampled_from(["a", "city", "q"]), st.one_of(st.integers(-5, 99), st.text('ab"}{<> ', max_size=6)), max_size=3)
 
 
 @settings(max_examples=60, deadline=None)
-@given(content=st.text("abc <tol_>\n{}", max_size=12).filter(lambda t: not t[:1].isspace()),
-       calls=st.lists(st.tuples(_names, _args), max_size=3), fmt=st.sampled_from(["hermes", "llama3_json"]),
-       cuts=st.lists(st.integers(1, 9), min_size=1, max_size=40))
+@given(
+    content=st.text("abc <tol_>\n{}", max_size=12).filter(lambda t: not t[:1].isspace()),
+    calls=st.lists(st.tuples(_names, _args), max_size=3),
+    fmt=st.sampled_from(["hermes", "llama3_json"]),
+    cuts=st.lists(st.integers(1, 9), min_size=1, max_size=40),
+)
 def test_any_chunking_of_an_answer_streams_what_the_whole_answer_parses_to(content, calls, fmt, cuts):
     f = FORMATS[fmt]
     if fmt == "hermes":
@@ -221,7 +254,7 @@ def test_any_chunking_of_an_answer_streams_what_the_whole_answer_parses_to(conte
     deltas, pos, i = [], 0, 0
     while pos < len(text):
         step = cuts[i % len(cuts)]
-        deltas += parser.feed(text[pos:pos + step])
+        deltas += parser.feed(text[pos : pos + step])
         pos, i = pos + step, i + 1
     deltas += parser.finish()
     streamed_content, streamed_calls = _assemble(deltas)

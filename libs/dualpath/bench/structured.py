@@ -21,12 +21,25 @@ from pathlib import Path
 
 __all__ = ["main", "run_bench"]
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 24}, "count": {"type": "integer", "minimum": 0, "maximum": 100000},
-    "kind": {"enum": ["alpha", "beta", "gamma"]}, "ok": {"type": "boolean"},
-    "items": {"type": "array", "maxItems": 8, "items": {"type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 999}, "note": {"type": "string", "maxLength": 16}}, "required": ["id", "note"]}}},
-    "required": ["name", "count", "kind", "ok", "items"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "count": {"type": "integer", "minimum": 0, "maximum": 100000},
+        "kind": {"enum": ["alpha", "beta", "gamma"]},
+        "ok": {"type": "boolean"},
+        "items": {
+            "type": "array",
+            "maxItems": 8,
+            "items": {
+                "type": "object",
+                "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "note": {"type": "string", "maxLength": 16}},
+                "required": ["id", "note"],
+            },
+        },
+    },
+    "required": ["name", "count", "kind", "ok", "items"],
+}
 
 
 def _train_tokenizer(out: Path, vocab: int) -> Path:
@@ -43,8 +56,12 @@ def _train_tokenizer(out: Path, vocab: int) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
@@ -65,11 +82,11 @@ def _tokens_per_second(model_dir: str, vocab: int, tokens: int, grammar: str | N
     cons = grammar_constraint(params, model_dir)
     times, sentences = [], 1
     for i in range(tokens):
-        row = logits[i:i + 1]
+        row = logits[i : i + 1]
         t0 = time.perf_counter()
         tok = sample(row, [params], [None], eos_ids=eos, constraints=[cons])[0]
         times.append(time.perf_counter() - t0)
-        if grammar is not None and (tok.token_id in eos or cons.finished):
+        if cons is not None and (tok.token_id in eos or cons.finished):
             cons = grammar_constraint(params, model_dir)  # a new sentence (cached grammar: a copy)
             sentences += 1
     return times, sentences
@@ -127,27 +144,43 @@ def run_bench(*, model: str | None = None, vocab: int = 32000, tokens: int = 200
         constrained, sentences = _tokens_per_second(model_dir, n_vocab, tokens, grammar)
         mask_only = _mask_only(model_dir, n_vocab, tokens, grammar)
     p50 = statistics.median
-    return {"vocab": n_vocab, "tokens": tokens, "sentences": sentences, "tokenizer_source": model or f"BPE trained on the stdlib ({train_s:.1f} s)",
-            "vocabulary_build_ms": vocab_s * 1e3, "grammar_first_start_ms": first_s * 1e3, "grammar_cached_start_ms": cached_s * 1e3,
-            "sample_us_p50": p50(plain) * 1e6, "sample_us_mean": statistics.fmean(plain) * 1e6,
-            "constrained_us_p50": p50(constrained) * 1e6, "constrained_us_mean": statistics.fmean(constrained) * 1e6,
-            "constrained_us_p99": sorted(constrained)[int(0.99 * len(constrained))] * 1e6,
-            "overhead_us_per_token_p50": (p50(constrained) - p50(plain)) * 1e6,
-            "llguidance_mask_us_p50": p50(mask_only) * 1e6, "llguidance_mask_us_mean": statistics.fmean(mask_only) * 1e6}
+    return {
+        "vocab": n_vocab,
+        "tokens": tokens,
+        "sentences": sentences,
+        "tokenizer_source": model or f"BPE trained on the stdlib ({train_s:.1f} s)",
+        "vocabulary_build_ms": vocab_s * 1e3,
+        "grammar_first_start_ms": first_s * 1e3,
+        "grammar_cached_start_ms": cached_s * 1e3,
+        "sample_us_p50": p50(plain) * 1e6,
+        "sample_us_mean": statistics.fmean(plain) * 1e6,
+        "constrained_us_p50": p50(constrained) * 1e6,
+        "constrained_us_mean": statistics.fmean(constrained) * 1e6,
+        "constrained_us_p99": sorted(constrained)[int(0.99 * len(constrained))] * 1e6,
+        "overhead_us_per_token_p50": (p50(constrained) - p50(plain)) * 1e6,
+        "llguidance_mask_us_p50": p50(mask_only) * 1e6,
+        "llguidance_mask_us_mean": statistics.fmean(mask_only) * 1e6,
+    }
 
 
 def format_report(r: dict) -> str:
-    return "\n".join([
-        f"constrained decoding, vocabulary {r['vocab']} tokens ({r['tokenizer_source']}), {r['tokens']} tokens, {r['sentences']} JSON sentences",
-        f"  vocabulary build (once per checkpoint):   {r['vocabulary_build_ms']:9.1f} ms",
-        f"  grammar compile (first request):          {r['grammar_first_start_ms']:9.2f} ms",
-        f"  grammar start (cached, later requests):   {r['grammar_cached_start_ms']:9.2f} ms",
-        f"  sample() per token, unconstrained:        {r['sample_us_p50']:9.1f} us p50  {r['sample_us_mean']:9.1f} us mean",
-        (f"  sample() per token, under the grammar:    {r['constrained_us_p50']:9.1f} us p50  {r['constrained_us_mean']:9.1f} us mean"
-         f"  {r['constrained_us_p99']:9.1f} us p99"),
-        f"  cost of the mask per token (p50):         {r['overhead_us_per_token_p50']:9.1f} us",
-        f"  of which llguidance's bitmask:            {r['llguidance_mask_us_p50']:9.1f} us p50  {r['llguidance_mask_us_mean']:9.1f} us mean",
-    ])
+    return "\n".join(
+        [
+            f"constrained decoding, vocabulary {r['vocab']} tokens ({r['tokenizer_source']}), "
+            f"{r['tokens']} tokens, {r['sentences']} JSON sentences",
+            f"  vocabulary build (once per checkpoint):   {r['vocabulary_build_ms']:9.1f} ms",
+            f"  grammar compile (first request):          {r['grammar_first_start_ms']:9.2f} ms",
+            f"  grammar start (cached, later requests):   {r['grammar_cached_start_ms']:9.2f} ms",
+            f"  sample() per token, unconstrained:        {r['sample_us_p50']:9.1f} us p50  {r['sample_us_mean']:9.1f} us mean",
+            (
+                f"  sample() per token, under the grammar:    {r['constrained_us_p50']:9.1f} us p50  "
+                f"{r['constrained_us_mean']:9.1f} us mean  {r['constrained_us_p99']:9.1f} us p99"
+            ),
+            f"  cost of the mask per token (p50):         {r['overhead_us_per_token_p50']:9.1f} us",
+            f"  of which llguidance's bitmask:            {r['llguidance_mask_us_p50']:9.1f} us p50  "
+            f"{r['llguidance_mask_us_mean']:9.1f} us mean",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,10 +46,19 @@ class ChatPlan:
     forced: bool = False  # a tool call is forced (tool_choice required / named)
 
 
-def plan_chat(messages: list[dict[str, Any]], *, template: ChatTemplate, tool_format: ToolFormat,
-              vocab: llg.LLTokenizer | None, tools: list[dict] | None = None, tool_choice: Any = None,
-              parallel_tool_calls: bool = True, response_format: dict | None = None,
-              template_name: str | None = None, template_kwargs: dict | None = None) -> ChatPlan:
+def plan_chat(
+    messages: list[dict[str, Any]],
+    *,
+    template: ChatTemplate,
+    tool_format: ToolFormat,
+    vocab: llg.LLTokenizer | None,
+    tools: list[dict] | None = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: bool = True,
+    response_format: dict | None = None,
+    template_name: str | None = None,
+    template_kwargs: dict | None = None,
+) -> ChatPlan:
     """Render the prompt and build the grammar (checked against ``vocab``).
 
     Raises:
@@ -62,14 +71,13 @@ def plan_chat(messages: list[dict[str, Any]], *, template: ChatTemplate, tool_fo
     choice = _choice(tool_choice, tools)
     as_text = template.arguments_as_text(template_name, tools=bool(tools))
     history = _check_history(messages, as_text)
-    prompt = template.render(history, tools=tools or None, add_generation_prompt=True, template=template_name,
-                             **(template_kwargs or {}))
+    prompt = template.render(history, tools=tools or None, add_generation_prompt=True, template=template_name, **(template_kwargs or {}))
     answer = _answer_grammar(response_format, vocab)
     grammar, forced = None, False
     if tools and choice not in ("none", "auto"):
         chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
         grammar, forced = lark_grammar(tool_format.grammar(chosen, parallel=parallel_tool_calls and choice == "required")), True
-    elif tools and choice == "auto" and answer is not None:
+    elif tools and choice == "auto" and answer is not None and response_format is not None:
         grammar = _calls_or_answer(tool_format, tools, parallel_tool_calls, response_format)
     else:
         grammar = answer
@@ -139,8 +147,10 @@ def _check_history(messages: list[dict[str, Any]], arguments_as_text: bool) -> l
         elif msg.get("role") == "tool":
             cid = msg.get("tool_call_id")
             if not isinstance(cid, str) or cid not in called:
-                raise ToolSpecError(f"messages[{i}] is a tool result for {cid!r}, which no earlier assistant message called",
-                                    param=f"messages[{i}].tool_call_id")
+                raise ToolSpecError(
+                    f"messages[{i}] is a tool result for {cid!r}, which no earlier assistant message called",
+                    param=f"messages[{i}].tool_call_id",
+                )
         out.append(msg)
     return out
 
@@ -186,15 +196,16 @@ def _answer_schema(response_format: dict | None) -> dict | None:
             raise GrammarError("response_format.json_schema must be an object with a 'schema'", param="response_format.json_schema")
         schema = spec.get("schema", {})
         if not isinstance(schema, dict):
-            raise GrammarError("response_format.json_schema.schema must be a JSON schema object",
-                               param="response_format.json_schema.schema")
+            raise GrammarError(
+                "response_format.json_schema.schema must be a JSON schema object", param="response_format.json_schema.schema"
+            )
         return schema
     raise GrammarError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", param="response_format.type")
 
 
 def _answer_grammar(response_format: dict | None, vocab: llg.LLTokenizer | None) -> str | None:
     schema = _answer_schema(response_format)
-    if schema is None:
+    if schema is None or response_format is None:
         return None
     if response_format.get("type") == "json_object":
         return json_object_grammar()
@@ -206,4 +217,4 @@ def _answer_grammar(response_format: dict | None, vocab: llg.LLTokenizer | None)
 def _calls_or_answer(fmt: ToolFormat, tools: list[dict], parallel: bool, response_format: dict) -> str:
     """Tool calls in ``fmt`` or the JSON answer: the grammar of ``tool_choice: auto`` with a response format."""
     renamed = fmt.grammar(tools, parallel=parallel).replace("start:", "calls:", 1)
-    return lark_grammar(f"start: calls | answer\nanswer: {lark_json_rule(_answer_schema(response_format))}\n{renamed}")
+    return lark_grammar(f"start: calls | answer\nanswer: {lark_json_rule(_answer_schema(response_format) or {})}\n{renamed}")

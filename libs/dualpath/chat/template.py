@@ -164,8 +164,16 @@ class ChatTemplate:
             return next(iter(self.templates.values()))
         raise ChatTemplateError(f"this checkpoint has several chat templates and no default: {sorted(self.templates)}")
 
-    def render(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
-               template: str | None = None, documents: list[dict] | None = None, **kwargs: Any) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        template: str | None = None,
+        documents: list[dict] | None = None,
+        **kwargs: Any,
+    ) -> str:
         """The prompt text of ``messages`` (HF's ``apply_chat_template(..., tokenize=False)``).
 
         ``kwargs`` are extra template variables (``chat_template_kwargs``), over the special tokens.
@@ -180,16 +188,18 @@ class ChatTemplate:
         compiled = _compile(text)
         try:
             try:
-                return compiled.render(messages=chat, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
-                                       **variables)
+                return compiled.render(
+                    messages=chat, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt, **variables
+                )
             except (TypeError, jinja2.UndefinedError):
                 if not any("content" in m and m["content"] is None for m in chat):
                     raise
                 # A template that concatenates content (plain ChatML) cannot take the None of a
                 # tool-call turn: render that turn with empty text instead.
                 chat = [{**m, "content": ""} if "content" in m and m["content"] is None else m for m in chat]
-                return compiled.render(messages=chat, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
-                                       **variables)
+                return compiled.render(
+                    messages=chat, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt, **variables
+                )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused these messages: {exc}") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:

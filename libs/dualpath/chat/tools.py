@@ -73,7 +73,7 @@ class HermesFormat(ToolFormat):
         at = text.find(self.start)
         if at == -1:
             return text, []
-        calls = []
+        calls: list[ToolCall] = []
         for match in self._call.finditer(text, at):
             try:
                 call = _call_from(json.loads(match.group(1)), "arguments")
@@ -134,8 +134,12 @@ class Llama3JsonFormat(ToolFormat):
 def _call_schema(tool: dict, args_key: str) -> dict:
     fn = tool["function"]
     params = fn.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
-            "required": ["name", args_key], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": fn["name"]}, args_key: params},
+        "required": ["name", args_key],
+        "additionalProperties": False,
+    }
 
 
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Llama3JsonFormat())}
@@ -161,11 +165,16 @@ def format_for_template(template: str) -> ToolFormat:
     return FORMATS["hermes"]
 
 
+_SCALAR_END = re.compile(r"[,}\]\s]")
+
+
 def _raw_arguments(header: re.Pattern, text: str, at: int) -> str | None:
     """The arguments value of the call at ``text[at:]`` exactly as written, if it has the usual shape."""
     m = header.match(text, at)
-    end = _value_end(text, m.end()) if m else None
-    return text[m.end():end].strip() if end is not None else None
+    if m is None:
+        return None
+    end = _value_end(text, m.end())
+    return text[m.end() : end].strip() if end is not None else None
 
 
 def _value_end(text: str, start: int) -> int | None:
@@ -176,9 +185,9 @@ def _value_end(text: str, start: int) -> int | None:
         i += 1
     if i >= n:
         return None
-    if text[i] not in "{[\"":
-        m = re.compile(r"[^,}\]\s]*").match(text, i)
-        return m.end() if m.end() < n else None
+    if text[i] not in '{["':
+        stop = _SCALAR_END.search(text, i)
+        return stop.start() if stop is not None else None
     depth, in_str, escaped = 0, False, False
     for j in range(i, n):
         c = text[j]
@@ -236,17 +245,17 @@ class StreamingToolParser:
     def finish(self) -> list[dict[str, Any]]:
         """The remaining deltas once the answer ended."""
         if not self._in_calls:
-            rest = self.text[self._sent:]
+            rest = self.text[self._sent :]
             self._sent = len(self.text)
             return [{"content": rest}] if rest else []
         out = self._calls()
-        rest = self.text[self._pos:]
+        rest = self.text[self._pos :]
         if self._state == "seek" and rest.strip():
             _, calls = self.fmt.parse(rest)
             if calls:
                 out += [self._whole(c) for c in calls]
             elif not self.calls:  # never a well-formed call: it was text after all
-                out.append({"content": self.text[self._sent:]})
+                out.append({"content": self.text[self._sent :]})
             self._pos = len(self.text)
         return out
 
@@ -259,26 +268,30 @@ class StreamingToolParser:
                 return []
             if not stripped:
                 return []
-            piece, self._sent = self.text[self._sent:], len(self.text)
+            piece, self._sent = self.text[self._sent :], len(self.text)
             return [{"content": piece}] if piece else []
         at = self.text.find(start, self._sent)
         if at != -1:
             self._in_calls = True
-            piece = self.text[self._sent:at].rstrip() if at > self._sent else ""
+            piece = self.text[self._sent : at].rstrip() if at > self._sent else ""
             self._sent = self._pos = at
             return [{"content": piece}] if piece else []
         hold = next((k for k in range(min(len(start) - 1, len(self.text) - self._sent), 0, -1) if self.text.endswith(start[:k])), 0)
         ready = len(self.text) - hold
-        ready = self._sent + len(self.text[self._sent:ready].rstrip())  # whitespace before a call is not content
+        ready = self._sent + len(self.text[self._sent : ready].rstrip())  # whitespace before a call is not content
         if ready <= self._sent:
             return []
-        piece, self._sent = self.text[self._sent:ready], ready
+        piece, self._sent = self.text[self._sent : ready], ready
         return [{"content": piece}]
 
     def _whole(self, call: ToolCall) -> dict[str, Any]:
         index = len(self.calls)
         self.calls.append(call)
-        return {"tool_calls": [{"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]}
+        return {
+            "tool_calls": [
+                {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            ]
+        }
 
     def _calls(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -292,29 +305,30 @@ class StreamingToolParser:
                         return out
                     # A call in another shape (keys reordered): send it whole.
                     segment_end = end + len(self.fmt.end_marker)
-                    out += [self._whole(c) for c in self.fmt.parse(text[self._pos:segment_end])[1]]
+                    out += [self._whole(c) for c in self.fmt.parse(text[self._pos : segment_end])[1]]
                     self._pos = segment_end
                     continue
                 call = ToolCall(name=json.loads('"' + m.group(1) + '"'), arguments="")
                 index = len(self.calls)
                 self.calls.append(call)
-                out.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
-                                            "function": {"name": call.name, "arguments": ""}}]})
+                out.append(
+                    {"tool_calls": [{"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]}
+                )
                 self._state, self._args_from = "args", m.end()
                 self._args_sent = m.end()
             if self._state == "args":
-                end = _value_end(text, self._args_from)
-                upto = end if end is not None else len(text)
+                value_end = _value_end(text, self._args_from)
+                upto = value_end if value_end is not None else len(text)
                 if upto > self._args_sent:
-                    piece = text[self._args_sent:upto]
+                    piece = text[self._args_sent : upto]
                     piece = piece.lstrip() if self._args_sent == self._args_from else piece
                     self._args_sent = upto
                     if piece:
                         self.calls[-1].arguments += piece
                         out.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": piece}}]})
-                if end is None:
+                if value_end is None:
                     return out
-                self._state, self._pos = "close", end
+                self._state, self._pos = "close", value_end
             if self._state == "close":
                 m = self.fmt.close.match(text, self._pos)
                 if m is None:

@@ -59,10 +59,8 @@ class SamplingParams:
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (0 <= self.min_tokens <= self.max_tokens,
-             f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
-            (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
-             f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"),
+            (0 <= self.min_tokens <= self.max_tokens, f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
+            (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"),
             (all(t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be >= 0: {self.stop_token_ids}"),
         )
         for ok, message in checks:
@@ -110,22 +108,25 @@ def sample(
     suppress = list(suppress_eos) if suppress_eos is not None else [False] * batch
     cons = list(constraints) if constraints is not None else [None] * batch
     if not len(params) == len(generators) == len(suppress) == len(cons) == batch:
-        raise ModelInputError(f"{batch} logit rows but {len(params)} params, {len(generators)} generators, "
-                              f"{len(suppress)} suppress_eos entries, {len(cons)} constraints")
+        raise ModelInputError(
+            f"{batch} logit rows but {len(params)} params, {len(generators)} generators, "
+            f"{len(suppress)} suppress_eos entries, {len(cons)} constraints"
+        )
     raw = logits.float()
     logprobs = torch.log_softmax(raw, dim=-1)  # [B, V]
     eos = torch.tensor(sorted(i for i in eos_ids if 0 <= i < vocab), dtype=torch.long, device=raw.device)
     out = []
     for i, p in enumerate(params):
         row = raw[i]
-        if cons[i] is not None:
-            row = cons[i].apply(row)
+        con = cons[i]
+        if con is not None:
+            row = con.apply(row)
         if suppress[i] and eos.numel():
             kept = row.index_fill(0, eos, float("-inf"))
-            row = kept if cons[i] is None or bool(torch.isfinite(kept).any()) else row
+            row = kept if con is None or bool(torch.isfinite(kept).any()) else row
         token = int(row.argmax()) if p.temperature == 0.0 else _draw(row, p, generators[i])
-        if cons[i] is not None:
-            cons[i].accept(token)
+        if con is not None:
+            con.accept(token)
         top: tuple[tuple[int, float], ...] = ()
         if p.top_logprobs:
             # Stable sort: equal logprobs are listed lowest id first, like the greedy choice.

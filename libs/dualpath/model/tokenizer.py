@@ -33,8 +33,9 @@ class Tokenizer:
     appear in the text given to ``encode``.
     """
 
-    def __init__(self, tokenizer: HFTokenizer, *, eos_token_ids: frozenset[int], chat_template: ChatTemplate | None = None,
-                 path: Path | None = None) -> None:
+    def __init__(
+        self, tokenizer: HFTokenizer, *, eos_token_ids: frozenset[int], chat_template: ChatTemplate | None = None, path: Path | None = None
+    ) -> None:
         self._tok = tokenizer
         self.eos_token_ids = eos_token_ids
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -104,8 +105,9 @@ class Tokenizer:
         """Id of a vocabulary entry (e.g. ``"<|im_end|>"``), or ``None``."""
         return self._tok.token_to_id(token)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
-                    tools: list[dict] | None = None, **kwargs: Any) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *, tools: list[dict] | None = None, **kwargs: Any
+    ) -> str:
         """Prompt text of ``messages`` rendered with the checkpoint's chat template.
 
         Content is a string, ``None`` (rendered as empty text, except on an assistant turn

@@ -56,7 +56,7 @@ class TokenConstraint:
         self.model_dir = model_dir
         self._prefix = list(prefix)
         self._matcher: llg.LLMatcher | None = None
-        self._mask: np.ndarray | None = None  # [ceil(V / 32)] int32 bitmask, bit i of word w: token 32 * w + i
+        self._mask = np.zeros(0, dtype=np.int32)  # [ceil(V / 32)] int32 bitmask, bit i of word w: token 32 * w + i
 
     def _start(self, n_vocab: int) -> llg.LLMatcher:
         vocab = vocabulary(self.model_dir, n_vocab)
