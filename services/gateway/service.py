@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import uvicorn
 
+from dualpath.chat.tools import FORMATS
 from dualpath.config import (
     BusConfig,
     GatewayConfig,
@@ -30,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    parser_name = from_args(GatewayConfig, ns).tool_parser
+    if parser_name not in ("", "auto", *FORMATS):
+        print(f"gateway: --tool-parser must be auto or one of {', '.join(sorted(FORMATS))}, got {parser_name!r}", file=sys.stderr)
+        return 2
     configure_logging("gateway")
     configure_tracing("gateway")
     try:

@@ -150,3 +150,11 @@ def test_chat_request_with_a_forced_tool_carries_a_grammar_and_the_rendered_tool
     assert '"name": "add"' in gw.tokenizer.decode(prep.prompt_tokens)  # the template rendered the tools
     plain = gw.prepare_chat(ChatCompletionRequest(model=gw.model_name, messages=[{"role": "user", "content": "hi"}]))
     assert "grammar" not in plain.sampling and plain.tool_format is None
+
+
+def test_unknown_tool_parser_flag_is_a_one_line_error_with_exit_code_2(tiny_model, capsys):
+    from services.gateway.service import main
+
+    assert main(["--model", str(tiny_model), "--tool-parser", "mistral"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hermes" in err[0] and "mistral" in err[0]
