@@ -42,7 +42,7 @@ class EventLoop:
         """Events scheduled and not yet run (stale ones included)."""
         return len(self._heap)
 
-    def run(self, until: float = float("inf"), *, tick: Callable[[float], None] | None = None, tick_every: int = 200_000) -> None:
+    def run(self, until: float = float("inf"), *, tick: Callable[[float], None] | None = None, tick_every: int = 20_000) -> None:
         """Run events until the heap is empty or the next one is later than ``until``.
 
         ``tick(now)`` is called every ``tick_every`` events (a progress bar's hook).
