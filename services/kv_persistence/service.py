@@ -34,7 +34,7 @@ from dualpath.ha.replicated_index import ReplicatedIndex
 from dualpath.kv import BlockIndex, BlockStore
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
-from dualpath.runtime import run_service
+from dualpath.runtime import periodic, run_service
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.metrics import observe
 from dualpath.telemetry.tracing import get_tracer
@@ -121,6 +121,10 @@ class KvPersistence:
             log.warning("block_delete_failed", error=str(exc), blocks=len(hashes))
 
 
+async def _compact(index: ReplicatedIndex, holder: str) -> None:
+    await index.maybe_compact(holder)
+
+
 def register_metrics(svc: KvPersistence) -> None:
     """Index size and the lookup hit rate in blocks (read at scrape time)."""
     observe("dualpath.index.blocks", "blocks recorded as persisted", lambda: [(len(svc.index), {})])
@@ -171,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         await bus.serve(subjects.kv_commit, svc.commit, m.CommitRequest, queue="kvp")
         await bus.serve(subjects.kv_remove, svc.remove, m.RemoveRequest, queue="kvp")
         try:
-            await stop.wait()
+            if isinstance(index, ReplicatedIndex):  # keep the stream short: snapshot and purge (one replica at a time)
+                await periodic(stop, 30.0, lambda: _compact(index, f"{bus_cfg.namespace}-kvp{cfg.replica_id}-{os.getpid()}"))
+            else:
+                await stop.wait()
         finally:
             if isinstance(index, ReplicatedIndex):
                 await index.close()

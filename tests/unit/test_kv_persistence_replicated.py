@@ -83,3 +83,48 @@ async def test_concurrent_commits_share_stream_records(js_server):
     finally:
         await a.close()
         await nc.close()
+
+
+async def test_compaction_snapshots_and_purges_and_replicas_start_from_the_snapshot(js_server):
+    nc_a, a = await _replica(js_server.url, compact_after=5)
+    nc_b, b = await _replica(js_server.url, compact_after=5)
+    try:
+        for i in range(8):
+            await a.commit(4, [1000 + i])
+        await b.wait_applied(a.applied)
+        assert await b.maybe_compact("b")
+        info = await nc_a.jetstream().stream_info(a.stream)
+        assert info.state.messages == 0 and info.state.first_seq == a.applied + 1  # every record is in the snapshot
+        await a.commit(4, [2000])
+        nc_c, c = await _replica(js_server.url)  # snapshot, then the record after it
+        try:
+            assert len(c) == 9 and c.longest_prefix(4, [2000]) == 1 and c.longest_prefix(4, [1003]) == 1
+        finally:
+            await c.close()
+            await nc_c.close()
+    finally:
+        for idx, nc in ((a, nc_a), (b, nc_b)):
+            await idx.close()
+            await nc.close()
+
+
+async def test_a_replica_that_missed_purged_records_reloads_the_snapshot(js_server):
+    nc_a, a = await _replica(js_server.url, compact_after=1)
+    nc_b, b = await _replica(js_server.url, compact_after=1)
+    try:
+        await a.commit(5, [1])
+        await b.wait_applied(a.applied)
+        await b.close()  # b stops following (as if paused) ...
+        for i in range(3):
+            await a.commit(5, [10 + i])
+        assert await a.maybe_compact("a")  # ... and the records it missed are purged
+        await a.commit(5, [20])
+        # b resumes following from its last record on; the next one it sees is past a gap
+        b._sub = await nc_b.jetstream().subscribe(SUBJECT, stream=b.stream, ordered_consumer=True, cb=b._on_record)  # noqa: SLF001
+        await asyncio.wait_for(b.wait_applied(a.applied), 10)
+        assert b.resyncs == 1
+        assert len(b) == len(a) == 5
+    finally:
+        for idx, nc in ((a, nc_a), (b, nc_b)):
+            await idx.close()
+            await nc.close()

@@ -20,6 +20,12 @@ rate. With a capacity, the replica that takes a commit chooses the blocks to evi
 least recently used leaves) and writes them into the record, so eviction is also identical
 everywhere.
 
+Compaction: when the stream holds more than ``compact_after`` records, one replica at a time
+(a JetStream KV lease) writes a snapshot of its index, taken at the stream sequence it has
+applied, to a JetStream object store, then purges the records up to that sequence. A replica
+starts from the snapshot and follows the stream from the next sequence; one that finds a gap
+(records purged before it applied them, e.g. after a long pause) reloads the snapshot.
+
 Record (msgpack map): ``{"v": 1, "ops": [op, ...]}``; an op is ``["c", digest, parent, [new
 hashes...], [evicted...]]`` (commit ``new`` under ``parent``, 0 for the root) or ``["r",
 digest, [hashes...]]`` (remove them and their descendants).
@@ -33,8 +39,9 @@ from typing import Any
 
 import msgpack
 from nats.js import JetStreamContext, api
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, BucketNotFoundError, NotFoundError, ObjectNotFoundError
 
+from dualpath.ha.lease import LeaderLease
 from dualpath.kv import BlockIndex
 from dualpath.kv.hashing import check_u64
 from dualpath.kv.trie import check_chain
@@ -44,6 +51,7 @@ __all__ = ["RECORD_VERSION", "ReplicatedIndex", "ReplicationError", "stream_name
 
 log = get_logger("kv-index")
 RECORD_VERSION = 1
+SNAPSHOT = "index"  # the object holding the latest snapshot
 
 
 class ReplicationError(RuntimeError):
@@ -59,9 +67,11 @@ class ReplicatedIndex:
     """One replica's copy of the index, kept in step with the stream."""
 
     def __init__(self, js: JetStreamContext, namespace: str, subject: str, *, capacity_blocks: int | None = None,
-                 max_batch_ops: int = 512, ack_timeout: float = 10.0) -> None:
+                 max_batch_ops: int = 512, ack_timeout: float = 10.0, compact_after: int = 100_000) -> None:
         self.js = js
         self.stream = stream_name(namespace)
+        self.snapshots = f"{self.stream}_snap"  # object store bucket of the snapshot
+        self.compact_after = compact_after
         self.subject = subject
         self.capacity = capacity_blocks
         # unbounded here: evictions come only from records; recency is kept only to choose them
@@ -74,6 +84,8 @@ class ReplicatedIndex:
         self._flushing = False
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._sub = None
+        self._resyncing = False
+        self.resyncs = 0  # snapshot reloads after a gap
 
     # ---- start-up ------------------------------------------------------------------------------
     async def start(self, *, replicas: int = 3, timeout: float = 60.0) -> None:
@@ -86,12 +98,68 @@ class ReplicatedIndex:
             ReplicationError: JetStream did not answer within ``timeout``.
         """
         deadline = asyncio.get_running_loop().time() + timeout
-        last = await self._ensure_stream(replicas, deadline)
-        self._sub = await self.js.subscribe(self.subject, stream=self.stream, ordered_consumer=True,
-                                            deliver_policy=api.DeliverPolicy.ALL, cb=self._on_record)
-        if last:
+        await self._ensure_stream(replicas, deadline)
+        self._replicas = replicas
+        last = await self._follow()
+        if last > self.applied:
             await asyncio.wait_for(self.wait_applied(last), max(1.0, deadline - asyncio.get_running_loop().time()))
-        log.info("index_replayed", blocks=len(self.index), records=self.applied, stream=self.stream)
+        log.info("index_replayed", blocks=len(self.index), applied=self.applied, stream=self.stream)
+
+    async def _follow(self) -> int:
+        """Load the snapshot, subscribe from the record after it; returns the stream's last sequence."""
+        for attempt in range(100):
+            base = await self._load_snapshot()
+            info = await self.js.stream_info(self.stream)
+            if info.state.messages == 0 or info.state.first_seq <= base + 1:
+                break
+            if attempt == 99:  # the snapshot is gone: follow what is left rather than never serve
+                log.error("index_snapshot_missing", snapshot_seq=base, first_seq=info.state.first_seq)
+            await asyncio.sleep(0.1)  # purged past this snapshot: a newer one is being written
+        if base:
+            policy = {"deliver_policy": api.DeliverPolicy.BY_START_SEQUENCE, "config": api.ConsumerConfig(opt_start_seq=base + 1)}
+        else:
+            policy = {"deliver_policy": api.DeliverPolicy.ALL}
+        self._sub = await self.js.subscribe(self.subject, stream=self.stream, ordered_consumer=True, cb=self._on_record, **policy)
+        return info.state.last_seq
+
+    async def _load_snapshot(self) -> int:
+        """Replace the index with the stored snapshot; returns its stream sequence (0: none)."""
+        try:
+            store = await self.js.object_store(self.snapshots)
+            result = await store.get(SNAPSHOT)
+        except (NotFoundError, ObjectNotFoundError, BucketNotFoundError):
+            self.index.restore({})
+            self.applied = 0
+            return 0
+        snap = msgpack.unpackb(result.data, raw=False, strict_map_key=False)
+        self.index.restore({int(d): flat for d, flat in snap["models"].items()})
+        self.applied = snap["seq"]
+        log.info("index_snapshot_loaded", seq=self.applied, blocks=len(self.index))
+        return self.applied
+
+    async def maybe_compact(self, holder: str) -> bool:
+        """Snapshot and purge when the stream is longer than ``compact_after`` records and no
+        other replica is compacting. Returns True when this replica compacted."""
+        info = await self.js.stream_info(self.stream)
+        if info.state.messages < self.compact_after or self.applied < info.state.first_seq:
+            return False  # short enough, or this replica lags behind a newer snapshot
+        lease = LeaderLease(self.js, f"{self.stream}_compact", holder, ttl=60.0, margin=5.0)
+        if not await lease.try_acquire():
+            return False
+        try:
+            seq, models = self.applied, self.index.snapshot()  # no await in between: consistent at ``seq``
+            data = msgpack.packb({"v": RECORD_VERSION, "seq": seq, "models": models}, use_bin_type=True)
+            try:
+                store = await self.js.object_store(self.snapshots)
+            except (NotFoundError, BucketNotFoundError):
+                store = await self.js.create_object_store(self.snapshots, config=api.ObjectStoreConfig(
+                    bucket=self.snapshots, replicas=min(self._replicas, info.config.num_replicas or 1)))
+            await store.put(SNAPSHOT, data)
+            await self.js.purge_stream(self.stream, seq=seq + 1)  # records up to ``seq`` are in the snapshot
+            log.info("index_compacted", seq=seq, blocks=len(self.index), bytes=len(data))
+            return True
+        finally:
+            await lease.release()
 
     async def _ensure_stream(self, replicas: int, deadline: float) -> int:
         loop = asyncio.get_running_loop()
@@ -117,6 +185,18 @@ class ReplicatedIndex:
             await asyncio.sleep(0.5)
         raise ReplicationError(f"stream {self.stream}: JetStream not ready: {last_error}")
 
+    async def _resync(self, seen: int) -> None:
+        log.warning("index_gap", applied=self.applied, seen=seen)
+        try:
+            await self.close()
+            await self._follow()
+            self.resyncs += 1
+        except Exception as exc:  # noqa: BLE001 - keep serving the old copy; the next record retries
+            log.error("index_resync_failed", error=str(exc))
+        finally:
+            self._resyncing = False
+            self._wake()
+
     async def close(self) -> None:
         if self._sub is not None:
             sub, self._sub = self._sub, None
@@ -128,8 +208,12 @@ class ReplicatedIndex:
     # ---- applying the stream -------------------------------------------------------------------
     async def _on_record(self, msg) -> None:
         seq = msg.metadata.sequence.stream
-        if seq <= self.applied:
-            return  # a redelivery after the ordered consumer was reset
+        if seq <= self.applied or self._resyncing:
+            return  # a redelivery after the ordered consumer was reset, or a reload is under way
+        if seq > self.applied + 1:  # records were purged before we applied them: reload the snapshot
+            self._resyncing = True
+            asyncio.get_running_loop().create_task(self._resync(seq))  # owned by the flag; ends the old subscription
+            return
         try:
             record = msgpack.unpackb(msg.data, raw=False, strict_map_key=True)
             if not isinstance(record, dict) or record.get("v") != RECORD_VERSION:

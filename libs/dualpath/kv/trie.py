@@ -271,6 +271,32 @@ class BlockIndex:
                         break
             return out
 
+    def snapshot(self) -> dict[int, list[int]]:
+        """Every model's blocks as a flat ``[hash, parent, hash, parent, ...]`` list, least
+        recently used first (what ``restore`` takes)."""
+        with self._lock:
+            return {digest: [x for pair in trie.nodes.items() for x in pair] for digest, trie in self._tries.items()}
+
+    def restore(self, snapshot: dict[int, list[int]]) -> None:
+        """Replace the in-memory contents with ``snapshot`` (from ``snapshot()``); not logged.
+
+        Raises:
+            ValueError: a block's parent is not in the snapshot, or a list is malformed.
+        """
+        tries: dict[int, _Trie] = {}
+        for digest, flat in snapshot.items():
+            if len(flat) % 2:
+                raise ValueError(f"model {digest:x}: odd-length snapshot list")
+            trie = tries[digest] = _Trie()
+            for i in range(0, len(flat), 2):
+                trie.add(flat[i], flat[i + 1])
+            for h, parent in trie.nodes.items():
+                if parent and parent not in trie.nodes:
+                    raise ValueError(f"model {digest:x}: block {h:x} has no parent")
+        with self._lock:
+            self._check_open()
+            self._tries = {d: t for d, t in tries.items() if t.nodes}
+
     def count(self, model_digest: int) -> int:
         """Blocks indexed for one model."""
         trie = self._tries.get(model_digest)

@@ -10,7 +10,6 @@ import argparse
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 from dualpath.cli.launcher.stack import Stack, StackConfig, StackError
 from dualpath.cli.launcher.topology import parse_topology
