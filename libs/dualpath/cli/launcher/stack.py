@@ -220,9 +220,14 @@ class Stack:
                 raise StackError(f"service {name} exited with code {proc.returncode}:\n{tail}")
 
     def check_alive(self) -> None:
-        """Raise ``StackError`` if a service has exited and will not be restarted (unsupervised stack)."""
-        if not self.cfg.supervise:
-            self._check_alive()
+        """Raise ``StackError`` if any service has exited since the stack started, even one the
+        supervisor has restarted (a test's "nothing crashed" check)."""
+        deaths = [e for e in self.events if e.kind == "exited"]
+        if deaths:
+            first = deaths[0]
+            raise StackError(f"service {first.name} exited with code {first.code} ({len(deaths)} deaths in all):\n"
+                             f"{self.log_tail(first.name)}")
+        self._check_alive()
 
     def log_tail(self, name: str, lines: int = 15) -> str:
         path = self.logs / f"{name}.log"

@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while not stop.is_set():
             try:
-                stack.check_alive()
+                if not cfg.supervise:  # supervised stacks restart what dies instead
+                    stack.check_alive()
             except StackError as exc:
                 print(f"dualpath up: {exc}", file=sys.stderr)
                 code = 1
