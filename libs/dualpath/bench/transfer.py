@@ -6,7 +6,9 @@ batch latency, next to a plain memcpy of the same blocks (the limit on this mach
 when ``mooncake-transfer-engine`` is importable, Mooncake's Transfer Engine over TCP on
 loopback. Successive batches of a point rotate through up to 256 windows of a
 ``region_bytes`` region, so large copies come from memory rather than the CPU cache (for
-every column alike). Each point stops after ``point_seconds`` or ``point_bytes`` (at least
+every column alike). The columns are measured interleaved, point by point, in ``rounds``
+rounds (best round kept), so load from other processes on a shared machine falls on all of
+them alike. Each point stops after ``point_seconds`` or ``point_bytes`` (at least
 3 batches), and batches larger than ``max_batch_bytes`` are skipped, which keeps a run near a
 minute. A benchmark prints figures; the tests assert behaviour.
 """
@@ -14,6 +16,7 @@ minute. A benchmark prints figures; the tests assert behaviour.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import statistics
 import time
@@ -46,6 +49,7 @@ def run_bench(
     point_seconds: float = 0.2,
     point_bytes: int = 256 * MIB,
     with_mooncake: bool = True,
+    rounds: int = 3,
 ) -> dict[str, Any]:
     """Measure every (block, batch) point for memcpy, each transport and Mooncake; return
     a msgpack/JSON-able dict (see ``format_report``).
@@ -70,9 +74,18 @@ def run_bench(
     size = max(region_bytes, max_batch_bytes)
     started = time.perf_counter()
     floor = {"request_us": round(roundtrip_floor_us(0), 1), "reply_64k_us": round(roundtrip_floor_us(64 * KIB), 1)}
-    results: dict[str, dict[str, dict[str, float]]] = {}
-    for column in columns:
-        results[column] = _measure_column(column, op, shapes, size, point_seconds, point_bytes)
+    results: dict[str, dict[str, dict[str, float]]] = {c: {} for c in columns}
+    with contextlib.ExitStack() as stack:
+        meters = {c: stack.enter_context(_Column(c, op, size)) for c in columns}
+        # Interleaved: every point is measured for each column in turn, ``rounds`` times, and the
+        # best round kept, so a burst of load on a shared machine hits all columns alike.
+        for _ in range(rounds):
+            for block, batch in shapes:
+                for column, meter in meters.items():
+                    got = meter.point(block, batch, point_seconds / rounds, point_bytes)
+                    best = results[column].get(_key(block, batch))
+                    if best is None or got["latency_us"] < best["latency_us"]:
+                        results[column][_key(block, batch)] = got
     return {
         "op": op,
         "cpus": os.cpu_count(),
@@ -214,73 +227,63 @@ def _time_point(
     return {"gbps": nbytes * len(laps) / total / 1e9, "latency_us": statistics.median(laps) * 1e6}
 
 
-def _measure_column(
-    column: str, op: str, shapes: list[tuple[int, int]], size: int, seconds: float, max_bytes: int
-) -> dict[str, dict[str, float]]:
-    if column == "memcpy":
-        return _measure_memcpy(op, shapes, size, seconds, max_bytes)
-    if column == MOONCAKE:
-        with MooncakeLoopback(size) as mc:
-            out = {}
-            for b, n in shapes:
-                windows = layouts(b, n, size)
-                out[_key(b, n)] = _time_point(
-                    lambda i, w=windows: mc.batch(op, w[i % len(w)]), b * n, seconds, max_bytes
-                )
-            return out
-    return asyncio.run(_measure_transport(column, op, shapes, size, seconds, max_bytes))
+class _Column:
+    """One column of the table, open for the whole run: ``point`` measures one shape."""
 
+    def __init__(self, name: str, op: str, size: int) -> None:
+        self.name, self.op, self.size = name, op, size
+        self._stack = contextlib.ExitStack()
 
-def _measure_memcpy(
-    op: str, shapes: list[tuple[int, int]], size: int, seconds: float, max_bytes: int
-) -> dict[str, dict[str, float]]:
-    tag = uuid.uuid4().hex[:10]
-    with (
-        MemoryRegion(f"bench-memcpy-a-{tag}", size) as a,
-        MemoryRegion(f"bench-memcpy-b-{tag}", size) as b,
-    ):
-        a.as_array()[:] = 1  # fault every page in now, not inside the timed copies
-        b.as_array()[:] = 2
-        src, dst = (b.buf, a.buf) if op == "read" else (a.buf, b.buf)
-        out = {}
-        for block, batch in shapes:
-            windows = layouts(block, batch, size)
+    def __enter__(self) -> _Column:
+        if self.name == "memcpy":
+            tag = uuid.uuid4().hex[:10]
+            a = self._stack.enter_context(MemoryRegion(f"bench-memcpy-a-{tag}", self.size))
+            b = self._stack.enter_context(MemoryRegion(f"bench-memcpy-b-{tag}", self.size))
+            a.as_array()[:] = 1  # fault every page in now, not inside the timed copies
+            b.as_array()[:] = 2
+            self._src, self._dst = (b.buf, a.buf) if self.op == "read" else (a.buf, b.buf)
+        elif self.name == MOONCAKE:
+            self._mc = self._stack.enter_context(MooncakeLoopback(self.size))
+        else:
+            self._loop = asyncio.new_event_loop()
+            self._stack.callback(self._loop.close)
+            self._loop.run_until_complete(self._open_transport())
+        return self
 
-            def copy(i: int, windows: list[list[tuple[int, int, int]]] = windows) -> None:
+    async def _open_transport(self) -> None:
+        rid = self._rid = f"bench-{self.name}-{uuid.uuid4().hex[:10]}"
+        transport = create_transport(self.name, node_id="bench")
+        await transport.start()
+        self._stack.callback(lambda: self._loop.run_until_complete(transport.close()))
+        local = MemoryRegion(f"{rid}-local", self.size)
+        self._stack.callback(local.unlink)
+        self._stack.callback(local.close)
+        local.as_array()[:] = 1  # fault every page in now, not inside the timed transfers
+        peer = spawn_peer(self.name, {rid: self.size}, node_id="bench-peer")
+        self._stack.callback(peer.stop)
+        await transport.connect(peer.descriptors[rid])
+        self._move = transport.read if self.op == "read" else transport.write
+        self._local = local
+
+    def point(self, block: int, batch: int, seconds: float, max_bytes: int) -> dict[str, float]:
+        windows = layouts(block, batch, self.size)
+        nbytes = block * batch
+        if self.name == "memcpy":
+            src, dst = self._src, self._dst
+
+            def copy(i: int) -> None:
                 for lo, ro, n in windows[i % len(windows)]:
                     dst[lo : lo + n] = src[ro : ro + n]
 
-            out[_key(block, batch)] = _time_point(copy, block * batch, seconds, max_bytes)
-        return out
+            return _time_point(copy, nbytes, seconds, max_bytes)
+        if self.name == MOONCAKE:
+            return _time_point(lambda i: self._mc.batch(self.op, windows[i % len(windows)]), nbytes, seconds, max_bytes)
+        entries = [[TransferEntry(lo, self._rid, ro, n) for lo, ro, n in w] for w in windows]
+        return self._loop.run_until_complete(
+            _time_point_async(lambda i: self._move(self._local, entries[i % len(entries)]), nbytes, seconds, max_bytes))
 
-
-async def _measure_transport(
-    name: str, op: str, shapes: list[tuple[int, int]], size: int, seconds: float, max_bytes: int
-) -> dict[str, dict[str, float]]:
-    rid = f"bench-{name}-{uuid.uuid4().hex[:10]}"
-    transport = create_transport(name, node_id="bench")
-    await transport.start()
-    local = MemoryRegion(f"{rid}-local", size)
-    local.as_array()[:] = 1  # fault every page in now, not inside the timed transfers
-    peer = spawn_peer(name, {rid: size}, node_id="bench-peer")
-    try:
-        await transport.connect(peer.descriptors[rid])
-        move = transport.read if op == "read" else transport.write
-        out = {}
-        for block, batch in shapes:
-            windows = [
-                [TransferEntry(lo, rid, ro, n) for lo, ro, n in layout]
-                for layout in layouts(block, batch, size)
-            ]
-            out[_key(block, batch)] = await _time_point_async(
-                lambda i, w=windows: move(local, w[i % len(w)]), block * batch, seconds, max_bytes
-            )
-        return out
-    finally:
-        await transport.close()
-        peer.stop()
-        local.close()
-        local.unlink()
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
 
 
 async def _time_point_async(
