@@ -122,14 +122,14 @@ def format_offline(result: dict) -> str:
     lines = [(f"offline (simulated) {result['target']} {result['topology']} x{result['engines_per_node']} {result['dataset']}: "
              f"{result['agents']} agents x {result['turns'] or 'all'} turns"),
              (f"{'mode':<12} {'JCT s':>9} {'hit %':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'queue':>6} {'TTST p50':>9} {'TPOT p50':>9} "
-             f"{'SNIC max/avg util':>17} {'SNIC bytes m/a':>14} {'attn m/a 5%':>11} {'events':>9} {'wall s':>7}")]
+             f"{'SNIC max/avg util':>17} {'SNIC bytes m/a':>14} {'attn m/a 5%':>11} {'events':>9} {'wall s':>7} {'CPU s':>7}")]
     for r in result["modes"].values():
         lat = r["latency_s"]
         lines.append(f"{r['mode']:<12} {r['jct_s']:>9.1f} {_f(100 * (r['cache_hit_rate'] or 0), '.1f'):>6} "
                      f"{_f(lat['ttft'].get('p50'), '.3f'):>9} {_f(lat['ttft'].get('p99'), '.3f'):>9} {_f(r['ttft_share']['queueing']):>6} "
                      f"{_f(lat['ttst'].get('p50'), '.3f'):>9} {_f(lat['tpot'].get('p50'), '.3f'):>9} "
                      f"{_f(r['snic_util_max']) + '/' + _f(r['snic_util_avg']):>17} {_f(r['snic_bytes_max_over_avg']):>14} "
-                     f"{_f(r['attention_max_over_avg_early']):>11} {r['events']:>9} {r['wall_s']:>7.1f}")
+                     f"{_f(r['attention_max_over_avg_early']):>11} {r['events']:>9} {r['wall_s']:>7.1f} {r['cpu_s']:>7.1f}")
     for k, v in result["ratios"].items():
         lines.append(f"{k}: {_f(v)}x")
     lines.append(f"I/O bound (P+D)/P = {result['io_bound']:.2f}x")

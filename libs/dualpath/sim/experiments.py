@@ -75,7 +75,7 @@ def run_offline(base: SimConfig, workload: Workload, modes: list[str], *, ablati
         rows[mode]["stopped_at"] = None if until == float("inf") else until
         if say:
             say(f"[{mode}] JCT {sim.end_time:.1f} s (virtual), {sim.metrics.turns_done} turns, {sim.loop.events} events, "
-                f"wall {sim.wall_s:.1f} s")
+                f"wall {sim.wall_s:.1f} s, CPU {sim.cpu_s:.1f} s ({1e6 * sim.cpu_s / max(sim.metrics.turns_done, 1):.0f} us per turn)")
     jct = {m: r["jct_s"] for m, r in rows.items()}
 
     def ratio(a: str, b: str) -> float | None:

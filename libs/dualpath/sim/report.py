@@ -86,6 +86,7 @@ def run_figures(sim: Simulation) -> dict:
         "scheduler": {"passes": sim.scheduler.passes, "back_pressure": sim.scheduler.back_pressure,
                       "failures": sim.scheduler.failures},
         "events": sim.loop.events, "flows": sim.net.flows_done,
-        "wall_s": sim.wall_s, "peak_memory_mb": peak_memory_mb(),
+        "wall_s": sim.wall_s, "cpu_s": sim.cpu_s, "cpu_us_per_turn": 1e6 * sim.cpu_s / max(m.turns_done, 1),
+        "peak_memory_mb": peak_memory_mb(),
         "hbm_tokens_per_decode_engine": sim.hbm_tokens,
     }

@@ -71,6 +71,7 @@ class Simulation:
         self.agents_failed = 0
         self.end_time = 0.0
         self.wall_s = 0.0
+        self.cpu_s = 0.0
 
     def _build_nodes(self) -> None:
         cfg = self.cfg
@@ -191,9 +192,10 @@ class Simulation:
         """Run every agent to its end (or ``until``); returns the metrics."""
         for agent in self.agents:
             self.loop.at(agent.arrival, self._submit, agent)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         self.loop.run(until, tick=(lambda _t: tick(self)) if tick else None)
         self.wall_s = time.perf_counter() - t0
+        self.cpu_s = time.process_time() - c0  # what the run cost this process, however busy the machine
         if self.end_time == 0.0 or until != float("inf"):
             self.end_time = self.loop.now
         return self.metrics
