@@ -3,6 +3,10 @@
     dualpath trace show REQUEST_ID --file spans.jsonl       (DUALPATH_TRACE_FILE of the services)
     dualpath trace show REQUEST_ID --jaeger http://HOST:16686
     dualpath trace overhead [--model DIR] [--conversations 12] [--turns 4] [--json]
+    dualpath trace batches --file spans.jsonl [--json]
+
+``batches`` bins every prefill batch's predicted time against the compute quota and checks
+that none exceeds it but a lone minimal chunk (exit code 1 otherwise).
 
 ``show`` prints the request's trace as a tree: start offset and duration in ms per span, the
 service that recorded it, key attributes (scheduling decision, per-layer transfers...).
@@ -64,6 +68,21 @@ def show(request_id: str, *, file: str = "", jaeger: str = "", attr_width: int =
     return out
 
 
+def _batches(path: str, *, as_json: bool) -> int:
+    from dualpath.telemetry.batches import batch_report, render_batch_report
+
+    if not os.path.isfile(path):
+        print(f"dualpath trace: --file {path}: no such file", file=sys.stderr)
+        return 2
+    try:
+        report = batch_report(load_jsonl(path))
+    except TraceError as exc:
+        print(f"dualpath trace: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2) if as_json else render_batch_report(report))
+    return 1 if report["violations"] else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dualpath trace", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -73,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--file", default="", help="JSON-lines span file (what DUALPATH_TRACE_FILE pointed the services to)")
     src.add_argument("--jaeger", default="", help="Jaeger query base URL, e.g. http://127.0.0.1:16686")
     s.add_argument("--width", type=int, default=160, help="most characters of attributes per line")
+    b = sub.add_parser("batches", help="prefill batches' predicted times against the compute quota (histogram, check)")
+    b.add_argument("--file", required=True, help="JSON-lines span file (what DUALPATH_TRACE_FILE pointed the services to)")
+    b.add_argument("--json", action="store_true", help="print the figures as JSON")
     o = sub.add_parser("overhead", help="tracing on vs off, same run: how much prefill time tracing adds")
     o.add_argument("--model", default="", help="checkpoint directory (default: a tiny 8-layer model made in a temp dir)")
     o.add_argument("--conversations", type=int, default=12, help="conversations (each is traced or not, at random)")
@@ -96,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dualpath trace: {exc}", file=sys.stderr)
             return 1
         return 0
+    if ns.cmd == "batches":
+        return _batches(ns.file, as_json=ns.json)
     from dualpath.bench.trace_overhead import format_report, measure
 
     try:
