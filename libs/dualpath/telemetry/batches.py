@@ -33,7 +33,7 @@ def _bin(share: float) -> int:
 def batch_report(spans: Iterable[SpanRecord], *, block_tokens: int = 64) -> dict[str, Any]:
     """Histogram of predicted batch time / quota, the quota check and prediction vs charge."""
     attrs = [s.attributes for s in spans if s.name == "prefill.batch" and "predicted_s" in s.attributes and "quota_s" in s.attributes]
-    rows = [{"bin": label, "batches": 0, "chunked": 0, "requests": 0} for _, _, label in BINS]
+    rows: list[dict[str, Any]] = [{"bin": label, "batches": 0, "chunked": 0, "requests": 0} for _, _, label in BINS]
     violations = []
     for a in attrs:
         row = rows[_bin(a["predicted_s"] / a["quota_s"])]
