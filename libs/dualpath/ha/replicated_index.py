@@ -269,10 +269,10 @@ class ReplicatedIndex:
         check_u64("model_digest", model_digest)
         if not 0 <= start <= len(chain):
             raise ValueError(f"start {start} out of range for a chain of {len(chain)}")
-        chain = check_chain(chain)
-        new = chain[start:]
-        evicted = self._victims(model_digest, chain, len(new))
-        await self._submit(["c", model_digest, chain[start - 1] if start else 0, new, evicted])
+        used = check_chain(chain[start - 1 :] if start else chain)  # the parent and the new blocks are all a record carries
+        parent, new = (used[0], used[1:]) if start else (0, used)
+        evicted = self._victims(model_digest, chain, len(new)) if self.capacity is not None else []
+        await self._submit(["c", model_digest, parent, new, evicted])
         return evicted
 
     async def remove(self, model_digest: int, hashes: Sequence[int]) -> list[int]:
