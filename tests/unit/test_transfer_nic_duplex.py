@@ -9,6 +9,7 @@ import uuid
 
 import anyio
 import pytest
+
 from dualpath.transfer import (
     DuplexNic,
     EmulatedNic,
@@ -211,3 +212,41 @@ async def test_the_host_transport_does_not_change_the_modeled_time_of_a_transfer
             region.close()
             region.unlink()
     assert timeline["tcp"] == pytest.approx(timeline["shm"], rel=0.1), timeline
+
+
+_FIFO_CHILD = """
+import asyncio, sys, time
+from dualpath.transfer import EmulatedNic
+async def main():
+    link = EmulatedNic.attach(sys.argv[1])
+    waits = []
+    for _ in range(5):
+        t0 = time.monotonic()
+        await link.send(10_000)
+        waits.append(time.monotonic() - t0)
+    print(min(waits), max(waits))
+asyncio.run(main())
+"""
+
+
+async def test_a_shared_link_serves_another_process_first_come_first_served_beside_a_backlog() -> None:
+    """The owner keeps eight 50 KB jobs (2.5 ms each) queued at all times; another process's
+    jobs wait their turn behind the jobs queued before them: neither ahead of them nor until
+    the backlog ends."""
+    key = f"test-fifo-{uuid.uuid4().hex[:10]}"
+    link = EmulatedNic(RATE, name="shared", shared=key, chunk_bytes=50_000)
+    try:
+        async def backlog() -> None:
+            while True:
+                await link.send(50_000)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(8):
+                tg.start_soon(backlog)
+            result = await anyio.run_process([sys.executable, "-c", _FIFO_CHILD, key])
+            tg.cancel_scope.cancel()
+        shortest, longest = map(float, result.stdout.split())
+        assert shortest >= 0.010, shortest  # it never jumps the ~7 jobs (17 ms) queued before it
+        assert longest < 0.5, longest  # nor waits for the backlog to end
+    finally:
+        link.close()

@@ -22,7 +22,8 @@ counters in a small shared-memory segment guarded by ``flock``, so several proce
 host charge one link: the paper's hardware has one NIC per GPU, and a transfer touches the
 NICs at *both* ends (an engine reading a decode node's buffer is paced by the decode GPU's
 CNIC too, whoever initiates it). Each process queues its own waiters; whichever process's
-timer finds the link free grants its next job, MODEL before KV across all of them.
+timer finds the link free grants its next job, MODEL before KV across all of them and, within
+a class, first come first served (each process publishes its oldest job's enqueue time).
 ``EmulatedNic.attach(key)`` finds a link another process created (clocks are
 ``time.monotonic``: one system-wide clock).
 
@@ -57,8 +58,13 @@ __all__ = ["DuplexNic", "EmulatedNic", "NicDirectory", "chunk_bytes_for", "compl
 _HISTORY_S = 10.0  # grants older than this are dropped from the utilisation window
 
 # Fields of a link's state (float64 each), private or in shared memory.
-_BUSY, _CREDIT, _Q_MODEL, _Q_KV, _BUSY_S, _SENT_MODEL, _SENT_KV, _RATE, _CHUNK, _MIN_KV, _ONE_CLASS = range(11)
-_FIELDS = 11
+_BUSY, _CREDIT, _Q_MODEL, _Q_KV, _BUSY_S, _SENT_MODEL, _SENT_KV, _RATE, _CHUNK, _MIN_KV, _ONE_CLASS, _NEXT_SLOT = range(12)
+# Per process of a shared link, the enqueue times of its oldest MODEL and KV jobs, so the link
+# serves each class first come, first served across processes (as a NIC arbitrates its QPs).
+_SLOTS, _SLOT0 = 16, 12
+_FIELDS = _SLOT0 + 2 * _SLOTS
+_EMPTY = 1e300  # no job waiting
+_STALE_S = 5.0  # a head older than this belongs to a process that stopped serving it: ignored
 _QUEUED = {TrafficClass.MODEL: _Q_MODEL, TrafficClass.KV: _Q_KV}
 _SENT = {TrafficClass.MODEL: _SENT_MODEL, TrafficClass.KV: _SENT_KV}
 _SHM_DIR = "/dev/shm"
@@ -70,6 +76,7 @@ class _Waiter:
     nbytes: int
     future: asyncio.Future[float]
     cls: TrafficClass = TrafficClass.KV  # the class it is counted in (its queue may be the only one)
+    t: float = 0.0  # when it was queued (first come, first served across processes)
 
 
 def chunk_bytes_for(rate_bytes_per_s: float) -> int:
@@ -97,6 +104,11 @@ class _State:
         self._fd = fd
         self._mapping = mapping
         self.path = path
+
+    @property
+    def shared(self) -> bool:
+        """Whether other processes may use this state (it lives in shared memory)."""
+        return self._fd is not None
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[np.ndarray]:
@@ -170,6 +182,7 @@ class EmulatedNic:
         state = _State.create(shared) if shared else _State(np.zeros(_FIELDS, dtype=np.float64))
         with state.locked() as st:
             st[:] = 0.0
+            st[_SLOT0:] = _EMPTY
             st[_RATE], st[_CHUNK], st[_MIN_KV] = float(rate_bytes_per_s), chunk, min_kv_share
             st[_ONE_CLASS] = 1.0 if one_class else 0.0
         self._init(name, state, burst_bytes, max_lag_s, owner=True)
@@ -193,6 +206,14 @@ class EmulatedNic:
         self._grants: deque[tuple[float, float, TrafficClass, int]] = deque()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_loop: asyncio.AbstractEventLoop | None = None
+        self._slot: int | None = None  # this process's head slot (shared links)
+        if state.shared:
+            with state.locked() as st:
+                n = int(st[_NEXT_SLOT])
+                st[_NEXT_SLOT] = n + 1
+                if n < _SLOTS:
+                    self._slot = _SLOT0 + 2 * n
+                    st[self._slot] = st[self._slot + 1] = _EMPTY
 
     @classmethod
     def attach(cls, key: str, *, name: str = "") -> EmulatedNic:
@@ -215,6 +236,9 @@ class EmulatedNic:
         """Release a shared link's memory (the owner also removes it); idempotent."""
         if self.key and _attached.get(self.key) is self:
             del _attached[self.key]
+        if self._slot is not None and self._state.shared:
+            with self._state.locked() as st:
+                st[self._slot] = st[self._slot + 1] = _EMPTY
         self._state.close(unlink=self._owner)
 
     def enqueue(self, nbytes: int, traffic_class: TrafficClass = TrafficClass.KV) -> asyncio.Future[float]:
@@ -223,7 +247,7 @@ class EmulatedNic:
         chunks at once, so the link's timeline has no gaps while the host is slow to come
         back for the next one. ``withdraw`` a future that is no longer wanted."""
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(max(nbytes, 0), loop.create_future(), traffic_class)
+        waiter = _Waiter(max(nbytes, 0), loop.create_future(), traffic_class, time.monotonic())
         if nbytes <= 0:
             waiter.future.set_result(time.monotonic())
             return waiter.future
@@ -235,7 +259,8 @@ class EmulatedNic:
                 # at most ``burst_bytes`` of credit.
                 st[_BUSY] = max(st[_BUSY], time.monotonic() - self.burst_bytes / self.rate)
             st[_QUEUED[traffic_class]] += nbytes
-        self._queues[traffic_class].append(waiter)
+            self._queues[traffic_class].append(waiter)
+            self._publish(st)
         self._dispatch()
         return waiter.future
 
@@ -247,6 +272,7 @@ class EmulatedNic:
                     queue.remove(waiter)
                     with self._state.locked() as st:
                         st[_QUEUED[cls]] = max(0.0, st[_QUEUED[cls]] - waiter.nbytes)
+                        self._publish(st)
                     future.cancel()
                     self._dispatch()
                     return
@@ -307,11 +333,28 @@ class EmulatedNic:
             if overlap > 0:
                 yield overlap
 
+    def _publish(self, st: np.ndarray) -> None:
+        """Write this process's oldest waiting MODEL and KV enqueue times to its slot."""
+        if self._slot is not None:
+            model, kv = self._queues[TrafficClass.MODEL], self._queues[TrafficClass.KV]
+            st[self._slot] = model[0].t if model else _EMPTY
+            st[self._slot + 1] = kv[0].t if kv else _EMPTY
+
+    def _first(self, st: np.ndarray, queue: deque[_Waiter], offset: int) -> bool:
+        """Whether this process's head of ``queue`` is the oldest of its class on the link
+        (always true for a private link, or heads of processes that stopped serving them)."""
+        if self._slot is None or not queue:
+            return bool(queue)
+        mine = queue[0].t
+        floor = time.monotonic() - _STALE_S
+        heads = st[_SLOT0 + offset:_FIELDS:2]
+        return not bool(((heads < mine) & (heads > floor)).any())
+
     def _pick(self, st: np.ndarray) -> tuple[TrafficClass, _Waiter] | None:
-        """This process's next job, or None (nothing here, or only KV held back by MODEL
-        waiting in another process)."""
-        model = self._queues[TrafficClass.MODEL]
-        kv = self._queues[TrafficClass.KV]
+        """This process's next job, or None (nothing here, or another process's job of the
+        class goes first, or only KV held back by MODEL waiting elsewhere)."""
+        model = self._queues[TrafficClass.MODEL] if self._first(st, self._queues[TrafficClass.MODEL], 0) else deque()
+        kv = self._queues[TrafficClass.KV] if self._first(st, self._queues[TrafficClass.KV], 1) else deque()
         if model:
             if kv and st[_CREDIT] >= kv[0].nbytes:
                 st[_CREDIT] -= kv[0].nbytes
@@ -355,6 +398,7 @@ class EmulatedNic:
                 self._grants.append((start, start + duration, waiter.cls, waiter.nbytes))
                 waiter.future.set_result(start + duration)
                 break
+            self._publish(st)
             busy_until = float(st[_BUSY])
         while self._grants and self._grants[0][1] < now - _HISTORY_S:
             self._grants.popleft()
@@ -363,7 +407,7 @@ class EmulatedNic:
             self._timer = None
         if any(self._queues.values()) and self._timer is None:
             delay = max(busy_until - now, 0.0)
-            if blocked:  # another process's MODEL job goes first; look again shortly
+            if blocked:  # another process's job goes first; look again shortly
                 delay = max(delay, 0.25 * self.chunk_bytes / self.rate)
             self._timer_loop = loop
             self._timer = loop.call_later(delay, self._on_timer)
@@ -529,7 +573,8 @@ def split_entries(entries: Sequence[TransferEntry], chunk_bytes: int) -> list[li
                 if room == 0:
                     flush()
             continue
-        for local_offset, remote_offset, length in entry.pieces() if entry.count > 1 else [(entry.local_offset, entry.remote_offset, entry.length)]:
+        pieces = entry.pieces() if entry.count > 1 else [(entry.local_offset, entry.remote_offset, entry.length)]
+        for local_offset, remote_offset, length in pieces:
             done = 0
             while done < length:
                 take = min(length - done, room)
