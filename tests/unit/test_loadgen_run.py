@@ -48,6 +48,7 @@ def _receive_leg_ms(turn: dict, t0: float) -> float:
     return (t0 + turn["t_start"] + turn["ttft"]) * 1000 - sent_ns / 1e6
 
 
+@pytest.mark.slow  # 1,000 agents against a server that holds each first token 1 s: a benchmark-sized run (5-13 s)
 def test_a_thousand_agents_run_offline_without_errors_and_the_client_adds_little_ttft(
         two_turn_file: Path, tmp_path: Path, capsys) -> None:
     # The server holds each first token for 1 s (a prefill), so all 1000 sessions are
@@ -145,6 +146,7 @@ def test_a_sweep_reports_every_probe_and_the_highest_passing_rate(instant: str, 
     assert (tmp_path / "probe-2" / "turns.jsonl").exists()
 
 
+@pytest.mark.slow  # runs the overhead benchmark (server, probe process and load)
 def test_the_overhead_benchmark_reports_both_legs_for_loadgen_and_probe() -> None:
     r = run_overhead_bench(60, turns=5, gen_tokens=4, ttft_s=0.05, tpot_s=0.01, idle_turns=50)
     assert r["load"]["errors"] == 0 and r["load"]["active_sessions"]["max"] == 60
