@@ -248,8 +248,13 @@ async def _sse(gw: Gateway, rid: str, prep: Prepared, request: Request, chat: bo
                 return
             if part.finish_reason is None:
                 if tools is not None:
-                    for delta in tools.feed(part.text):
+                    deltas = tools.feed(part.text)
+                    if prep.want_logprobs and part.token_ids and not deltas:
+                        deltas = [{}]  # text held back (a call may be starting): its tokens' logprobs go out now
+                    for delta in deltas[:-1]:
                         yield chunk(None, None, delta=delta)
+                    if deltas:  # the part's logprobs ride on its last delta
+                        yield chunk(None, None, part.token_ids, part.logprobs, part.top_logprobs, delta=deltas[-1])
                 elif part.text or part.token_ids:
                     yield chunk(part.text, None, part.token_ids, part.logprobs, part.top_logprobs)
                 continue
@@ -261,7 +266,8 @@ async def _sse(gw: Gateway, rid: str, prep: Prepared, request: Request, chat: bo
             elif tools is not None:
                 for delta in [*tools.feed(part.text), *tools.finish()]:
                     yield chunk(None, None, delta=delta)
-                yield chunk(None, _finish_reason(part.finish_reason, bool(tools.calls)), extra=extra, delta={})
+                finish = _finish_reason(part.finish_reason, bool(tools.calls))
+                yield chunk(None, finish, part.token_ids, part.logprobs, part.top_logprobs, extra=extra, delta={})
             else:
                 yield chunk(part.text or None, part.finish_reason, part.token_ids, part.logprobs, part.top_logprobs, extra)
         yield "data: [DONE]\n\n"

@@ -142,7 +142,9 @@ def test_forced_tool_call_comes_back_as_tool_calls_streamed_or_not(stack):
     assert call.function.name in ("get_weather", "add") and call.id.startswith("call_")
     args = json.loads(call.function.arguments)
     assert set(args) == ({"city"} if call.function.name == "get_weather" else {"a", "b"})
-    chunks = list(client.chat.completions.create(**ask, stream=True))
+    chunks = list(client.chat.completions.create(**ask, stream=True, logprobs=True, stream_options={"include_usage": True}))
+    streamed_logprobs = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    assert len(streamed_logprobs) == chunks[-1].usage.completion_tokens, "every token's logprob is streamed, calls or not"
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert deltas[0].index == 0 and deltas[0].id and deltas[0].function.name == call.function.name
     assert {d.index for d in deltas} == {0} and len(deltas) > 2, "the arguments arrive in pieces, as OpenAI streams them"
