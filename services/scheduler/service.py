@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 import anyio
+
 from dualpath.bus import Bus
 from dualpath.config import (
     BusConfig,
@@ -23,7 +24,6 @@ from dualpath.protocol.subjects import Subjects
 from dualpath.runtime import run_service
 from dualpath.telemetry.metrics import observe
 from dualpath.telemetry.tracing import tracing_enabled
-
 from services.scheduler.shell import SchedulerShell
 
 

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import anyio
 from anyio.abc import TaskGroup
+from opentelemetry import trace
+
 from dualpath.bus import Bus, BusTimeoutError, HandlerError
 from dualpath.core import (
     Command,
@@ -45,7 +47,6 @@ from dualpath.protocol.subjects import Subjects
 from dualpath.protocol.timeouts import TIMEOUTS
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.tracing import context_from, get_tracer
-from opentelemetry import trace
 
 __all__ = ["SchedulerShell"]
 
@@ -79,6 +80,8 @@ class SchedulerShell:
         return m.SubmitReply(queue_position=self.core.queued)
 
     async def on_engine_report(self, r: m.EngineReport) -> None:
+        if r.engine_id not in self.core.members.engines:
+            log.info("engine_joined", engine=r.engine_id, node=r.node_id, role=Role(r.role).name.lower())
         self.execute(self.core.handle(EngineReported(
             now=time.monotonic(), engine=r.engine_id, node=r.node_id, role=Role(r.role), seq=r.seq, tok=r.tok,
             free_hbm_tokens=r.free_hbm_tokens, capacity_tokens=r.capacity_tokens, block_bytes=r.block_bytes, finished=tuple(r.finished))))
