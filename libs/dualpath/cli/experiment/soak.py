@@ -156,16 +156,27 @@ def run_soak(ns: argparse.Namespace, say=lambda _m: None) -> dict:
     return report
 
 
-def _recheck(soak: Soak) -> tuple[int, int]:
-    """(answers that differ, prompts the stack could not answer again) over the completed requests."""
+def _recheck(soak: Soak, give_up_after: int = 24) -> tuple[int, int]:
+    """(answers that differ, prompts the stack could not answer again) over the completed requests.
+
+    Asked 4 at a time; after ``give_up_after`` unanswered prompts in a row the stack is taken as
+    broken and the rest count as unanswered (rather than waiting out every timeout)."""
+    import concurrent.futures as cf
+
     done = [o for o in soak.outcomes if o.status == "completed"]
-    ref = Soak(url=soak.url, model=soak.model, max_tokens=soak.max_tokens, turns=1, turn_tokens=0, client_timeout=soak.client_timeout)
-    differ = unanswered = 0
-    with httpx.Client(base_url=soak.url) as http:
-        for o in done:
-            again = ref.ask(http, o.prompt)
-            unanswered += again.status != "completed"
-            differ += again.status == "completed" and again.text != o.text
+    ref = Soak(url=soak.url, model=soak.model, max_tokens=soak.max_tokens, turns=1, turn_tokens=0, client_timeout=30.0)
+    differ = unanswered = streak = 0
+    with httpx.Client(base_url=soak.url) as http, cf.ThreadPoolExecutor(4) as pool:
+        for start in range(0, len(done), 4):
+            if streak >= give_up_after:
+                unanswered += len(done) - start
+                break
+            batch = done[start : start + 4]
+            for o, again in zip(batch, pool.map(lambda o: ref.ask(http, o.prompt), batch)):
+                ok = again.status == "completed"
+                unanswered += not ok
+                streak = 0 if ok else streak + 1
+                differ += ok and again.text != o.text
     return differ, unanswered
 
 
@@ -218,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupt(*_args) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     ns = p.parse_args(argv)
@@ -227,7 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dualpath experiment soak: bad flags ({'unknown kinds ' + ','.join(bad) if bad else 'counts and times must be positive'}; "
               f"kinds: {', '.join(KINDS)})", file=sys.stderr)
         return 2
-    report = run_soak(ns, say=lambda msg: print(msg, file=sys.stderr, flush=True))
+    signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the stack too, as Ctrl-C does
+    try:
+        report = run_soak(ns, say=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except KeyboardInterrupt:
+        print("dualpath experiment soak: interrupted", file=sys.stderr)
+        return 130
     if ns.json:
         print(json.dumps(report, indent=2))
     else:
