@@ -5,6 +5,7 @@ from __future__ import annotations
 from array import array
 
 import pytest
+
 from dualpath.cost import cost_model
 from dualpath.sim import SimConfig, Simulation, Workload
 from dualpath.sim.clock import EventLoop
@@ -197,3 +198,26 @@ def test_aggregated_decode_finishes_each_request_within_a_step_of_a_step_by_step
     for rid, end in done.items():
         assert sim.done[rid] == pytest.approx(end, abs=0.03), rid  # a step is ~15-25 ms: joins fall between steps
         assert sim.done[rid] == pytest.approx(end, rel=0.01), rid
+
+
+def test_a_shared_link_finishes_flows_when_the_max_min_network_does():
+    import random
+
+    from dualpath.sim.sharedlink import SharedLink
+
+    rng = random.Random(7)
+    flows = [(rng.uniform(0, 5), rng.uniform(1, 400)) for _ in range(40)]  # (start s, bytes)
+    ends: dict[str, dict[int, float]] = {"net": {}, "ps": {}}
+    loop_a, loop_b = EventLoop(), EventLoop()
+    net, link = FluidNetwork(loop_a), Link("l", 100.0)
+    shared = SharedLink(loop_b, "s", 100.0)
+    for i, (t, size) in enumerate(flows):
+        loop_a.at(t, lambda i, size=size: net.start((link,), size, lambda k: ends["net"].__setitem__(k, loop_a.now), i), i)
+        loop_b.at(t, lambda i, size=size: shared.start(size, lambda k: ends["ps"].__setitem__(k, loop_b.now), i), i)
+    loop_a.run()
+    loop_b.run()
+    assert ends["ps"].keys() == ends["net"].keys() == set(range(40))
+    for i, end in ends["net"].items():
+        assert ends["ps"][i] == pytest.approx(end, rel=1e-9, abs=1e-9)
+    assert shared.moved == pytest.approx(link.moved) == pytest.approx(sum(size for _, size in flows))
+    assert loop_b.events < loop_a.events

@@ -36,6 +36,7 @@ from dualpath.sim.prefill import PrefillEngineSim
 from dualpath.sim.request import SimRequest
 from dualpath.sim.scheduling import SimScheduler
 from dualpath.sim.series import Series
+from dualpath.sim.sharedlink import SharedLink
 from dualpath.sim.storage import NodeStorage
 from dualpath.sim.workload import Agent, Workload, build_agents, gap_sampler
 
@@ -84,9 +85,9 @@ class Simulation:
         for node_id in range(cfg.prefill_nodes + cfg.decode_nodes):
             prefill = node_id < cfg.prefill_nodes
             name = f"p{node_id}" if prefill else f"d{node_id - cfg.prefill_nodes}"
-            read = Link(f"{name}.snic.read", snic, Series())
-            write = Link(f"{name}.snic.write", snic, Series())
-            self.storage[name] = NodeStorage(node_id, name, self.net, read, write, buffer_bytes=cfg.buffer_bytes(),
+            read = SharedLink(self.loop, f"{name}.snic.read", snic, Series())
+            write = SharedLink(self.loop, f"{name}.snic.write", snic, Series())
+            self.storage[name] = NodeStorage(node_id, name, read, write, buffer_bytes=cfg.buffer_bytes(),
                                              parallel=cfg.storage_parallel, on_read=self._read_done, changed=self._read_q_changed)
             for k in range(cfg.engines):
                 ename = f"{name}e{k}"

@@ -1,8 +1,8 @@
 """A node's storage side: the read queue in front of its storage NIC and its DRAM buffer.
 
 Reads are served FIFO, at most ``storage_parallel`` at once (the traffic manager's
-``StorageIO`` runs that many), each a flow on the node's SNIC read link, so concurrent reads
-share the NIC fairly. ``read_q`` (what the node reports to the scheduler) is the hit tokens
+``StorageIO`` runs that many), each a flow on the node's SNIC read link (a ``SharedLink``:
+only reads cross it), so concurrent reads share the NIC equally. ``read_q`` (what the node reports to the scheduler) is the hit tokens
 queued or in flight.
 
 The DRAM buffer holds two kinds of KV. On a decode node, a *slot* per request, reserved by
@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from dualpath.sim.network import FluidNetwork, Link
 from dualpath.sim.request import SimRequest
+from dualpath.sim.sharedlink import SharedLink
 
 __all__ = ["NodeStorage"]
 
@@ -30,12 +30,11 @@ class NodeStorage:
     """Storage read queue, SNIC links and DRAM buffer of one node."""
 
     __slots__ = ("_changed", "_on_read", "active", "buffer_bytes", "buffer_used", "bytes_read", "bytes_written", "hit_tokens_read",
-                 "name", "net", "node_id", "parallel", "queue", "read_link", "read_q", "slots", "write_link")
+                 "name", "node_id", "parallel", "queue", "read_link", "read_q", "slots", "write_link")
 
-    def __init__(self, node_id: int, name: str, net: FluidNetwork, read_link: Link, write_link: Link, *, buffer_bytes: float,
+    def __init__(self, node_id: int, name: str, read_link: SharedLink, write_link: SharedLink, *, buffer_bytes: float,
                  parallel: int, on_read: Callable[[SimRequest], None], changed: Callable[[NodeStorage], None]) -> None:
         self.node_id, self.name = node_id, name
-        self.net = net
         self.read_link, self.write_link = read_link, write_link
         self.buffer_bytes = buffer_bytes
         self.buffer_used = 0.0
@@ -87,7 +86,7 @@ class NodeStorage:
                 req.buffer, req.buffer_bytes = self, nbytes
             q.popleft()
             self.active += 1
-            self.net.start((self.read_link,), nbytes, self._done, (req, nbytes))
+            self.read_link.start(nbytes, self._done, (req, nbytes))
 
     def _done(self, token: tuple[SimRequest, float]) -> None:
         req, nbytes = token
@@ -111,4 +110,4 @@ class NodeStorage:
     def write(self, nbytes: float, on_done: Callable[[object], None], arg: object) -> None:
         """Persist ``nbytes`` of Full Blocks through the SNIC's write direction."""
         self.bytes_written += nbytes
-        self.net.start((self.write_link,), nbytes, on_done, arg)
+        self.write_link.start(nbytes, on_done, arg)
