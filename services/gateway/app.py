@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dualpath.chat.tools import StreamingToolParser
+from dualpath.chat.stream import StreamingToolParser
 from services.gateway.api_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.core import ApiError, Gateway, Prepared
 from services.gateway.metrics_page import render_metrics

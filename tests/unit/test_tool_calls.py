@@ -12,13 +12,9 @@ from hypothesis import strategies as st
 
 from dualpath.chat.errors import ChatTemplateError, GrammarError, ToolSpecError
 from dualpath.chat.plan import plan_chat
+from dualpath.chat.stream import StreamingToolParser
 from dualpath.chat.template import ChatTemplate
-from dualpath.chat.tools import (
-    FORMATS,
-    StreamingToolParser,
-    format_for_template,
-    tool_format,
-)
+from dualpath.chat.tools import FORMATS, format_for_template, tool_format
 from dualpath.model import make_tiny_model
 from dualpath.structured.grammar import vocabulary
 
