@@ -87,7 +87,10 @@ class PrefillEngineSim:
         self.busy_s += compute
         self.attention.add(now, now + compute, batch.predicted_s)
         b = _Batch(batch, compute)
-        loads: list[tuple[tuple[Link, ...], float]] = []
+        # A batch's transfers between the same two endpoints are one flow, as the data plane
+        # posts them as one work-request list (doorbell batching); the batch waits for the last.
+        loads: dict[tuple[Link, ...], float] = {}
+        stores: dict[tuple[Link, ...], float] = {}
         for it in batch.items:
             req = self.reqs[it.request_id]
             if req.t_batch < 0:
@@ -100,9 +103,11 @@ class PrefillEngineSim:
             pe_path = req.read_side != ReadSide.DE
             if first and req.hit:
                 links = (self.cnic_in,) if pe_path else (de.cnic_out, self.cnic_in)
-                loads.append((links, req.hit * kvb))
+                loads[links] = loads.get(links, 0.0) + req.hit * kvb
             store = it.new + (req.hit if first and pe_path else 0)
-            b.stores.append(((self.cnic_out, de.cnic_in), store * kvb))
+            links = (self.cnic_out, de.cnic_in)
+            stores[links] = stores.get(links, 0.0) + store * kvb
+        b.stores = list(stores.items())
         net = sim.net
         share = sim.cfg.collective_share
         if share > 0:  # model collectives (EP all-to-all) on this GPU's CNIC, high priority, not waited for
@@ -112,13 +117,13 @@ class PrefillEngineSim:
         if sim.mode.layerwise:
             b.pending = 1 + len(loads) + len(b.stores)
             sim.loop.at(now + compute, self._part, b)
-            for links, nbytes in loads:
+            for links, nbytes in loads.items():
                 net.start(links, nbytes, self._load_done, b)
             for links, nbytes in b.stores:
                 net.start(links, nbytes, self._part, b)
         elif loads:
             b.pending = len(loads)
-            for links, nbytes in loads:
+            for links, nbytes in loads.items():
                 net.start(links, nbytes, self._nolw_loaded, b)
         else:
             b.pending = 1
