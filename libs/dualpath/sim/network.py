@@ -174,8 +174,9 @@ class FluidNetwork:
                 if f not in flows:
                     left -= f.rate
             residual[link] = left if left > 0 else 0.0
-        for cls in (HIGH, LOW):
-            active = {f: None for f in flows if f.cls == cls}
+        classes = (LOW,) if all(f.cls == LOW for f in flows) else (HIGH, LOW)
+        for cls in classes:
+            active = {f: None for f in flows if f.cls == cls} if len(classes) > 1 else dict(flows)
             count: dict[Link, int] = {}
             for f in active:
                 for link in f.links:
