@@ -291,3 +291,49 @@ def test_checkpoint_written_by_transformers_is_served_with_its_tokens_and_logpro
     tok = Tokenizer.from_dir(ckpt)
     assert got_text == [tok.decode([t]) for t, _ in expected]
     assert got_lps == pytest.approx([lp for _, lp in expected], abs=1e-4)
+
+
+def test_structured_output_is_served_exactly_as_local_greedy_decoding_under_the_same_grammar(stack, tiny_model):
+    """Prefill samples the first token under the grammar, decode replays it and masks the rest: the
+    served answer equals one process decoding greedily under the same grammar."""
+    import torch
+
+    from dualpath.chat.plan import plan_chat
+    from dualpath.chat.tools import FORMATS
+    from dualpath.model import Decoder, SamplingParams, Tokenizer, sample
+    from dualpath.model.sampling import grammar_constraint
+    from dualpath.structured.grammar import vocabulary
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Oslo"]}, "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["city", "n"],
+    }
+    messages = [{"role": "user", "content": "Give me a city and a number."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}
+    client = _client(stack)
+    model = client.models.list().data[0].id
+    served = client.chat.completions.create(model=model, messages=messages, max_tokens=80, temperature=0, response_format=response_format)
+
+    tok, dec = Tokenizer.from_dir(tiny_model), Decoder.load(tiny_model)
+    plan = plan_chat(
+        messages,
+        template=tok.chat_template,
+        tool_format=FORMATS["hermes"],
+        vocab=vocabulary(str(tiny_model), 512),
+        response_format=response_format,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=80, grammar=plan.grammar)
+    ids, out, cons = tok.encode(plan.prompt), [], grammar_constraint(params, str(tiny_model))
+    with torch.no_grad():
+        for _ in range(80):
+            seq = ids + out
+            hidden, positions = dec.embed(torch.tensor(seq)), torch.arange(len(seq))
+            for layer in range(dec.num_layers):
+                hidden, _, _ = dec.forward_layer(layer, hidden, positions, [(0, len(seq))], [None])
+            t = sample(dec.logits(hidden[-1:]), [params], [None], eos_ids=tok.eos_token_ids, constraints=[cons])[0].token_id
+            if t in tok.eos_token_ids:
+                break
+            out.append(t)
+    assert served.choices[0].message.content == tok.decode(out)
+    assert json.loads(served.choices[0].message.content)["city"] in ("Paris", "Oslo")
