@@ -1,8 +1,8 @@
 """Bad command-line input anywhere in ``dualpath`` gets a one-line message and exit code 2, never a traceback.
 
-Each case runs the real command in a subprocess; only inputs that are refused before anything
-starts are listed, so a case that is wrongly accepted fails on its exit code (its process group
-is killed if it starts to serve).
+Each case runs the real command in a subprocess (one per core at a time: most of a case is Python
+start-up); only inputs that are refused before anything starts are listed, so a case that is
+wrongly accepted fails on its exit code (its process group is killed if it starts to serve).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -27,7 +29,6 @@ BAD = [
     "up --model /nonexistent",
     "up --mode weird",
     "up --compute modeled --target nosuch",
-    pytest.param("up --compute modeled --scale 0.5", marks=pytest.mark.slow),  # imports torch: ~2 s of CPU
     "up --snic-gbps -3",
     "bench nosuch",
     "bench scheduler --engines 10000",
@@ -49,23 +50,48 @@ BAD = [
     "demo --nosuch",
 ]
 
+SLOW = ["up --compute modeled --scale 0.5"]  # imports torch: ~2 s of CPU
 
-@pytest.mark.parametrize("args", BAD, ids=lambda a: a or "(nothing)")  # ~10 s of CPU in all
-def test_bad_input_is_refused_with_one_line_and_exit_code_2(args: str, tmp_path) -> None:
+
+def _run(args: str, cwd: Path) -> tuple[int | None, str]:
+    """Exit code and output of ``dualpath ARGS``; None when it was not refused within 60 s."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "dualpath.cli", *args.split()],
-        cwd=tmp_path,
+        cwd=cwd,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
     )
     try:
-        out, err = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # it was accepted and started something: take it all down
-        out, err = proc.communicate()
-        pytest.fail(f"`dualpath {args}` was not refused within 60 s")
-    assert "Traceback" not in err + out, err
-    assert proc.returncode == 2, (proc.returncode, err[-500:])
-    assert err.strip() or out.strip(), "refused without saying why"
+        out, _ = proc.communicate()
+        return None, out
+    return proc.returncode, out
+
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory) -> dict[str, tuple[int | None, str]]:
+    cwd = tmp_path_factory.mktemp("cli")
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        return dict(zip(BAD, pool.map(lambda a: _run(a, cwd), BAD)))
+
+
+def _check(args: str, rc: int | None, out: str) -> None:
+    assert rc is not None, f"`dualpath {args}` was not refused within 60 s"
+    assert "Traceback" not in out, out
+    assert rc == 2, (rc, out[-500:])
+    assert out.strip(), "refused without saying why"
+
+
+@pytest.mark.parametrize("args", BAD, ids=lambda a: a or "(nothing)")  # ~10 s of CPU in all
+def test_bad_input_is_refused_with_one_line_and_exit_code_2(args: str, answers) -> None:
+    _check(args, *answers[args])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", SLOW)
+def test_bad_input_that_needs_torch_to_check_is_refused_too(args: str, tmp_path) -> None:
+    _check(args, *_run(args, tmp_path))
