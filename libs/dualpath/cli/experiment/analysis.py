@@ -51,4 +51,5 @@ def mode_figures(r: ModeResult) -> dict:
         "prefill_kv_wait_s": sum(s.get("kv_wait_s", 0.0) for s in prefill.values()) / r.slowdown,
         "prefill_modeled_s": sum(s.get("modeled_s", 0.0) for s in prefill.values()) / r.slowdown,
         "loadgen_exit": r.loadgen_exit,
+        "kv_lookup_failures": r.extra.get("kv_lookup_failures", 0),  # hits lost to index lookup timeouts
     }

@@ -77,6 +77,9 @@ def format_table(result: dict) -> str:
         v = ratios.get(k)
         lines.append(f"{k}: {v:.2f}x" if v else f"{k}: -")
     lines.append(f"I/O bound (P+D)/P = {result['io_bound']:.2f}x; paper: {result['paper']}")
+    lost = {r["mode"]: r.get("kv_lookup_failures") for r in rows.values() if r.get("kv_lookup_failures")}
+    if lost:
+        lines.append(f"warning: index lookups timed out and were served as full recomputes ({lost}): those modes' JCT is inflated")
     if ratios.get("efficiency") is not None:
         lines.append(f"achievable speedup min((P+D)/P, basic/oracle) = {ratios['achievable']:.2f}x; "
                      f"efficiency = (basic/dualpath) / achievable = {ratios['efficiency']:.2f} (aim >= 0.90; paper 1P1D: 0.89)")

@@ -189,9 +189,21 @@ def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
     if proc.returncode != 0:
         say(f"[{mode}] load generator exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
+    failures = _count_in_log(out / "run" / "logs" / "gateway.log", "kv_lookup_failed")
+    if failures:
+        say(f"[{mode}] warning: {failures} index lookups timed out (served as full recomputes: fewer hits, a slower run)")
     return ModeResult(mode=mode, report=report, nodes=sampler.nodes, engines=sampler.engines, wall_s=wall,
                       loadgen_exit=proc.returncode, snic_rate=emu.profile().snic_bytes_per_s(spec.topology.engines_per_node),
-                      slowdown=spec.slowdown)
+                      slowdown=spec.slowdown, extra={"kv_lookup_failures": failures})
+
+
+def _count_in_log(path: Path, event: str) -> int:
+    """Lines of a service log naming ``event`` (0 when there is no log)."""
+    try:
+        with path.open(errors="replace") as f:
+            return sum(event in line for line in f)
+    except OSError:
+        return 0
 
 
 def add_cluster_arguments(p) -> None:
