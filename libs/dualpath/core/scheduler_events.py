@@ -206,6 +206,7 @@ class Decision:
     queued_since: float
     queue_len: int
     seen: dict = field(default_factory=dict)
+    read_split: tuple[int, int] | None = None  # a split read's (PE blocks, DE blocks); None: one side reads all
 
 
 @dataclass(**_ev)

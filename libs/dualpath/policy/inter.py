@@ -18,6 +18,8 @@ request stops there, and the pass keeps only the prefix every stage placed (the 
    to the PE side (the classic path); a request's ``forced_side`` or the policy's
    ``read_path`` overrides the comparison. Queues grow by each decision's hit tokens within
    the pass, so a burst between one PE/DE pair alternates sides instead of piling up.
+   With ``read_path`` ``split`` (beyond the paper) each request's hit blocks are divided
+   between both nodes so that both reads finish together (``split.split_blocks``).
 
 Ties inside every "smallest" rule go to the lowest engine or node id. Nothing here
 mutates the ``ClusterState``; tentative values live in per-pass heaps and dicts.
@@ -26,14 +28,17 @@ mutates the ``ClusterState``; tentative values live in per-pass heaps and dicts.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from dualpath.policy.index import Candidates
+from dualpath.policy.split import DE_HOP_PERCENT, split_blocks
 from dualpath.policy.state import ClusterState, EngineState, NodeState
 from dualpath.policy.thresholds import Thresholds
 from dualpath.policy.values import Assignment, PendingRequest, ReadPath, ReadSide
 
 __all__ = [
     "Z_SLACK_PERCENT",
+    "ReadChoice",
     "assemble",
     "choose_read_sides",
     "place_in_groups",
@@ -43,6 +48,14 @@ __all__ = [
 ]
 
 Z_SLACK_PERCENT = 105  # the paper's 1.05, kept integral so Z comparisons are exact
+
+
+class ReadChoice(NamedTuple):
+    """Stage 4's answer for one request: the side that reads (the first blocks, when split)
+    and the hit tokens the decode node reads at the end of the range (0: not split)."""
+
+    side: ReadSide
+    de_split_tokens: int
 
 
 def select_prefill_engines(waiting: Sequence[PendingRequest], state: ClusterState, th: Thresholds) -> list[int]:
@@ -153,27 +166,37 @@ def choose_read_sides(
     decode: Sequence[int],
     state: ClusterState,
     read_path: ReadPath = ReadPath.AUTO,
-) -> list[ReadSide]:
+    hop_percent: int = DE_HOP_PERCENT,
+) -> list[ReadChoice]:
     """The read side per placed request (stage 4); a request's ``forced_side``, else
-    ``read_path``, forces a side, so the queues grow on the node that actually reads."""
+    ``read_path``, forces a side, so the queues grow on the node that actually reads.
+    ``ReadPath.SPLIT`` divides each request's hit blocks between both nodes
+    (``split.split_blocks``); a request whose split is one-sided reads on that side only."""
     engines, nodes = state.engines, state.nodes
     queue: dict[int, int] = {}  # tentative read_q of nodes touched this pass
-    sides: list[ReadSide] = []
+    sides: list[ReadChoice] = []
     for i in range(len(decode)):
         pe_node, de_node = engines[prefill[i]].node_id, engines[decode[i]].node_id
         q_pe = queue.get(pe_node, nodes[pe_node].read_q)
         q_de = queue.get(de_node, nodes[de_node].read_q)
-        forced = waiting[i].forced_side
+        r = waiting[i]
+        forced = r.forced_side
+        if forced is None and read_path is ReadPath.SPLIT and r.hit_tokens and pe_node != de_node:
+            bt = r.block_tokens
+            pe_tok = min(split_blocks(-(-r.hit_tokens // bt), bt, q_pe, q_de, hop_percent) * bt, r.hit_tokens)
+            queue[pe_node], queue[de_node] = q_pe + pe_tok, q_de + r.hit_tokens - pe_tok
+            sides.append(ReadChoice(ReadSide.PE if pe_tok else ReadSide.DE, r.hit_tokens - pe_tok if pe_tok else 0))
+            continue
         if forced is not None:
             pe_side = forced is ReadSide.PE
         else:
-            pe_side = read_path is ReadPath.PE or (read_path is ReadPath.AUTO and q_pe <= q_de)
+            pe_side = read_path is ReadPath.PE or (read_path in (ReadPath.AUTO, ReadPath.SPLIT) and q_pe <= q_de)
         if pe_side:
-            sides.append(ReadSide.PE)
-            queue[pe_node] = q_pe + waiting[i].hit_tokens
+            sides.append(ReadChoice(ReadSide.PE, 0))
+            queue[pe_node] = q_pe + r.hit_tokens
         else:
-            sides.append(ReadSide.DE)
-            queue[de_node] = q_de + waiting[i].hit_tokens
+            sides.append(ReadChoice(ReadSide.DE, 0))
+            queue[de_node] = q_de + r.hit_tokens
     return sides
 
 
@@ -181,19 +204,19 @@ def assemble(
     waiting: Sequence[PendingRequest],
     prefill: Sequence[int],
     decode: Sequence[int],
-    sides: Sequence[ReadSide],
+    sides: Sequence[ReadChoice],
     state: ClusterState,
 ) -> list[Assignment]:
     """Zip per-request choices into ``Assignment`` objects carrying their charges."""
     engines = state.engines
     out = []
-    for i, side in enumerate(sides):
+    for i, (side, de_split) in enumerate(sides):
         r = waiting[i]
         read_engine = prefill[i] if side is ReadSide.PE else decode[i]
         out.append(Assignment(
             request_id=r.request_id, prefill_engine=prefill[i], decode_engine=decode[i],
             read_side=side, read_node=engines[read_engine].node_id,
-            prefill_tokens=r.miss_tokens, decode_tokens=r.total_len, read_tokens=r.hit_tokens,
+            prefill_tokens=r.miss_tokens, decode_tokens=r.total_len, read_tokens=r.hit_tokens, de_split_tokens=de_split,
         ))
     return out
 

@@ -43,11 +43,13 @@ class ReadSide(IntEnum):
 class ReadPath(str, Enum):
     """How a policy picks the read side (``SchedulerConfig.read_path``): ``auto`` = the
     node with the shorter storage read queue (DualPath), ``pe`` = always the prefill
-    side (the paper's Basic), ``de`` = always the decode side (for experiments)."""
+    side (the paper's Basic), ``de`` = always the decode side (for experiments),
+    ``split`` = each request's hit blocks divided between both sides (``policy.split``)."""
 
     AUTO = "auto"
     PE = "pe"
     DE = "de"
+    SPLIT = "split"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,6 +61,7 @@ class PendingRequest:
     generate. The last prompt token is always computed (its logits give the first output
     token), so ``hit_tokens < prompt_tokens``. ``forced_side`` forces the read side of
     this request (the API's per-request read path); None lets the policy choose.
+    ``block_tokens`` is the block size: a split read divides whole blocks.
 
     Raises:
         InvalidRequestError: on a negative count, ``hit_tokens >= prompt_tokens`` or
@@ -70,6 +73,7 @@ class PendingRequest:
     hit_tokens: int
     total_len: int
     forced_side: ReadSide | None = None
+    block_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.hit_tokens < 0:
@@ -98,6 +102,10 @@ class Assignment:
     ``prefill_tokens`` is added to the prefill engine's ``tok_e``, ``decode_tokens`` to the
     decode engine's ``tok_e`` and reserved in its HBM, ``read_tokens`` to ``read_q`` of
     ``read_node`` (the node on ``read_side``).
+
+    A split read (``ReadPath.SPLIT``) has ``de_split_tokens > 0``: ``read_side`` is then PE,
+    the PE node reads the first ``read_tokens - de_split_tokens`` hit tokens and the decode
+    engine's node the last ``de_split_tokens``; each node's ``read_q`` is charged its share.
     """
 
     request_id: int
@@ -108,6 +116,14 @@ class Assignment:
     prefill_tokens: int
     decode_tokens: int
     read_tokens: int
+    de_split_tokens: int = 0
+
+    @property
+    def read_split(self) -> tuple[int, int]:
+        """(PE tokens, DE tokens) of the hit read: one of them is 0 unless the read is split."""
+        if self.de_split_tokens:
+            return self.read_tokens - self.de_split_tokens, self.de_split_tokens
+        return (self.read_tokens, 0) if self.read_side is ReadSide.PE else (0, self.read_tokens)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
