@@ -101,6 +101,14 @@ from dualpath.policy.values import Assignment, ReadSide, Role
 __all__ = ["CoreConfig", "SchedulerCore"]
 
 _QUEUED, _RESERVING, _DISPATCHING, _RUNNING = 0, 1, 2, 3  # _Request.stage
+
+
+def _split_blocks(a: Assignment, block_tokens: int) -> tuple[int, int] | None:
+    """(PE blocks, DE blocks) of a split read, in whole blocks; None when one side reads all."""
+    if not a.de_split_tokens:
+        return None
+    pe_blocks = (a.read_tokens - a.de_split_tokens) // block_tokens  # the PE share is whole blocks
+    return pe_blocks, -(-a.read_tokens // block_tokens) - pe_blocks
 _DECODE = Role.DECODE
 
 
@@ -122,7 +130,8 @@ class _Request:
     """One request the core knows (queued or placed)."""
 
     __slots__ = ("attempt", "blocks", "buffer_waits", "de", "de_charge", "decision", "num", "payload", "pe", "pe_charge",
-                 "pending", "prefill_done", "queued_since", "read_charge", "read_side", "rid", "stage", "wait_start")
+                 "pending", "prefill_done", "queued_since", "read_charge", "read_side", "rid", "split_charge", "stage",
+                 "wait_start")
 
     def __init__(self, rid: str, num: int, pending: PendingRequest, blocks: int, payload: object, now: float) -> None:
         self.rid, self.num, self.pending, self.blocks, self.payload = rid, num, pending, blocks, payload
@@ -135,6 +144,7 @@ class _Request:
         self.pe_charge: Charge | None = None
         self.de_charge: Charge | None = None
         self.read_charge: Charge | None = None
+        self.split_charge: Charge | None = None  # a split read's DE share (policy.split)
         self.read_side: ReadSide | None = None
         self.prefill_done = False
         self.decision: Decision | None = None
@@ -230,7 +240,7 @@ class SchedulerCore:
         hit = min(max(ev.hit_blocks, 0) * ev.block_tokens, ev.prompt_tokens - 1)
         try:
             pending = PendingRequest(request_id=self._num, prompt_tokens=ev.prompt_tokens, hit_tokens=hit, total_len=need,
-                                     forced_side=ev.forced_side if hit > 0 else None)
+                                     forced_side=ev.forced_side if hit > 0 else None, block_tokens=ev.block_tokens)
         except InvalidRequestError as exc:
             return [RejectRequest(request_id=rid, code=400, reason=exc.reason)]
         t = _Request(rid, self._num, pending, -(-ev.prompt_tokens // ev.block_tokens), ev.payload, ev.now)
@@ -288,6 +298,7 @@ class SchedulerCore:
             t.stage = _RUNNING
             self._release(t.pe_charge)
             self._release(t.read_charge)
+            self._release(t.split_charge)
             if t.de_charge is not None:
                 t.de_charge.acknowledge(self._k)  # the decode engine has it now
         elif t.de is not None and t.de.name == member.name:
@@ -324,6 +335,8 @@ class SchedulerCore:
                 t.pe_charge.acknowledge(self._k)
             if t.read_charge is not None:
                 t.read_charge.acknowledge(self._k)
+            if t.split_charge is not None:
+                t.split_charge.acknowledge(self._k)
         return []
 
     def _dispatch_failed(self, ev: DispatchFailed) -> list[Command]:
@@ -400,13 +413,18 @@ class SchedulerCore:
         t.de_charge = Charge(de, 1, a.decode_tokens, a.decode_tokens)
         state.adjust_engine(de.num, seq=1, tok=a.decode_tokens, free_hbm_tokens=-a.decode_tokens)
         if a.read_tokens:
-            t.read_charge = Charge(read_node, 0, a.read_tokens, 0)
-            state.adjust_read_q(read_node.num, a.read_tokens)
+            own = a.read_tokens - a.de_split_tokens  # all of it unless the read is split
+            t.read_charge = Charge(read_node, 0, own, 0)
+            state.adjust_read_q(read_node.num, own)
+        if a.de_split_tokens:
+            de_node = m.node_by_num[state.engines[a.decode_engine].node_id]
+            t.split_charge = Charge(de_node, 0, a.de_split_tokens, 0)
+            state.adjust_read_q(de_node.num, a.de_split_tokens)
         state.assigned_total += 1
         t.decision = Decision(policy=self.policy.name, prefill_engine=pe.name, prefill_node=pe.node, decode_engine=de.name,
                               decode_node=de.node, read_side=t.read_side, policy_side=a.read_side, hit_tokens=a.read_tokens,
                               prefill_tokens=a.prefill_tokens, decode_tokens=a.decode_tokens, queued_since=t.queued_since,
-                              queue_len=len(self.queue), seen=seen)
+                              queue_len=len(self.queue), seen=seen, read_split=_split_blocks(a, t.pending.block_tokens))
         self._reserving[(t.rid, t.attempt)] = de.node
         cmds.append(ReserveSlot(request_id=t.rid, attempt=t.attempt, node=de.node, blocks=t.blocks, block_bytes=de.block_bytes,
                                 decision=t.decision, payload=t.payload))
@@ -435,7 +453,7 @@ class SchedulerCore:
         if not counted:
             t.buffer_waits += 1
         t.pe = t.de = None
-        t.pe_charge = t.de_charge = t.read_charge = None
+        t.pe_charge = t.de_charge = t.read_charge = t.split_charge = None
         t.decision = None
         t.prefill_done = False
         t.stage = _QUEUED
@@ -484,6 +502,7 @@ class SchedulerCore:
         self._release(t.pe_charge)
         self._release(t.de_charge)
         self._release(t.read_charge)
+        self._release(t.split_charge)
 
     def _cluster(self) -> ClusterState | None:
         if self._stale:
