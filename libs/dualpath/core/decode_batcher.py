@@ -83,7 +83,8 @@ class DecodeBatcher:
 
     def __init__(self, *, capacity_tokens: int, block_tokens: int = 64, max_running: int = 64) -> None:
         if capacity_tokens < 1 or block_tokens < 1 or max_running < 1:
-            raise ValueError(f"need positive capacity_tokens, block_tokens, max_running; got {capacity_tokens}, {block_tokens}, {max_running}")
+            raise ValueError("need positive capacity_tokens, block_tokens, max_running; "
+                             f"got {capacity_tokens}, {block_tokens}, {max_running}")
         self.capacity_tokens, self.block_tokens, self.max_running = capacity_tokens, block_tokens, max_running
         self._waiting: dict[str, _Seq] = {}  # FIFO
         self._running: dict[str, _Seq] = {}
