@@ -15,7 +15,7 @@ from dualpath.config import (
     add_arguments,
     from_args,
 )
-from dualpath.core import CoreConfig, SchedulerCore
+from dualpath.core import CoreConfig, SchedulerCore, tune_gc
 from dualpath.ha.lease import add_lease_arguments, keep_leading, wait_for_leadership
 from dualpath.policy import Thresholds, get_policy
 from dualpath.policy.values import Role
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scheduler: {exc}")
         return 2
     subjects = Subjects(bus_cfg.namespace)
+    tune_gc()  # the core's request objects would otherwise keep the collector busy (see GC_THRESHOLDS)
 
     async def serve(bus: Bus, stop: asyncio.Event) -> None:
         lease = await wait_for_leadership(bus.nc.jetstream(), subjects.sched_leader, ns, stop)  # standby until leader

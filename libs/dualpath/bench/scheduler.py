@@ -25,11 +25,13 @@ thread (``thread_time_ns``) around each tick's batch of ``core.handle`` calls, s
 processes on a shared machine do not inflate it. ``requests_per_s`` = requests submitted
 in the measured window / core CPU seconds spent in it: the rate one core could sustain
 with this event mix. ``core_utilisation`` = core CPU seconds / virtual seconds at the
-offered load (below 1.0: one core keeps up).
+offered load (below 1.0: one core keeps up). The garbage collector runs with the
+thresholds the scheduler service sets (``dualpath.core.GC_THRESHOLDS``).
 """
 
 from __future__ import annotations
 
+import gc
 import platform
 import random
 import time
@@ -37,6 +39,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 
 from dualpath.core import (
+    GC_THRESHOLDS,
     CoreConfig,
     Dispatch,
     DispatchAnswered,
@@ -48,6 +51,7 @@ from dualpath.core import (
     SchedulerCore,
     SlotReserved,
     TimeAdvanced,
+    tune_gc,
 )
 from dualpath.policy.errors import InvalidTopologyError
 from dualpath.policy.registry import get_policy
@@ -100,11 +104,15 @@ def run_bench(engines: int = 1152, seconds: float = 10.0, seed: int = 0, *, poli
     thresholds = Thresholds.from_profile(snic_bytes_per_s=_SNIC_BYTES_PER_S, kv_bytes_per_token=_KV_BYTES_PER_TOKEN,
                                          prefill_tokens_per_s=_PREFILL_TOKENS_PER_S)
     core = SchedulerCore(get_policy(policy, thresholds), CoreConfig(max_queue=1 << 30))
-    sim = _FakeCluster(core, engines, workload, random.Random(seed), tick_s)
-    wall0 = time.perf_counter()
-    sim.run(warmup_s, record=False)
-    sim.run(seconds, record=True)
-    wall = time.perf_counter() - wall0
+    previous_gc = tune_gc()  # as the scheduler service runs it
+    try:
+        sim = _FakeCluster(core, engines, workload, random.Random(seed), tick_s)
+        wall0 = time.perf_counter()
+        sim.run(warmup_s, record=False)
+        sim.run(seconds, record=True)
+        wall = time.perf_counter() - wall0
+    finally:
+        gc.set_threshold(*previous_gc)
     core_s = sim.core_ns / 1e9
     groups = engines // _GROUP_GPUS
     return {
@@ -129,6 +137,7 @@ def run_bench(engines: int = 1152, seconds: float = 10.0, seed: int = 0, *, poli
         "aim_requests_per_s": 12_000,
         "wall_seconds": wall,
         "python": platform.python_version(),
+        "gc_thresholds": list(GC_THRESHOLDS),
         "workload": asdict(workload),
         "alpha_tokens": thresholds.alpha_tokens,
         "beta_tokens": thresholds.beta_tokens,
@@ -184,7 +193,8 @@ class _FakeCluster:
         done = self.done[i]
         self.done[i] = []
         decode = self.decode[i]
-        return EngineReported(now=now, engine=self.names[i], node=self.node_names[self.node_of[i]], role=Role.DECODE if decode else Role.PREFILL,
+        role = Role.DECODE if decode else Role.PREFILL
+        return EngineReported(now=now, engine=self.names[i], node=self.node_names[self.node_of[i]], role=role,
                               seq=self.seq[i], tok=self.tok[i], free_hbm_tokens=self.free[i],
                               capacity_tokens=_DECODE_HBM_TOKENS if decode else 0, block_bytes=_KV_BYTES_PER_TOKEN * _BLOCK,
                               finished=tuple(done))

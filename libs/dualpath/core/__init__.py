@@ -4,7 +4,7 @@
 commands; ``scheduler_members`` holds membership and the report/charge ledger.
 """
 
-from dualpath.core.scheduler import CoreConfig, SchedulerCore
+from dualpath.core.scheduler import GC_THRESHOLDS, CoreConfig, SchedulerCore, tune_gc
 from dualpath.core.scheduler_events import (
     BUFFER_FULL,
     Command,
@@ -30,7 +30,7 @@ from dualpath.core.scheduler_events import (
 )
 
 __all__ = [
-    "BUFFER_FULL", "Command", "CoreConfig", "Decision", "Dispatch", "DispatchAnswered", "DispatchFailed", "EngineReported", "Event",
-    "ExpelEngine", "FailRequest", "FreeSlot", "NodeReported", "RejectRequest", "RequestFinished", "RequestSubmitted", "Requeued",
-    "ReserveSlot", "SchedulerCore", "SlotReserved", "Stage", "TaskFailed", "TimeAdvanced",
+    "BUFFER_FULL", "GC_THRESHOLDS", "Command", "CoreConfig", "Decision", "Dispatch", "DispatchAnswered", "DispatchFailed",
+    "EngineReported", "Event", "ExpelEngine", "FailRequest", "FreeSlot", "NodeReported", "RejectRequest", "RequestFinished",
+    "RequestSubmitted", "Requeued", "ReserveSlot", "SchedulerCore", "SlotReserved", "Stage", "TaskFailed", "TimeAdvanced", "tune_gc",
 ]
