@@ -156,19 +156,20 @@ def run_soak(ns: argparse.Namespace, say=lambda _m: None) -> dict:
     return report
 
 
-def _recheck(soak: Soak, give_up_after: int = 24) -> tuple[int, int]:
+def _recheck(soak: Soak, give_up_after: int = 24, budget_s: float = 180.0) -> tuple[int, int]:
     """(answers that differ, prompts the stack could not answer again) over the completed requests.
 
-    Asked 4 at a time; after ``give_up_after`` unanswered prompts in a row the stack is taken as
-    broken and the rest count as unanswered (rather than waiting out every timeout)."""
+    Asked 4 at a time; after ``give_up_after`` unanswered prompts in a row, or ``budget_s``
+    seconds, the stack is taken as broken and the rest count as unanswered."""
     import concurrent.futures as cf
 
     done = [o for o in soak.outcomes if o.status == "completed"]
-    ref = Soak(url=soak.url, model=soak.model, max_tokens=soak.max_tokens, turns=1, turn_tokens=0, client_timeout=30.0)
+    ref = Soak(url=soak.url, model=soak.model, max_tokens=soak.max_tokens, turns=1, turn_tokens=0, client_timeout=20.0)
     differ = unanswered = streak = 0
+    deadline = time.monotonic() + budget_s
     with httpx.Client(base_url=soak.url) as http, cf.ThreadPoolExecutor(4) as pool:
         for start in range(0, len(done), 4):
-            if streak >= give_up_after:
+            if streak >= give_up_after or time.monotonic() > deadline:
                 unanswered += len(done) - start
                 break
             batch = done[start : start + 4]
