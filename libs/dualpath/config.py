@@ -163,7 +163,7 @@ class EmulationConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerConfig:
     policy: str = opt("dualpath", "scheduling policy: dualpath, round_robin, least_tokens", "DUALPATH_POLICY")
-    read_path: str = opt("auto", "which side reads hit KV: auto (scheduler decides), pe, de", "DUALPATH_READ_PATH")
+    read_path: str = opt("auto", "which side reads hit KV: auto (scheduler decides), pe, de, split (both)", "DUALPATH_READ_PATH")
     engine_timeout: float = opt(3.0, "seconds without a report after which an engine is considered dead", "DUALPATH_ENGINE_TIMEOUT")
     max_queue: int = opt(10000, "most requests waiting in the scheduler; more are refused with 429", "DUALPATH_MAX_QUEUE")
     max_attempts: int = opt(3, "dispatch attempts per request before it fails", "DUALPATH_MAX_ATTEMPTS")

@@ -51,6 +51,8 @@ from dualpath.transfer import RegionDescriptor
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from services.prefill_engine.split import is_split, load_split
+
 __all__ = ["PrefillEngine"]
 
 log = get_logger("prefill-engine")
@@ -66,6 +68,8 @@ class Job:
     source_offset: int = 0
     dest: RegionDescriptor  # the DE buffer slot
     pe_slot: bool = False
+    split_tokens: int = -1  # split read: cached tokens [split_tokens, hits) were read into the DE slot
+    read_split: list[int] = field(default_factory=list)  # [PE blocks, DE blocks] read (the response's dualpath record)
     cancelled: bool = False  # cancelled while its batch ran: dropped when the batch ends
     t_submit: float = field(default_factory=time.perf_counter)
     t_first_batch: float = 0.0  # wall time its first prefill batch started (TTFT: queueing before, execution after)
@@ -144,6 +148,12 @@ class PrefillEngine:
         try:
             if self.setup.oracle:  # hits are free: nothing is read, nothing moves
                 job.hit_blocks = t.hit_blocks
+            elif want and is_split(t):  # both storage NICs read this request (policy.split)
+                job.pe_slot = True  # the PE share's slot is freed with the job, even if a read fails
+                got = await load_split(t, lay, self.setup.dtype, self._load_when_room)
+                job.hit_blocks, job.source, job.source_offset = got.hit_blocks, got.source, got.source_offset
+                job.split_tokens = got.pe_blocks * lay.block_tokens if got.de_blocks > 0 else -1
+                job.read_split = [got.pe_blocks, got.de_blocks]
             elif want:
                 node = t.prefill_node if t.read_path == m.ReadPath.PE else t.decode_node
                 req = m.LoadRequest(request_id=t.request_id, model_digest=t.model_digest, hashes=t.block_hashes[:want],
@@ -157,6 +167,7 @@ class PrefillEngine:
                 job.pe_slot = t.read_path == m.ReadPath.PE
                 job.hit_blocks = reply.loaded
                 job.source, job.source_offset = RegionDescriptor.from_wire(reply.region), reply.offset
+                job.read_split = [reply.loaded, 0] if job.pe_slot else [0, reply.loaded]
         except Exception as exc:  # noqa: BLE001 - any load failure fails this task only
             await self._fail(job, f"KV load failed: {exc}")
             return
@@ -217,7 +228,8 @@ class PrefillEngine:
         write_from = 0 if (first_chunk and job.pe_slot) else start
         item = PrefillItem(request_id=t.request_id, tokens=t.prompt_tokens, start=start, end=start + it.new)
         return IoItem(item=item, source=source if start else None, source_offset=s_off, dest=job.dest,
-                      dest_offset=t.de_offset, write_from=write_from, path=read_path_name(t.read_path), de_engine=t.decode_engine)
+                      dest_offset=t.de_offset, write_from=write_from, path=read_path_name(t.read_path), de_engine=t.decode_engine,
+                      de_from=job.split_tokens if first_chunk else -1)
 
     def _batch_span(self, batch: PrefillBatch, jobs: list[Job]):
         """``prefill.batch``: child of the first request's span, linked to the others'."""
@@ -311,7 +323,8 @@ class PrefillEngine:
                                 block_hashes=t.block_hashes, cached_blocks=job.hit_blocks, first_token=tok.token_id,
                                 first_logprob=tok.logprob, first_top_logprobs=top, sampling=t.sampling, reply_subject=t.reply_subject,
                                 de_region_id=job.dest.region_id, de_offset=t.de_offset, read_path=t.read_path,
-                                prefill_engine=self.cfg.engine_id, attempt=t.attempt, trace=t.trace, timing=self._ttft_split(job))
+                                prefill_engine=self.cfg.engine_id, attempt=t.attempt, trace=t.trace,
+                                timing={**self._ttft_split(job), "read_split": job.read_split})  # merged into the dualpath record
             try:
                 await self.bus.request(self.subjects.decode(t.decode_engine), task, m.Ok, timeout=TIMEOUTS.decode_dispatch)
             except Exception as exc:  # noqa: BLE001

@@ -168,7 +168,8 @@ class SchedulerShell:
                              block_hashes=r.block_hashes, hit_blocks=r.hit_blocks, sampling=r.sampling, reply_subject=r.reply_subject,
                              read_path=int(_WIRE_PATH[c.read_side]), prefill_engine=c.prefill_engine, prefill_node=c.prefill_node,
                              decode_engine=c.decode_engine, decode_node=c.decode_node, de_region=c.region, de_offset=c.offset,
-                             attempt=c.attempt, policy=c.decision.policy, trace=r.trace, arrival_ts=r.arrival_ts)
+                             attempt=c.attempt, policy=c.decision.policy, trace=r.trace, arrival_ts=r.arrival_ts,
+                             read_split=list(c.decision.read_split or ()))
         with trace.use_span(self._spans.get(key, trace.INVALID_SPAN), end_on_exit=False):
             try:
                 await self.bus.request(self.subjects.prefill(c.prefill_engine), task, m.Ok, timeout=TIMEOUTS.prefill_dispatch)
@@ -213,6 +214,8 @@ class SchedulerShell:
                                  "read_side": "pe" if side == ReadSide.PE else "de", "read_path": path.name.lower(),
                                  "hit_tokens": d.hit_tokens, "prefill_tokens": d.prefill_tokens, "decode_tokens": d.decode_tokens,
                                  "attempt": c.attempt, **d.seen})
+            if d.read_split is not None:
+                span.set_attribute("read_split", list(d.read_split))
         return span
 
     def _end_span(self, key: tuple[str, int], error: str = "") -> None:

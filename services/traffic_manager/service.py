@@ -110,12 +110,14 @@ class TrafficManager:
                 raise HandlerError(m.BUFFER_FULL, str(exc)) from None
             self._free_later.discard(req.request_id)
         need = len(req.hashes) * fmt.block_bytes
-        if need > slot.nbytes:
-            raise HandlerError(400, f"{len(req.hashes)} blocks do not fit the request's {slot.nbytes}-byte slot")
+        skip = max(req.first_block, 0) * fmt.block_bytes  # a split read's DE share starts past the PE share's blocks
+        if skip + need > slot.nbytes:
+            raise HandlerError(400, f"blocks {req.first_block}..{req.first_block + len(req.hashes)} do not fit the request's "
+                                    f"{slot.nbytes}-byte slot")
         attrs = {"node": self.cfg.node_id, "blocks": len(req.hashes), "bytes": need, "request_id": req.request_id}
         with tracer.start_as_current_span("storage.read", attributes=attrs) as span:
             with self._using(req.request_id):
-                res = await self.io.read_blocks(req.model_digest, req.hashes, fmt, self._slot_view(slot.offset, max(need, 0)))
+                res = await self.io.read_blocks(req.model_digest, req.hashes, fmt, self._slot_view(slot.offset + skip, max(need, 0)))
             if span.is_recording():
                 span.set_attributes({"loaded_blocks": res.loaded, "bytes_read": res.bytes_read, "queue_wait_s": res.queue_wait_s,
                                      "read_s": res.read_s, "bad_blocks": len(res.bad)})

@@ -10,6 +10,10 @@ Per layer, for every item of the batch:
   together with, on the PE read path's first chunk, the cached tokens it fetched (PE read
   path: hit + miss; DE read path: miss only).
 
+A split read (``IoItem.de_from >= 0``, first chunk) fetches the cached tokens ``[0, de_from)``
+from the PE buffer and ``[de_from, start)`` from the DE slot, and forwards only the former:
+every layer's cached KV is complete before the layer computes, whichever side read it.
+
 Windows rotate so that no transfer overwrites bytes still in use: ``run_prefill`` starts
 ``fetch(l+A)`` (A = ``FETCH_AHEAD``) before computing ``l`` and waits for ``store(l-2)`` before
 ``store(l)``; a store may still read the input window of its layer (forwarded hits) until
@@ -51,6 +55,21 @@ class IoItem:
     write_from: int  # first token to write to dest this chunk (0 on the PE path's first chunk)
     path: str = ""  # the request's read path (pe, de, none): a trace attribute
     de_engine: str = ""  # the request's decode engine: its CNIC serves the DE buffer (emulated NICs)
+    de_from: int = -1  # split read: cached tokens [de_from, start) are in the DE slot (dest), not in source
+
+    def fetch_ranges(self) -> list[tuple[RegionDescriptor, int, int, int]]:
+        """(region, slot offset, first token, end token) of the cached tokens ``[0, start)``."""
+        n = self.item.start
+        if not n or self.source is None:
+            return []
+        if self.de_from < 0 or self.de_from >= n:
+            return [(self.source, self.source_offset, 0, n)]
+        return [(self.source, self.source_offset, 0, self.de_from), (self.dest, self.dest_offset, self.de_from, n)]
+
+    @property
+    def forward_end(self) -> int:
+        """End of the cached tokens this chunk forwards to the DE slot (from ``write_from``)."""
+        return self.item.start if self.de_from < 0 else max(self.write_from, min(self.item.start, self.de_from))
 
 
 @dataclass(slots=True)
@@ -116,10 +135,10 @@ class BatchLayerIO:
         for io in self.items:
             n = io.item.start
             places.append((local, n))
-            if n:
-                _, entries = by_source.setdefault((io.source.region_id, io.de_engine), (io.source, []))
-                for slot_off, tok, cnt, count in self.layout.layer_strided(layer, 0, n):
-                    entries.append(TransferEntry(local + tok * bpt, io.source.region_id, io.source_offset + slot_off, cnt * bpt,
+            for src, src_off, a, b in io.fetch_ranges():
+                _, entries = by_source.setdefault((src.region_id, io.de_engine), (src, []))
+                for slot_off, tok, cnt, count in self.layout.layer_strided(layer, a, b):
+                    entries.append(TransferEntry(local + tok * bpt, src.region_id, src_off + slot_off, cnt * bpt,
                                                  count, cnt * bpt, bb))
             local += n * bpt
         for (_, de_engine), (desc, entries) in by_source.items():
@@ -155,7 +174,7 @@ class BatchLayerIO:
             desc, entries = by_dest[io.dest.region_id, io.de_engine]
             by_dest[io.dest.region_id, io.de_engine] = (io.dest, entries)
             # cached tokens this chunk must forward (PE read path, first chunk): from the input window
-            for slot_off, tok, cnt, count in self.layout.layer_strided(layer, io.write_from, it.start):
+            for slot_off, tok, cnt, count in self.layout.layer_strided(layer, io.write_from, io.forward_end):
                 entries.append(TransferEntry(in_off + tok * bpt, io.dest.region_id, io.dest_offset + slot_off, cnt * bpt,
                                              count, cnt * bpt, bb))
             for slot_off, tok, cnt, count in self.layout.layer_strided(layer, it.start, it.end):
@@ -192,7 +211,7 @@ class BatchLayerIO:
     def _paths(self, fetch: bool, region_id: str) -> str:
         """Read paths of the items whose KV a transfer with ``region_id`` carried."""
         if fetch:
-            moved = [io for io in self.items if io.item.start and io.source.region_id == region_id]
+            moved = [io for io in self.items if any(r[0].region_id == region_id for r in io.fetch_ranges())]
         else:
             moved = [io for io in self.items if io.dest.region_id == region_id]
         return ",".join(sorted({io.path for io in moved}))

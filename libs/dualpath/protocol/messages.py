@@ -181,6 +181,7 @@ class LoadRequest(Wire):
     block_tokens: int
     allocate: bool = False
     total_blocks: int = 0  # slot size when allocating
+    first_block: int = 0  # hashes[0] is block ``first_block`` of the slot (a split read's DE share: the last blocks)
 
 
 @register(34)
@@ -259,6 +260,7 @@ class PrefillTask(Wire):
     attempt: int = 0
     policy: str = ""
     arrival_ts: float = 0.0  # wall time the gateway admitted the request (TTFT's queueing part starts here)
+    read_split: list[int] = field(default_factory=list)  # split read: [PE blocks, DE blocks] (read_path PE); [] = one side reads all
     trace: dict = field(default_factory=dict)  # the request's trace context (its work outlives this message)
 
 

@@ -36,6 +36,8 @@ MODES = {
     # the ablation's steps (paper: + layer-wise prefill, + dual-path loading, + the scheduler)
     "basic-nolw": Mode("basic", "pe", layerwise=False, label="Basic without layer-wise prefill"),
     "dualpath-rr": Mode("round_robin", "auto", label="+ dual-path loading (round robin, shorter read queue)"),
+    # beyond the paper (issue 16): each request's hit blocks split between both storage NICs
+    "split": Mode("dualpath", "split", label="DualPath + split reads (--read-policy split)"),
 }
 ABLATION = ("basic-nolw", "basic", "dualpath-rr", "dualpath")
 
@@ -210,6 +212,8 @@ def add_cluster_arguments(p) -> None:
     """Flags every testbed experiment shares: the modeled cluster and the emulation scale."""
     p.add_argument("--target", default="ds27b", help="modeled model: ds27b, ds660b, qwen32b, dsv3")
     p.add_argument("--topology", default="1P1D", help="xPyD nodes")
+    p.add_argument("--read-policy", default="", choices=("", "auto", "split"),
+                   help="split: also run mode 'split' (DualPath with each request's hits read by both sides) next to --modes")
     p.add_argument("--engines-per-node", type=int, default=2, help="engine processes per node (SNIC scaled to match the GPUs)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--scale", type=float, default=1000.0, help="bytes and bandwidths divided by this (times preserved)")
@@ -231,6 +235,8 @@ def _check_load(ns) -> None:
 def prepare(ns, prog: str, **spec_fields) -> tuple[TestbedSpec, list[str]] | None:
     """Validate modes and topology, make the output dir and model; None (message printed) on bad input."""
     modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
+    if getattr(ns, "read_policy", "") == "split" and "split" not in modes:
+        modes.append("split")
     try:
         topology = parse_topology(ns.topology, ns.engines_per_node)
         bad = [m for m in modes if m not in MODES]

@@ -48,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default=".dualpath", help="logs, storage and the tiny model live here")
     p.add_argument("--storage", default="", help="KV storage root (default: <run-dir>/storage); a shared mount at scale")
     p.add_argument("--policy", default=default_of(SchedulerConfig, "policy"), help="dualpath, round_robin, least_tokens, basic")
-    p.add_argument("--read-path", default=default_of(SchedulerConfig, "read_path"), choices=("auto", "pe", "de"),
-                   help="which side reads hit KV")
+    p.add_argument("--read-path", "--read-policy", dest="read_path", default=default_of(SchedulerConfig, "read_path"),
+                   choices=("auto", "pe", "de", "split"),
+                   help="which side reads hit KV: auto (shorter read queue), pe, de, or split (each request's hit blocks "
+                        "divided between both sides' storage NICs, beyond the paper)")
     p.add_argument("--device", default=default_of(ModelConfigSpec, "device"), help="torch device for engines (cpu, cuda)")
     p.add_argument("--buffer-mb", type=int, default=default_of(NodeConfig, "buffer_mb"), help="DRAM buffer per node, MiB")
     p.add_argument("--compute-quota-ms", type=float, default=default_of(EngineConfig, "compute_quota_ms"),
@@ -95,7 +97,7 @@ def mode_policy(mode: str, policy: str, read_path: str) -> tuple[str, str]:
     if mode == "basic":
         return "basic", "pe"
     if mode in ("dualpath", "oracle"):
-        return "dualpath", "auto"
+        return "dualpath", "split" if mode == "dualpath" and read_path == "split" else "auto"
     return policy, read_path
 
 
