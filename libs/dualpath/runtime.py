@@ -31,13 +31,13 @@ from dualpath.telemetry.logs import configure_logging, get_logger
 from dualpath.telemetry.metrics import configure_metrics, shutdown_metrics
 from dualpath.telemetry.tracing import configure_tracing, shutdown_tracing
 
-__all__ = ["ServiceMain", "periodic", "run_service"]
+__all__ = ["ServiceMain", "periodic", "run_service", "start_logged", "wait_any"]
 
 ServiceMain = Callable[[Bus, asyncio.Event, TaskGroup], Awaitable[None]] | Callable[[Bus, asyncio.Event], Awaitable[None]]
 if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport there
     from exceptiongroup import BaseExceptionGroup
 
-_GRACE_S = 5.0  # seconds the service's own tasks get to end after ``main`` returned
+_GRACE_S = 10.0  # seconds the service's own tasks (persists, final events) get to end after ``main`` returned
 
 
 async def _call_main(main: ServiceMain, bus: Bus, stop: asyncio.Event, tasks: TaskGroup) -> None:
@@ -99,3 +99,28 @@ async def periodic(stop: asyncio.Event, interval: float, tick: Callable[[], Awai
             log.warning("periodic_failed", error=str(exc))
         with anyio.move_on_after(interval):
             await stop.wait()
+
+
+def start_logged(tasks: TaskGroup, what: str, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+    """Start ``fn(*args)`` in ``tasks``; an exception it raises is logged as ``what`` and goes no
+    further (one request's background work must not end the service's task group)."""
+
+    async def run() -> None:
+        try:
+            await fn(*args)
+        except Exception:  # noqa: BLE001 - logged with its traceback; the service goes on
+            get_logger("runtime").exception("background_task_failed", task=what)
+
+    tasks.start_soon(run, name=what)
+
+
+async def wait_any(*events: asyncio.Event) -> None:
+    """Return as soon as one of ``events`` is set."""
+    async with anyio.create_task_group() as group:
+
+        async def one(event: asyncio.Event) -> None:
+            await event.wait()
+            group.cancel_scope.cancel()
+
+        for event in events:
+            group.start_soon(one, event)

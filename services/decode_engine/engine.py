@@ -23,13 +23,16 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+import anyio
 import torch
+from anyio.abc import TaskGroup
 from dualpath.bus import Bus
 from dualpath.config import EngineConfig
 from dualpath.core.batch_errors import BatcherError
 from dualpath.core.decode_batcher import CANCELLED, DecodeBatcher, DecodeStep
 from dualpath.engine.common import EngineSetup, read_path_name
 from dualpath.engine.decode import DecodeSequence, KvMemory, decode_step
+from dualpath.runtime import start_logged, wait_any
 from dualpath.kv import block_hashes
 from dualpath.model.sampling import SamplingParams, grammar_constraint, sample
 from dualpath.protocol import messages as m
@@ -55,7 +58,7 @@ class Running:
     gen: torch.Generator | None
     chain: list[int]  # hash chain of the persisted/persisting full blocks
     finish: str | None = None  # set when done; the request leaves after a final KV flush if needed
-    persist_tail: asyncio.Task | None = None  # the request's last persist: commits must go parent first
+    persist_tail: anyio.Event | None = None  # set when the request's last persist ended: commits must go parent first
     t_start: float = field(default_factory=time.perf_counter)
     decode_s: float = 0.0  # admission to last token (set when it leaves)
     span: trace.Span = trace.INVALID_SPAN  # decode.request
@@ -64,8 +67,9 @@ class Running:
 
 
 class DecodeEngine:
-    def __init__(self, bus: Bus, subjects: Subjects, cfg: EngineConfig, node_id: str, setup: EngineSetup) -> None:
+    def __init__(self, bus: Bus, subjects: Subjects, cfg: EngineConfig, node_id: str, setup: EngineSetup, tasks: TaskGroup) -> None:
         self.bus, self.subjects, self.cfg, self.node_id, self.setup = bus, subjects, cfg, node_id, setup
+        self.tasks = tasks  # the service's task group: H2D copies, persists and final events run there
         d = setup.decoder
         self.memory = KvMemory(layers=d.num_layers, kv_heads=d.kv_heads, head_dim=d.head_dim, dtype=d.dtype, device=d.device,
                                capacity_tokens=cfg.kv_capacity_tokens, block_tokens=setup.layout.block_tokens)
@@ -76,7 +80,6 @@ class DecodeEngine:
         self.finished: list[str] = []
         self._regions: dict[str, MemoryRegion] = {}
         self._wake = asyncio.Event()
-        self._persists: set[asyncio.Task] = set()
         self._loading: set[str] = set()  # arrived, prompt KV still crossing the emulated CNIC (testbed)
         self._arrived_ns: dict[str, int] = {}  # task arrival, where decode.request spans start
         self.busy_s = 0.0  # wall time inside decode steps
@@ -90,9 +93,7 @@ class DecodeEngine:
             # Testbed: the prompt KV's H2D goes through the GPU's CNIC (both directions: a
             # loopback) while the running batch keeps decoding; the request joins once it landed.
             self._loading.add(task.request_id)
-            fut = asyncio.ensure_future(self._h2d_then_add(task, nic))
-            self._persists.add(fut)
-            fut.add_done_callback(self._persists.discard)
+            start_logged(self.tasks, f"h2d:{task.request_id}", self._h2d_then_add, task, nic)
             return m.Ok()
         return await self._add(task)
 
@@ -182,10 +183,17 @@ class DecodeEngine:
         """Persist in the background, after the request's previous persist (the index links a
         block only when its parent is already committed)."""
         previous = r.persist_tail
+        done = r.persist_tail = anyio.Event()
 
         async def go() -> None:
-            if previous is not None:
-                await asyncio.wait([previous])
+            try:
+                if previous is not None:
+                    await previous.wait()
+                await persist()
+            finally:
+                done.set()
+
+        async def persist() -> None:
             with tracer.start_as_current_span("kv.persist", context=trace.set_span_in_context(r.span)) as span:
                 if span.is_recording():
                     span.set_attributes({"request_id": req.request_id, "blocks": len(req.hashes),
@@ -196,10 +204,7 @@ class DecodeEngine:
                     span.set_status(Status(StatusCode.ERROR, str(exc)))
                     log.warning("persist_failed", request_id=req.request_id, error=str(exc))
 
-        task = asyncio.ensure_future(go())
-        r.persist_tail = task
-        self._persists.add(task)
-        task.add_done_callback(self._persists.discard)
+        start_logged(self.tasks, f"persist:{req.request_id}", go)
 
     # ---- the loop --------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -224,17 +229,12 @@ class DecodeEngine:
                     self.memory.release(r.seq.kv)
                     await self._fail_task(r.task, f"decode failed: {type(exc).__name__}: {exc}")
             self.busy_s += time.perf_counter() - t0
-        if self._persists:
-            await asyncio.wait(list(self._persists), timeout=10.0)
+        # Persists and final events still running end in the service's task group (the runner's grace).
 
     async def _idle(self, stop: asyncio.Event) -> None:
         """Wait for a new task, a cancel or ``stop``."""
         self._wake.clear()
-        waiter = asyncio.ensure_future(self._wake.wait())
-        stopper = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        stopper.cancel()
+        await wait_any(self._wake, stop)
 
     async def _receive(self) -> None:
         """Admission: the batcher picks who fits the KV memory; their prompt KV moves in."""
@@ -331,15 +331,14 @@ class DecodeEngine:
             self.finished.append(t.request_id)
             self._end_span(r)
             return
-        task = asyncio.ensure_future(self._final_event(r))
-        self._persists.add(task)
-        task.add_done_callback(self._persists.discard)
+        start_logged(self.tasks, f"final:{t.request_id}", self._final_event, r)
 
     async def _final_event(self, r: Running) -> None:
         # Waiting for the last persist makes "answer received" imply "the next turn hits
         # every full block of this context" (a few ms of fsync on the last block only).
         if r.persist_tail is not None:
-            await asyncio.wait([r.persist_tail], timeout=30.0)
+            with anyio.move_on_after(30.0):
+                await r.persist_tail.wait()
         t, lay = r.task, self.setup.layout
         info = {"read_path": read_path_name(t.read_path), "prefill_engine": t.prefill_engine, "decode_engine": self.cfg.engine_id,
                 "hit_tokens": t.cached_blocks * lay.block_tokens, **t.timing}

@@ -32,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from anyio.abc import TaskGroup
 from dualpath.bus import Bus, BusTimeoutError
 from dualpath.config import EngineConfig
 from dualpath.core.batch_errors import BatcherError
@@ -40,6 +41,7 @@ from dualpath.engine.common import EngineSetup, read_path_name
 from dualpath.engine.prefill import PrefillItem, run_prefill
 from dualpath.engine.prefill_io import BatchLayerIO, IoItem
 from dualpath.engine.profile import prefill_predictor
+from dualpath.runtime import start_logged, wait_any
 from dualpath.model.sampling import SamplingParams, grammar_constraint, sample
 from dualpath.protocol import RemoteError
 from dualpath.protocol import messages as m
@@ -77,8 +79,9 @@ class Job:
 
 
 class PrefillEngine:
-    def __init__(self, bus: Bus, subjects: Subjects, cfg: EngineConfig, node_id: str, setup: EngineSetup) -> None:
+    def __init__(self, bus: Bus, subjects: Subjects, cfg: EngineConfig, node_id: str, setup: EngineSetup, tasks: TaskGroup) -> None:
         self.bus, self.subjects, self.cfg, self.node_id, self.setup = bus, subjects, cfg, node_id, setup
+        self.tasks = tasks  # the service's task group: KV loads run there
         self.jobs: dict[str, Job] = {}
         self.loaded: deque[Job] = deque()  # KV loaded, not yet received by the batcher
         quota_s = cfg.compute_quota_ms / 1000.0
@@ -87,7 +90,6 @@ class PrefillEngine:
         log.info("prefill_predictor", engine=cfg.engine_id, predicted_by=self.predicted_by, quota_s=quota_s,
                  profile=repr(predict) if self.predicted_by == "profile" else cfg.engine_id)
         self._wake = asyncio.Event()
-        self._loads: set[asyncio.Task] = set()
         self.finished: list[str] = []
         self.busy_s = 0.0  # wall time inside batches
         self.kv_wait_s = 0.0  # of which: waiting for cached KV to arrive
@@ -105,9 +107,7 @@ class PrefillEngine:
             job.span.set_attributes({"request_id": task.request_id, "engine": self.cfg.engine_id, "prompt_tokens": len(task.prompt_tokens),
                                      "hit_blocks": task.hit_blocks, "read_path": read_path_name(task.read_path), "attempt": task.attempt})
         self.jobs[task.request_id] = job
-        t = asyncio.ensure_future(self._load(job))
-        self._loads.add(t)
-        t.add_done_callback(self._loads.discard)
+        start_logged(self.tasks, f"load:{task.request_id}", self._load, job)
         return m.Ok()
 
     async def on_cancel(self, req: m.CancelRequest) -> None:
@@ -211,11 +211,7 @@ class PrefillEngine:
         self._wake.clear()
         if self.loaded:
             return
-        waiter = asyncio.ensure_future(self._wake.wait())
-        stopper = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        stopper.cancel()
+        await wait_any(self._wake, stop)
 
     def _io_item(self, job: Job, it: BatchItem) -> IoItem:
         t = job.task

@@ -257,6 +257,8 @@ def _stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def test_the_scheduler_serves_its_queue_metrics_for_prometheus(nats_server):
