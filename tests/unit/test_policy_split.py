@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from dualpath.core import NodeReported
 from dualpath.policy import ClusterState, NodeSpec, PendingRequest, ReadSide, Role, Thresholds, get_policy
-from dualpath.policy.split import split_blocks
+from dualpath.policy.split import split_blocks, worth_splitting
 from tests.unit.test_scheduler_core import Cluster
 
 BIG = 10**9
@@ -100,3 +100,14 @@ def test_core_without_split_records_no_split():
     c = Cluster(read_path="auto")
     d = c.place("r1", prompt=64 * 40 + 5, hit_blocks=40)
     assert d.decision.read_split is None
+
+
+def test_only_a_request_longer_than_both_queues_is_split():
+    assert worth_splitting(6400, 0, 6399)
+    assert not worth_splitting(6400, 6400, 0)
+    assert not worth_splitting(0, 0, 0)
+    state = _one_pair()
+    state.report_node(1, read_q=100_000)  # a long DE queue: the request goes whole to the PE side
+    policy = get_policy("dualpath", Thresholds(alpha_tokens=BIG, beta_tokens=BIG), read_path="split")
+    [a] = policy.schedule([PendingRequest(request_id=0, prompt_tokens=6410, hit_tokens=6400, total_len=6500)], state)
+    assert a.read_side is ReadSide.PE and a.de_split_tokens == 0

@@ -37,6 +37,8 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--snic-gbps", type=float, default=400.0, help="storage NIC per node")
     g.add_argument("--cnic-gbps", type=float, default=400.0, help="compute NIC per GPU")
     g.add_argument("--dram-gb", type=float, default=80.0, help="DRAM buffer per node")
+    g.add_argument("--read-policy", default="", choices=("", "auto", "split"),
+                   help="split: also run mode 'split' (DualPath with each request's hits read by both sides) next to --modes")
     g.add_argument("--quota-ms", type=float, default=300.0, help="prefill compute quota (paper §6.2)")
     g.add_argument("--decode-ep", default="auto",
                    help="decode expert parallelism: auto (every decode GPU), target (the cost model's default, as the testbed), or N")
@@ -88,13 +90,15 @@ def _workload(ns: argparse.Namespace, **kw):
     return Workload(dataset=ns.dataset, agents=ns.agents, seed=ns.seed, turns=ns.turns or None, start_at=ns.start_at, **kw)
 
 
-def _modes(text: str) -> list[str]:
+def _modes(text: str, read_policy: str = "") -> list[str]:
     from dualpath.sim import MODES
 
     modes = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise _Fail(f"--modes: unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    if read_policy == "split" and "split" not in modes:
+        modes.append("split")
     return modes
 
 
@@ -154,7 +158,7 @@ def _offline(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     from dualpath.sim.experiments import run_offline
 
-    base, workload, modes = _config(ns), _workload(ns), _modes(ns.modes)
+    base, workload, modes = _config(ns), _workload(ns), _modes(ns.modes, ns.read_policy)
     result = run_offline(base, workload, modes, ablation=ns.ablation, progress=_progress(ns), say=_say,
                          until=ns.until if ns.until > 0 else float("inf"))
     out = _out(ns)
@@ -206,7 +210,7 @@ def _online(argv: list[str]) -> int:
         raise _Fail("--rate, --duration and --burstiness must be positive and --tool-gap >= 0")
     from dualpath.sim.experiments import run_online, sweep_online
 
-    modes = _modes(ns.modes)
+    modes = _modes(ns.modes, ns.read_policy)
     workload = _workload(ns, rate=ns.rate, burstiness=ns.burstiness, tool_gap_s=ns.tool_gap, duration_s=ns.duration)
     rows = {}
     for mode in modes:

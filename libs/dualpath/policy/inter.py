@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from dualpath.policy.index import Candidates
-from dualpath.policy.split import DE_HOP_PERCENT, split_blocks
+from dualpath.policy.split import DE_HOP_PERCENT, split_blocks, worth_splitting
 from dualpath.policy.state import ClusterState, EngineState, NodeState
 from dualpath.policy.thresholds import Thresholds
 from dualpath.policy.values import Assignment, PendingRequest, ReadPath, ReadSide
@@ -181,7 +181,7 @@ def choose_read_sides(
         q_de = queue.get(de_node, nodes[de_node].read_q)
         r = waiting[i]
         forced = r.forced_side
-        if forced is None and read_path is ReadPath.SPLIT and r.hit_tokens and pe_node != de_node:
+        if forced is None and read_path is ReadPath.SPLIT and worth_splitting(r.hit_tokens, q_pe, q_de) and pe_node != de_node:
             bt = r.block_tokens
             pe_tok = min(split_blocks(-(-r.hit_tokens // bt), bt, q_pe, q_de, hop_percent) * bt, r.hit_tokens)
             queue[pe_node], queue[de_node] = q_pe + pe_tok, q_de + r.hit_tokens - pe_tok

@@ -16,13 +16,25 @@ layer, a hop the PE share does not make as a *read*), pick ``b`` in ``[0, H]`` m
 — the later of the two finish times, scaled by 100 so the comparison is exact in integers.
 Ties go to the larger PE share (the classic path). ``b = H`` is a plain PE read, ``b = 0`` a
 plain DE read: an idle PE node and a long DE queue degenerate to today's whole-request rule.
+
+Only a request longer than either queue is split (``worth_splitting``): behind long queues
+many requests are in flight and the whole-request rule balances the NICs already, while a
+split request would wait for the later of two queues. In the simulator, always splitting
+lengthened a busy 1P1D 32K run's JCT by 5%; with this condition it is 1% shorter.
 """
 
 from __future__ import annotations
 
-__all__ = ["DE_HOP_PERCENT", "split_blocks"]
+__all__ = ["DE_HOP_PERCENT", "split_blocks", "worth_splitting"]
 
 DE_HOP_PERCENT = 10  # a DE-read token costs 10% more than a PE-read one (the CNIC hop to the PE)
+
+
+def worth_splitting(hit_tokens: int, q_pe: int, q_de: int) -> bool:
+    """Split only a request longer than what either queue already holds (few requests in
+    flight). Behind longer queues the whole-request rule balances the NICs over many
+    requests already, and a split request would wait for the later of two queues."""
+    return 0 < hit_tokens and max(q_pe, q_de) < hit_tokens
 
 
 def _finish(q_pe: int, q_de: int, blocks: int, pe_blocks: int, bt: int, hop: int) -> int:

@@ -41,6 +41,7 @@ MODES: dict[str, SimMode] = {
     "oracle": SimMode("dualpath", "auto", oracle=True, label="Oracle: no storage reads, no KV transfers"),
     "basic-nolw": SimMode("basic", "pe", layerwise=False, label="Basic without layer-wise prefill"),
     "dualpath-rr": SimMode("round_robin", "auto", label="+ dual-path loading (round robin, shorter read queue)"),
+    "split": SimMode("dualpath", "split", label="DualPath + split reads (--read-policy split, beyond the paper)"),
 }
 ABLATION = ("basic-nolw", "basic", "dualpath-rr", "dualpath")
 

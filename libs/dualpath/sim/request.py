@@ -22,8 +22,8 @@ class SimRequest:
     land in the request's slot in the decode node's buffer, reserved by the scheduler).
     """
 
-    __slots__ = ("agent", "buffer", "buffer_bytes", "de", "gen", "hit", "key", "loaded", "pe", "prompt", "read_side", "rid",
-                 "t_batch", "t_first", "t_read", "t_submit", "ttst")
+    __slots__ = ("agent", "buffer", "buffer_bytes", "de", "gen", "hit", "key", "loaded", "pe", "prompt", "read_side", "reads_left",
+                 "rid", "split_de", "t_batch", "t_first", "t_read", "t_submit", "ttst")
 
     def __init__(self, rid: int, agent: Agent, prompt: int, hit: int, gen: int, now: float) -> None:
         self.rid = rid
@@ -43,3 +43,5 @@ class SimRequest:
         self.loaded = False  # its hit KV went to the prefill engine (first chunk)
         self.buffer: NodeStorage | None = None
         self.buffer_bytes = 0.0
+        self.split_de = 0  # split read (read_path split): the last hit tokens, read by the decode node
+        self.reads_left = 0  # storage reads still running (2 for a split read)

@@ -130,13 +130,25 @@ class Simulation:
             req.t_read = self.loop.now
             req.pe.add(req)
             return
+        kvb = self.kv_bytes_per_token
+        split = cmd.decision.read_split
+        if split is not None:  # split read: the first blocks on the PE node, the rest on the DE node, at once
+            pe_tok = split[0] * self.cfg.block_tokens
+            req.split_de, req.reads_left = req.hit - pe_tok, 2
+            self.storage[cmd.prefill_node].read(req, pe_tok * kvb, into_buffer=True, tokens=pe_tok)
+            self.storage[cmd.decode_node].read(req, req.split_de * kvb, into_buffer=False, tokens=req.split_de)
+            return
+        req.reads_left = 1
         node = cmd.prefill_node if cmd.read_side == ReadSide.PE else cmd.decode_node
-        self.storage[node].read(req, req.hit * self.kv_bytes_per_token, into_buffer=cmd.read_side == ReadSide.PE)
+        self.storage[node].read(req, req.hit * kvb, into_buffer=cmd.read_side == ReadSide.PE)
 
     def _read_q_changed(self, storage: NodeStorage) -> None:
         self.scheduler.read_queue_changed(storage.name, lambda: storage.read_q)
 
     def _read_done(self, req: SimRequest) -> None:
+        req.reads_left -= 1
+        if req.reads_left > 0:  # a split read's other share is still running
+            return
         req.t_read = self.loop.now
         req.pe.add(req)
 

@@ -40,7 +40,7 @@ class NodeStorage:
         self.buffer_used = 0.0
         self.slots: dict[str, float] = {}
         self.parallel = parallel
-        self.queue: deque[tuple[SimRequest, float, bool]] = deque()
+        self.queue: deque[tuple[SimRequest, float, bool, int]] = deque()  # request, bytes, into buffer, tokens
         self.active = 0
         self.read_q = 0  # hit tokens queued or being read
         self.bytes_read = 0.0
@@ -67,18 +67,20 @@ class NodeStorage:
             self.release(nbytes)
 
     # -- reads ---------------------------------------------------------------------------
-    def read(self, req: SimRequest, nbytes: float, *, into_buffer: bool) -> None:
-        """Queue the read of ``req``'s hit KV (``nbytes``); ``into_buffer``: it needs room in
-        this node's buffer (PE read path) rather than in a slot already reserved."""
-        self.queue.append((req, nbytes, into_buffer))
-        self.read_q += req.hit
+    def read(self, req: SimRequest, nbytes: float, *, into_buffer: bool, tokens: int = -1) -> None:
+        """Queue the read of ``req``'s hit KV (``nbytes``, ``tokens``: all its hits unless a
+        split read's share); ``into_buffer``: it needs room in this node's buffer (PE read
+        path) rather than in a slot already reserved."""
+        tokens = req.hit if tokens < 0 else tokens
+        self.queue.append((req, nbytes, into_buffer, tokens))
+        self.read_q += tokens
         self._changed(self)
         self._pump()
 
     def _pump(self) -> None:
         q = self.queue
         while q and self.active < self.parallel:
-            req, nbytes, into_buffer = q[0]
+            req, nbytes, into_buffer, tokens = q[0]
             if into_buffer:
                 if self.buffer_used + nbytes > self.buffer_bytes and self.buffer_used > 0:
                     return  # back-pressure: wait for the buffer
@@ -86,14 +88,14 @@ class NodeStorage:
                 req.buffer, req.buffer_bytes = self, nbytes
             q.popleft()
             self.active += 1
-            self.read_link.start(nbytes, self._done, (req, nbytes))
+            self.read_link.start(nbytes, self._done, (req, nbytes, tokens))
 
-    def _done(self, token: tuple[SimRequest, float]) -> None:
-        req, nbytes = token
+    def _done(self, token: tuple[SimRequest, float, int]) -> None:
+        req, nbytes, tokens = token
         self.active -= 1
         self.bytes_read += nbytes
-        self.hit_tokens_read += req.hit
-        self.read_q -= req.hit
+        self.hit_tokens_read += tokens
+        self.read_q -= tokens
         self._changed(self)
         self._pump()
         self._on_read(req)
