@@ -72,6 +72,10 @@ def build_parser(prog: str = "dualpath loadgen") -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=TRANSPORTS, default="fast", help="HTTP client: fast (asyncio) or httpx")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a turn may take before it fails")
     p.add_argument("--max-errors", type=int, default=20, help="abort the run after this many failed turns")
+    p.add_argument("--session-header", action=argparse.BooleanOptionalAction, default=True,
+                   help="send X-Session-ID per agent (as aiperf --session-header): lets the server prefetch its next turn")
+    p.add_argument("--tool-gap", type=float, default=0.0,
+                   help="mean seconds an agent runs a tool between turns (exponential; 0 = turns back to back)")
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos/min_tokens (strict servers)")
     p.add_argument("--progress", choices=MODES, default="auto", help="live status line on stderr")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -138,7 +142,8 @@ def _spec(args, endpoint, trajectories, *, rate: float | None, seed: int) -> Loa
     arrivals = arrival_times(len(trajectories), rate=rate, burstiness=args.burstiness, seed=seed)
     return LoadSpec(endpoint=endpoint, trajectories=tuple(trajectories), arrivals=tuple(arrivals.tolist()),
                     offline=rate is None, duration_s=args.duration, drain_s=args.drain, transport=args.transport,
-                    text_seed=seed, max_errors=args.max_errors, exact_tokens=not args.no_ignore_eos)
+                    text_seed=seed, max_errors=args.max_errors, exact_tokens=not args.no_ignore_eos,
+                    session_header=args.session_header, tool_gap_s=args.tool_gap)
 
 
 def _single(args, endpoint, trajectories, prompts, slo, report, out_dir) -> int:

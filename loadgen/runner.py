@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import math
+import random
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -59,6 +60,16 @@ class LoadSpec:
     text_seed: int = 0
     max_errors: int = 20
     exact_tokens: bool = True
+    session_header: bool = True  # each agent sends X-Session-ID (as aiperf --session-header): servers may prefetch its KV
+    tool_gap_s: float = 0.0  # mean seconds an agent spends "running a tool" between turns (exponential; 0: back to back)
+
+
+SESSION_HEADER = "x-session-id"
+
+
+def session_headers(spec: LoadSpec, index: int) -> dict[str, str]:
+    """The per-agent headers: ``X-Session-ID`` naming this run's agent ``index``."""
+    return {SESSION_HEADER: f"agent-{spec.text_seed}-{index}"} if spec.session_header else {}
 
 
 class RunState:
@@ -126,7 +137,7 @@ async def run_load(spec: LoadSpec, prompts: PromptText, state: RunState, progres
     if spec.offline:
         # Every agent starts at once: open the connections first, so that the clock does
         # not include a thousand connects run one after another on this event loop.
-        connections = [open_connection(spec.endpoint, spec.transport) for _ in spec.trajectories]
+        connections = [open_connection(spec.endpoint, spec.transport, session_headers(spec, i)) for i in range(len(spec.trajectories))]
         async with anyio.create_task_group() as group:
             for conn in connections:
                 group.start_soon(conn.connect)
@@ -191,7 +202,7 @@ async def _launch(spec: LoadSpec, prompts: PromptText, state: RunState, group: a
         if connections is not None:
             conn, connections[index] = connections[index], None  # the agent closes it now
         else:
-            conn = open_connection(spec.endpoint, spec.transport)
+            conn = open_connection(spec.endpoint, spec.transport, session_headers(spec, index))
         group.start_soon(_agent, index, trajectory, float(at), spec, prompts, state, conn)
 
 
@@ -238,8 +249,11 @@ async def _agent(index: int, trajectory: Trajectory, scheduled: float, spec: Loa
     expected_prompt = trajectory.system_tokens
     state.active += 1
     state.max_active = max(state.max_active, state.active)
+    gaps = random.Random(spec.text_seed * 1_000_003 + index)  # the agent's tool-call gaps, reproducible
     try:
         for turn, (text, gen) in enumerate(zip(texts, trajectory.gen_tokens)):
+            if turn and spec.tool_gap_s > 0:  # the agent runs a tool on the last answer before its next turn
+                await anyio.sleep(gaps.expovariate(1.0 / spec.tool_gap_s))
             conversation.add_user(text)
             expected_prompt += trajectory.append_tokens[turn]
             base = dict(agent=index, turn=turn, t_start=state.now(),

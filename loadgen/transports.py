@@ -210,9 +210,10 @@ class _ClosedBeforeAnswer(ServerUnreachableError):
 class FastConnection:
     """One HTTP/1.1 keep-alive connection on an asyncio Protocol."""
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint, headers: dict[str, str] | None = None) -> None:
         self.ep = endpoint
-        head = f"POST {endpoint.path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in _headers(endpoint).items())
+        all_headers = {**_headers(endpoint), **(headers or {})}
+        head = f"POST {endpoint.path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in all_headers.items())
         self.head = head.encode("latin-1")
         self.protocol: _H1Protocol | None = None
         self.current: ResponseConsumer | None = None  # the latest request (partial if cut off)
@@ -292,7 +293,7 @@ class FastConnection:
 class HttpxConnection:
     """The same interface on ``httpx.AsyncClient`` (one client with one connection)."""
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint, headers: dict[str, str] | None = None) -> None:
         import httpx  # imported lazily: only --transport httpx needs it
 
         self.ep, self.httpx = endpoint, httpx
@@ -300,7 +301,7 @@ class HttpxConnection:
         self.client = httpx.AsyncClient(verify=_ssl_context(), timeout=timeout,
                                         limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
         self.url = f"{endpoint.scheme}://{_hostport(endpoint)}{endpoint.path}"
-        self.headers = {k: v for k, v in _headers(endpoint).items() if k != "host"}
+        self.headers = {k: v for k, v in {**_headers(endpoint), **(headers or {})}.items() if k != "host"}
         self.current: ResponseConsumer | None = None  # the latest request (partial if cut off)
 
     async def connect(self) -> None:
@@ -339,10 +340,11 @@ def _deadline(seconds: float):
     return anyio.fail_after(seconds)
 
 
-def open_connection(endpoint: Endpoint, transport: str = "fast") -> FastConnection | HttpxConnection:
-    """A new (lazily connecting) connection. Raises ValueError for an unknown transport."""
+def open_connection(endpoint: Endpoint, transport: str = "fast", headers: dict[str, str] | None = None) -> FastConnection | HttpxConnection:
+    """A new (lazily connecting) connection; ``headers`` go on every request (e.g. the agent's
+    ``X-Session-ID``). Raises ValueError for an unknown transport."""
     if transport == "fast":
-        return FastConnection(endpoint)
+        return FastConnection(endpoint, headers)
     if transport == "httpx":
-        return HttpxConnection(endpoint)
+        return HttpxConnection(endpoint, headers)
     raise ValueError(f"unknown transport {transport!r} (choose from {', '.join(TRANSPORTS)})")

@@ -196,3 +196,34 @@ async def test_a_fresh_connection_closed_without_an_answer_is_an_error() -> None
         with pytest.raises(ServerUnreachableError, match="closed before any response"):
             await conn.request(b"{}")
         await conn.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("transport", ["fast", "httpx"])
+async def test_each_agents_connection_sends_its_own_session_header(transport: str) -> None:
+    from loadgen.runner import LoadSpec, session_headers
+    from loadgen.transports import open_connection
+
+    seen: list[bytes] = []
+
+    async def handler(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        seen.append(head.lower())
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        writer.write(_ANSWER)
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+    server, url = await _serve(handler)
+    ep = Endpoint.parse(url, chat=False, model="m")
+    spec = LoadSpec(endpoint=ep, trajectories=(), arrivals=(), offline=True, text_seed=7)
+    async with server:
+        for index in (0, 1):
+            conn = open_connection(ep, transport, session_headers(spec, index))
+            assert (await conn.request(b"{}")).text == " ok"
+            await conn.aclose()
+    assert [h.split(b"x-session-id: ")[1].split(b"\r\n")[0] for h in seen] == [b"agent-7-0", b"agent-7-1"]
+    off = LoadSpec(endpoint=ep, trajectories=(), arrivals=(), offline=True, session_header=False)
+    assert session_headers(off, 0) == {}
