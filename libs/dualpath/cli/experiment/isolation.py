@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     say = (lambda msg: print(msg, file=sys.stderr, flush=True))
     configs, exits = {}, []
     for name, classes in CONFIGS.items():
-        run_spec = dataclasses.replace(spec, out=spec.out / name, model_traffic=ns.model_traffic, nic_classes=classes)
+        run_spec = dataclasses.replace(spec, out=spec.out / name, model_traffic=ns.model_traffic, nic_classes=classes, warm_dir=spec.out)
         say(f"[{name}] CNICs with {classes} traffic class(es)")
         r = run_mode(run_spec, "dualpath", say=say)
         exits.append(r.loadgen_exit)

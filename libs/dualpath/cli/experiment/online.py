@@ -95,7 +95,7 @@ def _next_rate(points: list[dict], start: float, probes: int, tolerance: float) 
 
 
 def _probe(spec: TestbedSpec, mode: str, rate: float, index: int, k: float, say) -> dict:
-    probe_spec = dataclasses.replace(spec, online_rate=rate / k, out=spec.out / f"{mode}-{index}")
+    probe_spec = dataclasses.replace(spec, online_rate=rate / k, out=spec.out / f"{mode}-{index}", warm_dir=spec.out)
     say(f"[{mode}] probe {index}: {rate:g} APS (modeled)")
     r = run_mode(probe_spec, mode, say=say)
     point = _point(mode, rate, r.report, k)

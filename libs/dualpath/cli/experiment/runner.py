@@ -64,6 +64,7 @@ class TestbedSpec:
     duration: float = 0.0
     extra_loadgen: tuple[str, ...] = ()
     model_traffic: str = "auto"  # MoE all-to-all on the emulated CNICs: auto (cross-node share), on, off
+    warm_dir: Path | None = None  # where the shared warm-up storage is kept (default: out)
     nic_classes: int = 2  # 2: model traffic first, KV low priority; 1: one FIFO queue (no isolation)
 
 
@@ -150,7 +151,7 @@ def _warm_key(spec: TestbedSpec) -> str:
 def _warmed_storage(spec: TestbedSpec, mode: str, out: Path, say) -> None:
     """The mode's storage after the warm-up: the first mode runs it, later modes (and reruns
     with the same settings) start from a copy of its storage, index included."""
-    cached = spec.out / f"warm-storage-{_warm_key(spec)}"
+    cached = (spec.warm_dir or spec.out) / f"warm-storage-{_warm_key(spec)}"
     if not (cached / ".complete").exists():
         _warm_up(spec, mode, out, say)
         shutil.rmtree(cached, ignore_errors=True)
@@ -173,6 +174,8 @@ def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
     if spec.warmup_turns:  # offline, and online probes: agents met mid-trajectory with their history in storage
         _warmed_storage(spec, mode, out, say)
     say(f"[{mode}] starting {spec.topology} stack ({m.label or m.policy})" + (f", {spec.slowdown:g}x slow motion" if spec.slowdown != 1 else ""))
+    gateway_log = out / "run" / "logs" / "gateway.log"
+    failed_before = _count_in_log(gateway_log, "kv_lookup_failed")  # the warm-up's, if it ran here
     stack = Stack(_stack_config(spec, m, emu, out)).start(timeout=300)
     sampler = ClusterSampler(stack.nats_url, stack.namespace).start()
     try:
@@ -191,7 +194,7 @@ def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
     if proc.returncode != 0:
         say(f"[{mode}] load generator exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
-    failures = _count_in_log(out / "run" / "logs" / "gateway.log", "kv_lookup_failed")
+    failures = max(0, _count_in_log(gateway_log, "kv_lookup_failed") - failed_before)
     if failures:
         say(f"[{mode}] warning: {failures} index lookups timed out (served as full recomputes: fewer hits, a slower run)")
     return ModeResult(mode=mode, report=report, nodes=sampler.nodes, engines=sampler.engines, wall_s=wall,
