@@ -36,7 +36,8 @@ PAPER = {"ds27b": 1.67, "ds660b": 2.25}  # max APS within SLO, dualpath over bas
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dualpath experiment online", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="dualpath experiment online", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_cluster_arguments(p)
     p.set_defaults(engines_per_node=1)  # one engine per node: the SNIC shrinks to that GPU's share of it
     p.add_argument("--dataset", default="64k", help="32k, 48k, 64k or a trajectory JSONL file")

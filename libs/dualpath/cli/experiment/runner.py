@@ -130,7 +130,8 @@ def _warm_up(spec: TestbedSpec, mode: str, out: Path, say) -> None:
     stack = Stack(_stack_config(spec, m, emu, out)).start(timeout=300)
     try:
         t0 = time.monotonic()
-        proc = subprocess.run([*_loadgen(spec, stack.url, spec.warmup_turns, out / "warmup"), "--offline"], capture_output=True, text=True, check=False)
+        cmd = [*_loadgen(spec, stack.url, spec.warmup_turns, out / "warmup"), "--offline"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             say(f"[{mode}] warm-up load generator exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
         say(f"[{mode}] warm-up done in {time.monotonic() - t0:.0f} s")
@@ -173,7 +174,8 @@ def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
     offline = not spec.online_rate
     if spec.warmup_turns:  # offline, and online probes: agents met mid-trajectory with their history in storage
         _warmed_storage(spec, mode, out, say)
-    say(f"[{mode}] starting {spec.topology} stack ({m.label or m.policy})" + (f", {spec.slowdown:g}x slow motion" if spec.slowdown != 1 else ""))
+    motion = f", {spec.slowdown:g}x slow motion" if spec.slowdown != 1 else ""
+    say(f"[{mode}] starting {spec.topology} stack ({m.label or m.policy}){motion}")
     gateway_log = out / "run" / "logs" / "gateway.log"
     failed_before = _count_in_log(gateway_log, "kv_lookup_failed")  # the warm-up's, if it ran here
     stack = Stack(_stack_config(spec, m, emu, out)).start(timeout=300)
@@ -181,7 +183,8 @@ def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
     try:
         cmd = _loadgen(spec, stack.url, spec.turns, out / "loadgen")
         cmd += ["--offline"] if offline else ["--rate", str(spec.online_rate), "--duration", str(spec.duration)]
-        say(f"[{mode}] {spec.agents} agents x {spec.turns} turns of the {spec.dataset} set" + (" (all at once)" if offline else f" at {spec.online_rate} APS"))
+        how = " (all at once)" if offline else f" at {spec.online_rate} APS"
+        say(f"[{mode}] {spec.agents} agents x {spec.turns} turns of the {spec.dataset} set{how}")
         sampler.reset_clock()
         t0 = time.monotonic()
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
