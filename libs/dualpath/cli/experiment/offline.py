@@ -38,7 +38,8 @@ def efficiency_figures(jct: dict[str, float], io_bound: float) -> dict[str, floa
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dualpath experiment offline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="dualpath experiment offline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_cluster_arguments(p)
     p.add_argument("--dataset", default="64k", help="32k, 48k, 64k or a trajectory JSONL file")
     p.set_defaults(engines_per_node=1)  # one engine per node: the SNIC shrinks to that GPU's share of it
@@ -65,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 def format_table(result: dict) -> str:
     rows = result["modes"]
     lines = [f"offline {result['target']} {result['topology']} {result['dataset']}: {result['agents']} agents x {result['turns']} turns",
-             f"{'mode':<9} {'JCT s':>8} {'hit %':>6} {'SNIC util (per node)':<28} {'SNIC max/avg':>12} {'attn max/avg':>12} {'overhead':>9}"]
+             (f"{'mode':<9} {'JCT s':>8} {'hit %':>6} {'SNIC util (per node)':<28} {'SNIC max/avg':>12} "
+              f"{'attn max/avg':>12} {'overhead':>9}")]
     for r in rows.values():
         util = " ".join(f"{n}:{u:.0%}" for n, u in sorted(r["snic_read_utilisation"].items()))
         hit = f"{100 * r['cache_hit_rate']:.1f}" if r["cache_hit_rate"] is not None else "-"
@@ -115,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = {m: mode_figures(r) for m, r in results.items()}
     jct = {m: r["jct_s"] for m, r in rows.items()}
     result = {"target": ns.target, "topology": ns.topology, "engines_per_node": ns.engines_per_node, "dataset": ns.dataset,
-              "agents": ns.agents, "turns": ns.turns, "warmup_turns": ns.warmup_turns, "start_at": ns.start_at, "scale": ns.scale, "modes": rows,
+              "agents": ns.agents, "turns": ns.turns, "warmup_turns": ns.warmup_turns, "start_at": ns.start_at, "scale": ns.scale,
+              "modes": rows,
               "ratios": {"basic/dualpath": jct["basic"] / jct["dualpath"] if {"basic", "dualpath"} <= jct.keys() else None,
                          "dualpath/oracle": jct["dualpath"] / jct["oracle"] if {"dualpath", "oracle"} <= jct.keys() else None},
               "io_bound": (topology.prefill_nodes + topology.decode_nodes) / topology.prefill_nodes,

@@ -32,7 +32,7 @@ class ClusterSampler:
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
         self._ready = threading.Event()
 
-    def start(self) -> "ClusterSampler":
+    def start(self) -> ClusterSampler:
         self._thread.start()
         self._ready.wait(10)
         return self
