@@ -40,10 +40,10 @@ def _check(ns) -> str:
     return ""
 
 
-def _transfer(ns) -> dict:
+def _transfer(ns) -> tuple[dict, Callable[[dict], str]]:
     from dualpath.bench.transfer import format_report, run_bench
 
-    kw = {}
+    kw: dict = {}
     if ns.quick:
         kw.update(block_sizes=(4096, 262144, 1 << 20), batch_sizes=(1, 16, 256), point_seconds=0.05, with_mooncake=False)
     return run_bench(**kw), format_report

@@ -63,6 +63,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import islice
+from typing import Any
 
 from dualpath.core.scheduler_events import (
     BUFFER_FULL,
@@ -184,7 +185,7 @@ class SchedulerCore:
         self._hold_until = float("-inf")
         self._next_expiry = float("-inf")
         self._reserving: dict[tuple[str, int], str] = {}  # (request, attempt) -> node of an unanswered ReserveSlot
-        self._handlers: dict[type, Callable[[Event], list[Command]]] = {
+        self._handlers: dict[type, Callable[[Any], list[Command]]] = {  # each takes its own event type
             RequestSubmitted: self._submitted, EngineReported: self._engine_reported, NodeReported: self._node_reported,
             SlotReserved: self._slot_reserved, DispatchAnswered: self._answered, DispatchFailed: self._dispatch_failed,
             TaskFailed: self._task_failed, RequestFinished: self._finished_event, TimeAdvanced: self._time_advanced,

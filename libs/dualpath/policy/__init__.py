@@ -12,8 +12,9 @@ code. A pass looks like::
 Modules: ``values`` (value types and the token accounting), ``state`` (cluster state),
 ``inter`` (the paper's PE/DE/read-side selection), ``baselines`` (round robin, least
 tokens), ``registry`` (policies by name), ``intra`` (prefill batch packing with chunked
-prefill), ``thresholds`` (α, β), ``balance`` (max/avg figures), ``bench`` (the scheduler
-benchmark), ``errors``.
+prefill), ``thresholds`` (α, β), ``balance`` (max/avg figures), ``errors``. The scheduler core
+(``dualpath.core``) drives this library in the service, the testbed and the simulator;
+``dualpath bench scheduler`` measures that core.
 """
 
 from dualpath.policy.balance import LoadAccumulator, max_over_avg

@@ -53,9 +53,16 @@ def schedule_round_robin(
     decode: list[int] = []
     for i, r in enumerate(waiting):
         n = state.assigned_total + i
-        k = _next_fit(pes, n % len(pes), lambda e: tok.get(e.engine_id, e.tok) <= beta)
         need = r.total_len
-        j = _next_fit(des, n % len(des), lambda e, need=need: free.get(e.engine_id, e.free_hbm_tokens) >= need)
+
+        def pe_ok(e: EngineState) -> bool:
+            return tok.get(e.engine_id, e.tok) <= beta
+
+        def de_ok(e: EngineState, need: int = need) -> bool:
+            return free.get(e.engine_id, e.free_hbm_tokens) >= need
+
+        k = _next_fit(pes, n % len(pes), pe_ok)
+        j = _next_fit(des, n % len(des), de_ok)
         if k is None or j is None:
             break
         pe, de = pes[k], des[j]
@@ -83,7 +90,10 @@ def schedule_least_tokens(
         if pe is None or pe[0] > thresholds.beta_tokens:
             break
         need = r.total_len
-        de = de_cands.first(ok=lambda e, need=need: free.get(e[1], engines[e[1]].free_hbm_tokens) >= need)
+        def room(e: tuple[int, int], need: int = need) -> bool:
+            return free.get(e[1], engines[e[1]].free_hbm_tokens) >= need
+
+        de = de_cands.first(ok=room)
         if de is None:
             break
         pe_cands.take(0, pe, pe[0] + r.miss_tokens)

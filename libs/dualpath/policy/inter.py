@@ -102,7 +102,10 @@ def select_decode_groups(waiting: Sequence[PendingRequest], count: int, state: C
     chosen: list[NodeState] = []
     for i in range(count):
         need = waiting[i].total_len
-        best = cands.first(ok=lambda entry, need=need: room(entry[1], need))
+        def fits(entry: tuple[int, int], need: int = need) -> bool:
+            return room(entry[1], need)
+
+        best = cands.first(ok=fits)
         if best is None:
             break
         cands.take(0, best, best[0] + need)

@@ -62,7 +62,7 @@ NOTES = {
     "ablation_scheduler_jct_reduction_pct": "follows the headline ratio (same runs)",
     "snic_max_over_avg_round_robin": "this project's round robin still picks the read side by the shorter queue "
                                      "(policy.registry), which balances SNIC bytes; only engine selection is round robin",
-    "snic_max_over_avg_dualpath": "quick size: too few reads per time bin for a stable figure",
+    "snic_max_over_avg_dualpath": "quick size: too few reads for a stable figure",
     "ds27b_1p1d_dualpath_over_basic": "quick size: the cluster is not storage-bound",
     "ds27b_1p1d_dualpath_over_oracle": "the paper gives a range over batch sizes (1.09-1.85x); one batch size is simulated",
     "pd_speedup_average": "the simulated clusters are more storage-bound than the paper's at this agent count",
@@ -112,10 +112,10 @@ def paper_rows(size: Size, say=None, *, online: bool = True, offline: bool = Tru
         rows.append(_row(f"ablation_{label}_jct_reduction_pct", paper, 100 * (1 - _jct(r, mode) / base),
                          "cumulative JCT reduction vs Basic without layer-wise prefill"))
     rr, dp = r["modes"]["dualpath-rr"], r["modes"]["dualpath"]
-    rows.append(_row("snic_max_over_avg_round_robin", 1.53, rr["snic_max_over_avg_windowed"],
-                     f"dualpath-rr, per time bin across nodes, averaged (whole job: {rr['snic_bytes_max_over_avg']:.2f})"))
-    rows.append(_row("snic_max_over_avg_dualpath", 1.18, dp["snic_max_over_avg_windowed"],
-                     f"per time bin across nodes, averaged (whole job: {dp['snic_bytes_max_over_avg']:.2f})"))
+    rows.append(_row("snic_max_over_avg_round_robin", 1.53, rr["snic_bytes_max_over_avg"],
+                     f"dualpath-rr, bytes read per node over the job (per time bin, averaged: {rr['snic_max_over_avg_windowed']:.2f})"))
+    rows.append(_row("snic_max_over_avg_dualpath", 1.18, dp["snic_bytes_max_over_avg"],
+                     f"bytes read per node over the job (per time bin, averaged: {dp['snic_max_over_avg_windowed']:.2f})"))
     rows.append(_row("attention_max_over_avg_first_5pct", 1.06, dp["attention_max_over_avg_early"], "paper: <= 1.06"))
     # -- DS 27B: 1P1D / 2P1D / 1P2D ------------------------------------------------------------
     res = {}
