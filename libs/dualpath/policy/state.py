@@ -263,7 +263,7 @@ class ClusterState:
         node.read_q = max(0, read_q)
 
     # -- direct adjustments (the scheduler core's ledger) ------------------------------
-    def adjust_engine(self, engine_id: int, *, seq: int = 0, tok: int = 0, free_hbm_tokens: int = 0) -> None:
+    def adjust_engine(self, engine_id: int, seq: int, tok: int, free_hbm_tokens: int = 0) -> None:
         """Add to an engine's figures (clamped like completions: ``seq``/``tok`` at zero, free
         HBM within ``[0, hbm_tokens]``). The scheduler core charges and releases through
         this, without the per-request bookkeeping of ``on_assigned``.
@@ -271,7 +271,9 @@ class ClusterState:
         Raises:
             UnknownEngineError: no such engine.
         """
-        engine = self._engine(engine_id)
+        engine = self.engines.get(engine_id)
+        if engine is None:
+            raise UnknownEngineError(engine_id)
         self._charge(engine, seq, tok)
         if free_hbm_tokens:
             free = engine.free_hbm_tokens + free_hbm_tokens
