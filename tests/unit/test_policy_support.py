@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from dualpath.bench.scheduler import format_report, run_bench
 from dualpath.policy import (
     ClusterState,

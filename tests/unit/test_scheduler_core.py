@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from dualpath.core import (
     BUFFER_FULL,
     CoreConfig,
