@@ -87,3 +87,18 @@ def test_dualpath_experiment_soak_refuses_unknown_kinds_and_bad_times_with_exit_
     assert main(["soak", "--kinds", "engine,gpu"]) == 2
     assert "unknown kinds gpu" in capsys.readouterr().err
     assert main(["soak", "--minutes", "0"]) == 2
+
+
+def test_a_nats_cluster_is_one_or_at_least_three_servers_with_jetstream_and_routes(tmp_path):
+    from dualpath.ha.natscluster import nats_servers
+
+    with pytest.raises(ValueError, match="1 or at least 3"):
+        nats_servers(2, tmp_path)
+    specs = nats_servers(3, tmp_path)
+    assert len({s.url for s in specs}) == 3
+    for s in specs:
+        conf = (tmp_path / "nats" / f"{s.name}.conf").read_text()
+        assert "jetstream" in conf and conf.count("nats-route://") == 2 and f"server_name: {s.name}" in conf
+    assert "cluster" not in (tmp_path / "nats" / "nats-0.conf").read_text().split("jetstream")[0]
+    single = nats_servers(1, tmp_path / "one")[0]
+    assert "cluster" not in (tmp_path / "one" / "nats" / "nats-0.conf").read_text() and single.cmd[-2] == "-c"
