@@ -77,6 +77,9 @@ class NodeConfig:
     transport: str = opt("tcp", "data-plane transport between nodes: tcp or verbs", "DUALPATH_TRANSPORT")
     data_host: str = opt("127.0.0.1", "address the data-plane endpoint listens on and advertises", "DUALPATH_DATA_HOST")
     report_interval: float = opt(0.2, "seconds between state reports to the scheduler", "DUALPATH_REPORT_INTERVAL")
+    prefetch_mb: int = opt(0, "agent-aware prefetch cache per node, MiB (0: off; a hint cache outside the buffer)",
+                           "DUALPATH_PREFETCH_MB")
+    prefetch_ttl_s: float = opt(60.0, "seconds a prefetched block is kept for the session's next turn", "DUALPATH_PREFETCH_TTL")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,6 +167,8 @@ class EmulationConfig:
 class SchedulerConfig:
     policy: str = opt("dualpath", "scheduling policy: dualpath, round_robin, least_tokens", "DUALPATH_POLICY")
     read_path: str = opt("auto", "which side reads hit KV: auto (scheduler decides), pe, de, split (both)", "DUALPATH_READ_PATH")
+    prefetch: bool = opt(False, "agent-aware prefetch: when a session's turn ends, hint its blocks to its prefill node",
+                         "DUALPATH_PREFETCH")
     engine_timeout: float = opt(3.0, "seconds without a report after which an engine is considered dead", "DUALPATH_ENGINE_TIMEOUT")
     max_queue: int = opt(10000, "most requests waiting in the scheduler; more are refused with 429", "DUALPATH_MAX_QUEUE")
     max_attempts: int = opt(3, "dispatch attempts per request before it fails", "DUALPATH_MAX_ATTEMPTS")

@@ -34,6 +34,7 @@ class _Base(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     dualpath_read_path: Literal["auto", "pe", "de"] | None = None
+    dualpath_session: str | None = Field(default=None, max_length=256)  # agent session id (prefetch); else X-Session-ID, else user
 
     def stops(self) -> list[str]:
         if self.stop is None:

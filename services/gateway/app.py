@@ -115,8 +115,15 @@ def build_app(gw: Gateway) -> FastAPI:
     return app
 
 
+def session_of(prep: Prepared, request: Request) -> str:
+    """The agent session: the ``dualpath_session`` extension, else ``X-Session-ID`` (aiperf
+    ``--session-header``), else the OpenAI ``user`` field; "" when none says (at most 256 chars)."""
+    return prep.session or request.headers.get("x-session-id", "")[:256] or prep.user[:256]
+
+
 async def _answer(gw: Gateway, prep: Prepared, request: Request, *, chat: bool):
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    prep.session = session_of(prep, request)
     await gw.submit(rid, prep)
     if prep.stream:
         return StreamingResponse(

@@ -58,6 +58,8 @@ class Prepared:
     t_start_ns: int = 0  # arrival (epoch ns): the request's root span starts here
     t_tokenized_ns: int = 0
     tool_format: ToolFormat | None = None  # parse the answer into tool_calls with it (chat with tools)
+    session: str = ""  # agent session id: dualpath_session, else the X-Session-ID header (app), else the OpenAI user field
+    user: str = ""  # the OpenAI user field
     constrained: bool = False  # a grammar constrains the answer (structured output or forced tool call)
 
 
@@ -202,6 +204,8 @@ class Gateway:
             t_tokenized_ns=time.time_ns(),
             tool_format=tool_fmt,
             constrained=bool(grammar),
+            session=body.dualpath_session or "",
+            user=body.user or "",
         )
 
     def prepare_completion(self, body: CompletionRequest) -> Prepared:
@@ -325,6 +329,7 @@ class Gateway:
                 block_tokens=self.block_tokens,
                 arrival_ts=time.time(),
                 trace=carrier(root),
+                session=prep.session,
             )
             try:
                 await self._submit(req)

@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         if ns.leader_lease and lease is None:
             return
         core = SchedulerCore(policy, CoreConfig(engine_timeout=cfg.engine_timeout, max_queue=cfg.max_queue,
-                                                max_attempts=cfg.max_attempts, trace_inputs=tracing_enabled()))
+                                                max_attempts=cfg.max_attempts, trace_inputs=tracing_enabled(),
+                                                prefetch=cfg.prefetch))
         register_metrics(core)
         async with anyio.create_task_group() as tasks:  # every dispatch and free the shell starts
             shell = SchedulerShell(bus, subjects, core, tasks)

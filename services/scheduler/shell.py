@@ -30,6 +30,7 @@ from dualpath.core import (
     FailRequest,
     FreeSlot,
     NodeReported,
+    Prefetch,
     RejectRequest,
     RequestSubmitted,
     Requeued,
@@ -71,7 +72,8 @@ class SchedulerShell:
         forced = _FORCED.get(req.read_path)  # type: ignore[call-overload]
         cmds = self.core.handle(RequestSubmitted(now=time.monotonic(), request_id=req.request_id, prompt_tokens=len(req.prompt_tokens),
                                                  hit_blocks=req.hit_blocks, block_tokens=req.block_tokens,
-                                                 max_tokens=int(req.sampling.get("max_tokens", 16)), forced_side=forced, payload=req))
+                                                 max_tokens=int(req.sampling.get("max_tokens", 16)), forced_side=forced, payload=req,
+                                                 session=req.session))
         for c in cmds:
             if isinstance(c, RejectRequest):
                 raise HandlerError(c.code, c.reason)
@@ -134,6 +136,18 @@ class SchedulerShell:
                     log.warning("request_retried", request_id=c.request_id, attempt=c.attempt, reason=c.reason)
             elif isinstance(c, ExpelEngine):
                 log.warning("engine_lost", engine=c.engine, reason=c.reason)
+            elif isinstance(c, Prefetch):
+                self.tasks.start_soon(self._prefetch, c)
+
+    async def _prefetch(self, c: Prefetch) -> None:
+        """Hint the session's prompt blocks to the node (published: a lost hint costs nothing)."""
+        r: m.SubmitRequest = c.payload
+        full = len(r.prompt_tokens) // r.block_tokens
+        try:
+            await self.bus.publish(self.subjects.tm(c.node, "prefetch"),
+                                   m.PrefetchRequest(session=c.session, model_digest=r.model_digest, hashes=r.block_hashes[:full]))
+        except Exception as exc:  # noqa: BLE001 - only a hint
+            log.warning("prefetch_hint_failed", node=c.node, error=str(exc))
 
     def _feed(self, event) -> None:
         try:

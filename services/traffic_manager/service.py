@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import time
 
 from dualpath.bus import Bus
@@ -30,6 +31,7 @@ from dualpath.config import (
 )
 from dualpath.kv import BlockStore
 from dualpath.node import BufferFullError, BufferPool, StorageIO
+from dualpath.node.prefetch import PrefetchCache
 from dualpath.node.storage_io import BlockFormat
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
@@ -40,6 +42,7 @@ from dualpath.telemetry.metrics import nic_observations, observe
 from dualpath.telemetry.tracing import get_tracer
 from dualpath.transfer import MemoryRegion, create_transport
 from dualpath.transfer.nic import EmulatedNic
+from services.traffic_manager.prefetcher import Prefetcher
 
 log = get_logger("traffic-manager")
 tracer = get_tracer("dualpath.traffic_manager")
@@ -57,6 +60,8 @@ class TrafficManager:
         # so no late bytes land in a slot already handed to another request.
         self._busy: dict[str, int] = {}  # request id -> storage transfers using its slot
         self._free_later: set[str] = set()
+        cache = PrefetchCache(cfg.prefetch_mb << 20, cfg.prefetch_ttl_s) if cfg.prefetch_mb > 0 else None
+        self.prefetcher = Prefetcher(storage, cache) if cache is not None else None  # agent-aware prefetch (a hint)
 
     @contextlib.contextmanager
     def _using(self, request_id: str):
@@ -98,6 +103,8 @@ class TrafficManager:
 
     async def load(self, req: m.LoadRequest) -> m.LoadReply:
         fmt = BlockFormat(layers=req.layers, block_tokens=req.block_tokens, bytes_per_token_layer=req.bytes_per_token_layer, dtype=req.dtype)
+        if self.prefetcher is not None:
+            self.prefetcher.fmt = fmt
         slot = self.pool.get(req.request_id)
         if slot is None:
             if not req.allocate:
@@ -116,8 +123,14 @@ class TrafficManager:
                                     f"{slot.nbytes}-byte slot")
         attrs = {"node": self.cfg.node_id, "blocks": len(req.hashes), "bytes": need, "request_id": req.request_id}
         with tracer.start_as_current_span("storage.read", attributes=attrs) as span:
+            view = self._slot_view(slot.offset + skip, max(need, 0))
+            cache = self.prefetcher.cache if self.prefetcher is not None else None
+            staged = cache.take_prefix(req.model_digest, req.hashes, fmt.block_bytes, view) if cache is not None else 0
             with self._using(req.request_id):
-                res = await self.io.read_blocks(req.model_digest, req.hashes, fmt, self._slot_view(slot.offset + skip, max(need, 0)))
+                res = await self.io.read_blocks(req.model_digest, req.hashes[staged:], fmt, view[staged * fmt.block_bytes:])
+            if staged:  # the leading blocks came from the prefetch cache (a memory copy, no storage read)
+                res = dataclasses.replace(res, loaded=staged + res.loaded)
+                span.set_attribute("prefetched_blocks", staged)
             if span.is_recording():
                 span.set_attributes({"loaded_blocks": res.loaded, "bytes_read": res.bytes_read, "queue_wait_s": res.queue_wait_s,
                                      "read_s": res.read_s, "bad_blocks": len(res.bad)})
@@ -138,6 +151,8 @@ class TrafficManager:
         fmt = BlockFormat(layers=req.layers, block_tokens=req.block_tokens, bytes_per_token_layer=req.bytes_per_token_layer, dtype=req.dtype)
         if req.region_id != self.region.region_id:
             raise HandlerError(404, f"region {req.region_id} is not this node's buffer")
+        if self.prefetcher is not None:
+            self.prefetcher.fmt = fmt
         try:
             if req.hashes:
                 src = self._slot_view(req.offset, len(req.hashes) * fmt.block_bytes)
@@ -161,7 +176,18 @@ class TrafficManager:
         return m.NodeReport(node_id=self.cfg.node_id, read_q_tokens=self.io.read_q_tokens, read_q_bytes=self.io.read_q_bytes,
                             buffer_free_bytes=self.pool.free_bytes, buffer_bytes=self.region.size,
                             regions=[self.descriptor.to_wire()], bytes_read=self.io.bytes_read, bytes_written=self.io.bytes_written,
-                            ts=time.time())
+                            prefetch=self._prefetch_stats(), ts=time.time())
+
+    def _prefetch_stats(self) -> dict:
+        p = self.prefetcher
+        if p is None:
+            return {}
+        return {**p.cache.stats.to_dict(), "prefetch_cached_bytes": p.cache.bytes, "prefetch_hints": p.hints}
+
+    async def prefetch(self, req: m.PrefetchRequest) -> None:
+        """A session's blocks to stage while idle (dropped when prefetch is off)."""
+        if self.prefetcher is not None:
+            self.prefetcher.stage(req)
 
 
 def register_metrics(tm: TrafficManager) -> None:
@@ -215,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
                                     ("load", tm.load, m.LoadRequest), ("persist", tm.persist, m.PersistRequest),
                                     ("describe", tm.describe, m.DescribeRequest)):
             await bus.serve(subjects.tm(cfg.node_id, topic), handler, msg)
+        if tm.prefetcher is not None:
+            await bus.serve(subjects.tm(cfg.node_id, "prefetch"), tm.prefetch, m.PrefetchRequest)
+            prefetch_task = asyncio.ensure_future(tm.prefetcher.run(stop))  # ends with stop (cancelled below if not)
         log.info("traffic_manager_ready", node=cfg.node_id, buffer_mb=cfg.buffer_mb, transport=cfg.transport)
         try:
             while not stop.is_set():
@@ -224,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                 except asyncio.TimeoutError:
                     pass
         finally:
+            if tm.prefetcher is not None:
+                prefetch_task.cancel()
+                log.info("prefetch_stats", node=cfg.node_id, **tm._prefetch_stats())  # the experiments read these
             await transport.close()
             region.close()
             region.unlink()

@@ -18,6 +18,7 @@ from dualpath.core.scheduler_events import (
     FailRequest,
     FreeSlot,
     NodeReported,
+    Prefetch,
     RejectRequest,
     RequestFinished,
     RequestSubmitted,
@@ -31,6 +32,6 @@ from dualpath.core.scheduler_events import (
 
 __all__ = [
     "BUFFER_FULL", "GC_THRESHOLDS", "Command", "CoreConfig", "Decision", "Dispatch", "DispatchAnswered", "DispatchFailed",
-    "EngineReported", "Event", "ExpelEngine", "FailRequest", "FreeSlot", "NodeReported", "RejectRequest", "RequestFinished",
+    "EngineReported", "Event", "ExpelEngine", "FailRequest", "FreeSlot", "NodeReported", "Prefetch", "RejectRequest", "RequestFinished",
     "RequestSubmitted", "Requeued", "ReserveSlot", "SchedulerCore", "SlotReserved", "Stage", "TaskFailed", "TimeAdvanced", "tune_gc",
 ]

@@ -78,6 +78,7 @@ from dualpath.core.scheduler_events import (
     FailRequest,
     FreeSlot,
     NodeReported,
+    Prefetch,
     RejectRequest,
     RequestFinished,
     RequestSubmitted,
@@ -141,14 +142,15 @@ class CoreConfig:
     buffer_wait_s: float = 600.0  # a request waiting longer for buffer room fails (then counts attempts)
     expiry_interval_s: float = 0.25  # how often TimeAdvanced looks for silent engines
     trace_inputs: bool = False  # fill Decision.seen (what the policy compared) for spans
+    prefetch: bool = False  # agent-aware prefetch: a session's finished turn emits Prefetch for its prefill node
 
 
 class _Request:
     """One request the core knows (queued or placed)."""
 
     __slots__ = ("attempt", "blocks", "buffer_waits", "de", "de_charge", "decision", "num", "payload", "pe", "pe_charge",
-                 "pending", "prefill_done", "queued_since", "read_charge", "read_side", "rid", "split_charge", "stage",
-                 "wait_start")
+                 "pending", "prefill_done", "queued_since", "read_charge", "read_side", "rid", "session", "split_charge",
+                 "stage", "wait_start")
 
     def __init__(self, rid: str, num: int, pending: PendingRequest, blocks: int, payload: object, now: float) -> None:
         self.rid, self.num, self.pending, self.blocks, self.payload = rid, num, pending, blocks, payload
@@ -162,6 +164,7 @@ class _Request:
         self.de_charge: Charge | None = None
         self.read_charge: Charge | None = None
         self.split_charge: Charge | None = None  # a split read's DE share (policy.split)
+        self.session = ""  # the agent session (prefetch)
         self.read_side: ReadSide | None = None
         self.prefill_done = False
         self.decision: Decision | None = None
@@ -261,6 +264,7 @@ class SchedulerCore:
         except InvalidRequestError as exc:
             return [RejectRequest(request_id=rid, code=400, reason=exc.reason)]
         t = _Request(rid, self._num, pending, -(-ev.prompt_tokens // ev.block_tokens), ev.payload, ev.now)
+        t.session = ev.session
         self._num += 1
         self.requests[rid] = t
         self.queue.append(t)
@@ -277,16 +281,17 @@ class SchedulerCore:
         seq, tok, free = member.seq, member.tok, member.free_hbm = ev.seq, ev.tok, ev.free_hbm_tokens
         if ev.block_bytes:
             member.block_bytes = ev.block_bytes
+        cmds: list[Command] = []
         if ev.finished:
             for rid in ev.finished:
-                self._finish(rid, member)
+                self._finish(rid, member, cmds)
         if member.acked:
             reflect(member, self._k)
         state = self._state
         if state is not None and not self._stale:
             state.report_engine(member.num, seq + member.dseq, tok + member.dtok,
                                 free - member.dhbm if member.role is _DECODE else None)
-        return []
+        return cmds
 
     def _node_reported(self, ev: NodeReported) -> list[Command]:
         node = self.members.node(ev.node, ev.now)
@@ -301,11 +306,12 @@ class SchedulerCore:
 
     def _finished_event(self, ev: RequestFinished) -> list[Command]:
         member = self.members.engines.get(ev.engine)
+        cmds: list[Command] = []
         if member is not None:
-            self._finish(ev.request_id, member)
-        return []
+            self._finish(ev.request_id, member, cmds)
+        return cmds
 
-    def _finish(self, rid: str, member: EngineMember) -> None:
+    def _finish(self, rid: str, member: EngineMember, cmds: list[Command]) -> None:
         """``member`` finished its part of request ``rid`` (late or unknown: ignored)."""
         t = self.requests.get(rid)
         if t is None or t.stage == _QUEUED:
@@ -321,6 +327,10 @@ class SchedulerCore:
         elif t.de is not None and t.de.name == member.name:
             self._release_all(t)
             del self.requests[rid]
+            if self.cfg.prefetch and t.session and t.pe is not None and t.pending.prompt_tokens >= t.pending.block_tokens:
+                # The session's next turn starts with this prompt: its prefill node (the PE read
+                # path is the tie's side) stages the blocks while the agent runs its tool.
+                cmds.append(Prefetch(node=t.pe.node, request_id=rid, session=t.session, payload=t.payload))
 
     # ---- dispatch answers ---------------------------------------------------------------
     def _slot_reserved(self, ev: SlotReserved) -> list[Command]:

@@ -27,6 +27,7 @@ Commands (core -> driver)::
     FailRequest        tell the request's client it failed (reason and code); the core forgot it
     ExpelEngine        the core stopped using an engine (silent or unreachable); for logs/metrics
     Requeued           a placed request went back to the head of the queue; for logs/spans
+    Prefetch           a session's turn ended: hint its blocks to a node's prefetch cache (lowest priority)
 
 Attempts: each placement of a request is one ``attempt`` (0, 1, ...). Answers carry the
 attempt they answer; an answer for an older attempt is *stale* and is handled as such (a
@@ -85,6 +86,7 @@ class RequestSubmitted:
     max_tokens: int = 16
     forced_side: ReadSide | None = None
     payload: Any = None
+    session: str = ""  # the agent session the turn belongs to ("": unknown); prefetch stages its blocks
 
 
 @dataclass(**_ev)
@@ -288,4 +290,15 @@ class Requeued:
     counted: bool
 
 
-Command = RejectRequest | ReserveSlot | Dispatch | FreeSlot | FailRequest | ExpelEngine | Requeued
+@dataclass(**_ev)
+class Prefetch:
+    """A session's turn ended (``CoreConfig.prefetch``): ask ``node`` to pre-stage the turn's
+    persisted prompt blocks for the session's next turn, as a hint (no answer expected)."""
+
+    node: str
+    request_id: str
+    session: str
+    payload: Any = None
+
+
+Command = RejectRequest | ReserveSlot | Dispatch | FreeSlot | FailRequest | ExpelEngine | Requeued | Prefetch

@@ -129,6 +129,7 @@ class SubmitRequest(Wire):
     block_tokens: int = 64
     arrival_ts: float = 0.0
     trace: dict = field(default_factory=dict)  # W3C trace context of the request (traceparent/tracestate)
+    session: str = ""  # agent session id (X-Session-ID, the OpenAI user field or dualpath_session); "" unknown
 
 
 @register(21)
@@ -182,6 +183,19 @@ class LoadRequest(Wire):
     allocate: bool = False
     total_blocks: int = 0  # slot size when allocating
     first_block: int = 0  # hashes[0] is block ``first_block`` of the slot (a split read's DE share: the last blocks)
+
+
+@register(38)
+@dataclass(**_msg)
+class PrefetchRequest(Wire):
+    """A hint (published, no reply): stage these persisted blocks in the node's prefetch cache
+    while its storage NIC is idle, for the session's next turn (agent-aware prefetch). The
+    block format is the one the node's last load or persist used, else the first block file's
+    header (the scheduler does not know the model's layout)."""
+
+    session: str
+    model_digest: int
+    hashes: list[int]
 
 
 @register(34)
@@ -332,6 +346,7 @@ class NodeReport(Wire):
     regions: list[dict] = field(default_factory=list)
     bytes_read: int = 0  # cumulative storage bytes read (SNIC read direction)
     bytes_written: int = 0  # cumulative storage bytes written
+    prefetch: dict = field(default_factory=dict)  # prefetch cache counters (node.prefetch.PrefetchStats) when enabled
     ts: float = 0.0
 
 

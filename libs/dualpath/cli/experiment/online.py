@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-at", type=float, default=0.5,
                    help="meet every agent this far through its trajectory (0.5: the set's average context)")
     p.add_argument("--slowdown", type=float, default=2.0, help="slow motion: modeled times x, NIC rates /, rates and SLO scaled")
+    p.add_argument("--tool-gap", type=float, default=0.0,
+                   help="modeled mean seconds an agent runs a tool between turns (exponential; 0: back to back)")
     p.add_argument("--sweep", action="store_true", help="find the highest APS meeting the SLO")
     p.add_argument("--sweep-probes", type=int, default=5)
     p.add_argument("--sweep-tolerance", type=float, default=0.15)
@@ -138,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     k = ns.slowdown
     if not ns.agents:
         ns.agents = max(8, math.ceil(2 * ns.rate * ns.duration * (2 if ns.sweep else 1)))
-    extra = ("--slo-ttft", str(ns.slo_ttft * k), "--slo-tpot", str(ns.slo_tpot * k), "--start-at", str(ns.start_at))
+    extra = ("--slo-ttft", str(ns.slo_ttft * k), "--slo-tpot", str(ns.slo_tpot * k), "--start-at", str(ns.start_at),
+             "--tool-gap", str(max(ns.tool_gap, 0.0) * k))
     prepared = prepare(ns, "dualpath experiment online", online_rate=ns.rate / k, duration=ns.duration * k, slowdown=k,
                        warmup_turns=1, stream_interval=1, extra_loadgen=extra)
     if prepared is None:

@@ -27,6 +27,7 @@ class Mode:
     oracle: bool = False
     layerwise: bool = True
     label: str = ""
+    prefetch: bool = False  # agent-aware prefetch, with a cache as large as the node buffer
 
 
 MODES = {
@@ -38,6 +39,7 @@ MODES = {
     "dualpath-rr": Mode("round_robin", "auto", label="+ dual-path loading (round robin, shorter read queue)"),
     # beyond the paper (issue 16): each request's hit blocks split between both storage NICs
     "split": Mode("dualpath", "split", label="DualPath + split reads (--read-policy split)"),
+    "prefetch": Mode("dualpath", "auto", prefetch=True, label="DualPath + agent-aware prefetch (--prefetch)"),
 }
 ABLATION = ("basic-nolw", "basic", "dualpath-rr", "dualpath")
 
@@ -104,6 +106,7 @@ def _stack_config(spec: TestbedSpec, m: Mode, emu: EmulationConfig, out: Path) -
     buffer_mb = max(64, emu.profile().buffer_bytes(spec.topology.engines_per_node) >> 20)
     return StackConfig(model=spec.model, topology=spec.topology, storage=str(out / "storage"), run_dir=str(out / "run"), port=free_port(),
                        policy=m.policy, read_path=m.read_path, emulation=emu, buffer_mb=buffer_mb,
+                       prefetch_mb=buffer_mb if m.prefetch else 0,
                        kv_capacity_tokens=decode_hbm_tokens(spec.target),
                        # Fewer, larger token events: the 2-core emulation host's CPU goes to the
                        # modeled cluster, not to per-token messaging (TTFT is unaffected).
@@ -220,6 +223,8 @@ def add_cluster_arguments(p) -> None:
     p.add_argument("--topology", default="1P1D", help="xPyD nodes")
     p.add_argument("--read-policy", default="", choices=("", "auto", "split"),
                    help="split: also run mode 'split' (DualPath with each request's hits read by both sides) next to --modes")
+    p.add_argument("--prefetch", action="store_true",
+                   help="also run mode 'prefetch' (DualPath with agent-aware prefetch, a cache as large as the buffer) next to --modes")
     p.add_argument("--engines-per-node", type=int, default=2, help="engine processes per node (SNIC scaled to match the GPUs)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--scale", type=float, default=1000.0, help="bytes and bandwidths divided by this (times preserved)")
@@ -243,6 +248,8 @@ def prepare(ns, prog: str, **spec_fields) -> tuple[TestbedSpec, list[str]] | Non
     modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
     if getattr(ns, "read_policy", "") == "split" and "split" not in modes:
         modes.append("split")
+    if getattr(ns, "prefetch", False) and "prefetch" not in modes:
+        modes.append("prefetch")
     try:
         topology = parse_topology(ns.topology, ns.engines_per_node)
         bad = [m for m in modes if m not in MODES]

@@ -45,6 +45,8 @@ class StackConfig:
     host: str = "127.0.0.1"
     policy: str = "dualpath"
     read_path: str = "auto"
+    prefetch_mb: int = 0  # agent-aware prefetch: the scheduler hints finished sessions' blocks; cache per node (0: off)
+    prefetch_ttl_s: float = 60.0
     device: str = "cpu"
     namespace: str = ""
     nats_url: str = ""  # empty: start local nats-server(s)
@@ -174,13 +176,14 @@ class Stack:
                 args += ["--replication", "jetstream", "--replica-id", str(i)]
             self._spawn(replica_name("kv-persistence", i), "services.kv_persistence", args)
         for i in range(c.replicas):
-            args = ["--policy", c.policy, "--read-path", c.read_path]
+            args = ["--policy", c.policy, "--read-path", c.read_path, "--prefetch", "true" if c.prefetch_mb > 0 else "false"]
             if replicated:
                 args += ["--leader-lease", "true", "--scheduler-id", f"s{i}"]
             self._spawn(replica_name("scheduler", i), "services.scheduler", args)
         for node, _role in c.topology.nodes():
             self._spawn(f"traffic-manager-{node}", "services.traffic_manager",
-                        ["--node-id", node, "--storage", c.storage, "--buffer-mb", str(c.buffer_mb)])
+                        ["--node-id", node, "--storage", c.storage, "--buffer-mb", str(c.buffer_mb),
+                         "--prefetch-mb", str(c.prefetch_mb), "--prefetch-ttl-s", str(c.prefetch_ttl_s)])
         for engine, node, role in c.topology.engines():
             if role == "prefill":
                 self._spawn(f"prefill-{engine}", "services.prefill_engine",

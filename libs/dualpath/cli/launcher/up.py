@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("auto", "pe", "de", "split"),
                    help="which side reads hit KV: auto (shorter read queue), pe, de, or split (each request's hit blocks "
                         "divided between both sides' storage NICs, beyond the paper)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="agent-aware prefetch: when a session's answer ends, stage its blocks in its prefill node's "
+                        "DRAM while the agent runs its tool (session from X-Session-ID, the user field or dualpath_session)")
+    p.add_argument("--prefetch-mb", type=int, default=256, help="prefetch cache per node, MiB (with --prefetch)")
+    p.add_argument("--prefetch-ttl", type=float, default=default_of(NodeConfig, "prefetch_ttl_s"),
+                   help="seconds a prefetched block waits for its session's next turn (with --prefetch)")
     p.add_argument("--device", default=default_of(ModelConfigSpec, "device"), help="torch device for engines (cpu, cuda)")
     p.add_argument("--buffer-mb", type=int, default=default_of(NodeConfig, "buffer_mb"), help="DRAM buffer per node, MiB")
     p.add_argument("--compute-quota-ms", type=float, default=default_of(EngineConfig, "compute_quota_ms"),
@@ -132,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.replicas < 1:
             raise ValueError("--replicas must be at least 1")
+        if ns.prefetch and (ns.prefetch_mb < 1 or not ns.prefetch_ttl > 0):
+            raise ValueError(f"--prefetch needs --prefetch-mb >= 1 and --prefetch-ttl > 0, got {ns.prefetch_mb} and {ns.prefetch_ttl:g}")
         if not ns.compute_quota_ms > 0:
             raise ValueError(f"--compute-quota-ms must be positive, got {ns.compute_quota_ms:g}")
         topology = parse_topology(ns.topology, ns.engines_per_node)
@@ -146,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = StackConfig(model=model, topology=topology, storage=ns.storage or str(Path(ns.run_dir) / "storage"), run_dir=ns.run_dir,
                       port=ns.port, host=ns.host, policy=policy, read_path=read_path, device=ns.device,
                       buffer_mb=ns.buffer_mb, compute_quota_ms=ns.compute_quota_ms, nats_url=ns.nats_url, api_key=ns.api_key, emulation=emu,
-                      replicas=ns.replicas, nats_cluster=ns.nats_cluster, supervise=not ns.no_restart)
+                      replicas=ns.replicas, nats_cluster=ns.nats_cluster, supervise=not ns.no_restart,
+                      prefetch_mb=ns.prefetch_mb if ns.prefetch else 0, prefetch_ttl_s=ns.prefetch_ttl)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
