@@ -65,8 +65,11 @@ NOTES = {
     "snic_max_over_avg_dualpath": "quick size: too few reads for a stable figure",
     "ds27b_1p1d_dualpath_over_basic": "quick size: the cluster is not storage-bound",
     "ds27b_1p1d_dualpath_over_oracle": "the paper gives a range over batch sizes (1.09-1.85x); one batch size is simulated",
-    "pd_speedup_average": "the simulated clusters are more storage-bound than the paper's at this agent count",
-    "pd_speedup_max": "the simulated clusters are more storage-bound than the paper's at this agent count",
+    "pd_speedup_average": "the speedup follows how storage-bound the cluster is at the simulated agent count",
+    "pd_speedup_max": "the speedup follows how storage-bound the cluster is at the simulated agent count",
+    "dualpath_2p1d_over_dualpath_1p2d": "small sizes: JCT is set by a few slow agents, not by storage bandwidth",
+    "basic_1p1d_over_basic_1p2d": "small sizes: JCT is set by a few slow agents, not by storage bandwidth",
+    "attention_max_over_avg_first_5pct": "small sizes: a few batches in the first 5% of the job",
     "append_sweep_min": "follows the headline ratio (same configuration, appends x0.5/x1/x2)",
     "append_sweep_max": "follows the headline ratio (same configuration, appends x0.5/x1/x2)",
     "scale_offline_jct_ratio": "the larger cluster runs proportionally more agents; JCT is set by the slowest agents, "
