@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from dualpath.cost import CostModelError, cost_model, get_target
 from dualpath.sim.config import SimConfig
 from dualpath.sim.experiments import run_offline, sweep_online
 from dualpath.sim.workload import Workload
@@ -51,6 +52,14 @@ def evaluate(base: SimConfig, workload: Workload, nodes: int, *, online: bool, s
         for mode in ("dualpath", "basic"):
             cfg = replace(base, prefill_nodes=p, decode_nodes=d, mode=mode)
             row = {"prefill_nodes": p, "decode_nodes": d, "p_over_d": p / d, "policy": mode}
+            try:
+                cost_model(cfg.target, cfg.gpu, ep=cfg.decode_ep_size(get_target(cfg.target).default_ep,
+                                                                      get_target(cfg.target).routed_experts)).hbm_kv_capacity_tokens()
+            except CostModelError as exc:  # e.g. the weights do not fit this many decode GPUs
+                row["infeasible"] = str(exc)
+                say(f"{p}P{d}D {mode}: infeasible ({exc})")
+                rows.append(row)
+                continue
             if online:
                 w = replace(workload, rate=0.2 * p, duration_s=workload.duration_s or 300.0)
                 row["max_aps"] = sweep_online(cfg, w, slo_ttft=slo[0], slo_tpot=slo[1], start_rate=0.2 * p, probes=probes)["max_aps"]
@@ -62,6 +71,7 @@ def evaluate(base: SimConfig, workload: Workload, nodes: int, *, online: bool, s
 
 
 def _best(rows: list[dict], online: bool) -> dict:
+    rows = [r for r in rows if "infeasible" not in r]
     if online:
         return max(rows, key=lambda r: r.get("max_aps") or 0.0)
     return min(rows, key=lambda r: r["jct_s"])
@@ -75,7 +85,10 @@ def _phases(base: SimConfig, workload: Workload, nodes: int, static: dict, say) 
                     ("late (mid-trajectory, warm storage)", replace(workload, turns=half, start_at=0.5))):
         jct = {}
         for p, d in _splits(nodes):
-            jct[(p, d)] = _offline_jct(replace(base, prefill_nodes=p, decode_nodes=d, mode=static["policy"]), w)
+            try:
+                jct[(p, d)] = _offline_jct(replace(base, prefill_nodes=p, decode_nodes=d, mode=static["policy"]), w)
+            except CostModelError:
+                continue
         best = min(jct, key=jct.__getitem__)
         mine = jct[(static["prefill_nodes"], static["decode_nodes"])]
         out.append({"phase": name, "best": f"{best[0]}P{best[1]}D", "best_jct_s": jct[best],
@@ -104,6 +117,9 @@ def main(argv: list[str], add_cluster_arguments, make_config, make_workload) -> 
     base, workload = make_config(ns), make_workload(ns)
     t0 = time.perf_counter()
     rows = evaluate(base, workload, nodes, online=ns.online, slo=(ns.slo_ttft, ns.slo_tpot), probes=ns.probes, say=say)
+    if all("infeasible" in r for r in rows):
+        print(f"dualpath sim plan: no split of {nodes} nodes fits {ns.target}: {rows[0]['infeasible']}", file=sys.stderr)
+        return 2
     best = _best(rows, ns.online)
     lo, hi = no_bottleneck_range(ns.gpus_per_node, ns.snic_gbps / ns.cnic_gbps)
     result = {"target": ns.target, "dataset": ns.dataset, "gpus": ns.gpus, "nodes": nodes, "metric": "max_aps" if ns.online else "jct_s",
@@ -118,7 +134,7 @@ def main(argv: list[str], add_cluster_arguments, make_config, make_workload) -> 
     print(f"{'split':<7} {'P/D':>5} {'policy':<9} {key:>9}")
     for r in rows:
         v = r.get(key)
-        mark = " <- best" if r is best else ""
+        mark = " <- best" if r is best else ("  infeasible: weights do not fit" if "infeasible" in r else "")
         print(f"{r['prefill_nodes']}P{r['decode_nodes']}D".ljust(7) + f" {r['p_over_d']:>5.2f} {r['policy']:<9} "
               f"{(f'{v:.2f}' if v is not None else '-'):>9}{mark}")
     print(f"paper no-bottleneck range (g={ns.gpus_per_node}, s={ns.snic_gbps / ns.cnic_gbps:g}): {lo:.3f} <= P/D <= {hi:.2f}; "
