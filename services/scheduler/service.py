@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         lease = await wait_for_leadership(bus.nc.jetstream(), subjects.sched_leader, ns, stop)  # standby until leader
         if ns.leader_lease and lease is None:
             return
-        core = SchedulerCore(policy, CoreConfig(engine_timeout=cfg.engine_timeout, max_queue=cfg.max_queue,
+        core = SchedulerCore(policy, CoreConfig(engine_timeout=cfg.engine_timeout, node_timeout=cfg.engine_timeout, max_queue=cfg.max_queue,
                                                 max_attempts=cfg.max_attempts, trace_inputs=tracing_enabled(),
                                                 prefetch=cfg.prefetch))
         register_metrics(core)

@@ -169,8 +169,10 @@ class SchedulerShell:
                 event = DispatchFailed(now=time.monotonic(), request_id=c.request_id, attempt=c.attempt, stage=Stage.RESERVE,
                                        reason=str(exc), code=exc.code)
             except Exception as exc:  # noqa: BLE001 - any failure to reserve is the core's to handle
+                # Nobody serves the node's traffic manager: the core stops using the node until it reports again.
+                down = c.node if isinstance(exc, BusTimeoutError) and exc.no_responders else ""
                 event = DispatchFailed(now=time.monotonic(), request_id=c.request_id, attempt=c.attempt, stage=Stage.RESERVE,
-                                       reason=str(exc))
+                                       reason=str(exc), node_unreachable=down)
         self._feed(event)
         if not (isinstance(event, SlotReserved) and self.core.is_current(*key)):
             self._end_span(key, error=getattr(event, "reason", ""))  # no Dispatch follows under this span

@@ -327,3 +327,63 @@ def test_the_same_events_give_the_same_commands():
 def test_an_unknown_event_is_a_type_error():
     with pytest.raises(TypeError, match="not a scheduler event"):
         Cluster().handle(object())  # type: ignore[arg-type]
+
+
+def _decode_nodes(commands) -> set[str]:
+    return {c.node for c in commands if isinstance(c, ReserveSlot)}
+
+
+def test_a_reserve_nobody_serves_marks_the_node_down_so_the_retry_and_later_requests_go_to_the_other_node():
+    c = Cluster()
+    assert c.submit("a") == []
+    (reserve,) = c.tick()
+    down = reserve.node
+    other = "D2" if down == "D1" else "D1"
+    cmds = c.handle(DispatchFailed(now=c.now, request_id="a", attempt=reserve.attempt, stage=Stage.RESERVE,
+                                   reason=f"tm.{down}.alloc: no service listens", node_unreachable=down))
+    assert any(isinstance(x, Requeued) for x in cmds) and not any(isinstance(x, ExpelEngine) for x in cmds)
+    assert _decode_nodes(c.tick()) == {other}  # the retry
+    for i in range(4):
+        assert c.submit(f"b{i}") == []
+    assert _decode_nodes(c.tick()) == {other}
+    assert {e.name for e in c.core.engines()} == set(c.engines)  # the engines stay members, only out of the policy's state
+    assert {c.core.members.engine_by_num[e].name for e in c.core.state.engines} == {"p0", "p1"} | (
+        {"d2", "d3"} if other == "D2" else {"d0", "d1"})
+
+
+def test_a_node_that_stops_reporting_goes_down_after_the_node_timeout_and_comes_back_with_its_next_report():
+    c = Cluster(node_timeout=1.0, engine_timeout=10.0)
+    for n in ("P", "D1", "D2"):
+        c.node_report(n, 0)
+    c.tick(0.6)
+    c.node_report("P", 0)
+    c.node_report("D2", 0)
+    c.tick(0.6)  # D1 silent for 1.2 s
+    for i in range(4):
+        assert c.submit(f"r{i}") == []
+    assert _decode_nodes(c.tick()) == {"D2"}
+    c.node_report("D1", 0)  # its traffic manager is back
+    for i in range(6):
+        assert c.submit(f"s{i}") == []
+    assert "D1" in _decode_nodes(c.tick())
+
+
+def test_nodes_that_never_reported_do_not_expire():
+    c = Cluster(node_timeout=1.0, engine_timeout=100.0)
+    c.tick(5.0)
+    for i in range(6):
+        assert c.submit(f"r{i}") == []
+    assert _decode_nodes(c.tick()) == {"D1", "D2"}
+
+
+def test_an_engine_report_while_its_node_is_down_is_kept_and_counts_once_the_node_is_back():
+    c = Cluster()
+    c.node_report("D1", 0)
+    assert c.submit("a") == []
+    (reserve,) = c.tick()
+    c.handle(DispatchFailed(now=c.now, request_id="a", attempt=reserve.attempt, stage=Stage.RESERVE, reason="x",
+                            node_unreachable="D1"))
+    assert c.core.state is not None
+    assert c.report("d0", seq=2, tok=500, free=HBM - 500) == []  # must not raise: d0 is out of the state
+    c.node_report("D1", 0)
+    assert c.engine("d0").tok == 500

@@ -20,7 +20,10 @@ puts it back at the head of the queue as a new attempt (its DE slot freed) up to
 code 507) is back-pressure: the request goes back without using an attempt and passes
 pause for ``buffer_backoff_s``, for at most ``buffer_wait_s`` per request. An engine
 silent for ``engine_timeout`` seconds, or one a dispatch found unreachable, is expelled:
-its requests are re-queued (a prefill engine's only until their prefill is done).
+its requests are re-queued (a prefill engine's only until their prefill is done). A node
+whose traffic manager stops reporting for ``node_timeout`` seconds, or does not answer a
+``ReserveSlot`` at all (``DispatchFailed.node_unreachable``), is *down*: its engines leave
+the policy's state until the node's next ``NodeReported``.
 
 **Reports and charges** (how the policy's figures are kept). Every figure the policy
 reads (an engine's seq_e, tok_e, free HBM; a node's read_q) is
@@ -135,6 +138,7 @@ class CoreConfig:
     """The core's knobs (the service maps ``SchedulerConfig`` onto these)."""
 
     engine_timeout: float = 3.0  # seconds without a report after which an engine is dead
+    node_timeout: float | None = None  # seconds without a NodeReport after which a (once reporting) node is down; None: never
     max_queue: int = 10_000  # most requests waiting; more are refused with 429
     max_attempts: int = 3  # placements per request before it fails (back-pressure not counted)
     pass_window: int = 1024  # queued requests one pass hands the policy (it places a FIFO prefix)
@@ -288,7 +292,7 @@ class SchedulerCore:
         if member.acked:
             reflect(member, self._k)
         state = self._state
-        if state is not None and not self._stale:
+        if state is not None and not self._stale and member.num in state.engines:  # not there while its node is down
             state.report_engine(member.num, seq + member.dseq, tok + member.dtok,
                                 free - member.dhbm if member.role is _DECODE else None)
         return cmds
@@ -296,6 +300,10 @@ class SchedulerCore:
     def _node_reported(self, ev: NodeReported) -> list[Command]:
         node = self.members.node(ev.node, ev.now)
         node.last_seen = ev.now
+        node.reported = True
+        if node.down:  # its traffic manager is back: its engines are scheduled again
+            node.down = False
+            self._stale = True
         node.read_q = ev.read_q_tokens
         if node.acked:
             reflect(node, self._k)
@@ -372,6 +380,8 @@ class SchedulerCore:
             self._reserved_node(ev.request_id, ev.attempt)
         if ev.unreachable:
             self._lose([ev.unreachable], f"engine {ev.unreachable} did not answer", cmds)
+        if ev.node_unreachable:
+            self._node_down(ev.node_unreachable)
         t = self.requests.get(ev.request_id)
         if t is None or t.attempt != ev.attempt or t.stage == _QUEUED:
             return cmds  # stale: that attempt is over already
@@ -411,6 +421,9 @@ class SchedulerCore:
             silent = self.members.silent(ev.now, self.cfg.engine_timeout)
             if silent:
                 self._lose(silent, "stopped reporting", cmds)
+            if self.cfg.node_timeout is not None:
+                for name in self.members.silent_nodes(ev.now, self.cfg.node_timeout):
+                    self._node_down(name)
         self._pass(cmds)
         return cmds
 
@@ -510,6 +523,15 @@ class SchedulerCore:
         for t in sorted(hit, key=lambda r: r.num, reverse=True):
             lost = t.pe.name if t.pe is not None and t.pe.name in gone else (t.de.name if t.de is not None else "")
             self._retry(t, f"engine {lost} {reason}", cmds)
+
+    def _node_down(self, name: str) -> None:
+        """Stop placing work on the engines of node ``name`` until its traffic manager reports
+        again. What they hold is left to fail on its own (a transfer through the dead traffic
+        manager fails fast and comes back as ``TaskFailed``); the engines stay members."""
+        node = self.members.nodes.get(name)
+        if node is not None and not node.down:
+            node.down = True
+            self._stale = True
 
     # ---- the ledger (see the module docstring) ---------------------------------------------
     def _release(self, c: Charge | None) -> None:

@@ -142,7 +142,8 @@ class DispatchFailed:
 
     ``code`` is the answer's error code (``BUFFER_FULL`` = back-pressure; 0 = no answer);
     ``unreachable`` names an engine that did not answer at all (the core stops using it
-    until it reports again)."""
+    until it reports again); ``node_unreachable`` a node whose traffic manager nobody serves
+    (the core stops using the node's engines until it reports again)."""
 
     now: float
     request_id: str
@@ -151,6 +152,7 @@ class DispatchFailed:
     reason: str
     code: int = 0
     unreachable: str = ""
+    node_unreachable: str = ""
 
 
 @dataclass(**_ev)

@@ -44,13 +44,16 @@ class EngineMember(Holder):
 
 
 class NodeMember(Holder):
-    """One node's traffic manager: its last reported storage read queue (tokens)."""
+    """One node's traffic manager: its last reported storage read queue (tokens), and whether
+    it is down (its engines leave scheduling until its next report)."""
 
-    __slots__ = ("read_q",)
+    __slots__ = ("down", "read_q", "reported")
 
     def __init__(self, name: str, num: int, now: float) -> None:
         super().__init__(name, num, now)
         self.read_q = 0
+        self.reported = False  # a node that never reported (known from its engines) never expires
+        self.down = False  # its traffic manager stopped reporting or did not answer: not used
 
 
 class Charge:
@@ -143,15 +146,22 @@ class Membership:
         limit = now - timeout
         return [e.name for e in self.engines.values() if e.last_seen < limit]
 
+    def silent_nodes(self, now: float, timeout: float) -> list[str]:
+        """Names of nodes, up and once reported, whose traffic manager has not reported for more than ``timeout``."""
+        limit = now - timeout
+        return [n.name for n in self.nodes.values() if n.reported and not n.down and n.last_seen < limit]
+
     def count(self, role: Role) -> int:
         """Live engines of ``role``."""
         return sum(1 for e in self.engines.values() if e.role == role)
 
     def cluster_state(self) -> ClusterState | None:
-        """A fresh policy state for the live engines, each figure = last report + unreflected
-        charges (None without both roles)."""
+        """A fresh policy state for the live engines of nodes that are not down, each figure =
+        last report + unreflected charges (None without both roles)."""
         by_node: dict[str, list[EngineMember]] = {}
         for e in self.engines.values():
+            if self.nodes[e.node].down:
+                continue  # its traffic manager is gone: nothing can be read to or from it
             by_node.setdefault(e.node, []).append(e)
         specs = []
         for node, members in by_node.items():
