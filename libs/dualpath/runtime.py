@@ -63,11 +63,20 @@ async def _run(name: str, bus_cfg: BusConfig, main: ServiceMain) -> None:
             log.info("service_stopped")
 
 
-def _first_error(exc: BaseException) -> BaseException:
-    """The one error inside (nested) single-member exception groups, for a one-line message."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
+def _fatal_message(exc: BaseException) -> str:
+    """One line for what ended the service: the first error inside (nested) exception groups."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for inner in e.exceptions:
+                walk(inner)
+        else:
+            leaves.append(e)
+
+    walk(exc)
+    first = leaves[0] if leaves else exc
+    return f"{first}" + (f" (and {len(leaves) - 1} more errors)" if len(leaves) > 1 else "")
 
 
 def run_service(name: str, bus_cfg: BusConfig, main: ServiceMain) -> int:
@@ -82,7 +91,7 @@ def run_service(name: str, bus_cfg: BusConfig, main: ServiceMain) -> int:
         return 0
     except Exception as exc:  # noqa: BLE001 - report a clear fatal error, not a traceback
         get_logger(name).exception("service_failed", error=str(exc))
-        print(f"{name}: fatal: {_first_error(exc)}", file=sys.stderr)
+        print(f"{name}: fatal: {_fatal_message(exc)}", file=sys.stderr)
         return 1
     finally:
         shutdown_metrics()

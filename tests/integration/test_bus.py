@@ -108,17 +108,16 @@ async def test_publishes_past_the_handler_bound_are_dropped_and_counted(nats_ser
         await release.wait()
         handled += 1
 
-    async with Bus.open(nats_server.url, "server") as server, Bus.open(nats_server.url, "client") as client:
+    async with Bus.open(nats_server.url, "server") as server:
         server._error_cb = _ignore
         await server.serve("t.report", slow, m.EngineReport, max_in_flight=3)
         for i in range(10):
-            await client.publish(
+            await server.publish(  # its own connection: no race with the SUB
                 "t.report",
                 m.EngineReport(
                     engine_id=f"e{i}", role=int(m.Role.PREFILL), node_id="n", seq=0, tok=0, free_hbm_tokens=0, capacity_tokens=0
                 ),
             )
-        await client.nc.flush()
         await server.nc.flush()
         await _until(lambda: server.refused >= 7, lambda: f"refused {server.refused} of 10 (3 should run)")
         release.set()
@@ -149,17 +148,20 @@ async def test_closing_the_bus_cancels_a_handler_that_outlives_the_grace(nats_se
             cancelled.set()
         return m.Ok()
 
-    async with Bus.open(nats_server.url, "client") as client:
-        async with anyio.create_task_group() as handlers:
-            server = await Bus.connect(nats_server.url, "server", tasks=handlers)
+    async with anyio.create_task_group() as handlers:
+        server = await Bus.connect(nats_server.url, "server", tasks=handlers)
+        try:
             await server.serve("t.stuck", stuck, m.FreeRequest)
-            await client.publish("t.stuck", m.FreeRequest(request_id="r"))
+            await server.publish("t.stuck", m.FreeRequest(request_id="r"))  # same connection: no race with the SUB
             with anyio.fail_after(10):
                 await started.wait()
             t0 = time.monotonic()
             await server.close(grace=0.2)
-        assert cancelled.is_set() and time.monotonic() - t0 < 5.0
-        assert server.nc.is_closed
+        finally:
+            if not server.nc.is_closed:
+                await server.nc.close()
+    assert cancelled.is_set() and time.monotonic() - t0 < 5.0
+    assert server.nc.is_closed
 
 
 @pytest.fixture()
@@ -207,3 +209,18 @@ def test_a_service_whose_main_fails_exits_1_with_a_one_line_message(nats_server,
 
     assert run_service("test-svc", BusConfig(nats_url=nats_server.url), main) == 1
     assert "test-svc: fatal: the index is corrupt" in capsys.readouterr().err
+
+
+def test_an_embedded_server_never_hands_out_another_servers_port(nats_server) -> None:
+    """On a shared host the chosen port may be taken meanwhile: a client must reach its own server."""
+    from dualpath.bus.embedded import EmbeddedNats
+
+    with pytest.raises(RuntimeError, match="taken"):
+        EmbeddedNats(port=nats_server.port).start()  # a port given by the caller is not changed
+    mine = EmbeddedNats()
+    mine.port = nats_server.port  # as if free_port's port had been taken before the bind
+    try:
+        mine.start()
+        assert mine.port != nats_server.port
+    finally:
+        mine.stop()

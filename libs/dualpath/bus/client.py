@@ -122,8 +122,16 @@ class Bus:
             BusTimeoutError: no answer in time, or no service subscribed.
             ProtocolError: the answer was not a ``reply_type``.
         """
+        data, headers = encode(msg), self._headers()
         try:
-            reply = await self.nc.request(subject, encode(msg), timeout=timeout, headers=self._headers())
+            try:
+                reply = await self.nc.request(subject, data, timeout=timeout, headers=headers)
+            except NoRespondersError:
+                # A fresh connection can be told "no responders" for a subject that was just
+                # served from another connection (seen in ~7% of tries on a busy host); after a
+                # round trip to the server the answer is the real one.
+                await self.nc.flush()
+                reply = await self.nc.request(subject, data, timeout=timeout, headers=headers)
         except NoRespondersError:
             raise BusTimeoutError(subject, timeout, no_responders=True) from None
         except NatsTimeoutError:
@@ -227,4 +235,7 @@ class Bus:
             try:
                 await self.nc.drain()
             except Exception:  # noqa: BLE001 - fall back to a hard close
-                await self.nc.close()
+                try:
+                    await self.nc.close()
+                except Exception as exc:  # noqa: BLE001 - closing must not add an error to a service's exit
+                    log.warning("bus_close_failed", error=str(exc))

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import IO
 
@@ -36,6 +37,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+class _PortTakenError(Exception):
+    """Another process listens on the port this server was to bind."""
+
+
 class EmbeddedNats:
     """A ``nats-server`` child process bound to loopback; use as a context manager."""
 
@@ -43,6 +48,7 @@ class EmbeddedNats:
         self, *, port: int | None = None, host: str = "127.0.0.1", jetstream_dir: str | None = None, log_file: str | None = None
     ) -> None:
         self.host = host
+        self._pick_port = port is None  # a port we chose may be taken by someone else meanwhile: choose again
         self.port = port or free_port(host)
         self._jetstream_dir = jetstream_dir
         self._log_file = log_file
@@ -56,12 +62,28 @@ class EmbeddedNats:
     def start(self, timeout: float = 10.0) -> EmbeddedNats:
         """Start the server and wait until it accepts connections.
 
+        The server is recognised by a name of its own: on a shared host another process may take
+        the port between ``free_port`` and the bind, and a client must not end up on its server.
+        A port this object chose is then chosen again (three tries).
+
         Raises:
             RuntimeError: the server exited or did not listen within ``timeout``.
         """
+        for attempt in range(3):
+            try:
+                return self._start_once(timeout)
+            except _PortTakenError:
+                self.stop()
+                if not self._pick_port or attempt == 2:
+                    raise RuntimeError(f"nats-server could not listen on {self.url}: the port is taken") from None
+                self.port = free_port(self.host)
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> EmbeddedNats:
+        name = f"dualpath-{uuid.uuid4().hex[:12]}"
         # Long prompts (token ids + block hashes) exceed NATS's 1 MiB default payload.
         self._conf = tempfile.NamedTemporaryFile("w", prefix="nats-", suffix=".conf", delete=False)
-        self._conf.write("max_payload: 8388608\n")
+        self._conf.write(f"max_payload: 8388608\nserver_name: {name}\n")
         self._conf.close()
         cmd = [nats_server_binary(), "-a", self.host, "-p", str(self.port), "-c", self._conf.name]
         if self._jetstream_dir:
@@ -74,12 +96,21 @@ class EmbeddedNats:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with code {self._proc.returncode} (port {self.port} taken?)")
+                raise (
+                    _PortTakenError()
+                    if self._pick_port
+                    else RuntimeError(f"nats-server exited with code {self._proc.returncode} (port {self.port} taken?)")
+                )
             try:
-                with socket.create_connection((self.host, self.port), timeout=0.2):
-                    return self
+                with socket.create_connection((self.host, self.port), timeout=0.5) as sock:
+                    sock.settimeout(2.0)
+                    info = sock.recv(4096)  # the server greets every client with INFO {...}
             except OSError:
                 time.sleep(0.05)
+                continue
+            if name.encode() in info:
+                return self
+            raise _PortTakenError()  # someone else's server answers on this port
         self.stop()
         raise RuntimeError(f"nats-server did not listen on {self.url} within {timeout}s")
 
