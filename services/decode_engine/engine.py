@@ -126,7 +126,7 @@ class DecodeEngine:
 
     def _region(self, region_id: str) -> MemoryRegion:
         region = self._regions.get(region_id)
-        if region is None:
+        if region is None or not region.is_current():  # not current: the node's traffic manager restarted
             region = self._regions[region_id] = MemoryRegion.attach(region_id)
         return region
 

@@ -66,6 +66,7 @@ class MemoryRegion:
         try:
             os.ftruncate(fd, size)
             mapping = mmap.mmap(fd, size)
+            inode = os.fstat(fd).st_ino
         except OSError:
             _posixshmem.shm_unlink("/" + name)
             raise
@@ -73,6 +74,7 @@ class MemoryRegion:
             os.close(fd)
         resource_tracker.register("/" + name, _RT_TYPE)
         self._init(region_id, name, size, mapping, owner=True)
+        self.inode = inode
 
     @classmethod
     def attach(cls, region_id: str, size: int | None = None) -> MemoryRegion:
@@ -95,11 +97,23 @@ class MemoryRegion:
             if want <= 0 or want > seg_size:
                 raise OutOfBoundsError(region_id, 0, want, seg_size)
             mapping = mmap.mmap(fd, seg_size)
+            inode = os.fstat(fd).st_ino
         finally:
             os.close(fd)
         self = cls.__new__(cls)
         self._init(region_id, name, want, mapping, owner=False)
+        self.inode = inode
         return self
+
+    def is_current(self) -> bool:
+        """Whether the segment this maps is still the one its name opens: False once its owner
+        died and a new owner (a restarted traffic manager) created the region again, so a
+        mapping kept from before would read and write memory nobody else sees. True where the
+        segments are not visible as files (not Linux)."""
+        try:
+            return os.stat(f"/dev/shm/{self.shm_name}").st_ino == self.inode
+        except FileNotFoundError:
+            return not os.path.isdir("/dev/shm")
 
     def _init(
         self, region_id: str, name: str, size: int, mapping: mmap.mmap, *, owner: bool

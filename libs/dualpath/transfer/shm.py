@@ -73,8 +73,8 @@ class ShmTransport(Transport):
         """
         await super().connect(remote)
         current = self._mapped.get(remote.region_id)
-        if current is not None and current.size == remote.size:
-            return
+        if current is not None and current.size == remote.size and current.is_current():
+            return  # (not current: its owner restarted and created the segment again)
         if remote.region_id in self._local:
             return  # our own region: copy within this process's mapping
         try:
@@ -83,7 +83,7 @@ class ShmTransport(Transport):
             self._remote.pop(remote.region_id, None)
             raise
         if current is not None:
-            _close_quietly(current)  # the region was re-created with another size
+            _close_quietly(current)  # the region was re-created (with another size, or by a new owner)
         self._mapped[remote.region_id] = mapped
 
     async def _transfer(
