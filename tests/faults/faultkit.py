@@ -43,7 +43,8 @@ def client(stack, timeout: float = 60.0) -> openai.OpenAI:
 
 
 def model_of(stack) -> str:
-    return client(stack).models.list().data[0].id
+    with client(stack) as c:
+        return c.models.list().data[0].id
 
 
 @dataclass
@@ -57,11 +58,12 @@ class Answer:
 
 def complete(stack, prompt, *, max_tokens: int = 32, read_path: str | None = None, timeout: float = 60.0) -> Answer:
     """One greedy completion; an HTTP error is an explicit error (never raised)."""
-    c = client(stack, timeout)
     extra = {"dualpath_read_path": read_path} if read_path else {}
+    model = model_of(stack)
     t0 = time.monotonic()
     try:
-        r = c.completions.create(model=model_of(stack), prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra)
+        with client(stack, timeout) as c:  # closed: its pooled sockets would be an unraisable ResourceWarning
+            r = c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra)
     except openai.APIStatusError as exc:
         return Answer(None, 0, {}, error=f"{exc.status_code}: {exc.message}", seconds=time.monotonic() - t0)
     return Answer(r.choices[0].text, r.usage.completion_tokens, r.model_extra.get("dualpath", {}), seconds=time.monotonic() - t0)
@@ -69,7 +71,9 @@ def complete(stack, prompt, *, max_tokens: int = 32, read_path: str | None = Non
 
 def chat_cached(stack, messages, *, max_tokens: int = 1) -> int:
     """Cached prompt tokens of one chat request (the index's hit for this prompt)."""
-    r = client(stack).chat.completions.create(model=model_of(stack), messages=messages, max_tokens=max_tokens, temperature=0)
+    model = model_of(stack)
+    with client(stack) as c:
+        r = c.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0)
     return r.usage.prompt_tokens_details.cached_tokens
 
 

@@ -1,9 +1,7 @@
 """Faults on the redundant form (``dualpath up --replicas 2 --nats-cluster 3``, 2P2D): real
 kill -9 and SIGSTOP of real processes; each test states the recovery bound it checks.
 
-One stack serves the module (starting it is the slow part); every test leaves it whole again,
-except the traffic-manager test, which runs last (a restarted traffic manager is not yet
-re-adopted by every engine, see its xfail reason).
+One stack serves the module (starting it is the slow part); every test leaves it whole again.
 """
 
 from __future__ import annotations
@@ -121,7 +119,9 @@ def test_kv_persistence_replica_killed_during_commits_loses_no_committed_block(s
 def complete_chat(stack, messages) -> str:
     from faultkit import client, model_of
 
-    r = client(stack).chat.completions.create(model=model_of(stack), messages=messages, max_tokens=24, temperature=0)
+    model = model_of(stack)
+    with client(stack) as c:
+        r = c.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
     return r.choices[0].message.content
 
 
@@ -167,9 +167,6 @@ def test_decode_engine_paused_past_heartbeat_is_expelled_and_rejoins_without_dup
     record("decode engine resumed (rejoined)", time.monotonic() - t1, 10.0)
 
 
-@pytest.mark.xfail(reason="the scheduler keeps placing DE reads on a node whose traffic manager is dead until the "
-                          "request's attempts run out (503), and engines keep the restarted traffic manager's old data-plane "
-                          "address (PeerLostError); scheduler / transfer layer", strict=False)
 def test_traffic_manager_killed_during_de_reads_requests_retried_elsewhere(stack, reference):
     """Bound: with a decode node's traffic manager dead, DE-path requests are answered within 15 s
     (retried on the other node); the node serves again within 20 s of its return."""
