@@ -364,12 +364,13 @@ class DecodeEngine:
         await self.bus.publish(self.subjects.task_failed, m.TaskFailed(request_id=task.request_id, engine_id=self.cfg.engine_id, reason=reason))
 
     def report(self) -> m.EngineReport:
-        """``seq_e``: requests here; ``tok_e``: their context tokens; free HBM: KV memory not
-        reserved by a running request (the batcher's reservations, in tokens)."""
+        """In the scheduler's units (see ``m.EngineReport``): ``seq_e``: requests here (running
+        and waiting); ``tok_e``: Σ their prompt + max_tokens; free HBM: capacity minus the
+        footprints reserved for them, waiting ones included."""
         done, self.finished = self.finished, []
         return m.EngineReport(engine_id=self.cfg.engine_id, role=m.Role.DECODE, node_id=self.node_id,
-                              seq=len(self.running) + len(self.waiting), tok=self.batcher.context_tokens(),
-                              free_hbm_tokens=self.batcher.free_tokens, capacity_tokens=self.batcher.capacity_tokens, finished=done,
+                              seq=len(self.running) + len(self.waiting), tok=self.batcher.committed_tokens(),
+                              free_hbm_tokens=self.batcher.unreserved_tokens, capacity_tokens=self.batcher.capacity_tokens, finished=done,
                               block_bytes=self.setup.layout.block_bytes,
                               stats={"busy_s": self.busy_s, "modeled_s": getattr(self.setup.decoder, "modeled_s", 0.0),
                                      **(self.setup.decoder.traffic.stats() if getattr(self.setup.decoder, "traffic", None) else {})},

@@ -62,10 +62,23 @@ tracer = get_tracer("dualpath.prefill")
 _BUFFER_WAIT_S = 600.0  # longest a KV load waits for room in a full node buffer
 
 
+def planned_hit_blocks(task: m.PrefillTask) -> int:
+    """Blocks of ``task``'s prompt the scheduler planned to read rather than compute (none
+    without a read path)."""
+    return task.hit_blocks if task.read_path in (m.ReadPath.PE, m.ReadPath.DE) else 0
+
+
+def miss_tokens(prompt_tokens: int, hit_blocks: int, block_tokens: int) -> int:
+    """Prompt tokens to compute when ``hit_blocks`` blocks are read: the prompt less the hits,
+    which never cover its last token (the scheduler's prefill charge)."""
+    return prompt_tokens - max(0, min(hit_blocks * block_tokens, prompt_tokens - 1))
+
+
 @dataclass(slots=True, kw_only=True)
 class Job:
     task: m.PrefillTask
-    hit_blocks: int = 0
+    hit_blocks: int = 0  # blocks loaded (set when the load ends)
+    loading: bool = True  # its hits are being read: until then tok_e counts the hits planned (the scheduler's charge)
     source: RegionDescriptor | None = None  # where the hits are (PE buffer or DE slot)
     source_offset: int = 0
     dest: RegionDescriptor  # the DE buffer slot
@@ -171,6 +184,7 @@ class PrefillEngine:
         except Exception as exc:  # noqa: BLE001 - any load failure fails this task only
             await self._fail(job, f"KV load failed: {exc}")
             return
+        job.loading = False
         self.loaded.append(job)
         self._wake.set()
 
@@ -355,7 +369,8 @@ class PrefillEngine:
 
     # ---- reporting -------------------------------------------------------------------------
     def report(self) -> m.EngineReport:
-        """``seq_e``: unfinished tasks here; ``tok_e``: their prompt tokens still to compute."""
+        """In the scheduler's units (see ``m.EngineReport``): ``seq_e``: unfinished tasks here;
+        ``tok_e``: the miss tokens they still have to compute (``tokens_left``)."""
         tok = self.tokens_left()
         done, self.finished = self.finished, []
         return m.EngineReport(engine_id=self.cfg.engine_id, role=m.Role.PREFILL, node_id=self.node_id, seq=len(self.jobs), tok=tok,
@@ -363,9 +378,12 @@ class PrefillEngine:
                               stats=self._stats(), ts=time.time())
 
     def tokens_left(self) -> int:
-        """Prompt tokens still to compute: the batcher's queue, plus whole prompts still loading."""
+        """Miss tokens still to compute: the batcher's queue, plus the prompts not in it yet
+        (loading: less the hits planned, as the scheduler charged them; loaded: less the
+        blocks actually loaded)."""
         bt = self.setup.layout.block_tokens
-        queued = sum(len(j.task.prompt_tokens) - j.hit_blocks * bt for j in self.jobs.values() if j.task.request_id not in self.batcher)
+        queued = sum(miss_tokens(len(j.task.prompt_tokens), planned_hit_blocks(j.task) if j.loading else j.hit_blocks, bt)
+                     for j in self.jobs.values() if j.task.request_id not in self.batcher)
         return queued + self.batcher.tokens_left()
 
     def _stats(self) -> dict:

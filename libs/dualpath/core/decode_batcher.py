@@ -219,8 +219,22 @@ class DecodeBatcher:
         return request_id in self._running or request_id in self._waiting
 
     def context_tokens(self) -> int:
-        """Tokens of the requests here, running and waiting (the engine's ``tok_e``)."""
+        """Tokens of the requests here, running and waiting (their current context)."""
         return sum(s.tokens for s in self._running.values()) + sum(s.tokens - 1 for s in self._waiting.values())
+
+    def committed_tokens(self) -> int:
+        """Σ ``prompt + max_tokens`` of the requests here, running and waiting: the engine's
+        reported ``tok_e``, in the unit the scheduler charges a placement in (not the context
+        so far, which would make every report undo most of the charge)."""
+        return sum(s.tokens - s.generated + s.max_tokens for s in (*self._running.values(), *self._waiting.values()))
+
+    @property
+    def unreserved_tokens(self) -> int:
+        """KV memory not reserved by a request here, running *or waiting* (the engine's reported
+        free HBM): the scheduler charges a request's footprint from its placement, so one
+        waiting for admission is already spent. Footprints are whole blocks, so this is at most
+        ``block_tokens - 1`` per request below the scheduler's unrounded charge (the safe side)."""
+        return self.free_tokens - sum(s.reserved for s in self._waiting.values())
 
     def kv_len(self, request_id: str) -> int:
         return self._running[request_id].kv_len

@@ -318,14 +318,27 @@ class TaskFailed(Wire):
 @register(43)
 @dataclass(**_msg)
 class EngineReport(Wire):
-    """Periodic state of one engine (also its heartbeat); the paper's ``seq_e``/``tok_e``."""
+    """Periodic state of one engine (also its heartbeat); the paper's ``seq_e``/``tok_e``.
+
+    The scheduler takes a report as the truth about every task the engine has acknowledged
+    and adds its own charges for the rest, so the figures are in the units it charges a
+    placement in (``dualpath.core.scheduler``):
+
+    - prefill: ``seq`` = unfinished tasks; ``tok`` = the *miss* tokens they still have to
+      compute (prompt less the hits: planned hits while a task's load runs, loaded blocks
+      after it, less the chunks computed); ``free_hbm_tokens`` = ``capacity_tokens`` = 0.
+    - decode: ``seq`` = requests here, running and waiting for admission; ``tok`` = Σ their
+      ``prompt + max_tokens`` (not the context so far); ``free_hbm_tokens`` = capacity less
+      the KV footprints reserved for them (waiting ones too; whole blocks, so at most a
+      block per request below the scheduler's unrounded charge).
+    """
 
     engine_id: str
     role: int
     node_id: str
     seq: int
-    tok: int
-    free_hbm_tokens: int
+    tok: int  # see above: prefill miss tokens left; decode Σ prompt + max_tokens
+    free_hbm_tokens: int  # decode: capacity − reserved footprints (running and waiting)
     capacity_tokens: int
     finished: list[str] = field(default_factory=list)  # requests completed since the last report
     block_bytes: int = 0  # bytes of one Full Block in this engine's KV format
