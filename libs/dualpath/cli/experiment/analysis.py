@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dualpath.policy import max_over_avg
 from dualpath.cli.experiment.runner import ModeResult
+from dualpath.policy import max_over_avg
 
 __all__ = ["mode_figures", "snic_series"]
 
