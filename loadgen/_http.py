@@ -82,8 +82,10 @@ class ServerProcess:
         cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", "0", *args]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        stdout = proc.stdout
+        assert stdout is not None  # stdout=PIPE
         first: list[str] = []
-        reader = threading.Thread(target=lambda: first.append(proc.stdout.readline()), daemon=True)
+        reader = threading.Thread(target=lambda: first.append(stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout_s)
         line = first[0].strip() if first else ""
@@ -92,7 +94,7 @@ class ServerProcess:
             out = proc.communicate()[0]
             raise RuntimeError(f"{module} did not start: {line} {out}".strip())
         # Drain later output so a chatty server never blocks on a full pipe.
-        drain = threading.Thread(target=proc.stdout.read, daemon=True)
+        drain = threading.Thread(target=stdout.read, daemon=True)
         drain.start()
         return cls(proc, line.removeprefix("listening on "), drain)
 

@@ -28,7 +28,7 @@ from loadgen.errors import HTTPStatusError, LoadgenError, ServerUnreachableError
 
 __all__ = ["Endpoint", "TurnResult", "ItlSink", "ResponseConsumer", "parse_response_head", "resolve_model", "MALFORMED"]
 
-_scan = json.JSONDecoder().scan_once
+_scan = json.JSONDecoder().scan_once  # type: ignore[attr-defined]  # exists at runtime; typeshed omits it
 # What decoding an unexpected (but well-framed) response can raise: reported as StreamError.
 MALFORMED = (ValueError, TypeError, AttributeError, KeyError, IndexError)
 _MAX_BODY = 16 << 20  # non-streamed bodies and error bodies are kept up to this size
@@ -108,6 +108,10 @@ class ResponseConsumer:
 
     def __init__(self, t_send: float, chat: bool, sink: ItlSink | None, future: asyncio.Future) -> None:
         self.t_send, self.chat, self.sink, self.future = t_send, chat, sink, future
+        self.timing: str | None
+        self.data: list[bytes]
+        self.pieces: list[str]
+        self.usage: dict | None
         self.status, self.sse, self.timing = 0, False, None
         self.raw, self.line, self.data = bytearray(), b"", []
         self.done, self.pieces, self.count = False, [], 0

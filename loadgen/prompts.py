@@ -107,6 +107,7 @@ class PromptText:
         return self.corpus[int(self.token_starts[first]):int(self.ends[first + tokens - 1])]
 
     def _cut(self, text: str, tokens: int) -> str:
+        assert self.tokenizer is not None  # only called with a tokenizer
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids[:tokens]
         return self.tokenizer.decode(ids)
 

@@ -28,6 +28,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 
@@ -256,7 +257,7 @@ async def _agent(index: int, trajectory: Trajectory, scheduled: float, spec: Loa
                 await anyio.sleep(gaps.expovariate(1.0 / spec.tool_gap_s))
             conversation.add_user(text)
             expected_prompt += trajectory.append_tokens[turn]
-            base = dict(agent=index, turn=turn, t_start=state.now(),
+            base: dict[str, Any] = dict(agent=index, turn=turn, t_start=state.now(),
                         expected_prompt_tokens=expected_prompt, expected_gen_tokens=gen)
             try:
                 result = await conn.request(conversation.body(gen), state.itl)

@@ -45,6 +45,7 @@ def next_rate(plan: SweepPlan, state: SweepState) -> float | None:
     if lo is None and hi is None:
         return plan.start_rate
     if lo is None:
+        assert hi is not None  # both None returned above
         return hi / 2
     if hi is None:
         return lo * 2

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Callable, Iterable, NoReturn
 
 from loadgen.errors import TrajectoryFormatError
 
@@ -72,7 +72,7 @@ class Trajectory:
         k = max(0, min(k, self.turns - 1))
         if k == 0:
             return self
-        rest = {"append_tokens": self.append_tokens[k:], "gen_tokens": self.gen_tokens[k:],
+        rest: dict[str, Any] = {"append_tokens": self.append_tokens[k:], "gen_tokens": self.gen_tokens[k:],
                 "append_texts": None if self.append_texts is None else self.append_texts[k:]}
         if self.system_text is None or self.append_texts is None:
             # A length-only system prompt (or appends) absorbs the lengths; any system text is
@@ -130,7 +130,7 @@ def _estimate_tokens(text: str) -> int:
     return (len(text) + 3) // 4
 
 
-def _int_list(obj: dict, key: str, minimum: int, fail) -> tuple[int, ...]:
+def _int_list(obj: dict, key: str, minimum: int, fail: Callable[[str, str], NoReturn]) -> tuple[int, ...]:
     values = obj[key]
     if not isinstance(values, list):
         fail(key, "must be a list of integers")
@@ -146,7 +146,7 @@ def parse_trajectory(obj: object, *, path: str = "<input>", line: int = 1) -> Tr
     Raises TrajectoryFormatError naming ``path``, ``line`` and the offending field.
     """
 
-    def fail(field: str, reason: str):
+    def fail(field: str, reason: str) -> NoReturn:
         raise TrajectoryFormatError(path, line, field, reason)
 
     if not isinstance(obj, dict):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
+from typing import cast
 
 from loadgen.client import MALFORMED, Endpoint, ItlSink, ResponseConsumer, TurnResult, parse_response_head
 from loadgen.errors import LoadgenError, RequestTimeoutError, ServerUnreachableError, StreamError
@@ -74,7 +75,7 @@ class _H1Protocol(asyncio.Protocol):
             consumer, self.consumer = self.consumer, None
             if consumer is not None:
                 consumer.fail(exc if isinstance(exc, LoadgenError) else StreamError(f"malformed response: {exc!r}"))
-            self.transport.close()
+            cast(asyncio.Transport, self.transport).close()
 
     def _whole_chunk(self, data: bytes, now: float) -> bool:
         """Fast path for the usual read: exactly one whole chunk (one SSE event)."""
@@ -85,7 +86,7 @@ class _H1Protocol(asyncio.Protocol):
         start = end + 2
         if size == 0 or len(data) != start + size + 2 or not data.endswith(b"\r\n"):
             return False
-        self.consumer.on_body(data[start:start + size], now)
+        cast(ResponseConsumer, self.consumer).on_body(data[start:start + size], now)
         return True
 
     def _advance(self, now: float) -> None:
@@ -158,7 +159,7 @@ class _H1Protocol(asyncio.Protocol):
             pieces.append(buf[start:start + size])
             pos = start + size + 2
         if pieces:
-            self.consumer.on_body(b"".join(pieces), now)
+            cast(ResponseConsumer, self.consumer).on_body(b"".join(pieces), now)
         return pos
 
     def _head(self, pos: int) -> int:
@@ -171,7 +172,7 @@ class _H1Protocol(asyncio.Protocol):
         status, headers = parse_response_head(bytes(self.buf[pos:end]))
         if 100 <= status < 200:
             return end + 4  # an interim response: the real one follows
-        self.consumer.on_head(status, headers)
+        cast(ResponseConsumer, self.consumer).on_head(status, headers)
         self.keep_alive = headers.get("connection", "").lower() != "close"
         if "chunked" in headers.get("transfer-encoding", "").lower():
             self.state = _SIZE
@@ -186,8 +187,8 @@ class _H1Protocol(asyncio.Protocol):
     def _complete(self, now: float) -> None:
         consumer, self.consumer, self.state = self.consumer, None, _IDLE
         if not self.keep_alive:
-            self.transport.close()
-        consumer.finish(now)
+            cast(asyncio.Transport, self.transport).close()
+        cast(ResponseConsumer, consumer).finish(now)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -260,12 +261,12 @@ class FastConnection:
         self.current = None
         if not self._usable():
             self.protocol = await self._connect()
-        protocol, loop = self.protocol, asyncio.get_running_loop()
+        protocol, loop = cast(_H1Protocol, self.protocol), asyncio.get_running_loop()
         future = loop.create_future()
         t_send = time.monotonic()
         consumer = self.current = ResponseConsumer(t_send, self.ep.chat, sink, future)
         protocol.start(consumer)
-        protocol.transport.write(b"%scontent-length: %d\r\n\r\n%s" % (self.head, len(body), body))
+        cast(asyncio.Transport, protocol.transport).write(b"%scontent-length: %d\r\n\r\n%s" % (self.head, len(body), body))
         timer = loop.call_later(self.ep.timeout_s, consumer.fail, RequestTimeoutError(self.ep.timeout_s))
         try:
             return await future
