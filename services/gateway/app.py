@@ -4,7 +4,12 @@
 A request is tokenized, its block hash chain looked up in kv-persistence (the hit), submitted
 to the scheduler, and answered from its token stream. A chat answer with tools is parsed into
 ``tool_calls`` (streamed as OpenAI-style deltas, ``finish_reason: "tool_calls"``). Errors use
-OpenAI's JSON error body.
+OpenAI's JSON error body, and every error status a route can answer is declared in the OpenAPI
+document (``/openapi.json``), whose request ``model`` field is pinned to the served model.
+
+With an API key set, every route but ``/health`` (liveness/readiness probes) needs
+``Authorization: Bearer KEY``: ``/v1/*``, ``/metrics`` (Prometheus sends it with
+``authorization.credentials``), ``/openapi.json`` and ``/docs`` alike.
 """
 
 from __future__ import annotations
@@ -17,19 +22,29 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dualpath.chat.stream import StreamingToolParser
-from services.gateway.api_types import ChatCompletionRequest, CompletionRequest
+from services.gateway.api_types import ERROR_RESPONSES, REQUEST_ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
 from services.gateway.core import ApiError, Gateway, Prepared
 from services.gateway.metrics_page import render_metrics
 
 __all__ = ["build_app"]
 
 
-def _error(status: int, message: str, *, etype: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
-    headers = {"Retry-After": "1"} if status in (429, 503) else None  # overloaded or failing over: come back shortly
+OPEN_PATHS = frozenset({"/health"})  # answered without the API key: the probes' route
+
+_STREAM_200 = {200: {"description": "the answer: JSON, or Server-Sent Events when stream is true", "content": {"text/event-stream": {}}}}
+
+
+def _error(
+    status: int, message: str, *, etype: str = "invalid_request_error", param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    headers = dict(headers or {})
+    if status in (429, 503):
+        headers["Retry-After"] = "1"  # overloaded or failing over: come back shortly
     return JSONResponse(
         status_code=status, content={"error": {"message": message, "type": etype, "param": param, "code": status}}, headers=headers
     )
@@ -59,7 +74,8 @@ def build_app(gw: Gateway) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail), etype="not_found" if exc.status_code == 404 else "invalid_request_error")
+        etype = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        return _error(exc.status_code, str(exc.detail), etype=etype, headers=exc.headers)  # a 405 keeps its Allow header
 
     @app.exception_handler(ApiError)
     async def on_api_error(_req: Request, exc: ApiError) -> JSONResponse:
@@ -67,12 +83,12 @@ def build_app(gw: Gateway) -> FastAPI:
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
-        if gw.cfg.api_key and request.url.path.startswith("/v1/"):
+        if gw.cfg.api_key and request.url.path not in OPEN_PATHS:
             if request.headers.get("authorization", "") != f"Bearer {gw.cfg.api_key}":
                 return _error(401, "invalid or missing API key", etype="authentication_error")
         return await call_next(request)
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "no scheduler, or no prefill or no decode engine"}, 405: ERROR_RESPONSES[405]})
     async def health() -> JSONResponse:
         state = await gw.cluster_state()
         ok = state is not None and state.prefill_engines > 0 and state.decode_engines > 0
@@ -88,12 +104,12 @@ def build_app(gw: Gateway) -> FastAPI:
             )
         return JSONResponse(status_code=200 if ok else 503, content=body)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
     async def metrics() -> PlainTextResponse:
         state = await gw.cluster_state()
         return PlainTextResponse(render_metrics(gw.telemetry.figures, state), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models() -> dict:
         return {
             "object": "list",
@@ -102,17 +118,60 @@ def build_app(gw: Gateway) -> FastAPI:
             ],
         }
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={**REQUEST_ERROR_RESPONSES, **_STREAM_200})
     async def completions(body: CompletionRequest, request: Request):
         prep = gw.prepare_completion(body)
         return await _answer(gw, prep, request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={**REQUEST_ERROR_RESPONSES, **_STREAM_200})
     async def chat(body: ChatCompletionRequest, request: Request):
         prep = gw.prepare_chat(body)
         return await _answer(gw, prep, request, chat=True)
 
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _pinned_openapi(
+                app,
+                gw.model_name,
+                templates=sorted(gw.tokenizer.chat_template.templates),
+                vocab=gw.model_config.vocab_size,
+                secured=bool(gw.cfg.api_key),
+            )
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _pinned_openapi(app: FastAPI, model_name: str, *, templates: list[str], vocab: int, secured: bool) -> dict[str, Any]:
+    """FastAPI's document, with what this checkpoint decides pinned: each request's ``model`` an
+    enum of the one served model (any other name is a 404: a client or fuzzer reading the
+    document reaches the engines), ``chat_template_name`` one of the checkpoint's templates,
+    prompt token ids below the vocabulary size; with an API key, a bearer security scheme on
+    every route but the open ones. /metrics' errors are JSON beside its text/plain answer."""
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    for name, comp in schema.get("components", {}).get("schemas", {}).items():
+        props = comp.get("properties", {})
+        if name.endswith("CompletionRequest") and "model" in props:
+            props["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
+        if "chat_template_name" in props:
+            props["chat_template_name"] = {
+                "anyOf": [{"type": "string", "enum": templates}, {"type": "null"}],
+                "title": "Chat Template Name",
+            }
+        for alt in props.get("prompt", {}).get("anyOf", []):
+            if alt.get("type") == "array":
+                alt.setdefault("items", {})["maximum"] = vocab - 1
+    for status, resp in schema.get("paths", {}).get("/metrics", {}).get("get", {}).get("responses", {}).items():
+        if not status.startswith("2") and "text/plain" in resp.get("content", {}):
+            resp["content"] = {"application/json": resp["content"].pop("text/plain")}
+    if secured:
+        schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, ops in schema.get("paths", {}).items():
+            if path not in OPEN_PATHS:
+                for op in ops.values():
+                    op["security"] = [{"bearer": []}]
+    return schema
 
 
 def session_of(prep: Prepared, request: Request) -> str:

@@ -124,7 +124,8 @@ def sample(
         if suppress[i] and eos.numel():
             kept = row.index_fill(0, eos, float("-inf"))
             row = kept if con is None or bool(torch.isfinite(kept).any()) else row
-        token = int(row.argmax()) if p.temperature == 0.0 else _draw(row, p, generators[i])
+        # A temperature too small for float32 (1e-300 divides logits into inf, then NaN) is greedy, as in vLLM.
+        token = int(row.argmax()) if p.temperature < _GREEDY_BELOW else _draw(row, p, generators[i])
         if con is not None:
             con.accept(token)
         top: tuple[tuple[int, float], ...] = ()
@@ -134,6 +135,9 @@ def sample(
             top = tuple(zip(ids[: p.top_logprobs].tolist(), values[: p.top_logprobs].tolist()))
         out.append(SampledToken(token_id=token, logprob=float(logprobs[i, token]), top_logprobs=top))
     return out
+
+
+_GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 
 
 def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
@@ -147,6 +151,7 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | Non
         probs = torch.softmax(sorted_logits, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
         drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
+        drop[0] = False  # a top_p that is 0.0 in float32 (5e-324) would otherwise drop every token
         scaled = scaled.index_fill(0, order[drop], float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if generator is not None and generator.device != probs.device:
