@@ -18,7 +18,9 @@ class BusTimeouts:
     """Seconds a requester waits on each endpoint (see ``dualpath.protocol.subjects.Subjects``)."""
 
     # kv-persistence: index calls are in-memory, commits append one fsync'ed log line.
-    kv_lookup: float = 2.0  # the gateway serves as a full recompute when the index does not answer in time
+    # A lookup past this is served as a full recompute; that costs far more than waiting (a 32K-token
+    # prefill), and a loaded host (the 2-core testbed) delays the index process by seconds at times.
+    kv_lookup: float = 5.0
     kv_commit: float = 10.0
     kv_remove: float = 5.0
     # scheduler: submit only enqueues; state is a snapshot.
