@@ -6,11 +6,14 @@ Never pickle: msgpack carries only plain data, so a hostile peer cannot run code
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import msgpack
 
 from dualpath.protocol.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from dualpath.protocol.wire import Wire
 
 __all__ = ["PROTOCOL_VERSION", "decode", "encode", "register"]
 
@@ -60,6 +63,6 @@ def decode(data: bytes, *expected: type[T]) -> T:
         names = ", ".join(c.__name__ for c in expected) or "a known message"
         raise ProtocolError(f"unexpected message type (want {names})")
     try:
-        return cls.from_wire(body)
+        return cast("type[Wire]", cls).from_wire(body)
     except (TypeError, ValueError, KeyError) as exc:
         raise ProtocolError(f"bad {cls.__name__}: {exc}") from None

@@ -56,8 +56,9 @@ class Wire:
         Raises:
             TypeError: a required field is missing or a field has the wrong type.
         """
-        kwargs = {}
-        for name, accepted, optional in _field_checks(cls):
+        kwargs: dict[str, Any] = {}
+        fields_of: Any = cls  # a message dataclass (Wire itself is only the mixin)
+        for name, accepted, optional in _field_checks(fields_of):
             if name not in body:
                 continue  # dataclass raises TypeError naming it when it has no default
             value = body[name]
@@ -67,7 +68,7 @@ class Wire:
             if accepted and not isinstance(value, accepted):
                 raise TypeError(f"field {name!r} has type {type(value).__name__}")
             kwargs[name] = value
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [f.name for f in dataclasses.fields(fields_of) if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         if missing:
             raise TypeError(f"missing field(s) {', '.join(map(repr, missing))}")
         return cls(**kwargs)

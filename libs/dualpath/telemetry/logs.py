@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator, MutableMapping
 
 import structlog
 from opentelemetry import trace
@@ -18,7 +18,7 @@ from opentelemetry import trace
 __all__ = ["bind_request", "configure_logging", "get_logger"]
 
 
-def _add_trace_id(_logger, _name, event: dict) -> dict:
+def _add_trace_id(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     ctx = trace.get_current_span().get_span_context()
     if ctx.is_valid:
         event["trace_id"] = format(ctx.trace_id, "032x")

@@ -13,7 +13,7 @@ utilisation.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
@@ -21,6 +21,9 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
 
 from dualpath.telemetry.logs import get_logger
+
+if TYPE_CHECKING:
+    from dualpath.transfer.types import TrafficClass
 
 __all__ = ["Reading", "configure_metrics", "get_meter", "nic_observations", "observe", "shutdown_metrics"]
 
@@ -100,7 +103,20 @@ def observe(name: str, description: str, read: Callable[[], Iterable[Reading]], 
         raise ValueError(f"unknown instrument kind {kind!r} (use gauge or counter)")
 
 
-def nic_observations(nics: Callable[[], Sequence[object]], *, window_s: float = 1.0, meter: metrics.Meter | None = None) -> None:
+class _NicLike(Protocol):
+    """What ``nic_observations`` reads from a NIC (``transfer.nic.EmulatedNic``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def bytes_sent(self, traffic_class: TrafficClass) -> int: ...
+
+    def throughput(self, traffic_class: TrafficClass, window_s: float = ...) -> float: ...
+
+    def utilisation(self, window_s: float = ...) -> float: ...
+
+
+def nic_observations(nics: Callable[[], Sequence[_NicLike]], *, window_s: float = 1.0, meter: metrics.Meter | None = None) -> None:
     """Per-NIC bytes by traffic class and utilisation of the emulated NICs ``nics()`` returns.
 
     ``dualpath.nic.bytes{nic, traffic_class}`` counts bytes the link started sending;

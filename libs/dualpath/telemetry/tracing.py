@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Sequence
+from typing import Sequence, cast
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -48,7 +48,7 @@ class JsonLinesSpanExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         lines = []
         for s in spans:
-            ctx = s.get_span_context()
+            ctx = cast(trace.SpanContext, s.get_span_context())  # set on every finished span
             lines.append(json.dumps({
                 "trace_id": format(ctx.trace_id, "032x"),
                 "span_id": format(ctx.span_id, "016x"),

@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from dualpath.cost import CostModel
+
+if TYPE_CHECKING:
+    from dualpath.testbed.collectives import ModelTraffic
 
 __all__ = ["ModeledDecoder"]
 
@@ -56,7 +60,7 @@ class ModeledDecoder:
         self.busy_s = 0.0  # time the calls actually took
         self.attention_s = 0.0  # modeled attention time (load-balance figure)
         self.compute_charged_s = 0.0  # cost-model compute seconds charged (no slow motion, no communication waits)
-        self.traffic = None  # testbed.collectives.ModelTraffic of a MoE target (set by attach_model_traffic)
+        self.traffic: ModelTraffic | None = None  # testbed.collectives.ModelTraffic of a MoE target (set by attach_model_traffic)
 
     @property
     def overhead_s(self) -> float:
@@ -115,7 +119,7 @@ class ModeledDecoder:
         if comm is None:
             return 0.0
         t0 = time.perf_counter()
-        self.traffic.wait(comm)
+        cast("ModelTraffic", self.traffic).wait(comm)  # comm is only set when traffic is
         return time.perf_counter() - t0
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
