@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -62,6 +63,6 @@ def greedy_generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_toke
         for layer in range(decoder.num_layers):
             hidden, k, v = decoder.forward_layer(layer, hidden, positions, step_segments, past[layer])
             past[layer] = [(torch.cat((pk, k[i:i + 1])), torch.cat((pv, v[i:i + 1])))
-                           for i, (pk, pv) in enumerate(past[layer])]
+                           for i, (pk, pv) in enumerate(cast("list[tuple[torch.Tensor, torch.Tensor]]", past[layer]))]  # all set
         logits = decoder.logits(hidden)
     return GreedyResult(tokens=tokens, margins=margins)

@@ -42,6 +42,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors.torch import save_file
@@ -209,15 +210,15 @@ def _whitener(cfg: dict, t: dict[str, torch.Tensor], targets: torch.Tensor, gen:
     tensors["lm_head.weight"] = torch.zeros_like(tensors["model.embed_tokens.weight"])
     decoder = Decoder(ModelConfig.from_dict(cfg), tensors, torch.device("cpu"))
     ids = targets[torch.randint(0, len(targets), (4, CALIBRATION_TOKENS), generator=gen)]  # [4, T]
-    states = []
+    rows: list[torch.Tensor] = []
     with _one_thread():
         for row in ids:
             hidden = decoder.embed(row)
             positions = torch.arange(CALIBRATION_TOKENS)
             for layer in range(decoder.num_layers):
                 hidden, _, _ = decoder.forward_layer(layer, hidden, positions, [(0, CALIBRATION_TOKENS)], [None])
-            states.append(decoder.final_norm(hidden)[16:])  # skip the first tokens' short windows
-        states = torch.cat(states)  # [M, H] float64
+            rows.append(decoder.final_norm(hidden)[16:])  # skip the first tokens' short windows
+        states = torch.cat(rows)  # [M, H] float64
         mean = states.mean(0)
         unit = mean / mean.norm()
         project = torch.eye(states.shape[1], dtype=torch.float64) - unit[:, None] * unit[None, :]
@@ -263,7 +264,7 @@ def _positional_biases(hd: int, nh: int, nkv: int, max_position: int, theta: flo
 
     def gap(spacing: int) -> float:
         offsets = (0, spacing) if spacing else (0,)
-        score = sum(torch.cos((rel[:, None] - o) * inv[None, :]).sum(-1) for o in offsets)  # [rel]
+        score = cast(torch.Tensor, sum(torch.cos((rel[:, None] - o) * inv[None, :]).sum(-1) for o in offsets))  # [rel]
         peaks = (rel == 0) | (rel == offsets[-1])
         return float(score[peaks].min() - score[~peaks].max())
 
@@ -277,7 +278,7 @@ def _positional_biases(hd: int, nh: int, nkv: int, max_position: int, theta: flo
         heads = []
         for head in range(nh):
             d = 1 + (layer * nh + head) % 4
-            z = amp * sum(torch.exp(-1j * o * inv) for o in {d, d + spacing})
+            z = cast(torch.Tensor, amp * sum(torch.exp(-1j * o * inv) for o in {d, d + spacing}))
             heads.append(torch.cat((z.real, z.imag)))  # rotate-half layout
         return torch.cat(heads).float()
 
