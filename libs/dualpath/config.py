@@ -13,7 +13,7 @@ import dataclasses
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 __all__ = [
     "BusConfig", "EmulationConfig", "EngineConfig", "GatewayConfig", "KvPersistenceConfig", "ModelConfigSpec",
@@ -251,7 +251,7 @@ def from_args(cls: type[T], ns: argparse.Namespace | None = None, **overrides: A
     """
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
+    for f in dataclasses.fields(cast(Any, cls)):  # a config dataclass
         if f.name in overrides and overrides[f.name] is not None:
             values[f.name] = overrides[f.name]
             continue

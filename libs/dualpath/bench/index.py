@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import cast
 
 __all__ = ["LOAD", "format_report", "run_bench"]
 
@@ -116,7 +117,7 @@ async def _drive(url: str, namespace: str, *, clients: int, seconds: float, chai
 
 
 def run_bench(*, replicas: int = 2, clients: int = 48, seconds: float = 10.0, nats_cluster: int = 1, seed: int = 0,
-              chain_blocks: int = LOAD["chain_blocks"]) -> dict:
+              chain_blocks: int = cast(int, LOAD["chain_blocks"])) -> dict:
     """Start NATS and ``replicas`` kv-persistence processes, drive the load's mix, report rates and headroom."""
     from dualpath.cli.launcher.supervisor import Supervisor
     from dualpath.ha.natscluster import nats_servers

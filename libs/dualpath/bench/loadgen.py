@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from urllib.parse import urlsplit
+from typing import Any, cast
 
 import anyio
 import numpy as np
@@ -93,8 +94,8 @@ async def _probe_connection(url: str, period_s: float, offset_s: float) -> None:
             buf += data
             if t_first is None and b"data: {" in buf:
                 t_first = now
-        _, recv, sent = _timing(buf.split(b"server-timing:", 1)[1].split(b"\r\n", 1)[0].decode())
-        print(json.dumps([t_send, recv - t_send, t_first - sent]), flush=True)
+        _, recv, sent = cast("tuple[float, float, float]", _timing(buf.split(b"server-timing:", 1)[1].split(b"\r\n", 1)[0].decode()))
+        print(json.dumps([t_send, recv - t_send, cast(float, t_first) - sent]), flush=True)
         await asyncio.sleep(max(0.0, t_send + period_s - time.monotonic()))
 
 
@@ -222,7 +223,7 @@ def run_overhead_bench(agents: int = 1000, *, turns: int = 6, gen_tokens: int = 
         server_cpu = None if server0 is None or server1 is None else server1 - server0
     config = dict(agents=agents, turns=turns, gen_tokens=gen_tokens, server_ttft_s=ttft_s, server_tpot_s=tpot_s,
                   idle_turns=idle_turns, probe_interval_s=probe_interval_s, seed=seed)
-    result = {"method": "legs from CLOCK_MONOTONIC stamps of client and server; overhead = load generator's "
+    result: dict[str, Any] = {"method": "legs from CLOCK_MONOTONIC stamps of client and server; overhead = load generator's "
                         "added latency - a raw-socket probe's, same server, same window (see dualpath.bench.loadgen)",
               "config": config,
               "host": {"cpus": os.cpu_count(), "loadavg_before": loadavg_before, "loadavg_after": list(os.getloadavg())},

@@ -107,7 +107,7 @@ def _figures(by_turn: list[list[str]], prefill_s: dict[str, float], spans, run: 
     batch_s = sum(s.duration_ms for s in batches) / 1e3
     layer_s = sum(float(s.attributes.get("layer_trace_s", 0.0)) for s in batches)
     layer_spans = sum(int(s.attributes.get("layer_spans", 0)) for s in batches)
-    counts = defaultdict(int)
+    counts: defaultdict[str, int] = defaultdict(int)
     for s in spans:
         counts[s.name] += 1
     return {

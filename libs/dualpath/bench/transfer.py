@@ -344,6 +344,7 @@ def format_report(d: dict[str, Any]) -> str:
 
 
 def _verdicts(d: dict[str, Any]) -> list[str]:
+    out: list[str]
     res, out = d["results"], []
     if "tcp" not in res:
         return out

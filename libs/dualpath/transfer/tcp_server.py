@@ -357,7 +357,7 @@ def _resolve(
                 arr = arrays[slot] = np.frombuffer(bufs[slot], dtype=np.uint8)
             strided = np.lib.stride_tricks.as_strided(arr[offset:], shape=(count, length), strides=(stride, 1))
             if op is Op.READ:
-                views.append(memoryview(np.ascontiguousarray(strided)).cast("B"))
+                views.append(memoryview(np.ascontiguousarray(strided)).cast("B"))  # type: ignore[arg-type]  # numpy stubs: __buffer__ only on 3.12+
             else:
                 scratch = memoryview(bytearray(length * count))
                 scatters.append((strided, scratch))
