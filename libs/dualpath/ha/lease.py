@@ -26,6 +26,7 @@ import time
 
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
 
 from dualpath.telemetry.logs import get_logger
 
@@ -49,7 +50,7 @@ class LeaderLease:
         self.ttl, self.margin = ttl, margin
         self.revision = 0
         self.renewed_at = 0.0  # monotonic time of the last successful write
-        self._kv = None
+        self._kv: KeyValue | None = None
 
     async def _bucket(self, replicas: int = 3):
         if self._kv is not None:

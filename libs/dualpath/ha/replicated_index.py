@@ -83,7 +83,7 @@ class ReplicatedIndex:
         self._pending: list[tuple[list[Any], asyncio.Future[int]]] = []
         self._flushing = False
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
-        self._sub = None
+        self._sub: JetStreamContext.PushSubscription | None = None
         self._resyncing = False
         self.resyncs = 0  # snapshot reloads after a gap
 
@@ -115,6 +115,7 @@ class ReplicatedIndex:
             if attempt == 99:  # the snapshot is gone: follow what is left rather than never serve
                 log.error("index_snapshot_missing", snapshot_seq=base, first_seq=info.state.first_seq)
             await asyncio.sleep(0.1)  # purged past this snapshot: a newer one is being written
+        policy: dict[str, Any]
         if base:
             policy = {"deliver_policy": api.DeliverPolicy.BY_START_SEQUENCE, "config": api.ConsumerConfig(opt_start_seq=base + 1)}
         else:
@@ -287,7 +288,7 @@ class ReplicatedIndex:
         await self._submit(["r", model_digest, hashes])
         return present
 
-    def _victims(self, digest: int, chain: list[int], adding: int) -> list[int]:
+    def _victims(self, digest: int, chain: Sequence[int], adding: int) -> list[int]:
         if self.capacity is None:
             return []
         excess = self.index.count(digest) + adding - self.capacity
