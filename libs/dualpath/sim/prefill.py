@@ -103,7 +103,7 @@ class PrefillEngineSim:
             pe_path = req.read_side != ReadSide.DE
             own = req.hit - req.split_de  # hits in this node's buffer (PE read path; a split read's PE share)
             if first and req.hit:
-                links = (self.cnic_in,) if pe_path else (de.cnic_out, self.cnic_in)
+                links: tuple[Link, ...] = (self.cnic_in,) if pe_path else (de.cnic_out, self.cnic_in)
                 loads[links] = loads.get(links, 0.0) + (own if pe_path else req.hit) * kvb
                 if pe_path and req.split_de:  # the DE share comes over the decode GPU's CNIC
                     links = (de.cnic_out, self.cnic_in)

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import TypeVar
 
 from dualpath.sim.request import SimRequest
 from dualpath.sim.sharedlink import SharedLink
+
+T = TypeVar("T")
 
 __all__ = ["NodeStorage"]
 
@@ -109,7 +112,7 @@ class NodeStorage:
             self._pump()
 
     # -- writes --------------------------------------------------------------------------
-    def write(self, nbytes: float, on_done: Callable[[object], None], arg: object) -> None:
+    def write(self, nbytes: float, on_done: Callable[[T], None], arg: T) -> None:
         """Persist ``nbytes`` of Full Blocks through the SNIC's write direction."""
         self.bytes_written += nbytes
         self.write_link.start(nbytes, on_done, arg)
