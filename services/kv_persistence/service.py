@@ -21,6 +21,7 @@ import asyncio
 import os
 import threading
 from pathlib import Path
+from typing import cast
 
 from dualpath.bus import Bus
 from dualpath.config import (
@@ -113,7 +114,7 @@ class KvPersistence:
 
         def delete() -> int:
             with self._files:
-                return self.store.delete_many(model_digest, self.index.unindexed(model_digest, hashes))
+                return cast(BlockStore, self.store).delete_many(model_digest, self.index.unindexed(model_digest, hashes))
 
         try:
             self.deleted += await asyncio.to_thread(delete)

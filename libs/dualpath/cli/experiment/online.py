@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import sys
+from typing import Any, cast
 
 from dualpath.cli.experiment.runner import (
     TestbedSpec,
@@ -91,6 +92,7 @@ def _next_rate(points: list[dict], start: float, probes: int, tolerance: float) 
     if lo is None and hi is None:
         return start
     if lo is None:
+        assert hi is not None  # both None returned above
         return hi / 2
     if hi is None:
         return lo * 2
@@ -148,14 +150,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     spec, modes = prepared
     say = (lambda msg: print(msg, file=sys.stderr, flush=True))
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
     for mode in modes:
         points: list[dict] = []
         while (rate := _next_rate(points, ns.rate, ns.sweep_probes if ns.sweep else 1, ns.sweep_tolerance)) is not None:
             points.append(_probe(spec, mode, rate, len(points), k, say))
         passed = [p for p in points if p["passed"]]
         best = max(passed, key=lambda p: p["rate"]) if passed else (points[-1] if points else None)
-        rows[mode] = {"mode": mode, "max_aps": best["rate"] if passed and ns.sweep else None, "best": best, "probes": points}
+        rows[mode] = {"mode": mode, "max_aps": cast(dict, best)["rate"] if passed and ns.sweep else None, "best": best, "probes": points}
     b, d = rows.get("basic", {}).get("max_aps"), rows.get("dualpath", {}).get("max_aps")
     result = {"target": ns.target, "topology": ns.topology, "dataset": ns.dataset, "start_at": ns.start_at, "turns": ns.turns,
               "agents": ns.agents, "duration_s": ns.duration, "slowdown": k, "slo_ttft": ns.slo_ttft, "slo_tpot": ns.slo_tpot,
