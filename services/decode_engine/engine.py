@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 import torch
@@ -44,6 +45,9 @@ from dualpath.transfer import MemoryRegion
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+if TYPE_CHECKING:
+    from dualpath.structured.constraint import TokenConstraint
+
 __all__ = ["DecodeEngine"]
 
 log = get_logger("decode-engine")
@@ -63,7 +67,7 @@ class Running:
     decode_s: float = 0.0  # admission to last token (set when it leaves)
     span: trace.Span = trace.INVALID_SPAN  # decode.request
     unsent: list = field(default_factory=list)  # (token, logprob, top) not yet streamed (stream interval)
-    constraint: object | None = None  # the request's grammar state (structured outputs), the first token replayed
+    constraint: TokenConstraint | None = None  # the request's grammar state (structured outputs), the first token replayed
 
 
 class DecodeEngine:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 
@@ -49,7 +50,7 @@ async def load_split(task: m.PrefillTask, layout: SlotLayout, dtype: str, load: 
     """Run both shares' reads concurrently through ``load(node, request)``; raises what it raises."""
     pe_blocks = min(task.read_split[0], task.hit_blocks)
     want = min(task.read_split[0] + task.read_split[1], task.hit_blocks)
-    common = dict(request_id=task.request_id, model_digest=task.model_digest, layers=layout.layers,
+    common: dict[str, Any] = dict(request_id=task.request_id, model_digest=task.model_digest, layers=layout.layers,
                   bytes_per_token_layer=layout.bytes_per_token_layer, dtype=dtype, block_tokens=layout.block_tokens)
     pe_req = m.LoadRequest(hashes=task.block_hashes[:pe_blocks], allocate=True, total_blocks=pe_blocks, **common)
     de_req = m.LoadRequest(hashes=task.block_hashes[pe_blocks:want], first_block=pe_blocks, **common)

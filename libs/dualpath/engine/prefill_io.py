@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -147,7 +148,7 @@ class BatchLayerIO:
             self.stats.fetch_bytes += n
             if self.record:
                 self._transfers.append(("kv.fetch", layer, desc, t_ns, time.time_ns(), n))
-        past = []
+        past: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         for off, n in places:
             if not n:
                 past.append(None)
@@ -167,7 +168,7 @@ class BatchLayerIO:
         n_new = k.shape[0]
         if n_new:
             self._view(out_base, n_new).copy_(torch.stack((k, v), dim=1))  # D2H on GPU
-        by_dest: dict[tuple[str, str], tuple[RegionDescriptor, list[TransferEntry]]] = defaultdict(lambda: (None, []))
+        by_dest: dict[tuple[str, str], tuple[RegionDescriptor, list[TransferEntry]]] = defaultdict(lambda: (cast(RegionDescriptor, None), []))  # desc set before use
         new_off, in_off = out_base, in_base
         for io in self.items:
             it = io.item
