@@ -10,10 +10,16 @@ import argparse
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING, Any, cast
 
 from dualpath.cli.launcher.stack import Stack, StackConfig, StackError
 from dualpath.cli.launcher.topology import parse_topology
 from dualpath.cli.launcher.up import ensure_model
+
+if TYPE_CHECKING:
+    from openai.types import CompletionUsage
+    from openai.types.chat import ChatCompletionMessageParam
+    from openai.types.completion_usage import PromptTokensDetails
 
 __all__ = ["main"]
 
@@ -52,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client = openai.OpenAI(base_url=stack.url + "/v1", api_key="demo", max_retries=0)
         name = client.models.list().data[0].id
-        messages = [{"role": "system", "content": "You are a coding agent working in a repository."}]
+        messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": "You are a coding agent working in a repository."}]
         print(f"\n{'turn':>4} {'prompt':>7} {'cached':>7} {'hit %':>6} {'new':>5} {'path':>5} {'seconds':>8}")
         for i, text in enumerate(TURNS[:ns.turns] * (1 + ns.turns // len(TURNS)), 1):
             if i > ns.turns:
@@ -61,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             r = client.chat.completions.create(model=name, messages=messages, max_tokens=ns.max_tokens, temperature=0)
             dt = time.perf_counter() - t0
-            u = r.usage
-            cached = u.prompt_tokens_details.cached_tokens
-            info = r.model_extra.get("dualpath", {})
+            u = cast("CompletionUsage", r.usage)  # a DualPath server always reports usage and cached tokens
+            cached = cast(int, cast("PromptTokensDetails", u.prompt_tokens_details).cached_tokens)
+            info = cast("dict[str, Any]", r.model_extra).get("dualpath", {})
             print(f"{i:>4} {u.prompt_tokens:>7} {cached:>7} {100 * cached / u.prompt_tokens:>5.1f}% {u.completion_tokens:>5} "
                   f"{info.get('read_path', '?'):>5} {dt:>8.3f}", flush=True)
             messages.append({"role": "assistant", "content": r.choices[0].message.content})
