@@ -18,6 +18,7 @@ import inspect
 import json
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,11 +37,13 @@ __all__ = ["build_app"]
 
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key: the probes' route
 
-_STREAM_200 = {200: {"description": "the answer: JSON, or Server-Sent Events when stream is true", "content": {"text/event-stream": {}}}}
+_STREAM_200: dict[int | str, dict[str, Any]] = {
+    200: {"description": "the answer: JSON, or Server-Sent Events when stream is true", "content": {"text/event-stream": {}}}
+}
 
 
 def _error(
-    status: int, message: str, *, etype: str = "invalid_request_error", param: str | None = None, headers: dict[str, str] | None = None
+    status: int, message: str, *, etype: str = "invalid_request_error", param: str | None = None, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
     headers = dict(headers or {})
     if status in (429, 503):
