@@ -42,8 +42,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from urllib.parse import urlsplit
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 import anyio
 import numpy as np

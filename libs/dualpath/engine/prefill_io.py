@@ -168,7 +168,8 @@ class BatchLayerIO:
         n_new = k.shape[0]
         if n_new:
             self._view(out_base, n_new).copy_(torch.stack((k, v), dim=1))  # D2H on GPU
-        by_dest: dict[tuple[str, str], tuple[RegionDescriptor, list[TransferEntry]]] = defaultdict(lambda: (cast(RegionDescriptor, None), []))  # desc set before use
+        # The placeholder desc is replaced by the item's own before the entry is used.
+        by_dest: dict[tuple[str, str], tuple[RegionDescriptor, list[TransferEntry]]] = defaultdict(lambda: (cast(RegionDescriptor, None), []))
         new_off, in_off = out_base, in_base
         for io in self.items:
             it = io.item
