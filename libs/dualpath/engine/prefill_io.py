@@ -169,7 +169,9 @@ class BatchLayerIO:
         if n_new:
             self._view(out_base, n_new).copy_(torch.stack((k, v), dim=1))  # D2H on GPU
         # The placeholder desc is replaced by the item's own before the entry is used.
-        by_dest: dict[tuple[str, str], tuple[RegionDescriptor, list[TransferEntry]]] = defaultdict(lambda: (cast(RegionDescriptor, None), []))
+        by_dest: dict[tuple[str, str], tuple[RegionDescriptor, list[TransferEntry]]] = defaultdict(
+            lambda: (cast(RegionDescriptor, None), [])
+        )
         new_off, in_off = out_base, in_base
         for io in self.items:
             it = io.item
