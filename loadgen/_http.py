@@ -74,7 +74,7 @@ class ServerProcess:
         self._drain = drain  # reads the output until the process ends
 
     @classmethod
-    def start(cls, module: str, args: list[str], timeout_s: float = 20.0) -> "ServerProcess":
+    def start(cls, module: str, args: list[str], timeout_s: float = 20.0) -> ServerProcess:
         """Start the subprocess and wait for its ``listening on URL`` line.
 
         Raises RuntimeError (with the process's output) when no URL comes in time.
@@ -112,7 +112,7 @@ class ServerProcess:
         if self.proc.stdout is not None and (self._drain is None or not self._drain.is_alive()):
             self.proc.stdout.close()
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -32,7 +32,6 @@ from loadgen.synthetic import trace_stats
 from loadgen.trajectory import save_trajectories
 from loadgen.transports import TRANSPORTS
 
-
 __all__ = ["main", "build_parser"]
 
 EXIT_OK, EXIT_INPUT, EXIT_SERVER, EXIT_INTERRUPTED = 0, 2, 3, 130
@@ -40,15 +39,22 @@ EXIT_OK, EXIT_INPUT, EXIT_SERVER, EXIT_INTERRUPTED = 0, 2, 3, 130
 
 def build_parser(prog: str = "dualpath loadgen") -> argparse.ArgumentParser:
     """The argument parser (every option has help text)."""
-    p = argparse.ArgumentParser(prog=prog, description="Replay multi-turn agent trajectories against an "
-                                "OpenAI-compatible server and report latency, throughput and SLO attainment.")
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Replay multi-turn agent trajectories against an "
+        "OpenAI-compatible server and report latency, throughput and SLO attainment.",
+    )
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000 (with or without /v1)")
     p.add_argument("--dataset", default="32k", help="32k, 48k, 64k (synthetic, paper statistics) or a trajectory JSONL file")
     p.add_argument("--agents", type=int, help=f"number of agents (default {DEFAULT_AGENTS}, or the file's line count)")
     p.add_argument("--turns", type=int, help="cap every agent at this many turns")
-    p.add_argument("--start-at", type=float, default=0.0,
-                   help="meet every agent this fraction of the way through its turns (0.5: mid-rollout contexts), "
-                        "the earlier turns folded into its first prompt")
+    p.add_argument(
+        "--start-at",
+        type=float,
+        default=0.0,
+        help="meet every agent this fraction of the way through its turns (0.5: mid-rollout contexts), "
+        "the earlier turns folded into its first prompt",
+    )
     p.add_argument("--scale", type=float, default=1.0, help="multiply every length by this (e.g. 0.01 for a tiny CPU model)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--rate", type=float, help="online: agents arrive at this many per second (the sweep's start rate)")
@@ -72,10 +78,15 @@ def build_parser(prog: str = "dualpath loadgen") -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=TRANSPORTS, default="fast", help="HTTP client: fast (asyncio) or httpx")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a turn may take before it fails")
     p.add_argument("--max-errors", type=int, default=20, help="abort the run after this many failed turns")
-    p.add_argument("--session-header", action=argparse.BooleanOptionalAction, default=True,
-                   help="send X-Session-ID per agent (as aiperf --session-header): lets the server prefetch its next turn")
-    p.add_argument("--tool-gap", type=float, default=0.0,
-                   help="mean seconds an agent runs a tool between turns (exponential; 0 = turns back to back)")
+    p.add_argument(
+        "--session-header",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send X-Session-ID per agent (as aiperf --session-header): lets the server prefetch its next turn",
+    )
+    p.add_argument(
+        "--tool-gap", type=float, default=0.0, help="mean seconds an agent runs a tool between turns (exponential; 0 = turns back to back)"
+    )
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos/min_tokens (strict servers)")
     p.add_argument("--progress", choices=MODES, default="auto", help="live status line on stderr")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -109,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check(args)
         prompts = PromptText(args.tokenizer)
-        trajectories = load_dataset(args.dataset, agents=args.agents, seed=args.seed, turns=args.turns, scale=args.scale,
-                                    start_at=args.start_at)
+        trajectories = load_dataset(
+            args.dataset, agents=args.agents, seed=args.seed, turns=args.turns, scale=args.scale, start_at=args.start_at
+        )
         if args.save_dataset:
             save_trajectories(args.save_dataset, trajectories)
     except (InputError, OSError) as exc:
@@ -120,14 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     report = output.new_report(args, trace_stats(trajectories))
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     try:
-        endpoint = Endpoint.parse(args.url, chat=args.api == "chat", model="", api_key=api_key,
-                                  timeout_s=args.request_timeout)
+        endpoint = Endpoint.parse(args.url, chat=args.api == "chat", model="", api_key=api_key, timeout_s=args.request_timeout)
     except ValueError as exc:
         print(f"loadgen: error: {exc}", file=sys.stderr)
         return EXIT_INPUT
     try:
-        model = resolve_model(args.url, model=args.model, api_key=api_key, trust_env=args.transport == "httpx",
-                              timeout_s=min(10.0, args.request_timeout))
+        model = resolve_model(
+            args.url, model=args.model, api_key=api_key, trust_env=args.transport == "httpx", timeout_s=min(10.0, args.request_timeout)
+        )
     except ServerError as exc:
         return output.finish(report, out_dir, args, status="unreachable", message=str(exc), code=EXIT_SERVER)
     endpoint = dataclasses.replace(endpoint, model=model)
@@ -140,10 +152,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def _spec(args, endpoint, trajectories, *, rate: float | None, seed: int) -> LoadSpec:
     arrivals = arrival_times(len(trajectories), rate=rate, burstiness=args.burstiness, seed=seed)
-    return LoadSpec(endpoint=endpoint, trajectories=tuple(trajectories), arrivals=tuple(arrivals.tolist()),
-                    offline=rate is None, duration_s=args.duration, drain_s=args.drain, transport=args.transport,
-                    text_seed=seed, max_errors=args.max_errors, exact_tokens=not args.no_ignore_eos,
-                    session_header=args.session_header, tool_gap_s=args.tool_gap)
+    return LoadSpec(
+        endpoint=endpoint,
+        trajectories=tuple(trajectories),
+        arrivals=tuple(arrivals.tolist()),
+        offline=rate is None,
+        duration_s=args.duration,
+        drain_s=args.drain,
+        transport=args.transport,
+        text_seed=seed,
+        max_errors=args.max_errors,
+        exact_tokens=not args.no_ignore_eos,
+        session_header=args.session_header,
+        tool_gap_s=args.tool_gap,
+    )
 
 
 def _single(args, endpoint, trajectories, prompts, slo, report, out_dir) -> int:

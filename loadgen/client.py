@@ -50,8 +50,9 @@ class Endpoint:
     connect_timeout_s: float = 10.0
 
     @classmethod
-    def parse(cls, url: str, *, chat: bool, model: str, api_key: str | None = None,
-              timeout_s: float = 300.0, connect_timeout_s: float = 10.0) -> "Endpoint":
+    def parse(
+        cls, url: str, *, chat: bool, model: str, api_key: str | None = None, timeout_s: float = 300.0, connect_timeout_s: float = 10.0
+    ) -> Endpoint:
         """Build from a base URL (``http://host:port`` or ``.../v1``).
 
         Raises ValueError for a URL that is not http(s) or has no host.
@@ -63,9 +64,18 @@ class Endpoint:
         if not prefix.endswith("/v1"):
             prefix += "/v1"
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        return cls(url=url, scheme=parts.scheme, host=parts.hostname, port=port,
-                   path=prefix + ("/chat/completions" if chat else "/completions"), chat=chat,
-                   model=model, api_key=api_key, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+        return cls(
+            url=url,
+            scheme=parts.scheme,
+            host=parts.hostname,
+            port=port,
+            path=prefix + ("/chat/completions" if chat else "/completions"),
+            chat=chat,
+            model=model,
+            api_key=api_key,
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,8 +113,27 @@ class ResponseConsumer:
     bad JSON) on a malformed stream; the transport then calls ``fail``.
     """
 
-    __slots__ = ("t_send", "chat", "sink", "future", "status", "sse", "timing", "raw", "line",
-                 "data", "done", "pieces", "count", "t_first", "t_second", "t_last", "max_itl", "usage", "extension")
+    __slots__ = (
+        "t_send",
+        "chat",
+        "sink",
+        "future",
+        "status",
+        "sse",
+        "timing",
+        "raw",
+        "line",
+        "data",
+        "done",
+        "pieces",
+        "count",
+        "t_first",
+        "t_second",
+        "t_last",
+        "max_itl",
+        "usage",
+        "extension",
+    )
 
     def __init__(self, t_send: float, chat: bool, sink: ItlSink | None, future: asyncio.Future) -> None:
         self.t_send, self.chat, self.sink, self.future = t_send, chat, sink, future
@@ -214,14 +243,21 @@ class ResponseConsumer:
         details = usage.get("prompt_tokens_details") or {}
         t0 = self.t_send
         return TurnResult(
-            t_send=t0, e2e=now - t0, chunks=self.count, text="".join(self.pieces),
+            t_send=t0,
+            e2e=now - t0,
+            chunks=self.count,
+            text="".join(self.pieces),
             ttft=self.t_first - t0 if self.count else None,
             ttst=self.t_second - self.t_first if self.count >= 2 else None,
             tpot=(self.t_last - self.t_first) / (n - 1) if self.count >= 2 and n >= 2 else None,
             max_itl=self.max_itl if self.count >= 2 else None,
-            prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"),
-            cached_tokens=details.get("cached_tokens"), server_timing=self.timing,
-            ttft_queue=self.extension.get("ttft_queue_s"), ttft_exec=self.extension.get("ttft_exec_s"))
+            prompt_tokens=usage.get("prompt_tokens"),
+            completion_tokens=usage.get("completion_tokens"),
+            cached_tokens=details.get("cached_tokens"),
+            server_timing=self.timing,
+            ttft_queue=self.extension.get("ttft_queue_s"),
+            ttft_exec=self.extension.get("ttft_exec_s"),
+        )
 
     def _whole_json(self, now: float) -> None:
         # A server that ignored "stream": every token arrives at once.
@@ -249,8 +285,7 @@ def parse_response_head(head: bytes) -> tuple[int, dict[str, str]]:
     return int(parts[1]), headers
 
 
-def resolve_model(url: str, *, model: str | None, api_key: str | None, trust_env: bool = False,
-                  timeout_s: float = 10.0) -> str:
+def resolve_model(url: str, *, model: str | None, api_key: str | None, trust_env: bool = False, timeout_s: float = 10.0) -> str:
     """Check that the server answers, and pick the model: ``model``, else the first listed.
 
     Asks ``GET <base>/v1/models``. Raises ServerUnreachableError when nothing answers

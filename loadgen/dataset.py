@@ -20,8 +20,9 @@ __all__ = ["load_dataset", "DEFAULT_AGENTS"]
 DEFAULT_AGENTS = 500  # the paper's set size
 
 
-def load_dataset(name: str, *, agents: int | None = None, seed: int = 0, turns: int | None = None,
-                 scale: float = 1.0, start_at: float = 0.0) -> list[Trajectory]:
+def load_dataset(
+    name: str, *, agents: int | None = None, seed: int = 0, turns: int | None = None, scale: float = 1.0, start_at: float = 0.0
+) -> list[Trajectory]:
     """Trajectories for ``agents`` agents, each met ``start_at`` of the way through its turns
     (``Trajectory.from_turn``), capped to ``turns`` and scaled by ``scale``.
 
@@ -45,8 +46,7 @@ def load_dataset(name: str, *, agents: int | None = None, seed: int = 0, turns: 
         count = agents or len(recorded)
         base = [_copy(recorded[i % len(recorded)], i, i // len(recorded)) for i in range(count)]
     else:
-        raise InputError(f"--dataset must be one of {', '.join(SPECS)} or a trajectory JSONL file; "
-                         f"{name!r} is neither")
+        raise InputError(f"--dataset must be one of {', '.join(SPECS)} or a trajectory JSONL file; {name!r} is neither")
     return [t.from_turn(int(start_at * t.turns)).capped(turns).scaled(scale) for t in base]
 
 

@@ -82,10 +82,7 @@ def _phrase(status: int) -> str:
 
 def _json_response(status: int, body: object, extra: str = "") -> bytes:
     payload = json.dumps(body).encode()
-    head = (
-        f"HTTP/1.1 {status} {_phrase(status)}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(payload)}\r\n{extra}\r\n"
-    )
+    head = f"HTTP/1.1 {status} {_phrase(status)}\r\ncontent-type: application/json\r\ncontent-length: {len(payload)}\r\n{extra}\r\n"
     return head.encode() + payload
 
 
@@ -124,31 +121,22 @@ class _Completion:
         """Stamp ``sent`` now and return the Server-Timing header line."""
         sent_ns = time.monotonic_ns()
         dur_ms = (sent_ns - self.recv_ns) / 1e6
-        return (
-            f'server-timing: proc;dur={dur_ms:.6f}, recv;desc="{self.recv_ns}", '
-            f'sent;desc="{sent_ns}"\r\n'
-        )
+        return f'server-timing: proc;dur={dur_ms:.6f}, recv;desc="{self.recv_ns}", sent;desc="{sent_ns}"\r\n'
 
     def full_response(self) -> bytes:
         """The whole non-streaming JSON response."""
         text = _TOKEN * self.n
         choice = (
-            {"index": 0, "message": {"role": "assistant", "content": text}}
-            if self.chat
-            else {"index": 0, "text": text, "logprobs": None}
+            {"index": 0, "message": {"role": "assistant", "content": text}} if self.chat else {"index": 0, "text": text, "logprobs": None}
         )
         choice["finish_reason"] = "length"
         obj = "chat.completion" if self.chat else "text_completion"
-        body = {"id": "x", "object": obj, "created": 0, "model": self.model,
-                "choices": [choice], "usage": self.usage}
+        body = {"id": "x", "object": obj, "created": 0, "model": self.model, "choices": [choice], "usage": self.usage}
         return _json_response(200, body, self.timing_header())
 
     def stream_head(self) -> bytes:
         """Status line and headers of the SSE response (stamps ``sent``)."""
-        return (
-            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-            f"transfer-encoding: chunked\r\n{self.timing_header()}\r\n"
-        ).encode()
+        return (f"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n{self.timing_header()}\r\n").encode()
 
     def token_event(self) -> bytes:
         """The next token's SSE event (the last one carries finish_reason)."""
@@ -164,9 +152,16 @@ class _Completion:
         """Usage event (if asked for), ``[DONE]`` and the chunked terminator."""
         usage = b""
         if self.include_usage:
-            usage = _sse({"id": "x", "object": "chat.completion.chunk" if self.chat
-                          else "text_completion", "created": 0, "model": self.model,
-                          "choices": [], "usage": self.usage})
+            usage = _sse(
+                {
+                    "id": "x",
+                    "object": "chat.completion.chunk" if self.chat else "text_completion",
+                    "created": 0,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": self.usage,
+                }
+            )
         return usage + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
 
 
@@ -220,8 +215,8 @@ class _Protocol(asyncio.Protocol):
                 self.transport.write(_json_response(head.error, {"error": {"message": "bad request"}}))
                 self.transport.close()
                 return
-            body = bytes(self.buf[head.body_start:head.body_end])
-            del self.buf[:head.body_end]
+            body = bytes(self.buf[head.body_start : head.body_end])
+            del self.buf[: head.body_end]
             self._handle(head.method, head.path, body, recv_ns)
 
     def _handle(self, method: str, path: str, body: bytes, recv_ns: int) -> None:
@@ -283,9 +278,7 @@ async def open_server(config: InstantServerConfig) -> tuple[asyncio.Server, int]
     """
     state = _State(config)
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(
-        lambda: _Protocol(state), config.host, config.port, backlog=4096, reuse_address=True
-    )
+    server = await loop.create_server(lambda: _Protocol(state), config.host, config.port, backlog=4096, reuse_address=True)
     return server, server.sockets[0].getsockname()[1]
 
 
@@ -315,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fail-status", type=int, default=0, help="answer every completion with this HTTP status")
     p.add_argument("--model", default="instant", help="model id to serve")
     a = p.parse_args(argv)
-    config = InstantServerConfig(host=a.host, port=a.port, ttft_s=a.ttft_ms / 1000,
-                                 tpot_s=a.tpot_ms / 1000, fail_status=a.fail_status, model=a.model)
+    config = InstantServerConfig(
+        host=a.host, port=a.port, ttft_s=a.ttft_ms / 1000, tpot_s=a.tpot_ms / 1000, fail_status=a.fail_status, model=a.model
+    )
 
     async def run() -> None:
         server, port = await open_server(config)

@@ -23,9 +23,16 @@ _SECRET = {"api_key"}
 def new_report(args: argparse.Namespace, stats: TraceStats) -> dict:
     """The report skeleton: configuration (secrets left out) and dataset statistics."""
     config = {k: v for k, v in vars(args).items() if k not in _SECRET}
-    return {"version": 1, "tool": "dualpath loadgen", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "status": None, "message": None, "config": config, "dataset": asdict(stats),
-            "host": {"cpus": os.cpu_count(), "loadavg": list(os.getloadavg())}}
+    return {
+        "version": 1,
+        "tool": "dualpath loadgen",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "status": None,
+        "message": None,
+        "config": config,
+        "dataset": asdict(stats),
+        "host": {"cpus": os.cpu_count(), "loadavg": list(os.getloadavg())},
+    }
 
 
 def save_run(out_dir: Path, turns: list[TurnRecord], slo: Slo, *, plots: bool) -> None:
@@ -57,17 +64,30 @@ def probe_point(summary: dict, slo: Slo) -> dict:
     lat = summary["latency_s"]
     failed = sum(n for kind, n in summary["turns"]["errors"].items() if kind != "cancelled")
     attainment = summary["slo"]["attainment"]
-    return {"passed": failed == 0 and attainment is not None and attainment >= slo.attainment,
-            "failed_turns": failed, "attainment": attainment, "achieved_aps": summary["aps"]["achieved"],
-            "ttft_p50": lat["ttft"].get("p50"), "ttft_p99": lat["ttft"].get("p99"),
-            "tpot_p50": lat["tpot"].get("p50"), "tpot_p99": lat["tpot"].get("p99"),
-            "goodput_turns_per_s": summary["goodput"]["turns_per_s"], "summary": summary}
+    return {
+        "passed": failed == 0 and attainment is not None and attainment >= slo.attainment,
+        "failed_turns": failed,
+        "attainment": attainment,
+        "achieved_aps": summary["aps"]["achieved"],
+        "ttft_p50": lat["ttft"].get("p50"),
+        "ttft_p99": lat["ttft"].get("p99"),
+        "tpot_p50": lat["tpot"].get("p50"),
+        "tpot_p99": lat["tpot"].get("p99"),
+        "goodput_turns_per_s": summary["goodput"]["turns_per_s"],
+        "summary": summary,
+    }
 
 
 def sweep_section(plan: SweepPlan, sweep: SweepState, slo: Slo) -> dict:
     """The report's sweep section: plan, every probe, the highest passing APS."""
-    return {"plan": asdict(plan), "attainment_target": slo.attainment, "points": sweep.points,
-            "max_aps": sweep.best, "lowest_failing_aps": sweep.lowest_failure, "stopped": sweep.stopped}
+    return {
+        "plan": asdict(plan),
+        "attainment_target": slo.attainment,
+        "points": sweep.points,
+        "max_aps": sweep.best,
+        "lowest_failing_aps": sweep.lowest_failure,
+        "stopped": sweep.stopped,
+    }
 
 
 def plot_sweep_points(out_dir: Path, points: list[dict], slo: Slo) -> None:
@@ -81,8 +101,7 @@ def plot_sweep_points(out_dir: Path, points: list[dict], slo: Slo) -> None:
         print(f"loadgen: warning: could not save sweep plots in {out_dir}: {exc}", file=sys.stderr)
 
 
-def finish(report: dict, out_dir: Path, args: argparse.Namespace, *, status: str, message: str | None,
-           code: int) -> int:
+def finish(report: dict, out_dir: Path, args: argparse.Namespace, *, status: str, message: str | None, code: int) -> int:
     """Record the outcome, write report.json, print it (``--json``) or the message; returns ``code``."""
     report.update(status=status, message=message, exit_code=code)
     path = out_dir / "report.json"

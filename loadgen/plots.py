@@ -50,8 +50,7 @@ def plot_run(out_dir: str | Path, turns: list[TurnRecord], *, slo_ttft: float, s
     return paths
 
 
-def plot_sweep(out_dir: str | Path, points: list[dict], *, slo_ttft: float, slo_tpot: float,
-               target: float) -> list[Path]:
+def plot_sweep(out_dir: str | Path, points: list[dict], *, slo_ttft: float, slo_tpot: float, target: float) -> list[Path]:
     """Write sweep_latency.png and sweep_attainment.png (one marker per probe).
 
     ``points`` carry rate, ttft_p50, ttft_p99, tpot_p50, tpot_p99 and attainment.

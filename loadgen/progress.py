@@ -29,8 +29,19 @@ class Progress:
         self.last_tokens, self.last_t = 0, 0.0
         self.drawn = False
 
-    def update(self, *, elapsed: float, launched: int, total: int, active: int, finished: int,
-               turns: int, errors: int, tokens: int, recent_ttft: list[float]) -> None:
+    def update(
+        self,
+        *,
+        elapsed: float,
+        launched: int,
+        total: int,
+        active: int,
+        finished: int,
+        turns: int,
+        errors: int,
+        tokens: int,
+        recent_ttft: list[float],
+    ) -> None:
         """Draw the current state (no-op when disabled)."""
         if not self.enabled:
             return
@@ -38,8 +49,10 @@ class Progress:
         self.last_tokens, self.last_t = tokens, elapsed
         ttft = f"{np.median(recent_ttft):.3f}s" if recent_ttft else "-"
         width = len(str(total))
-        line = (f"{self.label}{elapsed:7.1f}s agents {launched:{width}d}/{total} active {active:{width}d} "
-                f"done {finished:{width}d} | turns {turns} err {errors} | {rate:8.0f} tok/s | ttft p50 {ttft}")
+        line = (
+            f"{self.label}{elapsed:7.1f}s agents {launched:{width}d}/{total} active {active:{width}d} "
+            f"done {finished:{width}d} | turns {turns} err {errors} | {rate:8.0f} tok/s | ttft p50 {ttft}"
+        )
         if self.tty:
             self.stream.write("\r\x1b[2K" + line)
             self.drawn = True

@@ -39,8 +39,9 @@ _VOWELS = "aeiou"
 def _corpus(chars: int) -> str:
     """Pseudo-words from a fixed seed: the same corpus in every process."""
     rng = random.Random(20260221)
-    vocab = sorted({"".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS)
-                            for _ in range(rng.choice((1, 2, 2, 3, 3, 4)))) for _ in range(4096)})
+    vocab = sorted(
+        {"".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(rng.choice((1, 2, 2, 3, 3, 4)))) for _ in range(4096)}
+    )
     words = np.array(vocab)[np.random.default_rng(20260221).integers(0, len(vocab), size=chars // 4)]
     text = " " + " ".join(words.tolist())
     return text[:chars] if len(text) >= chars else (text * (chars // len(text) + 1))[:chars]
@@ -101,10 +102,10 @@ class PromptText:
             chars = tokens * CHARS_PER_TOKEN
             limit = int(np.searchsorted(self.starts_at_space, len(self.corpus) - chars, side="right"))
             start = int(self.starts_at_space[rng.randrange(max(1, limit))])
-            return self.corpus[start:start + chars]
+            return self.corpus[start : start + chars]
         limit = int(np.searchsorted(self.starts_at_space, len(self.ends) - tokens, side="right"))
         first = int(self.starts_at_space[rng.randrange(max(1, limit))])
-        return self.corpus[int(self.token_starts[first]):int(self.ends[first + tokens - 1])]
+        return self.corpus[int(self.token_starts[first]) : int(self.ends[first + tokens - 1])]
 
     def _cut(self, text: str, tokens: int) -> str:
         assert self.tokenizer is not None  # only called with a tokenizer

@@ -27,8 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Slo", "TurnRecord", "AgentRecord", "LogHistogram", "distribution", "summarize",
-           "write_json", "write_turns"]
+__all__ = ["Slo", "TurnRecord", "AgentRecord", "LogHistogram", "distribution", "summarize", "write_json", "write_turns"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,8 +76,7 @@ class TurnRecord:
         if self.ok:
             return self.ttft is not None and self.ttft <= slo.ttft_s and (self.tpot is None or self.tpot <= slo.tpot_s)
         if self.error_kind == "cancelled":
-            late = (self.ttft is not None and self.ttft > slo.ttft_s) or (
-                self.ttft is None and (self.e2e or 0.0) > slo.ttft_s)
+            late = (self.ttft is not None and self.ttft > slo.ttft_s) or (self.ttft is None and (self.e2e or 0.0) > slo.ttft_s)
             return False if late else None
         return False
 
@@ -128,8 +126,14 @@ class LogHistogram:
         if n == 0:
             return {"n": 0}
         mids = np.concatenate(([0.0], self._LOW * np.exp((np.arange(1, len(self.counts)) - 0.5) * self._RATIO)))
-        return {"n": n, "p50": self.percentile(50), "p90": self.percentile(90), "p99": self.percentile(99),
-                "mean": float((mids * self.counts).sum() / n), "max": self.max}
+        return {
+            "n": n,
+            "p50": self.percentile(50),
+            "p90": self.percentile(90),
+            "p99": self.percentile(99),
+            "mean": float((mids * self.counts).sum() / n),
+            "max": self.max,
+        }
 
 
 def distribution(values: list[float]) -> dict:
@@ -138,12 +142,27 @@ def distribution(values: list[float]) -> dict:
         return {"n": 0}
     a = np.asarray(values, dtype=np.float64)
     p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return {"n": len(a), "mean": float(a.mean()), "min": float(a.min()), "p50": float(p50),
-            "p90": float(p90), "p99": float(p99), "max": float(a.max())}
+    return {
+        "n": len(a),
+        "mean": float(a.mean()),
+        "min": float(a.min()),
+        "p50": float(p50),
+        "p90": float(p90),
+        "p99": float(p99),
+        "max": float(a.max()),
+    }
 
 
-def summarize(turns: list[TurnRecord], agents: list[AgentRecord], *, slo: Slo, wall_s: float,
-              itl: LogHistogram, launched_at: list[float], offline: bool) -> dict:
+def summarize(
+    turns: list[TurnRecord],
+    agents: list[AgentRecord],
+    *,
+    slo: Slo,
+    wall_s: float,
+    itl: LogHistogram,
+    launched_at: list[float],
+    offline: bool,
+) -> dict:
     """The measured part of report.json (see the module docstring for definitions)."""
     done = [t for t in turns if t.ok]
     outcomes = [o for o in (t.slo_outcome(slo) for t in turns) if o is not None]
@@ -173,18 +192,26 @@ def summarize(turns: list[TurnRecord], agents: list[AgentRecord], *, slo: Slo, w
             "e2e": distribution([t.e2e for t in done if t.e2e is not None]),
             "agent_completion": distribution([a.ended - a.started for a in agents if a.status == "done"]),
         },
-        "throughput": {"output_tokens_per_s": out_tokens / wall, "prompt_tokens_per_s": prompt_tokens / wall,
-                       "turns_per_s": len(done) / wall, "output_tokens": out_tokens, "prompt_tokens": prompt_tokens},
-        "cache": {"prompt_tokens": prompt_tokens, "cached_tokens": cached,
-                  "hit_rate": cached / prompt_tokens if prompt_tokens else None},
-        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "attainment_target": slo.attainment,
-                "turns_counted": len(outcomes), "turns_met": sum(outcomes),
-                "attainment": sum(outcomes) / len(outcomes) if outcomes else None,
-                "ttft_attainment": _share(done, lambda t: t.ttft is not None and t.ttft <= slo.ttft_s),
-                "tpot_attainment": _share(done, lambda t: t.tpot is None or t.tpot <= slo.tpot_s),
-                "met": bool(outcomes) and sum(outcomes) / len(outcomes) >= slo.attainment},
-        "goodput": {"turns_per_s": len(good) / wall,
-                    "output_tokens_per_s": sum(t.completion_tokens or 0 for t in good) / wall},
+        "throughput": {
+            "output_tokens_per_s": out_tokens / wall,
+            "prompt_tokens_per_s": prompt_tokens / wall,
+            "turns_per_s": len(done) / wall,
+            "output_tokens": out_tokens,
+            "prompt_tokens": prompt_tokens,
+        },
+        "cache": {"prompt_tokens": prompt_tokens, "cached_tokens": cached, "hit_rate": cached / prompt_tokens if prompt_tokens else None},
+        "slo": {
+            "ttft_s": slo.ttft_s,
+            "tpot_s": slo.tpot_s,
+            "attainment_target": slo.attainment,
+            "turns_counted": len(outcomes),
+            "turns_met": sum(outcomes),
+            "attainment": sum(outcomes) / len(outcomes) if outcomes else None,
+            "ttft_attainment": _share(done, lambda t: t.ttft is not None and t.ttft <= slo.ttft_s),
+            "tpot_attainment": _share(done, lambda t: t.tpot is None or t.tpot <= slo.tpot_s),
+            "met": bool(outcomes) and sum(outcomes) / len(outcomes) >= slo.attainment,
+        },
+        "goodput": {"turns_per_s": len(good) / wall, "output_tokens_per_s": sum(t.completion_tokens or 0 for t in good) / wall},
         "aps": {"achieved": (len(launched_at) / max(launched_at)) if launched_at and max(launched_at) > 0 and not offline else None},
     }
 

@@ -108,14 +108,14 @@ class RunState:
     def summary(self, slo: Slo, offline: bool) -> dict:
         """The measured part of the report (``loadgen.report.summarize``) plus loop health."""
         wall = self.wall_s if self.wall_s is not None else self.now()
-        out = summarize(self.turns, self.agents, slo=slo, wall_s=wall, itl=self.itl,
-                        launched_at=self.launched_at, offline=offline)
+        out = summarize(self.turns, self.agents, slo=slo, wall_s=wall, itl=self.itl, launched_at=self.launched_at, offline=offline)
         out["t0_monotonic"] = self.t0  # run time 0 on this host's CLOCK_MONOTONIC
         lags = [a.started - a.scheduled for a in self.agents]
-        out["loadgen"] = {"max_active_agents": self.max_active,
-                          "launch_lag_s": {"p99": sorted(lags)[int(0.99 * (len(lags) - 1))] if lags else None,
-                                           "max": max(lags, default=None)},
-                          "loop_lag_s": self.loop_lag.summary()}
+        out["loadgen"] = {
+            "max_active_agents": self.max_active,
+            "launch_lag_s": {"p99": sorted(lags)[int(0.99 * (len(lags) - 1))] if lags else None, "max": max(lags, default=None)},
+            "loop_lag_s": self.loop_lag.summary(),
+        }
         return out
 
 
@@ -180,8 +180,7 @@ def _raise_fd_limit(agents: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
 
 
-async def _launch(spec: LoadSpec, prompts: PromptText, state: RunState, group: anyio.abc.TaskGroup,
-                  connections: list | None) -> None:
+async def _launch(spec: LoadSpec, prompts: PromptText, state: RunState, group: anyio.abc.TaskGroup, connections: list | None) -> None:
     burst = 0
     for index, (trajectory, at) in enumerate(zip(spec.trajectories, spec.arrivals)):
         if spec.duration_s is not None and at >= spec.duration_s:
@@ -217,9 +216,17 @@ async def _monitor(spec: LoadSpec, state: RunState, progress: Progress | None) -
         expected = max(expected + _MONITOR_TICK_S, time.monotonic())
         if progress is not None and state.now() >= next_draw:
             next_draw += 1.0
-            progress.update(elapsed=state.now(), launched=len(state.launched_at), total=len(spec.trajectories),
-                            active=state.active, finished=len(state.agents), turns=len(state.turns),
-                            errors=state.errors, tokens=state.tokens, recent_ttft=list(state.recent_ttft))
+            progress.update(
+                elapsed=state.now(),
+                launched=len(state.launched_at),
+                total=len(spec.trajectories),
+                active=state.active,
+                finished=len(state.agents),
+                turns=len(state.turns),
+                errors=state.errors,
+                tokens=state.tokens,
+                recent_ttft=list(state.recent_ttft),
+            )
 
 
 def _turn_texts(index: int, trajectory: Trajectory, spec: LoadSpec, prompts: PromptText):
@@ -241,8 +248,15 @@ def _turn_texts(index: int, trajectory: Trajectory, spec: LoadSpec, prompts: Pro
         yield trajectory.append_texts[turn] if trajectory.append_texts is not None else make(tokens)
 
 
-async def _agent(index: int, trajectory: Trajectory, scheduled: float, spec: LoadSpec,
-                 prompts: PromptText, state: RunState, conn: FastConnection | HttpxConnection) -> None:
+async def _agent(
+    index: int,
+    trajectory: Trajectory,
+    scheduled: float,
+    spec: LoadSpec,
+    prompts: PromptText,
+    state: RunState,
+    conn: FastConnection | HttpxConnection,
+) -> None:
     started, done, status = state.now(), 0, "done"
     conversation = Conversation(chat=spec.endpoint.chat, model=spec.endpoint.model, exact=spec.exact_tokens)
     texts = _turn_texts(index, trajectory, spec, prompts)
@@ -257,8 +271,9 @@ async def _agent(index: int, trajectory: Trajectory, scheduled: float, spec: Loa
                 await anyio.sleep(gaps.expovariate(1.0 / spec.tool_gap_s))
             conversation.add_user(text)
             expected_prompt += trajectory.append_tokens[turn]
-            base: dict[str, Any] = dict(agent=index, turn=turn, t_start=state.now(),
-                        expected_prompt_tokens=expected_prompt, expected_gen_tokens=gen)
+            base: dict[str, Any] = dict(
+                agent=index, turn=turn, t_start=state.now(), expected_prompt_tokens=expected_prompt, expected_gen_tokens=gen
+            )
             try:
                 result = await conn.request(conversation.body(gen), state.itl)
             except ServerError as exc:
@@ -281,16 +296,36 @@ async def _agent(index: int, trajectory: Trajectory, scheduled: float, spec: Loa
             done += 1
     finally:
         state.active -= 1
-        state.agents.append(AgentRecord(agent=index, scheduled=scheduled, started=started, ended=state.now(),
-                                        turns_done=done, turns_total=trajectory.turns, status=status))
+        state.agents.append(
+            AgentRecord(
+                agent=index,
+                scheduled=scheduled,
+                started=started,
+                ended=state.now(),
+                turns_done=done,
+                turns_total=trajectory.turns,
+                status=status,
+            )
+        )
         with anyio.CancelScope(shield=True):
             await conn.aclose()
 
 
 def _completed(base: dict, r: TurnResult) -> TurnRecord:
-    return TurnRecord(**base, ttft=r.ttft, ttst=r.ttst, tpot=r.tpot, e2e=r.e2e, max_itl=r.max_itl,
-                      prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens,
-                      cached_tokens=r.cached_tokens, server_timing=r.server_timing, ttft_queue=r.ttft_queue, ttft_exec=r.ttft_exec)
+    return TurnRecord(
+        **base,
+        ttft=r.ttft,
+        ttst=r.ttst,
+        tpot=r.tpot,
+        e2e=r.e2e,
+        max_itl=r.max_itl,
+        prompt_tokens=r.prompt_tokens,
+        completion_tokens=r.completion_tokens,
+        cached_tokens=r.cached_tokens,
+        server_timing=r.server_timing,
+        ttft_queue=r.ttft_queue,
+        ttft_exec=r.ttft_exec,
+    )
 
 
 def _cut_off(base: dict, consumer: ResponseConsumer | None) -> TurnRecord:

@@ -12,8 +12,8 @@ failed; a probe with failed turns stops the sweep (the server is in trouble).
 from __future__ import annotations
 
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
 
 __all__ = ["SweepPlan", "SweepState", "run_sweep", "next_rate"]
 
@@ -54,8 +54,7 @@ def next_rate(plan: SweepPlan, state: SweepState) -> float | None:
     return math.sqrt(lo * hi)
 
 
-async def run_sweep(plan: SweepPlan, state: SweepState,
-                    probe: Callable[[float, int], Awaitable[dict]]) -> SweepState:
+async def run_sweep(plan: SweepPlan, state: SweepState, probe: Callable[[float, int], Awaitable[dict]]) -> SweepState:
     """Run the search; ``probe(rate, index)`` runs one online load and returns a point.
 
     A point is a dict with at least ``passed`` (bool) and ``failed_turns`` (int). Raises

@@ -70,22 +70,22 @@ class SyntheticSpec:
 
 
 PAPER_STATS = {
-    "32k": TraceStats(agents=500, max_len=32768, avg_turns=60, avg_append=608, avg_gen=148,
-                      avg_total=28639, avg_context=17183),
-    "48k": TraceStats(agents=500, max_len=49152, avg_turns=106, avg_append=474, avg_gen=172,
-                      avg_total=42607, avg_context=25120),
-    "64k": TraceStats(agents=500, max_len=65536, avg_turns=157, avg_append=429, avg_gen=176,
-                      avg_total=55958, avg_context=32721),
+    "32k": TraceStats(agents=500, max_len=32768, avg_turns=60, avg_append=608, avg_gen=148, avg_total=28639, avg_context=17183),
+    "48k": TraceStats(agents=500, max_len=49152, avg_turns=106, avg_append=474, avg_gen=172, avg_total=42607, avg_context=25120),
+    "64k": TraceStats(agents=500, max_len=65536, avg_turns=157, avg_append=429, avg_gen=176, avg_total=55958, avg_context=32721),
 }
 
 # Output of calibrate(name, PAPER_STATS[name]) with its defaults.
 SPECS = {
-    "32k": SyntheticSpec(name="32k", max_len=32768, system_mean=5324.4, turns_mean=60.038,
-                         turns_sigma=0.81266, fill_alpha=5.6628, gen_fraction=0.195767),
-    "48k": SyntheticSpec(name="48k", max_len=49152, system_mean=7244.4, turns_mean=106.058,
-                         turns_sigma=0.81514, fill_alpha=5.3777, gen_fraction=0.266254),
-    "64k": SyntheticSpec(name="64k", max_len=65536, system_mean=9092.8, turns_mean=157.101,
-                         turns_sigma=0.83932, fill_alpha=4.8926, gen_fraction=0.290909),
+    "32k": SyntheticSpec(
+        name="32k", max_len=32768, system_mean=5324.4, turns_mean=60.038, turns_sigma=0.81266, fill_alpha=5.6628, gen_fraction=0.195767
+    ),
+    "48k": SyntheticSpec(
+        name="48k", max_len=49152, system_mean=7244.4, turns_mean=106.058, turns_sigma=0.81514, fill_alpha=5.3777, gen_fraction=0.266254
+    ),
+    "64k": SyntheticSpec(
+        name="64k", max_len=65536, system_mean=9092.8, turns_mean=157.101, turns_sigma=0.83932, fill_alpha=4.8926, gen_fraction=0.290909
+    ),
 }
 
 _NORMAL = NormalDist()
@@ -121,8 +121,7 @@ def generate(spec: SyntheticSpec, agents: int, seed: int = 0) -> list[Trajectory
     if agents < 1:
         raise ValueError(f"agents must be >= 1, got {agents}")
     rng = np.random.default_rng(seed)
-    systems = np.minimum(np.round(_lognormal(rng, agents, spec.system_mean, spec.system_sigma)),
-                         spec.max_len // 2).astype(np.int64)
+    systems = np.minimum(np.round(_lognormal(rng, agents, spec.system_mean, spec.system_sigma)), spec.max_len // 2).astype(np.int64)
     turns = np.maximum(1, np.round(_lognormal(rng, agents, spec.turns_mean, spec.turns_sigma))).astype(np.int64)
     fills = _strata(rng, agents) ** (1.0 / spec.fill_alpha)  # inverse CDF of Beta(alpha, 1)
     out = []
@@ -132,8 +131,14 @@ def generate(spec: SyntheticSpec, agents: int, seed: int = 0) -> list[Trajectory
         append_total = min(max(round((1 - spec.gen_fraction) * grow), n), grow - n)
         appends = _split(rng, append_total, n, spec.append_kappa)
         gens = _split(rng, grow - append_total, n, spec.gen_kappa)
-        out.append(Trajectory(id=f"{spec.name}-{seed}-{j}", system_tokens=int(systems[j]),
-                              append_tokens=tuple(appends.tolist()), gen_tokens=tuple(gens.tolist())))
+        out.append(
+            Trajectory(
+                id=f"{spec.name}-{seed}-{j}",
+                system_tokens=int(systems[j]),
+                append_tokens=tuple(appends.tolist()),
+                gen_tokens=tuple(gens.tolist()),
+            )
+        )
     return out
 
 
@@ -146,16 +151,22 @@ def trace_stats(trajectories: list[Trajectory]) -> TraceStats:
         raise ValueError("no trajectories")
     rows = []
     for t in trajectories:
-        rows.append((t.turns, sum(t.append_tokens) / t.turns, sum(t.gen_tokens) / t.turns,
-                     t.total_tokens, sum(t.prompt_lengths()) / t.turns))
+        rows.append(
+            (t.turns, sum(t.append_tokens) / t.turns, sum(t.gen_tokens) / t.turns, t.total_tokens, sum(t.prompt_lengths()) / t.turns)
+        )
     m = np.array(rows, dtype=np.float64).mean(axis=0)
-    return TraceStats(agents=len(trajectories), max_len=max(t.total_tokens for t in trajectories),
-                      avg_turns=float(m[0]), avg_append=float(m[1]), avg_gen=float(m[2]),
-                      avg_total=float(m[3]), avg_context=float(m[4]))
+    return TraceStats(
+        agents=len(trajectories),
+        max_len=max(t.total_tokens for t in trajectories),
+        avg_turns=float(m[0]),
+        avg_append=float(m[1]),
+        avg_gen=float(m[2]),
+        avg_total=float(m[3]),
+        avg_context=float(m[4]),
+    )
 
 
-def calibrate(name: str, target: TraceStats, *, agents: int = 2000, seed: int = 12345,
-              iterations: int = 12) -> SyntheticSpec:
+def calibrate(name: str, target: TraceStats, *, agents: int = 2000, seed: int = 12345, iterations: int = 12) -> SyntheticSpec:
     """Fit a spec whose generated statistics match ``target`` (max_len is taken as is).
 
     Fixed-point iteration on common random numbers; each update moves the parameter that
@@ -165,9 +176,15 @@ def calibrate(name: str, target: TraceStats, *, agents: int = 2000, seed: int = 
     t = target
     if min(t.avg_turns, t.avg_append, t.avg_gen, t.avg_context) <= 0 or not 0 < t.avg_total < t.max_len:
         raise ValueError(f"target statistics out of range: {t}")
-    spec = SyntheticSpec(name=name, max_len=t.max_len, system_mean=0.2 * t.avg_total,
-                         turns_mean=t.avg_turns, turns_sigma=0.8, fill_alpha=6.0,
-                         gen_fraction=t.avg_gen / (t.avg_gen + t.avg_append))
+    spec = SyntheticSpec(
+        name=name,
+        max_len=t.max_len,
+        system_mean=0.2 * t.avg_total,
+        turns_mean=t.avg_turns,
+        turns_sigma=0.8,
+        fill_alpha=6.0,
+        gen_fraction=t.avg_gen / (t.avg_gen + t.avg_append),
+    )
     for _ in range(iterations):
         got = trace_stats(generate(spec, agents, seed))
         fill = spec.fill_alpha / (spec.fill_alpha + 1) * t.avg_total / got.avg_total
@@ -179,8 +196,7 @@ def calibrate(name: str, target: TraceStats, *, agents: int = 2000, seed: int = 
             turns_mean=spec.turns_mean * t.avg_turns / got.avg_turns,
             turns_sigma=math.sqrt(max(0.01, spec.turns_sigma**2 + math.log(size_ratio))),
             gen_fraction=min(0.95, spec.gen_fraction * (t.avg_gen / (t.avg_gen + t.avg_append)) / got_share),
-            system_mean=max(1.0, spec.system_mean + 2 * (t.avg_context - got.avg_context)
-                            - (t.avg_total - got.avg_total)),
+            system_mean=max(1.0, spec.system_mean + 2 * (t.avg_context - got.avg_context) - (t.avg_total - got.avg_total)),
             fill_alpha=fill / (1 - fill),
         )
     return spec

@@ -18,9 +18,10 @@ the line and field.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, NoReturn
+from typing import Any, NoReturn
 
 from loadgen.errors import TrajectoryFormatError
 
@@ -63,7 +64,7 @@ class Trajectory:
             ctx += g
         return out
 
-    def from_turn(self, k: int) -> "Trajectory":
+    def from_turn(self, k: int) -> Trajectory:
         """The agent as met mid-rollout: turns ``k`` onwards, the first ``k`` turns' appends and
         generations folded into the system prompt (one long synthetic first round, as the paper
         gives extra agents). At least the last turn is kept. Recorded text keeps the appends'
@@ -72,8 +73,11 @@ class Trajectory:
         k = max(0, min(k, self.turns - 1))
         if k == 0:
             return self
-        rest: dict[str, Any] = {"append_tokens": self.append_tokens[k:], "gen_tokens": self.gen_tokens[k:],
-                "append_texts": None if self.append_texts is None else self.append_texts[k:]}
+        rest: dict[str, Any] = {
+            "append_tokens": self.append_tokens[k:],
+            "gen_tokens": self.gen_tokens[k:],
+            "append_texts": None if self.append_texts is None else self.append_texts[k:],
+        }
         if self.system_text is None or self.append_texts is None:
             # A length-only system prompt (or appends) absorbs the lengths; any system text is
             # kept and the folded turns are added to its length as generated filler.
@@ -84,15 +88,14 @@ class Trajectory:
         text = self.system_text + "".join(self.append_texts[:k])
         return replace(self, system_text=text, system_tokens=_estimate_tokens(text), **rest)
 
-    def capped(self, turns: int | None) -> "Trajectory":
+    def capped(self, turns: int | None) -> Trajectory:
         """The first ``turns`` turns (all when None)."""
         if turns is None or turns >= self.turns:
             return self
         texts = None if self.append_texts is None else self.append_texts[:turns]
-        return replace(self, append_tokens=self.append_tokens[:turns],
-                       gen_tokens=self.gen_tokens[:turns], append_texts=texts)
+        return replace(self, append_tokens=self.append_tokens[:turns], gen_tokens=self.gen_tokens[:turns], append_texts=texts)
 
-    def scaled(self, factor: float) -> "Trajectory":
+    def scaled(self, factor: float) -> Trajectory:
         """Every length multiplied by ``factor`` (rounded; gens and appends stay ≥ 1).
 
         Texts, when present, are cut to the same fraction of their characters.
@@ -104,11 +107,15 @@ class Trajectory:
             return max(1, round(n * factor))
 
         sys_text = None if self.system_text is None else self.system_text[: round(len(self.system_text) * factor)]
-        texts = None if self.append_texts is None else tuple(
-            t[: max(1, round(len(t) * factor))] for t in self.append_texts)
-        return replace(self, system_tokens=round(self.system_tokens * factor), system_text=sys_text,
-                       append_tokens=tuple(s(a) for a in self.append_tokens),
-                       gen_tokens=tuple(s(g) for g in self.gen_tokens), append_texts=texts)
+        texts = None if self.append_texts is None else tuple(t[: max(1, round(len(t) * factor))] for t in self.append_texts)
+        return replace(
+            self,
+            system_tokens=round(self.system_tokens * factor),
+            system_text=sys_text,
+            append_tokens=tuple(s(a) for a in self.append_tokens),
+            gen_tokens=tuple(s(g) for g in self.gen_tokens),
+            append_texts=texts,
+        )
 
     def to_json(self) -> dict:
         """The JSONL object for this agent."""
@@ -188,8 +195,9 @@ def parse_trajectory(obj: object, *, path: str = "<input>", line: int = 1) -> Tr
     ident = obj.get("id", f"line-{line}")
     if not isinstance(ident, (str, int)) or isinstance(ident, bool):
         fail("id", "must be a string")
-    return Trajectory(id=str(ident), system_tokens=system_tokens, append_tokens=appends,
-                      gen_tokens=gens, system_text=system_text, append_texts=texts)
+    return Trajectory(
+        id=str(ident), system_tokens=system_tokens, append_tokens=appends, gen_tokens=gens, system_text=system_text, append_texts=texts
+    )
 
 
 def load_trajectories(path: str | Path) -> list[Trajectory]:

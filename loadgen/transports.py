@@ -35,8 +35,7 @@ def _hostport(ep: Endpoint) -> str:
 
 
 def _headers(ep: Endpoint) -> dict[str, str]:
-    headers = {"host": _hostport(ep), "content-type": "application/json",
-               "accept": "text/event-stream", "accept-encoding": "identity"}
+    headers = {"host": _hostport(ep), "content-type": "application/json", "accept": "text/event-stream", "accept-encoding": "identity"}
     if ep.api_key:
         headers["authorization"] = f"Bearer {ep.api_key}"
     return headers
@@ -86,7 +85,7 @@ class _H1Protocol(asyncio.Protocol):
         start = end + 2
         if size == 0 or len(data) != start + size + 2 or not data.endswith(b"\r\n"):
             return False
-        cast(ResponseConsumer, self.consumer).on_body(data[start:start + size], now)
+        cast(ResponseConsumer, self.consumer).on_body(data[start : start + size], now)
         return True
 
     def _advance(self, now: float) -> None:
@@ -108,7 +107,7 @@ class _H1Protocol(asyncio.Protocol):
                     take = min(self.left, len(buf) - pos)
                     if take <= 0:
                         return
-                    self.consumer.on_body(bytes(buf[pos:pos + take]), now)
+                    self.consumer.on_body(bytes(buf[pos : pos + take]), now)
                     pos += take
                     self.left -= take
                     if self.left == 0:
@@ -156,7 +155,7 @@ class _H1Protocol(asyncio.Protocol):
             start = end + 2
             if size == 0 or len(buf) < start + size + 2:
                 break
-            pieces.append(buf[start:start + size])
+            pieces.append(buf[start : start + size])
             pos = start + size + 2
         if pieces:
             cast(ResponseConsumer, self.consumer).on_body(b"".join(pieces), now)
@@ -224,10 +223,10 @@ class FastConnection:
         tls = _ssl_context() if ep.scheme == "https" else None
         try:
             _, protocol = await asyncio.wait_for(
-                loop.create_connection(lambda: _H1Protocol(ep.url), ep.host, ep.port, ssl=tls,
-                                       server_hostname=ep.host if tls else None),
-                ep.connect_timeout_s)
-        except (OSError, asyncio.TimeoutError) as exc:
+                loop.create_connection(lambda: _H1Protocol(ep.url), ep.host, ep.port, ssl=tls, server_hostname=ep.host if tls else None),
+                ep.connect_timeout_s,
+            )
+        except (TimeoutError, OSError) as exc:
             raise ServerUnreachableError(ep.url, f"cannot connect to {ep.host}:{ep.port}: {exc or 'timed out'}") from None
         return protocol
 
@@ -299,8 +298,9 @@ class HttpxConnection:
 
         self.ep, self.httpx = endpoint, httpx
         timeout = httpx.Timeout(endpoint.timeout_s, connect=endpoint.connect_timeout_s)
-        self.client = httpx.AsyncClient(verify=_ssl_context(), timeout=timeout,
-                                        limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+        self.client = httpx.AsyncClient(
+            verify=_ssl_context(), timeout=timeout, limits=httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        )
         self.url = f"{endpoint.scheme}://{_hostport(endpoint)}{endpoint.path}"
         self.headers = {k: v for k, v in {**_headers(endpoint), **(headers or {})}.items() if k != "host"}
         self.current: ResponseConsumer | None = None  # the latest request (partial if cut off)

@@ -38,6 +38,13 @@ def start_stack(model: Path, storage: Path, run_dir: Path, *, topology: str = "1
     from dualpath.cli.launcher.stack import Stack, StackConfig
     from dualpath.cli.launcher.topology import parse_topology
 
-    cfg = StackConfig(model=str(model), topology=parse_topology(topology, engines_per_node), storage=str(storage),
-                      run_dir=str(run_dir), port=free_port(), buffer_mb=kw.pop("buffer_mb", 64), **kw)
+    cfg = StackConfig(
+        model=str(model),
+        topology=parse_topology(topology, engines_per_node),
+        storage=str(storage),
+        run_dir=str(run_dir),
+        port=free_port(),
+        buffer_mb=kw.pop("buffer_mb", 64),
+        **kw,
+    )
     return Stack(cfg).start(timeout=float(os.environ.get("DUALPATH_TEST_READY_TIMEOUT", "120")))

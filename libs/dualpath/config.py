@@ -16,8 +16,18 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 __all__ = [
-    "BusConfig", "EmulationConfig", "EngineConfig", "GatewayConfig", "KvPersistenceConfig", "ModelConfigSpec",
-    "NodeConfig", "SchedulerConfig", "add_arguments", "default_of", "env_vars", "from_args",
+    "BusConfig",
+    "EmulationConfig",
+    "EngineConfig",
+    "GatewayConfig",
+    "KvPersistenceConfig",
+    "ModelConfigSpec",
+    "NodeConfig",
+    "SchedulerConfig",
+    "add_arguments",
+    "default_of",
+    "env_vars",
+    "from_args",
 ]
 
 T = TypeVar("T")
@@ -36,8 +46,7 @@ class BusConfig:
     nats_tls_ca: str = opt("", "CA bundle to verify the NATS server's TLS certificate; empty = no TLS", "DUALPATH_NATS_TLS_CA")
     nats_tls_cert: str = opt("", "client certificate for NATS mutual TLS", "DUALPATH_NATS_TLS_CERT")
     nats_tls_key: str = opt("", "client key for NATS mutual TLS", "DUALPATH_NATS_TLS_KEY")
-    metrics_port: int = opt(0, "serve Prometheus metrics on this port, all interfaces (0 = no metrics endpoint)",
-                            "DUALPATH_METRICS_PORT")
+    metrics_port: int = opt(0, "serve Prometheus metrics on this port, all interfaces (0 = no metrics endpoint)", "DUALPATH_METRICS_PORT")
 
     def urls(self) -> list[str]:
         return [u.strip() for u in self.nats_url.split(",") if u.strip()]
@@ -62,7 +71,9 @@ class ModelConfigSpec:
     model: str = opt("", "model checkpoint directory (Hugging Face layout)", "DUALPATH_MODEL")
     model_name: str = opt("", "name served in the API (default: the directory name)", "DUALPATH_MODEL_NAME")
     device: str = opt("cpu", "torch device for engines: cpu, cuda, cuda:N", "DUALPATH_DEVICE")
-    dtype: str = opt("", "KV/compute dtype: float32, bfloat16, float16 (default: float32 on CPU, checkpoint dtype on GPU)", "DUALPATH_DTYPE")
+    dtype: str = opt(
+        "", "KV/compute dtype: float32, bfloat16, float16 (default: float32 on CPU, checkpoint dtype on GPU)", "DUALPATH_DTYPE"
+    )
     block_tokens: int = opt(64, "tokens per KV block (hash-chain granularity)", "DUALPATH_BLOCK_TOKENS")
 
 
@@ -70,33 +81,42 @@ class ModelConfigSpec:
 class NodeConfig:
     node_id: str = opt("node0", "this node's id (subject-safe: letters, digits, _ and -)", "DUALPATH_NODE_ID")
     storage: str = opt("./.dualpath/storage", "storage root holding Full Block files (local dir or a shared mount)", "DUALPATH_STORAGE")
-    storage_fsync: bool = opt(True, "fsync each block file and its directory before the block is indexed (false: leave "
-                                    "durability to the storage system; the testbed, whose SNIC models the write time)",
-                              "DUALPATH_STORAGE_FSYNC")
+    storage_fsync: bool = opt(
+        True,
+        "fsync each block file and its directory before the block is indexed (false: leave "
+        "durability to the storage system; the testbed, whose SNIC models the write time)",
+        "DUALPATH_STORAGE_FSYNC",
+    )
     buffer_mb: int = opt(1024, "node DRAM buffer size in MiB (PE buffer on prefill nodes, DE buffer on decode nodes)", "DUALPATH_BUFFER_MB")
     transport: str = opt("tcp", "data-plane transport between nodes: tcp or verbs", "DUALPATH_TRANSPORT")
     data_host: str = opt("127.0.0.1", "address the data-plane endpoint listens on and advertises", "DUALPATH_DATA_HOST")
     report_interval: float = opt(0.2, "seconds between state reports to the scheduler", "DUALPATH_REPORT_INTERVAL")
-    prefetch_mb: int = opt(0, "agent-aware prefetch cache per node, MiB (0: off; a hint cache outside the buffer)",
-                           "DUALPATH_PREFETCH_MB")
+    prefetch_mb: int = opt(0, "agent-aware prefetch cache per node, MiB (0: off; a hint cache outside the buffer)", "DUALPATH_PREFETCH_MB")
     prefetch_ttl_s: float = opt(60.0, "seconds a prefetched block is kept for the session's next turn", "DUALPATH_PREFETCH_TTL")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     engine_id: str = opt("engine0", "this engine's id (one engine per GPU)", "DUALPATH_ENGINE_ID")
-    compute_quota_ms: float = opt(300.0, "prefill: compute quota per batch (paper §6.2): requests are packed FIFO while the "
-                                         "predicted batch time stays within it, the one that would exceed it cut to a "
-                                         "block-aligned chunk", "DUALPATH_COMPUTE_QUOTA_MS")
+    compute_quota_ms: float = opt(
+        300.0,
+        "prefill: compute quota per batch (paper §6.2): requests are packed FIFO while the "
+        "predicted batch time stays within it, the one that would exceed it cut to a "
+        "block-aligned chunk",
+        "DUALPATH_COMPUTE_QUOTA_MS",
+    )
     kv_capacity_tokens: int = opt(65536, "decode: tokens of KV the engine may hold (its 'HBM')", "DUALPATH_KV_CAPACITY_TOKENS")
     max_running: int = opt(64, "decode: most requests decoded together", "DUALPATH_MAX_RUNNING")
     torch_threads: int = opt(1, "CPU threads for torch in this engine (several engines share a host's cores)", "DUALPATH_TORCH_THREADS")
-    stream_interval: int = opt(1, "decode: tokens per streamed event (like vLLM's --stream-interval; >1 saves CPU)",
-                               "DUALPATH_STREAM_INTERVAL")
-    layerwise: bool = opt(True, "prefill: bring each layer's cached KV in just before the layer, overlapped with compute "
-                                "(false: load every layer before computing and send the KV after, the ablation's baseline)",
-                          "DUALPATH_LAYERWISE")
-
+    stream_interval: int = opt(
+        1, "decode: tokens per streamed event (like vLLM's --stream-interval; >1 saves CPU)", "DUALPATH_STREAM_INTERVAL"
+    )
+    layerwise: bool = opt(
+        True,
+        "prefill: bring each layer's cached KV in just before the layer, overlapped with compute "
+        "(false: load every layer before computing and send the KV after, the ablation's baseline)",
+        "DUALPATH_LAYERWISE",
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,20 +124,37 @@ class EmulationConfig:
     compute: str = opt("torch", "compute backend: torch (real model) or modeled (cost-model time, no math)", "DUALPATH_COMPUTE")
     target: str = opt("ds27b", "modeled target model: ds27b, ds660b, qwen32b, dsv3", "DUALPATH_TARGET")
     gpu: str = opt("h800", "modeled GPU: h800, h100", "DUALPATH_GPU")
-    scale: float = opt(1000.0, "testbed scale factor: bytes and bandwidths are divided by it (times preserved); "
-                               "the launchers pass 1 with a real model (compute torch)", "DUALPATH_SCALE")
+    scale: float = opt(
+        1000.0,
+        "testbed scale factor: bytes and bandwidths are divided by it (times preserved); "
+        "the launchers pass 1 with a real model (compute torch)",
+        "DUALPATH_SCALE",
+    )
     gpus_per_node: int = opt(8, "emulated GPUs per node (the SNIC is shared by them)", "DUALPATH_GPUS_PER_NODE")
-    engines_per_node: int = opt(0, "engine processes per node (0 = gpus per node); the SNIC shrinks in proportion", "DUALPATH_ENGINES_PER_NODE")
+    engines_per_node: int = opt(
+        0, "engine processes per node (0 = gpus per node); the SNIC shrinks in proportion", "DUALPATH_ENGINES_PER_NODE"
+    )
     snic_gbps: float = opt(0.0, "emulated storage NIC per node, Gbit/s before scaling (0 = not emulated)", "DUALPATH_SNIC_GBPS")
     cnic_gbps: float = opt(0.0, "emulated compute NIC per GPU, Gbit/s before scaling (0 = not emulated)", "DUALPATH_CNIC_GBPS")
     oracle: bool = opt(False, "oracle mode: no storage reads and no KV transfers (hits are free)", "DUALPATH_ORACLE")
-    slowdown: float = opt(1.0, "testbed slow motion: modeled times x this and NIC rates / this, so the host's own "
-                               "overhead shrinks in proportion (reported times are divided back)", "DUALPATH_SLOWDOWN")
-    model_traffic: str = opt("auto", "modeled expert-parallel all-to-all of MoE targets on the emulated CNIC (MODEL class): "
-                                     "auto (the share crossing nodes; none when EP fits one node), on (every remote EP "
-                                     "rank through the CNIC), off", "DUALPATH_MODEL_TRAFFIC")
-    nic_classes: int = opt(2, "traffic classes of the emulated CNICs: 2 (model traffic first, KV low priority) or 1 "
-                              "(one FIFO queue for both: no isolation)", "DUALPATH_NIC_CLASSES")
+    slowdown: float = opt(
+        1.0,
+        "testbed slow motion: modeled times x this and NIC rates / this, so the host's own "
+        "overhead shrinks in proportion (reported times are divided back)",
+        "DUALPATH_SLOWDOWN",
+    )
+    model_traffic: str = opt(
+        "auto",
+        "modeled expert-parallel all-to-all of MoE targets on the emulated CNIC (MODEL class): "
+        "auto (the share crossing nodes; none when EP fits one node), on (every remote EP "
+        "rank through the CNIC), off",
+        "DUALPATH_MODEL_TRAFFIC",
+    )
+    nic_classes: int = opt(
+        2,
+        "traffic classes of the emulated CNICs: 2 (model traffic first, KV low priority) or 1 (one FIFO queue for both: no isolation)",
+        "DUALPATH_NIC_CLASSES",
+    )
 
     @property
     def modeled(self) -> bool:
@@ -138,8 +175,13 @@ class EmulationConfig:
         """The ``HardwareProfile`` these settings describe (NIC figures 400 Gbit/s when unset)."""
         from dualpath.testbed.profile import HardwareProfile
 
-        return HardwareProfile(gpus_per_node=self.gpus_per_node, cnic_gbps=self.cnic_gbps or 400.0,
-                               snic_gbps=self.snic_gbps or 400.0, scale=self.byte_scale(), slowdown=self.slowdown)
+        return HardwareProfile(
+            gpus_per_node=self.gpus_per_node,
+            cnic_gbps=self.cnic_gbps or 400.0,
+            snic_gbps=self.snic_gbps or 400.0,
+            scale=self.byte_scale(),
+            slowdown=self.slowdown,
+        )
 
     def engines(self) -> int:
         return self.engines_per_node or self.gpus_per_node
@@ -154,8 +196,9 @@ class EmulationConfig:
         if self.snic_gbps < 0 or self.cnic_gbps < 0:
             raise ValueError(f"NIC rates must not be negative (snic {self.snic_gbps:g}, cnic {self.cnic_gbps:g} Gbit/s)")
         if self.model_traffic not in ("auto", "on", "off") or self.nic_classes not in (1, 2):
-            raise ValueError(f"model_traffic must be auto, on or off and nic_classes 1 or 2 (got {self.model_traffic!r}, "
-                             f"{self.nic_classes})")
+            raise ValueError(
+                f"model_traffic must be auto, on or off and nic_classes 1 or 2 (got {self.model_traffic!r}, {self.nic_classes})"
+            )
         if self.modeled:
             from dualpath.cost import cost_model
 
@@ -167,8 +210,9 @@ class EmulationConfig:
 class SchedulerConfig:
     policy: str = opt("dualpath", "scheduling policy: dualpath, round_robin, least_tokens", "DUALPATH_POLICY")
     read_path: str = opt("auto", "which side reads hit KV: auto (scheduler decides), pe, de, split (both)", "DUALPATH_READ_PATH")
-    prefetch: bool = opt(False, "agent-aware prefetch: when a session's turn ends, hint its blocks to its prefill node",
-                         "DUALPATH_PREFETCH")
+    prefetch: bool = opt(
+        False, "agent-aware prefetch: when a session's turn ends, hint its blocks to its prefill node", "DUALPATH_PREFETCH"
+    )
     engine_timeout: float = opt(3.0, "seconds without a report after which an engine is considered dead", "DUALPATH_ENGINE_TIMEOUT")
     max_queue: int = opt(10000, "most requests waiting in the scheduler; more are refused with 429", "DUALPATH_MAX_QUEUE")
     max_attempts: int = opt(3, "dispatch attempts per request before it fails", "DUALPATH_MAX_ATTEMPTS")
@@ -178,8 +222,12 @@ class SchedulerConfig:
 class KvPersistenceConfig:
     index_path: str = opt("", "trie index log file (default: <storage>/index.log)", "DUALPATH_INDEX_PATH")
     capacity_blocks: int = opt(0, "most blocks indexed before LRU eviction of leaves (0 = unbounded)", "DUALPATH_CAPACITY_BLOCKS")
-    replication: str = opt("none", "none: one replica, index in a local log; jetstream: replicas share an index replicated "
-                                   "through a NATS JetStream stream (survives the loss of any one replica)", "DUALPATH_INDEX_REPLICATION")
+    replication: str = opt(
+        "none",
+        "none: one replica, index in a local log; jetstream: replicas share an index replicated "
+        "through a NATS JetStream stream (survives the loss of any one replica)",
+        "DUALPATH_INDEX_REPLICATION",
+    )
     replica_id: int = opt(0, "this replica's number (logs and metrics only)", "DUALPATH_REPLICA_ID")
     stream_replicas: int = opt(3, "copies of the index stream JetStream keeps (fewer on a smaller cluster)", "DUALPATH_STREAM_REPLICAS")
 
@@ -193,8 +241,9 @@ class GatewayConfig:
     request_timeout: float = opt(600.0, "seconds before an unfinished request fails with 504", "DUALPATH_REQUEST_TIMEOUT")
     max_prompt_tokens: int = opt(0, "refuse longer prompts (0 = the model's context length)", "DUALPATH_MAX_PROMPT_TOKENS")
     prefix_cache: bool = opt(True, "reuse persisted KV blocks (false: every prompt is a full recompute)", "DUALPATH_PREFIX_CACHE")
-    tool_parser: str = opt("auto", "tool-call format of the model's output: auto (from the chat template), hermes, llama3_json",
-                           "DUALPATH_TOOL_PARSER")
+    tool_parser: str = opt(
+        "auto", "tool-call format of the model's output: auto (from the chat template), hermes, llama3_json", "DUALPATH_TOOL_PARSER"
+    )
 
 
 def parse_bool(text: str) -> bool:

@@ -34,8 +34,6 @@ from dualpath.telemetry.tracing import configure_tracing, shutdown_tracing
 __all__ = ["ServiceMain", "periodic", "run_service", "start_logged", "wait_any"]
 
 ServiceMain = Callable[[Bus, asyncio.Event, TaskGroup], Awaitable[None]] | Callable[[Bus, asyncio.Event], Awaitable[None]]
-if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport there
-    from exceptiongroup import BaseExceptionGroup
 
 _GRACE_S = 10.0  # seconds the service's own tasks (persists, final events) get to end after ``main`` returned
 

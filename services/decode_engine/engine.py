@@ -27,23 +27,24 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 from anyio.abc import TaskGroup
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
 from dualpath.bus import Bus
 from dualpath.config import EngineConfig
 from dualpath.core.batch_errors import BatcherError
 from dualpath.core.decode_batcher import CANCELLED, DecodeBatcher, DecodeStep
 from dualpath.engine.common import EngineSetup, read_path_name
 from dualpath.engine.decode import DecodeSequence, KvMemory, decode_step
-from dualpath.runtime import start_logged, wait_any
 from dualpath.kv import block_hashes
 from dualpath.model.sampling import SamplingParams, grammar_constraint, sample
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.protocol.timeouts import TIMEOUTS
+from dualpath.runtime import start_logged, wait_any
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.tracing import context_from, get_tracer
 from dualpath.transfer import MemoryRegion
-from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
 
 if TYPE_CHECKING:
     from dualpath.structured.constraint import TokenConstraint
@@ -75,10 +76,18 @@ class DecodeEngine:
         self.bus, self.subjects, self.cfg, self.node_id, self.setup = bus, subjects, cfg, node_id, setup
         self.tasks = tasks  # the service's task group: H2D copies, persists and final events run there
         d = setup.decoder
-        self.memory = KvMemory(layers=d.num_layers, kv_heads=d.kv_heads, head_dim=d.head_dim, dtype=d.dtype, device=d.device,
-                               capacity_tokens=cfg.kv_capacity_tokens, block_tokens=setup.layout.block_tokens)
-        self.batcher = DecodeBatcher(capacity_tokens=cfg.kv_capacity_tokens, block_tokens=setup.layout.block_tokens,
-                                     max_running=cfg.max_running)
+        self.memory = KvMemory(
+            layers=d.num_layers,
+            kv_heads=d.kv_heads,
+            head_dim=d.head_dim,
+            dtype=d.dtype,
+            device=d.device,
+            capacity_tokens=cfg.kv_capacity_tokens,
+            block_tokens=setup.layout.block_tokens,
+        )
+        self.batcher = DecodeBatcher(
+            capacity_tokens=cfg.kv_capacity_tokens, block_tokens=setup.layout.block_tokens, max_running=cfg.max_running
+        )
         self.waiting: dict[str, m.DecodeTask] = {}  # arrived, not admitted yet (the batcher's waiting queue)
         self.running: dict[str, Running] = {}
         self.finished: list[str] = []
@@ -147,22 +156,38 @@ class DecodeEngine:
             kv[:, :n].copy_(slot.permute(1, 0, 2, 3, 4, 5).reshape(lay.layers, nb * lay.block_tokens, 2, d.kv_heads, d.head_dim)[:, :n])
         params = SamplingParams(**task.sampling)
         gen = torch.Generator(device="cpu").manual_seed(params.seed + 1) if params.seed is not None else None
-        seq = DecodeSequence(request_id=task.request_id, tokens=list(task.prompt_tokens) + [task.first_token], kv=kv, kv_len=n,
-                             generated=[task.first_token])
+        seq = DecodeSequence(
+            request_id=task.request_id, tokens=list(task.prompt_tokens) + [task.first_token], kv=kv, kv_len=n, generated=[task.first_token]
+        )
         full = n // lay.block_tokens
-        return Running(task=task, seq=seq, params=params, gen=gen, chain=list(task.block_hashes[:full]),
-                       constraint=grammar_constraint(params, self.setup.model_dir, prefix=[task.first_token]))
+        return Running(
+            task=task,
+            seq=seq,
+            params=params,
+            gen=gen,
+            chain=list(task.block_hashes[:full]),
+            constraint=grammar_constraint(params, self.setup.model_dir, prefix=[task.first_token]),
+        )
 
     # ---- persistence -----------------------------------------------------------------------
     def _persist_prompt(self, r: Running) -> None:
         """Persist the prompt's full blocks that were not hits, straight from the slot, then free it."""
         t, lay = r.task, self.setup.layout
         full = len(t.prompt_tokens) // lay.block_tokens
-        new = r.chain[t.cached_blocks:full]
-        req = m.PersistRequest(request_id=t.request_id, model_digest=t.model_digest, region_id=t.de_region_id,
-                               offset=t.de_offset + t.cached_blocks * lay.block_bytes, hashes=new, parent_chain=r.chain[:t.cached_blocks],
-                               layers=lay.layers, bytes_per_token_layer=lay.bytes_per_token_layer, dtype=self.setup.dtype,
-                               block_tokens=lay.block_tokens, free_after=True)
+        new = r.chain[t.cached_blocks : full]
+        req = m.PersistRequest(
+            request_id=t.request_id,
+            model_digest=t.model_digest,
+            region_id=t.de_region_id,
+            offset=t.de_offset + t.cached_blocks * lay.block_bytes,
+            hashes=new,
+            parent_chain=r.chain[: t.cached_blocks],
+            layers=lay.layers,
+            bytes_per_token_layer=lay.bytes_per_token_layer,
+            dtype=self.setup.dtype,
+            block_tokens=lay.block_tokens,
+            free_after=True,
+        )
         self._spawn_persist(r, req)
 
     async def _persist_block(self, r: Running, b: int) -> None:
@@ -170,18 +195,35 @@ class DecodeEngine:
         lay, d, t = self.setup.layout, self.setup.decoder, r.task
         bt = lay.block_tokens
         parent = r.chain[-1] if r.chain else 0
-        h = block_hashes(t.model, r.seq.tokens[b * bt:(b + 1) * bt], block_tokens=bt, parent=parent)[0]
+        h = block_hashes(t.model, r.seq.tokens[b * bt : (b + 1) * bt], block_tokens=bt, parent=parent)[0]
         parents = list(r.chain)
         r.chain.append(h)
         owner = f"{t.request_id}-g{b}"
-        reply = await self.bus.request(self.subjects.tm(self.node_id, "alloc"), m.AllocRequest(request_id=owner, blocks=1, block_bytes=lay.block_bytes),
-                                       m.AllocReply, timeout=TIMEOUTS.tm_alloc)
+        reply = await self.bus.request(
+            self.subjects.tm(self.node_id, "alloc"),
+            m.AllocRequest(request_id=owner, blocks=1, block_bytes=lay.block_bytes),
+            m.AllocReply,
+            timeout=TIMEOUTS.tm_alloc,
+        )
         region = self._region(reply.region["region_id"])
         dst = region.as_tensor(reply.offset, lay.block_bytes, d.dtype).view(lay.layers, bt, 2, d.kv_heads, d.head_dim)
-        dst.copy_(r.seq.kv[:, b * bt:(b + 1) * bt])
-        self._spawn_persist(r, m.PersistRequest(request_id=owner, model_digest=t.model_digest, region_id=region.region_id, offset=reply.offset,
-                                             hashes=[h], parent_chain=parents, layers=lay.layers, bytes_per_token_layer=lay.bytes_per_token_layer,
-                                             dtype=self.setup.dtype, block_tokens=bt, free_after=True))
+        dst.copy_(r.seq.kv[:, b * bt : (b + 1) * bt])
+        self._spawn_persist(
+            r,
+            m.PersistRequest(
+                request_id=owner,
+                model_digest=t.model_digest,
+                region_id=region.region_id,
+                offset=reply.offset,
+                hashes=[h],
+                parent_chain=parents,
+                layers=lay.layers,
+                bytes_per_token_layer=lay.bytes_per_token_layer,
+                dtype=self.setup.dtype,
+                block_tokens=bt,
+                free_after=True,
+            ),
+        )
 
     def _spawn_persist(self, r: Running, req: m.PersistRequest) -> None:
         """Persist in the background, after the request's previous persist (the index links a
@@ -200,8 +242,14 @@ class DecodeEngine:
         async def persist() -> None:
             with tracer.start_as_current_span("kv.persist", context=trace.set_span_in_context(r.span)) as span:
                 if span.is_recording():
-                    span.set_attributes({"request_id": req.request_id, "blocks": len(req.hashes),
-                                         "bytes": len(req.hashes) * self.setup.layout.block_bytes, "node": self.node_id})
+                    span.set_attributes(
+                        {
+                            "request_id": req.request_id,
+                            "blocks": len(req.hashes),
+                            "bytes": len(req.hashes) * self.setup.layout.block_bytes,
+                            "node": self.node_id,
+                        }
+                    )
                 try:
                     await self.bus.request(self.subjects.tm(self.node_id, "persist"), req, m.Ok, timeout=TIMEOUTS.tm_persist)
                 except Exception as exc:  # noqa: BLE001 - a lost block is only a future miss
@@ -274,9 +322,14 @@ class DecodeEngine:
         active = [self.running[rid] for rid in step.decode]
         ended: dict[str, str] = {}
         if active:
-            toks = sample(logits[:len(active)].float().cpu(), [r.params for r in active], [r.gen for r in active],
-                          suppress_eos=[r.params.ignore_eos or len(r.seq.generated) < r.params.min_tokens for r in active],
-                          eos_ids=self.setup.eos_ids, constraints=[r.constraint for r in active])
+            toks = sample(
+                logits[: len(active)].float().cpu(),
+                [r.params for r in active],
+                [r.gen for r in active],
+                suppress_eos=[r.params.ignore_eos or len(r.seq.generated) < r.params.min_tokens for r in active],
+                eos_ids=self.setup.eos_ids,
+                constraints=[r.constraint for r in active],
+            )
             for r, tok in zip(active, toks):
                 r.seq.tokens.append(tok.token_id)
                 r.seq.generated.append(tok.token_id)
@@ -304,8 +357,15 @@ class DecodeEngine:
         arrived = self._arrived_ns.pop(task.request_id, None)
         span = tracer.start_span("decode.request", context=context_from(task.trace), start_time=arrived)
         if span.is_recording():
-            span.set_attributes({"request_id": task.request_id, "engine": self.cfg.engine_id, "prompt_tokens": len(task.prompt_tokens),
-                                 "cached_blocks": task.cached_blocks, "read_path": read_path_name(task.read_path)})
+            span.set_attributes(
+                {
+                    "request_id": task.request_id,
+                    "engine": self.cfg.engine_id,
+                    "prompt_tokens": len(task.prompt_tokens),
+                    "cached_blocks": task.cached_blocks,
+                    "read_path": read_path_name(task.read_path),
+                }
+            )
         return span
 
     def _finish_reason(self, r: Running, token: int) -> str | None:
@@ -322,8 +382,17 @@ class DecodeEngine:
         """Stream the request's unsent tokens as one event (``stream_interval`` tokens at a time)."""
         ids, lps, tops = (list(x) for x in zip(*r.unsent))
         r.unsent.clear()
-        await self.bus.publish(r.task.reply_subject, m.TokenEvent(request_id=r.task.request_id, index=len(r.seq.generated) - len(ids),
-                                                                  token_ids=ids, logprobs=lps, top_logprobs=tops, ts=time.time()))
+        await self.bus.publish(
+            r.task.reply_subject,
+            m.TokenEvent(
+                request_id=r.task.request_id,
+                index=len(r.seq.generated) - len(ids),
+                token_ids=ids,
+                logprobs=lps,
+                top_logprobs=tops,
+                ts=time.time(),
+            ),
+        )
 
     async def _finish(self, r: Running) -> None:
         """Release the request's KV memory; its final event goes out once its blocks are durable."""
@@ -344,38 +413,70 @@ class DecodeEngine:
             with anyio.move_on_after(30.0):
                 await r.persist_tail.wait()
         t, lay = r.task, self.setup.layout
-        info = {"read_path": read_path_name(t.read_path), "prefill_engine": t.prefill_engine, "decode_engine": self.cfg.engine_id,
-                "hit_tokens": t.cached_blocks * lay.block_tokens, **t.timing}
-        await self.bus.publish(t.reply_subject, m.TokenEvent(request_id=t.request_id, index=len(r.seq.generated), token_ids=[],
-                                                             finish_reason=r.finish, cached_tokens=t.cached_blocks * lay.block_tokens,
-                                                             info=info, ts=time.time()))
+        info = {
+            "read_path": read_path_name(t.read_path),
+            "prefill_engine": t.prefill_engine,
+            "decode_engine": self.cfg.engine_id,
+            "hit_tokens": t.cached_blocks * lay.block_tokens,
+            **t.timing,
+        }
+        await self.bus.publish(
+            t.reply_subject,
+            m.TokenEvent(
+                request_id=t.request_id,
+                index=len(r.seq.generated),
+                token_ids=[],
+                finish_reason=r.finish,
+                cached_tokens=t.cached_blocks * lay.block_tokens,
+                info=info,
+                ts=time.time(),
+            ),
+        )
         self.finished.append(t.request_id)
         self._end_span(r)
-        log.info("decode_done", request_id=t.request_id, tokens=len(r.seq.generated), finish=r.finish,
-                 seconds=round(time.perf_counter() - r.t_start, 4))
+        log.info(
+            "decode_done",
+            request_id=t.request_id,
+            tokens=len(r.seq.generated),
+            finish=r.finish,
+            seconds=round(time.perf_counter() - r.t_start, 4),
+        )
 
     @staticmethod
     def _end_span(r: Running) -> None:
         """Close ``decode.request`` with its tokens and TPOT (the first token came from prefill)."""
         if r.span.is_recording():
             n = len(r.seq.generated)
-            r.span.set_attributes({"tokens": n, "finish_reason": r.finish or "", "decode_s": r.decode_s,
-                                   "tpot_s": r.decode_s / (n - 1) if n > 1 else 0.0})
+            r.span.set_attributes(
+                {"tokens": n, "finish_reason": r.finish or "", "decode_s": r.decode_s, "tpot_s": r.decode_s / (n - 1) if n > 1 else 0.0}
+            )
         r.span.end()
 
     async def _fail_task(self, task: m.DecodeTask, reason: str) -> None:
         log.warning("decode_task_failed", request_id=task.request_id, reason=reason)
-        await self.bus.publish(self.subjects.task_failed, m.TaskFailed(request_id=task.request_id, engine_id=self.cfg.engine_id, reason=reason))
+        await self.bus.publish(
+            self.subjects.task_failed, m.TaskFailed(request_id=task.request_id, engine_id=self.cfg.engine_id, reason=reason)
+        )
 
     def report(self) -> m.EngineReport:
         """In the scheduler's units (see ``m.EngineReport``): ``seq_e``: requests here (running
         and waiting); ``tok_e``: Σ their prompt + max_tokens; free HBM: capacity minus the
         footprints reserved for them, waiting ones included."""
         done, self.finished = self.finished, []
-        return m.EngineReport(engine_id=self.cfg.engine_id, role=m.Role.DECODE, node_id=self.node_id,
-                              seq=len(self.running) + len(self.waiting), tok=self.batcher.committed_tokens(),
-                              free_hbm_tokens=self.batcher.unreserved_tokens, capacity_tokens=self.batcher.capacity_tokens, finished=done,
-                              block_bytes=self.setup.layout.block_bytes,
-                              stats={"busy_s": self.busy_s, "modeled_s": getattr(self.setup.decoder, "modeled_s", 0.0),
-                                     **(self.setup.decoder.traffic.stats() if getattr(self.setup.decoder, "traffic", None) else {})},
-                              ts=time.time())
+        return m.EngineReport(
+            engine_id=self.cfg.engine_id,
+            role=m.Role.DECODE,
+            node_id=self.node_id,
+            seq=len(self.running) + len(self.waiting),
+            tok=self.batcher.committed_tokens(),
+            free_hbm_tokens=self.batcher.unreserved_tokens,
+            capacity_tokens=self.batcher.capacity_tokens,
+            finished=done,
+            block_bytes=self.setup.layout.block_bytes,
+            stats={
+                "busy_s": self.busy_s,
+                "modeled_s": getattr(self.setup.decoder, "modeled_s", 0.0),
+                **(self.setup.decoder.traffic.stats() if getattr(self.setup.decoder, "traffic", None) else {}),
+            },
+            ts=time.time(),
+        )

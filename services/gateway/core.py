@@ -442,7 +442,7 @@ class Gateway:
                 error_code=503,
                 result=res,
             )
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             self.telemetry.outcome(rid, "error", error="timeout")
             await self.cancel(rid, "timeout")
             yield StreamPart(

@@ -129,12 +129,19 @@ async def _compact(index: ReplicatedIndex, holder: str) -> None:
 def register_metrics(svc: KvPersistence) -> None:
     """Index size and the lookup hit rate in blocks (read at scrape time)."""
     observe("dualpath.index.blocks", "blocks recorded as persisted", lambda: [(len(svc.index), {})])
-    observe("dualpath.index.lookup_blocks", "blocks looked up, and how many were hits",
-            lambda: [(svc.looked_up, {"result": "asked"}), (svc.hits, {"result": "hit"})], kind="counter")
-    observe("dualpath.index.hit_rate", "persisted fraction of the blocks looked up",
-            lambda: [(svc.hits / svc.looked_up if svc.looked_up else 0.0, {})], unit="1")
-    observe("dualpath.index.deleted_blocks", "block files deleted after eviction or removal",
-            lambda: [(svc.deleted, {})], kind="counter")
+    observe(
+        "dualpath.index.lookup_blocks",
+        "blocks looked up, and how many were hits",
+        lambda: [(svc.looked_up, {"result": "asked"}), (svc.hits, {"result": "hit"})],
+        kind="counter",
+    )
+    observe(
+        "dualpath.index.hit_rate",
+        "persisted fraction of the blocks looked up",
+        lambda: [(svc.hits / svc.looked_up if svc.looked_up else 0.0, {})],
+        unit="1",
+    )
+    observe("dualpath.index.deleted_blocks", "block files deleted after eviction or removal", lambda: [(svc.deleted, {})], kind="counter")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,8 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         index = await open_index(bus)
         svc = KvPersistence(index, BlockStore(storage) if cfg.capacity_blocks else None)
         register_metrics(svc)
-        log.info("index_loaded", blocks=len(index), replication=cfg.replication, replica=cfg.replica_id,
-                 path=index_path if cfg.replication == "none" else subjects.kv_log)
+        log.info(
+            "index_loaded",
+            blocks=len(index),
+            replication=cfg.replication,
+            replica=cfg.replica_id,
+            path=index_path if cfg.replication == "none" else subjects.kv_log,
+        )
         await bus.serve(subjects.kv_lookup, svc.lookup, m.LookupRequest, queue="kvp")
         await bus.serve(subjects.kv_commit, svc.commit, m.CommitRequest, queue="kvp")
         await bus.serve(subjects.kv_remove, svc.remove, m.RemoveRequest, queue="kvp")

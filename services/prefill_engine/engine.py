@@ -33,6 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 from anyio.abc import TaskGroup
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
 from dualpath.bus import Bus, BusTimeoutError
 from dualpath.config import EngineConfig
 from dualpath.core.batch_errors import BatcherError
@@ -41,18 +44,15 @@ from dualpath.engine.common import EngineSetup, read_path_name
 from dualpath.engine.prefill import PrefillItem, run_prefill
 from dualpath.engine.prefill_io import BatchLayerIO, IoItem
 from dualpath.engine.profile import prefill_predictor
-from dualpath.runtime import start_logged, wait_any
 from dualpath.model.sampling import SamplingParams, grammar_constraint, sample
 from dualpath.protocol import RemoteError
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.protocol.timeouts import TIMEOUTS
+from dualpath.runtime import start_logged, wait_any
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.tracing import context_from, get_tracer
 from dualpath.transfer import RegionDescriptor
-from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
-
 from services.prefill_engine.split import is_split, load_split
 
 __all__ = ["PrefillEngine"]
@@ -100,8 +100,13 @@ class PrefillEngine:
         quota_s = cfg.compute_quota_ms / 1000.0
         predict, self.predicted_by = prefill_predictor(setup.decoder, quota_s)
         self.batcher = PrefillBatcher(predict, quota_s=quota_s, block_tokens=setup.layout.block_tokens)
-        log.info("prefill_predictor", engine=cfg.engine_id, predicted_by=self.predicted_by, quota_s=quota_s,
-                 profile=repr(predict) if self.predicted_by == "profile" else cfg.engine_id)
+        log.info(
+            "prefill_predictor",
+            engine=cfg.engine_id,
+            predicted_by=self.predicted_by,
+            quota_s=quota_s,
+            profile=repr(predict) if self.predicted_by == "profile" else cfg.engine_id,
+        )
         self._wake = asyncio.Event()
         self.finished: list[str] = []
         self.busy_s = 0.0  # wall time inside batches
@@ -117,8 +122,16 @@ class PrefillEngine:
         job = Job(task=task, dest=RegionDescriptor.from_wire(task.de_region))
         job.span = tracer.start_span("prefill.request", context=context_from(task.trace))
         if job.span.is_recording():
-            job.span.set_attributes({"request_id": task.request_id, "engine": self.cfg.engine_id, "prompt_tokens": len(task.prompt_tokens),
-                                     "hit_blocks": task.hit_blocks, "read_path": read_path_name(task.read_path), "attempt": task.attempt})
+            job.span.set_attributes(
+                {
+                    "request_id": task.request_id,
+                    "engine": self.cfg.engine_id,
+                    "prompt_tokens": len(task.prompt_tokens),
+                    "hit_blocks": task.hit_blocks,
+                    "read_path": read_path_name(task.read_path),
+                    "attempt": task.attempt,
+                }
+            )
         self.jobs[task.request_id] = job
         start_logged(self.tasks, f"load:{task.request_id}", self._load, job)
         return m.Ok()
@@ -169,14 +182,31 @@ class PrefillEngine:
                 job.read_split = [got.pe_blocks, got.de_blocks]
             elif want:
                 node = t.prefill_node if t.read_path == m.ReadPath.PE else t.decode_node
-                req = m.LoadRequest(request_id=t.request_id, model_digest=t.model_digest, hashes=t.block_hashes[:want],
-                                    layers=lay.layers, bytes_per_token_layer=lay.bytes_per_token_layer, dtype=self.setup.dtype,
-                                    block_tokens=lay.block_tokens, allocate=t.read_path == m.ReadPath.PE, total_blocks=want)
+                req = m.LoadRequest(
+                    request_id=t.request_id,
+                    model_digest=t.model_digest,
+                    hashes=t.block_hashes[:want],
+                    layers=lay.layers,
+                    bytes_per_token_layer=lay.bytes_per_token_layer,
+                    dtype=self.setup.dtype,
+                    block_tokens=lay.block_tokens,
+                    allocate=t.read_path == m.ReadPath.PE,
+                    total_blocks=want,
+                )
                 with tracer.start_as_current_span("prefill.load", context=trace.set_span_in_context(job.span)) as span:
                     reply = await self._load_when_room(node, req)
                     if span.is_recording():
-                        span.set_attributes({"node": node, "read_path": read_path_name(t.read_path), "blocks": want, "loaded_blocks": reply.loaded,
-                                             "bytes": reply.bytes_read, "queue_wait_s": reply.queue_wait_s, "read_s": reply.read_s})
+                        span.set_attributes(
+                            {
+                                "node": node,
+                                "read_path": read_path_name(t.read_path),
+                                "blocks": want,
+                                "loaded_blocks": reply.loaded,
+                                "bytes": reply.bytes_read,
+                                "queue_wait_s": reply.queue_wait_s,
+                                "read_s": reply.read_s,
+                            }
+                        )
                 job.pe_slot = t.read_path == m.ReadPath.PE
                 job.hit_blocks = reply.loaded
                 job.source, job.source_offset = RegionDescriptor.from_wire(reply.region), reply.offset
@@ -215,8 +245,9 @@ class PrefillEngine:
         while self.loaded:
             job = self.loaded.popleft()
             try:
-                self.batcher.add(job.task.request_id, cached=job.hit_blocks * self.setup.layout.block_tokens,
-                                 total=len(job.task.prompt_tokens))
+                self.batcher.add(
+                    job.task.request_id, cached=job.hit_blocks * self.setup.layout.block_tokens, total=len(job.task.prompt_tokens)
+                )
             except BatcherError as exc:  # e.g. hits covering the whole prompt: nothing left to compute
                 await self._fail(job, str(exc))
 
@@ -237,20 +268,37 @@ class PrefillEngine:
             source, s_off = job.dest, t.de_offset
         write_from = 0 if (first_chunk and job.pe_slot) else start
         item = PrefillItem(request_id=t.request_id, tokens=t.prompt_tokens, start=start, end=start + it.new)
-        return IoItem(item=item, source=source if start else None, source_offset=s_off, dest=job.dest,
-                      dest_offset=t.de_offset, write_from=write_from, path=read_path_name(t.read_path), de_engine=t.decode_engine,
-                      de_from=job.split_tokens if first_chunk else -1)
+        return IoItem(
+            item=item,
+            source=source if start else None,
+            source_offset=s_off,
+            dest=job.dest,
+            dest_offset=t.de_offset,
+            write_from=write_from,
+            path=read_path_name(t.read_path),
+            de_engine=t.decode_engine,
+            de_from=job.split_tokens if first_chunk else -1,
+        )
 
     def _batch_span(self, batch: PrefillBatch, jobs: list[Job]):
         """``prefill.batch``: child of the first request's span, linked to the others'."""
         first = jobs[0].span
         if not first.is_recording():
             return tracer.start_as_current_span("prefill.batch", context=trace.set_span_in_context(first))
-        attrs = {"requests": len(batch.items), "cached_tokens": batch.cached_tokens, "new_tokens": batch.new_tokens,
-                 "engine": self.cfg.engine_id, "request_ids": [it.request_id for it in batch.items],
-                 "request_cached_tokens": [it.cached for it in batch.items], "request_new_tokens": [it.new for it in batch.items],
-                 "predicted_s": batch.predicted_s, "predicted_by": self.predicted_by, "quota_s": batch.quota_s,
-                 "chunked": batch.chunked, "over_quota": batch.over_quota}
+        attrs = {
+            "requests": len(batch.items),
+            "cached_tokens": batch.cached_tokens,
+            "new_tokens": batch.new_tokens,
+            "engine": self.cfg.engine_id,
+            "request_ids": [it.request_id for it in batch.items],
+            "request_cached_tokens": [it.cached for it in batch.items],
+            "request_new_tokens": [it.new for it in batch.items],
+            "predicted_s": batch.predicted_s,
+            "predicted_by": self.predicted_by,
+            "quota_s": batch.quota_s,
+            "chunked": batch.chunked,
+            "over_quota": batch.over_quota,
+        }
         links = [trace.Link(job.span.get_span_context()) for job in jobs[1:]]
         return tracer.start_as_current_span("prefill.batch", context=trace.set_span_in_context(first), links=links, attributes=attrs)
 
@@ -274,9 +322,19 @@ class PrefillEngine:
         t0 = time.perf_counter()
         charged0 = getattr(s.decoder, "compute_charged_s", 0.0)
         with self._batch_span(batch, jobs) as span:
-            io = BatchLayerIO(s.dataplane, s.layout, items, dtype=s.decoder.dtype, kv_heads=s.decoder.kv_heads,
-                              head_dim=s.decoder.head_dim, device=s.decoder.device, owner=f"b{id(items):x}", oracle=s.oracle,
-                              record=span.is_recording(), layerwise=self.cfg.layerwise)
+            io = BatchLayerIO(
+                s.dataplane,
+                s.layout,
+                items,
+                dtype=s.decoder.dtype,
+                kv_heads=s.decoder.kv_heads,
+                head_dim=s.decoder.head_dim,
+                device=s.decoder.device,
+                owner=f"b{id(items):x}",
+                oracle=s.oracle,
+                record=span.is_recording(),
+                layerwise=self.cfg.layerwise,
+            )
             try:
                 result = await run_prefill(s.decoder, [it.item for it in items], io, layerwise=self.cfg.layerwise)
             finally:
@@ -297,7 +355,7 @@ class PrefillEngine:
         for it in batch.items:
             logits = None
             if it.last:  # one logits row per prompt-ending chunk, in batch order
-                logits = result.logits[row:row + 1]
+                logits = result.logits[row : row + 1]
                 row += 1
             job = self.jobs.get(it.request_id)
             if job is None:
@@ -312,9 +370,17 @@ class PrefillEngine:
         """The batch's figures and its layer spans; ``layer_trace_s`` is what the layer spans cost."""
         t0 = time.perf_counter()
         layer_spans = io.emit_layer_spans(tracer, result.fetch_wait_s, result.store_wait_s)
-        span.set_attributes({"actual_s": actual_s, "compute_s": result.compute_s, "kv_wait_s": result.wait_s,
-                             "fetch_bytes": io.stats.fetch_bytes, "store_bytes": io.stats.store_bytes, "layer_spans": layer_spans,
-                             "layer_trace_s": time.perf_counter() - t0})
+        span.set_attributes(
+            {
+                "actual_s": actual_s,
+                "compute_s": result.compute_s,
+                "kv_wait_s": result.wait_s,
+                "fetch_bytes": io.stats.fetch_bytes,
+                "store_bytes": io.stats.store_bytes,
+                "layer_spans": layer_spans,
+                "layer_trace_s": time.perf_counter() - t0,
+            }
+        )
 
     # ---- handoff ---------------------------------------------------------------------------
     async def _handoff(self, job: Job, logits: torch.Tensor) -> None:
@@ -324,28 +390,61 @@ class PrefillEngine:
         suppress = params.ignore_eos or params.min_tokens > 0
         failure: Exception | None = None
         with tracer.start_as_current_span("prefill.handoff", context=trace.set_span_in_context(job.span)):
-            tok = sample(logits.float().cpu(), [params], [gen], suppress_eos=[suppress], eos_ids=self.setup.eos_ids,
-                         constraints=[grammar_constraint(params, self.setup.model_dir)])[0]
+            tok = sample(
+                logits.float().cpu(),
+                [params],
+                [gen],
+                suppress_eos=[suppress],
+                eos_ids=self.setup.eos_ids,
+                constraints=[grammar_constraint(params, self.setup.model_dir)],
+            )[0]
             top = [[i, lp] for i, lp in tok.top_logprobs]
-            await self.bus.publish(t.reply_subject, m.TokenEvent(request_id=t.request_id, index=0, token_ids=[tok.token_id],
-                                                                   logprobs=[tok.logprob], top_logprobs=[top], ts=time.time()))
-            task = m.DecodeTask(request_id=t.request_id, model=t.model, model_digest=t.model_digest, prompt_tokens=t.prompt_tokens,
-                                block_hashes=t.block_hashes, cached_blocks=job.hit_blocks, first_token=tok.token_id,
-                                first_logprob=tok.logprob, first_top_logprobs=top, sampling=t.sampling, reply_subject=t.reply_subject,
-                                de_region_id=job.dest.region_id, de_offset=t.de_offset, read_path=t.read_path,
-                                prefill_engine=self.cfg.engine_id, attempt=t.attempt, trace=t.trace,
-                                timing={**self._ttft_split(job), "read_split": job.read_split})  # merged into the dualpath record
+            await self.bus.publish(
+                t.reply_subject,
+                m.TokenEvent(
+                    request_id=t.request_id, index=0, token_ids=[tok.token_id], logprobs=[tok.logprob], top_logprobs=[top], ts=time.time()
+                ),
+            )
+            task = m.DecodeTask(
+                request_id=t.request_id,
+                model=t.model,
+                model_digest=t.model_digest,
+                prompt_tokens=t.prompt_tokens,
+                block_hashes=t.block_hashes,
+                cached_blocks=job.hit_blocks,
+                first_token=tok.token_id,
+                first_logprob=tok.logprob,
+                first_top_logprobs=top,
+                sampling=t.sampling,
+                reply_subject=t.reply_subject,
+                de_region_id=job.dest.region_id,
+                de_offset=t.de_offset,
+                read_path=t.read_path,
+                prefill_engine=self.cfg.engine_id,
+                attempt=t.attempt,
+                trace=t.trace,
+                timing={**self._ttft_split(job), "read_split": job.read_split},
+            )  # merged into the dualpath record
             try:
                 await self.bus.request(self.subjects.decode(t.decode_engine), task, m.Ok, timeout=TIMEOUTS.decode_dispatch)
             except Exception as exc:  # noqa: BLE001
                 failure = exc
         if failure is not None:
-            await self._fail(job, f"handoff to {t.decode_engine} failed: {failure}",
-                             unreachable=t.decode_engine if isinstance(failure, BusTimeoutError) else "")
+            await self._fail(
+                job,
+                f"handoff to {t.decode_engine} failed: {failure}",
+                unreachable=t.decode_engine if isinstance(failure, BusTimeoutError) else "",
+            )
             return
         await self._drop(job)
-        log.info("prefill_done", request_id=t.request_id, read_path=read_path_name(t.read_path), hit_blocks=job.hit_blocks,
-                 tokens=len(t.prompt_tokens), seconds=round(time.perf_counter() - job.t_submit, 4))
+        log.info(
+            "prefill_done",
+            request_id=t.request_id,
+            read_path=read_path_name(t.read_path),
+            hit_blocks=job.hit_blocks,
+            tokens=len(t.prompt_tokens),
+            seconds=round(time.perf_counter() - job.t_submit, 4),
+        )
 
     async def _drop(self, job: Job) -> None:
         self.jobs.pop(job.task.request_id, None)
@@ -355,8 +454,9 @@ class PrefillEngine:
         if job.pe_slot:
             job.pe_slot = False
             try:
-                await self.bus.request(self.subjects.tm(self.node_id, "free"), m.FreeRequest(request_id=job.task.request_id), m.Ok,
-                                       timeout=TIMEOUTS.tm_free)
+                await self.bus.request(
+                    self.subjects.tm(self.node_id, "free"), m.FreeRequest(request_id=job.task.request_id), m.Ok, timeout=TIMEOUTS.tm_free
+                )
             except Exception as exc:  # noqa: BLE001
                 log.warning("pe_slot_free_failed", request_id=job.task.request_id, error=str(exc))
 
@@ -364,8 +464,10 @@ class PrefillEngine:
         log.warning("task_failed", request_id=job.task.request_id, reason=reason)
         job.span.set_status(Status(StatusCode.ERROR, reason))
         await self._drop(job)
-        await self.bus.publish(self.subjects.task_failed, m.TaskFailed(request_id=job.task.request_id, engine_id=self.cfg.engine_id,
-                                                                        reason=reason, unreachable=unreachable))
+        await self.bus.publish(
+            self.subjects.task_failed,
+            m.TaskFailed(request_id=job.task.request_id, engine_id=self.cfg.engine_id, reason=reason, unreachable=unreachable),
+        )
 
     # ---- reporting -------------------------------------------------------------------------
     def report(self) -> m.EngineReport:
@@ -373,21 +475,39 @@ class PrefillEngine:
         ``tok_e``: the miss tokens they still have to compute (``tokens_left``)."""
         tok = self.tokens_left()
         done, self.finished = self.finished, []
-        return m.EngineReport(engine_id=self.cfg.engine_id, role=m.Role.PREFILL, node_id=self.node_id, seq=len(self.jobs), tok=tok,
-                              free_hbm_tokens=0, capacity_tokens=0, finished=done, block_bytes=self.setup.layout.block_bytes,
-                              stats=self._stats(), ts=time.time())
+        return m.EngineReport(
+            engine_id=self.cfg.engine_id,
+            role=m.Role.PREFILL,
+            node_id=self.node_id,
+            seq=len(self.jobs),
+            tok=tok,
+            free_hbm_tokens=0,
+            capacity_tokens=0,
+            finished=done,
+            block_bytes=self.setup.layout.block_bytes,
+            stats=self._stats(),
+            ts=time.time(),
+        )
 
     def tokens_left(self) -> int:
         """Miss tokens still to compute: the batcher's queue, plus the prompts not in it yet
         (loading: less the hits planned, as the scheduler charged them; loaded: less the
         blocks actually loaded)."""
         bt = self.setup.layout.block_tokens
-        queued = sum(miss_tokens(len(j.task.prompt_tokens), planned_hit_blocks(j.task) if j.loading else j.hit_blocks, bt)
-                     for j in self.jobs.values() if j.task.request_id not in self.batcher)
+        queued = sum(
+            miss_tokens(len(j.task.prompt_tokens), planned_hit_blocks(j.task) if j.loading else j.hit_blocks, bt)
+            for j in self.jobs.values()
+            if j.task.request_id not in self.batcher
+        )
         return queued + self.batcher.tokens_left()
 
     def _stats(self) -> dict:
         d = self.setup.decoder
-        return {"busy_s": self.busy_s, "kv_wait_s": self.kv_wait_s, "modeled_s": getattr(d, "modeled_s", 0.0),
-                "attention_s": getattr(d, "attention_s", 0.0), "buffer_waits": self.buffer_waits,
-                **(d.traffic.stats() if getattr(d, "traffic", None) is not None else {})}  # testbed: model traffic, CNIC bytes
+        return {
+            "busy_s": self.busy_s,
+            "kv_wait_s": self.kv_wait_s,
+            "modeled_s": getattr(d, "modeled_s", 0.0),
+            "attention_s": getattr(d, "attention_s", 0.0),
+            "buffer_waits": self.buffer_waits,
+            **(d.traffic.stats() if getattr(d, "traffic", None) is not None else {}),
+        }  # testbed: model traffic, CNIC bytes

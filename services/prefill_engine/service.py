@@ -7,7 +7,6 @@ import argparse
 from dualpath.engine.service import engine_parser, run_engine
 from dualpath.protocol import messages as m
 from dualpath.telemetry.metrics import nic_observations, observe
-
 from services.prefill_engine.engine import PrefillEngine
 
 
@@ -20,16 +19,27 @@ def register_metrics(engine: PrefillEngine) -> None:
     me = {"engine": engine.cfg.engine_id, "role": "prefill"}
     observe("dualpath.engine.seq", "unfinished requests on the engine (seq_e)", lambda: [(len(engine.jobs), me)])
     observe("dualpath.engine.tok", "tokens the engine still has to compute (tok_e)", lambda: [(engine.tokens_left(), me)])
-    observe("dualpath.engine.ready", "requests whose KV is loaded, waiting for a batch",
-            lambda: [(len(engine.batcher) + len(engine.loaded), me)])
+    observe(
+        "dualpath.engine.ready",
+        "requests whose KV is loaded, waiting for a batch",
+        lambda: [(len(engine.batcher) + len(engine.loaded), me)],
+    )
     observe("dualpath.engine.busy", "seconds spent in batches", lambda: [(engine.busy_s, me)], unit="s", kind="counter")
-    observe("dualpath.engine.kv_bytes", "KV bytes moved by layer-wise prefill",
-            lambda: [(engine.kv_in_bytes, {**me, "direction": "fetch"}), (engine.kv_out_bytes, {**me, "direction": "store"})],
-            unit="By", kind="counter")
+    observe(
+        "dualpath.engine.kv_bytes",
+        "KV bytes moved by layer-wise prefill",
+        lambda: [(engine.kv_in_bytes, {**me, "direction": "fetch"}), (engine.kv_out_bytes, {**me, "direction": "store"})],
+        unit="By",
+        kind="counter",
+    )
     pool = engine.setup.dataplane.pool
-    observe("dualpath.engine.window_used", "bytes of the engine transfer window held by batches",
-            lambda: [(pool.size - pool.free_bytes, me)], unit="By")
-    nic_observations(lambda: [engine.setup.nic] if engine.setup.nic is not None else [])
+    observe(
+        "dualpath.engine.window_used",
+        "bytes of the engine transfer window held by batches",
+        lambda: [(pool.size - pool.free_bytes, me)],
+        unit="By",
+    )
+    nic_observations(lambda: [engine.setup.nic.rx, engine.setup.nic.tx] if engine.setup.nic is not None else [])  # both links of the CNIC
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,8 +50,14 @@ async def load_split(task: m.PrefillTask, layout: SlotLayout, dtype: str, load: 
     """Run both shares' reads concurrently through ``load(node, request)``; raises what it raises."""
     pe_blocks = min(task.read_split[0], task.hit_blocks)
     want = min(task.read_split[0] + task.read_split[1], task.hit_blocks)
-    common: dict[str, Any] = dict(request_id=task.request_id, model_digest=task.model_digest, layers=layout.layers,
-                  bytes_per_token_layer=layout.bytes_per_token_layer, dtype=dtype, block_tokens=layout.block_tokens)
+    common: dict[str, Any] = dict(
+        request_id=task.request_id,
+        model_digest=task.model_digest,
+        layers=layout.layers,
+        bytes_per_token_layer=layout.bytes_per_token_layer,
+        dtype=dtype,
+        block_tokens=layout.block_tokens,
+    )
     pe_req = m.LoadRequest(hashes=task.block_hashes[:pe_blocks], allocate=True, total_blocks=pe_blocks, **common)
     de_req = m.LoadRequest(hashes=task.block_hashes[pe_blocks:want], first_block=pe_blocks, **common)
     replies: dict[str, m.LoadReply] = {}
@@ -64,5 +70,10 @@ async def load_split(task: m.PrefillTask, layout: SlotLayout, dtype: str, load: 
         tg.start_soon(one, "de", task.decode_node, de_req)
     pe, de = replies["pe"], replies["de"]
     hit = pe.loaded if pe.loaded < pe_blocks else pe_blocks + de.loaded
-    return SplitLoad(hit_blocks=hit, pe_blocks=min(pe.loaded, pe_blocks), source=RegionDescriptor.from_wire(pe.region),
-                     source_offset=pe.offset, bytes_read=pe.bytes_read + de.bytes_read)
+    return SplitLoad(
+        hit_blocks=hit,
+        pe_blocks=min(pe.loaded, pe_blocks),
+        source=RegionDescriptor.from_wire(pe.region),
+        source_offset=pe.offset,
+        bytes_read=pe.bytes_read + de.bytes_read,
+    )

@@ -33,10 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, SchedulerConfig)
     add_arguments(p, EmulationConfig, skip=("cnic_gbps", "oracle"))
     add_lease_arguments(p)  # active/standby: act only while holding the JetStream KV lease
-    p.add_argument("--alpha-tokens", type=int, default=0,
-                   help="α: tokens a node reads from storage in 3 s (default: from the testbed profile, else 4M)")
-    p.add_argument("--beta-tokens", type=int, default=0,
-                   help="β: tokens one engine computes in 5 s (default: from the cost model, else 4M)")
+    p.add_argument(
+        "--alpha-tokens",
+        type=int,
+        default=0,
+        help="α: tokens a node reads from storage in 3 s (default: from the testbed profile, else 4M)",
+    )
+    p.add_argument(
+        "--beta-tokens", type=int, default=0, help="β: tokens one engine computes in 5 s (default: from the cost model, else 4M)"
+    )
     return p
 
 
@@ -58,12 +63,22 @@ def register_metrics(core: SchedulerCore) -> None:
     """Queue lengths and the cluster as the scheduler sees it (read at scrape time)."""
     observe("dualpath.scheduler.queue", "requests waiting to be placed", lambda: [(core.queued, {})])
     observe("dualpath.scheduler.running", "requests placed and not finished", lambda: [(core.running, {})])
-    observe("dualpath.scheduler.engines", "live engines by role",
-            lambda: [(core.engine_count(role), {"role": role.name.lower()}) for role in Role])
-    observe("dualpath.scheduler.read_q", "hit tokens queued for storage reads per node, as last reported",
-            lambda: [(n.read_q, {"node": n.name}) for n in list(core.nodes())])
-    observe("dualpath.scheduler.buffer_waits", "dispatches put back because the decode node's buffer was full",
-            lambda: [(core.buffer_waits, {})], kind="counter")
+    observe(
+        "dualpath.scheduler.engines",
+        "live engines by role",
+        lambda: [(core.engine_count(role), {"role": role.name.lower()}) for role in Role],
+    )
+    observe(
+        "dualpath.scheduler.read_q",
+        "hit tokens queued for storage reads per node, as last reported",
+        lambda: [(n.read_q, {"node": n.name}) for n in list(core.nodes())],
+    )
+    observe(
+        "dualpath.scheduler.buffer_waits",
+        "dispatches put back because the decode node's buffer was full",
+        lambda: [(core.buffer_waits, {})],
+        kind="counter",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,9 +96,17 @@ def main(argv: list[str] | None = None) -> int:
         lease = await wait_for_leadership(bus.nc.jetstream(), subjects.sched_leader, ns, stop)  # standby until leader
         if ns.leader_lease and lease is None:
             return
-        core = SchedulerCore(policy, CoreConfig(engine_timeout=cfg.engine_timeout, node_timeout=cfg.engine_timeout, max_queue=cfg.max_queue,
-                                                max_attempts=cfg.max_attempts, trace_inputs=tracing_enabled(),
-                                                prefetch=cfg.prefetch))
+        core = SchedulerCore(
+            policy,
+            CoreConfig(
+                engine_timeout=cfg.engine_timeout,
+                node_timeout=cfg.engine_timeout,
+                max_queue=cfg.max_queue,
+                max_attempts=cfg.max_attempts,
+                trace_inputs=tracing_enabled(),
+                prefetch=cfg.prefetch,
+            ),
+        )
         register_metrics(core)
         async with anyio.create_task_group() as tasks:  # every dispatch and free the shell starts
             shell = SchedulerShell(bus, subjects, core, tasks)

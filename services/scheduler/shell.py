@@ -70,10 +70,19 @@ class SchedulerShell:
     # ---- messages -> events ------------------------------------------------------------------
     async def on_submit(self, req: m.SubmitRequest) -> m.SubmitReply:
         forced = _FORCED.get(req.read_path)  # type: ignore[call-overload]
-        cmds = self.core.handle(RequestSubmitted(now=time.monotonic(), request_id=req.request_id, prompt_tokens=len(req.prompt_tokens),
-                                                 hit_blocks=req.hit_blocks, block_tokens=req.block_tokens,
-                                                 max_tokens=int(req.sampling.get("max_tokens", 16)), forced_side=forced, payload=req,
-                                                 session=req.session))
+        cmds = self.core.handle(
+            RequestSubmitted(
+                now=time.monotonic(),
+                request_id=req.request_id,
+                prompt_tokens=len(req.prompt_tokens),
+                hit_blocks=req.hit_blocks,
+                block_tokens=req.block_tokens,
+                max_tokens=int(req.sampling.get("max_tokens", 16)),
+                forced_side=forced,
+                payload=req,
+                session=req.session,
+            )
+        )
         for c in cmds:
             if isinstance(c, RejectRequest):
                 raise HandlerError(c.code, c.reason)
@@ -84,9 +93,22 @@ class SchedulerShell:
     async def on_engine_report(self, r: m.EngineReport) -> None:
         if r.engine_id not in self.core.members.engines:
             log.info("engine_joined", engine=r.engine_id, node=r.node_id, role=Role(r.role).name.lower())
-        self.execute(self.core.handle(EngineReported(
-            now=time.monotonic(), engine=r.engine_id, node=r.node_id, role=Role(r.role), seq=r.seq, tok=r.tok,
-            free_hbm_tokens=r.free_hbm_tokens, capacity_tokens=r.capacity_tokens, block_bytes=r.block_bytes, finished=tuple(r.finished))))
+        self.execute(
+            self.core.handle(
+                EngineReported(
+                    now=time.monotonic(),
+                    engine=r.engine_id,
+                    node=r.node_id,
+                    role=Role(r.role),
+                    seq=r.seq,
+                    tok=r.tok,
+                    free_hbm_tokens=r.free_hbm_tokens,
+                    capacity_tokens=r.capacity_tokens,
+                    block_bytes=r.block_bytes,
+                    finished=tuple(r.finished),
+                )
+            )
+        )
         self._wake.set()
 
     async def on_node_report(self, r: m.NodeReport) -> None:
@@ -94,17 +116,28 @@ class SchedulerShell:
 
     async def on_task_failed(self, f: m.TaskFailed) -> None:
         log.warning("task_failed", request_id=f.request_id, engine=f.engine_id, reason=f.reason)
-        self.execute(self.core.handle(TaskFailed(now=time.monotonic(), request_id=f.request_id, engine=f.engine_id, reason=f.reason,
-                                                 unreachable=f.unreachable)))
+        self.execute(
+            self.core.handle(
+                TaskFailed(now=time.monotonic(), request_id=f.request_id, engine=f.engine_id, reason=f.reason, unreachable=f.unreachable)
+            )
+        )
         self._wake.set()
 
     async def on_state(self, _req: m.StateRequest) -> m.StateReply:
         core = self.core
         engines = [{"engine_id": e.name, "node": e.node, "role": int(e.role)} for e in core.engines()]
         nodes = [{"node_id": n.name, "read_q_tokens": n.read_q} for n in core.nodes()]
-        return m.StateReply(prefill_engines=core.engine_count(Role.PREFILL), decode_engines=core.engine_count(Role.DECODE),
-                            nodes=len(nodes), queued=core.queued, running=core.running, policy=core.policy.name,
-                            engines=engines, node_states=nodes, buffer_waits=core.buffer_waits)
+        return m.StateReply(
+            prefill_engines=core.engine_count(Role.PREFILL),
+            decode_engines=core.engine_count(Role.DECODE),
+            nodes=len(nodes),
+            queued=core.queued,
+            running=core.running,
+            policy=core.policy.name,
+            engines=engines,
+            node_states=nodes,
+            buffer_waits=core.buffer_waits,
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick the core whenever a message arrived, and at least every ``_TICK_S``."""
@@ -144,8 +177,10 @@ class SchedulerShell:
         r: m.SubmitRequest = c.payload
         full = len(r.prompt_tokens) // r.block_tokens
         try:
-            await self.bus.publish(self.subjects.tm(c.node, "prefetch"),
-                                   m.PrefetchRequest(session=c.session, model_digest=r.model_digest, hashes=r.block_hashes[:full]))
+            await self.bus.publish(
+                self.subjects.tm(c.node, "prefetch"),
+                m.PrefetchRequest(session=c.session, model_digest=r.model_digest, hashes=r.block_hashes[:full]),
+            )
         except Exception as exc:  # noqa: BLE001 - only a hint
             log.warning("prefetch_hint_failed", node=c.node, error=str(exc))
 
@@ -161,18 +196,30 @@ class SchedulerShell:
         span = self._spans.get(key, trace.INVALID_SPAN)
         with trace.use_span(span, end_on_exit=False):
             try:
-                slot = await self.bus.request(self.subjects.tm(c.node, "alloc"), m.AllocRequest(request_id=c.request_id, blocks=c.blocks,
-                                              block_bytes=c.block_bytes), m.AllocReply, timeout=TIMEOUTS.tm_alloc)
-                event: object = SlotReserved(now=time.monotonic(), request_id=c.request_id, attempt=c.attempt, region=slot.region,
-                                             offset=slot.offset)
+                slot = await self.bus.request(
+                    self.subjects.tm(c.node, "alloc"),
+                    m.AllocRequest(request_id=c.request_id, blocks=c.blocks, block_bytes=c.block_bytes),
+                    m.AllocReply,
+                    timeout=TIMEOUTS.tm_alloc,
+                )
+                event: object = SlotReserved(
+                    now=time.monotonic(), request_id=c.request_id, attempt=c.attempt, region=slot.region, offset=slot.offset
+                )
             except RemoteError as exc:
-                event = DispatchFailed(now=time.monotonic(), request_id=c.request_id, attempt=c.attempt, stage=Stage.RESERVE,
-                                       reason=str(exc), code=exc.code)
+                event = DispatchFailed(
+                    now=time.monotonic(), request_id=c.request_id, attempt=c.attempt, stage=Stage.RESERVE, reason=str(exc), code=exc.code
+                )
             except Exception as exc:  # noqa: BLE001 - any failure to reserve is the core's to handle
                 # Nobody serves the node's traffic manager: the core stops using the node until it reports again.
                 down = c.node if isinstance(exc, BusTimeoutError) and exc.no_responders else ""
-                event = DispatchFailed(now=time.monotonic(), request_id=c.request_id, attempt=c.attempt, stage=Stage.RESERVE,
-                                       reason=str(exc), node_unreachable=down)
+                event = DispatchFailed(
+                    now=time.monotonic(),
+                    request_id=c.request_id,
+                    attempt=c.attempt,
+                    stage=Stage.RESERVE,
+                    reason=str(exc),
+                    node_unreachable=down,
+                )
         self._feed(event)
         if not (isinstance(event, SlotReserved) and self.core.is_current(*key)):
             self._end_span(key, error=getattr(event, "reason", ""))  # no Dispatch follows under this span
@@ -180,12 +227,28 @@ class SchedulerShell:
     async def _dispatch(self, c: Dispatch) -> None:
         key = (c.request_id, c.attempt)
         r: m.SubmitRequest = c.payload
-        task = m.PrefillTask(request_id=r.request_id, model=r.model, model_digest=r.model_digest, prompt_tokens=r.prompt_tokens,
-                             block_hashes=r.block_hashes, hit_blocks=r.hit_blocks, sampling=r.sampling, reply_subject=r.reply_subject,
-                             read_path=int(_WIRE_PATH[c.read_side]), prefill_engine=c.prefill_engine, prefill_node=c.prefill_node,
-                             decode_engine=c.decode_engine, decode_node=c.decode_node, de_region=c.region, de_offset=c.offset,
-                             attempt=c.attempt, policy=c.decision.policy, trace=r.trace, arrival_ts=r.arrival_ts,
-                             read_split=list(c.decision.read_split or ()))
+        task = m.PrefillTask(
+            request_id=r.request_id,
+            model=r.model,
+            model_digest=r.model_digest,
+            prompt_tokens=r.prompt_tokens,
+            block_hashes=r.block_hashes,
+            hit_blocks=r.hit_blocks,
+            sampling=r.sampling,
+            reply_subject=r.reply_subject,
+            read_path=int(_WIRE_PATH[c.read_side]),
+            prefill_engine=c.prefill_engine,
+            prefill_node=c.prefill_node,
+            decode_engine=c.decode_engine,
+            decode_node=c.decode_node,
+            de_region=c.region,
+            de_offset=c.offset,
+            attempt=c.attempt,
+            policy=c.decision.policy,
+            trace=r.trace,
+            arrival_ts=r.arrival_ts,
+            read_split=list(c.decision.read_split or ()),
+        )
         with trace.use_span(self._spans.get(key, trace.INVALID_SPAN), end_on_exit=False):
             try:
                 await self.bus.request(self.subjects.prefill(c.prefill_engine), task, m.Ok, timeout=TIMEOUTS.prefill_dispatch)
@@ -193,8 +256,15 @@ class SchedulerShell:
             except Exception as exc:  # noqa: BLE001 - any dispatch failure is the core's to handle
                 # Nobody listens on the engine's subject: the core stops sending it more.
                 unreachable = c.prefill_engine if isinstance(exc, BusTimeoutError) else ""
-                event = DispatchFailed(now=time.monotonic(), request_id=c.request_id, attempt=c.attempt, stage=Stage.DISPATCH,
-                                       reason=str(exc), code=exc.code if isinstance(exc, RemoteError) else 0, unreachable=unreachable)
+                event = DispatchFailed(
+                    now=time.monotonic(),
+                    request_id=c.request_id,
+                    attempt=c.attempt,
+                    stage=Stage.DISPATCH,
+                    reason=str(exc),
+                    code=exc.code if isinstance(exc, RemoteError) else 0,
+                    unreachable=unreachable,
+                )
         self._end_span(key, error=getattr(event, "reason", ""))
         self._feed(event)
 
@@ -206,8 +276,10 @@ class SchedulerShell:
 
     async def _fail(self, c: FailRequest) -> None:
         r: m.SubmitRequest = c.payload
-        await self.bus.publish(r.reply_subject, m.TokenEvent(request_id=c.request_id, index=0, token_ids=[], finish_reason="error",
-                                                             error=c.reason, error_code=c.code))
+        await self.bus.publish(
+            r.reply_subject,
+            m.TokenEvent(request_id=c.request_id, index=0, token_ids=[], finish_reason="error", error=c.reason, error_code=c.code),
+        )
 
     # ---- spans ------------------------------------------------------------------------------
     def _open_decision(self, c: ReserveSlot) -> trace.Span:
@@ -225,11 +297,23 @@ class SchedulerShell:
         if span.is_recording():
             side = d.policy_side
             path = _WIRE_PATH[d.read_side]
-            span.set_attributes({"request_id": c.request_id, "policy": d.policy, "prefill_engine": d.prefill_engine,
-                                 "decode_engine": d.decode_engine, "prefill_node": d.prefill_node, "decode_node": d.decode_node,
-                                 "read_side": "pe" if side == ReadSide.PE else "de", "read_path": path.name.lower(),
-                                 "hit_tokens": d.hit_tokens, "prefill_tokens": d.prefill_tokens, "decode_tokens": d.decode_tokens,
-                                 "attempt": c.attempt, **d.seen})
+            span.set_attributes(
+                {
+                    "request_id": c.request_id,
+                    "policy": d.policy,
+                    "prefill_engine": d.prefill_engine,
+                    "decode_engine": d.decode_engine,
+                    "prefill_node": d.prefill_node,
+                    "decode_node": d.decode_node,
+                    "read_side": "pe" if side == ReadSide.PE else "de",
+                    "read_path": path.name.lower(),
+                    "hit_tokens": d.hit_tokens,
+                    "prefill_tokens": d.prefill_tokens,
+                    "decode_tokens": d.decode_tokens,
+                    "attempt": c.attempt,
+                    **d.seen,
+                }
+            )
             if d.read_split is not None:
                 span.set_attribute("read_split", list(d.read_split))
         return span

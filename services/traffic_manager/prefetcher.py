@@ -74,7 +74,7 @@ class Prefetcher:
             return
         bb = fmt.block_bytes
         if bb * len(req.hashes) > self.cache.budget:  # stage the tail that fits: the prefix is the likeliest evicted anyway
-            req_hashes = req.hashes[-(self.cache.budget // bb):] if self.cache.budget >= bb else []
+            req_hashes = req.hashes[-(self.cache.budget // bb) :] if self.cache.budget >= bb else []
         else:
             req_hashes = req.hashes
         for h in req_hashes:

@@ -85,12 +85,15 @@ class TrafficManager:
 
     def _slot_view(self, offset: int, nbytes: int) -> memoryview:
         self.region.check_range(offset, nbytes)
-        return self.region.buf[offset:offset + nbytes]
+        return self.region.buf[offset : offset + nbytes]
 
     async def alloc(self, req: m.AllocRequest) -> m.AllocReply:
         if req.blocks * req.block_bytes > self.region.size:
-            raise HandlerError(400, f"request {req.request_id} needs {req.blocks * req.block_bytes} bytes, more than node "
-                                    f"{self.cfg.node_id}'s whole {self.region.size}-byte buffer")
+            raise HandlerError(
+                400,
+                f"request {req.request_id} needs {req.blocks * req.block_bytes} bytes, more than node "
+                f"{self.cfg.node_id}'s whole {self.region.size}-byte buffer",
+            )
         try:
             slot = self.pool.alloc(req.request_id, req.blocks * req.block_bytes)
         except BufferFullError as exc:
@@ -102,7 +105,9 @@ class TrafficManager:
         return m.Ok(detail=self._release(req.request_id))
 
     async def load(self, req: m.LoadRequest) -> m.LoadReply:
-        fmt = BlockFormat(layers=req.layers, block_tokens=req.block_tokens, bytes_per_token_layer=req.bytes_per_token_layer, dtype=req.dtype)
+        fmt = BlockFormat(
+            layers=req.layers, block_tokens=req.block_tokens, bytes_per_token_layer=req.bytes_per_token_layer, dtype=req.dtype
+        )
         if self.prefetcher is not None:
             self.prefetcher.fmt = fmt
         slot = self.pool.get(req.request_id)
@@ -119,36 +124,53 @@ class TrafficManager:
         need = len(req.hashes) * fmt.block_bytes
         skip = max(req.first_block, 0) * fmt.block_bytes  # a split read's DE share starts past the PE share's blocks
         if skip + need > slot.nbytes:
-            raise HandlerError(400, f"blocks {req.first_block}..{req.first_block + len(req.hashes)} do not fit the request's "
-                                    f"{slot.nbytes}-byte slot")
+            raise HandlerError(
+                400, f"blocks {req.first_block}..{req.first_block + len(req.hashes)} do not fit the request's {slot.nbytes}-byte slot"
+            )
         attrs = {"node": self.cfg.node_id, "blocks": len(req.hashes), "bytes": need, "request_id": req.request_id}
         with tracer.start_as_current_span("storage.read", attributes=attrs) as span:
             view = self._slot_view(slot.offset + skip, max(need, 0))
             cache = self.prefetcher.cache if self.prefetcher is not None else None
             staged = cache.take_prefix(req.model_digest, req.hashes, fmt.block_bytes, view) if cache is not None else 0
             with self._using(req.request_id):
-                res = await self.io.read_blocks(req.model_digest, req.hashes[staged:], fmt, view[staged * fmt.block_bytes:])
+                res = await self.io.read_blocks(req.model_digest, req.hashes[staged:], fmt, view[staged * fmt.block_bytes :])
             if staged:  # the leading blocks came from the prefetch cache (a memory copy, no storage read)
                 res = dataclasses.replace(res, loaded=staged + res.loaded)
                 span.set_attribute("prefetched_blocks", staged)
             if span.is_recording():
-                span.set_attributes({"loaded_blocks": res.loaded, "bytes_read": res.bytes_read, "queue_wait_s": res.queue_wait_s,
-                                     "read_s": res.read_s, "bad_blocks": len(res.bad)})
+                span.set_attributes(
+                    {
+                        "loaded_blocks": res.loaded,
+                        "bytes_read": res.bytes_read,
+                        "queue_wait_s": res.queue_wait_s,
+                        "read_s": res.read_s,
+                        "bad_blocks": len(res.bad),
+                    }
+                )
         if res.bad:
             log.warning("bad_blocks", request_id=req.request_id, count=len(res.bad))
             await self._drop_from_index(req.model_digest, res.bad)
-        return m.LoadReply(loaded=res.loaded, region=self.descriptor.to_wire(), offset=slot.offset, bytes_read=res.bytes_read,
-                           queue_wait_s=res.queue_wait_s, read_s=res.read_s)
+        return m.LoadReply(
+            loaded=res.loaded,
+            region=self.descriptor.to_wire(),
+            offset=slot.offset,
+            bytes_read=res.bytes_read,
+            queue_wait_s=res.queue_wait_s,
+            read_s=res.read_s,
+        )
 
     async def _drop_from_index(self, digest: int, hashes: list[int]) -> None:
         try:
-            await self.bus.request(self.subjects.kv_remove, m.RemoveRequest(model_digest=digest, hashes=hashes), m.Ok,
-                                   timeout=TIMEOUTS.kv_remove)
+            await self.bus.request(
+                self.subjects.kv_remove, m.RemoveRequest(model_digest=digest, hashes=hashes), m.Ok, timeout=TIMEOUTS.kv_remove
+            )
         except Exception as exc:  # noqa: BLE001 - the index heals on the next failed read anyway
             log.warning("index_remove_failed", error=str(exc))
 
     async def persist(self, req: m.PersistRequest) -> m.Ok:
-        fmt = BlockFormat(layers=req.layers, block_tokens=req.block_tokens, bytes_per_token_layer=req.bytes_per_token_layer, dtype=req.dtype)
+        fmt = BlockFormat(
+            layers=req.layers, block_tokens=req.block_tokens, bytes_per_token_layer=req.bytes_per_token_layer, dtype=req.dtype
+        )
         if req.region_id != self.region.region_id:
             raise HandlerError(404, f"region {req.region_id} is not this node's buffer")
         if self.prefetcher is not None:
@@ -156,8 +178,12 @@ class TrafficManager:
         try:
             if req.hashes:
                 src = self._slot_view(req.offset, len(req.hashes) * fmt.block_bytes)
-                attrs = {"node": self.cfg.node_id, "blocks": len(req.hashes), "bytes": len(req.hashes) * fmt.block_bytes,
-                         "request_id": req.request_id}
+                attrs = {
+                    "node": self.cfg.node_id,
+                    "blocks": len(req.hashes),
+                    "bytes": len(req.hashes) * fmt.block_bytes,
+                    "request_id": req.request_id,
+                }
                 with tracer.start_as_current_span("storage.write", attributes=attrs), self._using(req.request_id):
                     await self.io.write_blocks(req.model_digest, req.hashes, fmt, src)
                 chain = list(req.parent_chain) + list(req.hashes)
@@ -173,10 +199,18 @@ class TrafficManager:
         return m.DescribeReply(node_id=self.cfg.node_id, regions=[self.descriptor.to_wire()])
 
     def report(self) -> m.NodeReport:
-        return m.NodeReport(node_id=self.cfg.node_id, read_q_tokens=self.io.read_q_tokens, read_q_bytes=self.io.read_q_bytes,
-                            buffer_free_bytes=self.pool.free_bytes, buffer_bytes=self.region.size,
-                            regions=[self.descriptor.to_wire()], bytes_read=self.io.bytes_read, bytes_written=self.io.bytes_written,
-                            prefetch=self._prefetch_stats(), ts=time.time())
+        return m.NodeReport(
+            node_id=self.cfg.node_id,
+            read_q_tokens=self.io.read_q_tokens,
+            read_q_bytes=self.io.read_q_bytes,
+            buffer_free_bytes=self.pool.free_bytes,
+            buffer_bytes=self.region.size,
+            regions=[self.descriptor.to_wire()],
+            bytes_read=self.io.bytes_read,
+            bytes_written=self.io.bytes_written,
+            prefetch=self._prefetch_stats(),
+            ts=time.time(),
+        )
 
     def _prefetch_stats(self) -> dict:
         p = self.prefetcher
@@ -196,17 +230,27 @@ def register_metrics(tm: TrafficManager) -> None:
     io = tm.io
     observe("dualpath.storage.read_q", "hit tokens queued for reading from storage (read_q)", lambda: [(io.read_q_tokens, node)])
     observe("dualpath.storage.read_q_bytes", "bytes queued for reading from storage", lambda: [(io.read_q_bytes, node)], unit="By")
-    observe("dualpath.storage.bytes", "bytes moved between storage and the node buffer",
-            lambda: [(io.bytes_read, {**node, "direction": "read"}), (io.bytes_written, {**node, "direction": "write"})],
-            unit="By", kind="counter")
-    observe("dualpath.buffer.used", "bytes of the node DRAM buffer held by requests",
-            lambda: [(tm.region.size - tm.pool.free_bytes, node)], unit="By")
+    observe(
+        "dualpath.storage.bytes",
+        "bytes moved between storage and the node buffer",
+        lambda: [(io.bytes_read, {**node, "direction": "read"}), (io.bytes_written, {**node, "direction": "write"})],
+        unit="By",
+        kind="counter",
+    )
+    observe(
+        "dualpath.buffer.used",
+        "bytes of the node DRAM buffer held by requests",
+        lambda: [(tm.region.size - tm.pool.free_bytes, node)],
+        unit="By",
+    )
     observe("dualpath.buffer.size", "bytes of the node DRAM buffer", lambda: [(tm.region.size, node)], unit="By")
     nic_observations(lambda: [n for n in (io.nic, io.write_nic) if n is not None])
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dualpath service traffic-manager", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="dualpath service traffic-manager", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(p, BusConfig)
     add_arguments(p, NodeConfig)
     add_arguments(p, EmulationConfig, skip=("compute", "gpu", "cnic_gbps"))
@@ -237,9 +281,13 @@ def main(argv: list[str] | None = None) -> int:
         descriptor = transport.register(region)
         tm = TrafficManager(bus, cfg, subjects, region, descriptor, storage_io(cfg, emu))
         register_metrics(tm)
-        for topic, handler, msg in (("alloc", tm.alloc, m.AllocRequest), ("free", tm.free, m.FreeRequest),
-                                    ("load", tm.load, m.LoadRequest), ("persist", tm.persist, m.PersistRequest),
-                                    ("describe", tm.describe, m.DescribeRequest)):
+        for topic, handler, msg in (
+            ("alloc", tm.alloc, m.AllocRequest),
+            ("free", tm.free, m.FreeRequest),
+            ("load", tm.load, m.LoadRequest),
+            ("persist", tm.persist, m.PersistRequest),
+            ("describe", tm.describe, m.DescribeRequest),
+        ):
             await bus.serve(subjects.tm(cfg.node_id, topic), handler, msg)
         if tm.prefetcher is not None:
             await bus.serve(subjects.tm(cfg.node_id, "prefetch"), tm.prefetch, m.PrefetchRequest)
@@ -250,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                 await bus.publish(subjects.node_report, tm.report())
                 try:
                     await asyncio.wait_for(stop.wait(), cfg.report_interval)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
         finally:
             if tm.prefetcher is not None:

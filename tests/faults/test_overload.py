@@ -23,8 +23,9 @@ def _rss_kib(pid: int) -> int:
 
 
 def test_overload_is_refused_with_429_and_retry_after_and_memory_stays_flat(tiny_model, tmp_path):
-    s = start_stack(tiny_model, tmp_path / "storage", tmp_path / "run",
-                    extra_env={"DUALPATH_MAX_QUEUE": "2", "DUALPATH_REQUEST_TIMEOUT": "60"})
+    s = start_stack(
+        tiny_model, tmp_path / "storage", tmp_path / "run", extra_env={"DUALPATH_MAX_QUEUE": "2", "DUALPATH_REQUEST_TIMEOUT": "60"}
+    )
     try:
         model = model_of(s)
         http = httpx.Client(base_url=s.url, timeout=70)
@@ -47,8 +48,10 @@ def test_overload_is_refused_with_429_and_retry_after_and_memory_stays_flat(tiny
             codes += wave(48)
         rss1 = {n: _rss_kib(pid) for n, pid in procs}
         refused = [c for c in codes if c[0] == 429]
-        print(f"\nOVERLOAD {len(codes)} requests: {sum(c[0] == 200 for c in codes)} answered, {len(refused)} refused with 429; "
-              f"RSS growth: " + ", ".join(f"{n} {100 * (rss1[n] - rss0[n]) / rss0[n]:+.1f}%" for n in rss0))
+        print(
+            f"\nOVERLOAD {len(codes)} requests: {sum(c[0] == 200 for c in codes)} answered, {len(refused)} refused with 429; "
+            f"RSS growth: " + ", ".join(f"{n} {100 * (rss1[n] - rss0[n]) / rss0[n]:+.1f}%" for n in rss0)
+        )
         assert {c for c, _ in codes} <= {200, 429}, sorted({c for c, _ in codes})
         assert refused, "the queue bound was never reached"
         assert all(ra is not None and int(ra) >= 1 for _, ra in refused)

@@ -33,8 +33,15 @@ PROMPTS = [f"agent {i} reports: the build failed on step {i}, the log says " + "
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("redundant")
-    s = start_stack(tiny_model, root / "storage", root / "run", topology="2P2D", replicas=2, nats_cluster=3,
-                    extra_env={"DUALPATH_REQUEST_TIMEOUT": "45"})
+    s = start_stack(
+        tiny_model,
+        root / "storage",
+        root / "run",
+        topology="2P2D",
+        replicas=2,
+        nats_cluster=3,
+        extra_env={"DUALPATH_REQUEST_TIMEOUT": "45"},
+    )
     try:
         yield s
     finally:
@@ -83,8 +90,7 @@ def test_active_scheduler_killed_with_requests_in_flight_standby_takes_over(stac
 def test_kv_persistence_replica_killed_during_commits_loses_no_committed_block(stack):
     """Bound: the killed replica is back (stream replayed) within 15 s; lookups keep being answered
     meanwhile; every block hit before the second replica is killed is still a hit from the first."""
-    convs = [[{"role": "user", "content": f"conversation {i}: " + "the tool printed a long listing of files " * 8}]
-             for i in range(4)]
+    convs = [[{"role": "user", "content": f"conversation {i}: " + "the tool printed a long listing of files " * 8}] for i in range(4)]
     loaded_before = len(log_events(stack, "kv-persistence", "index_loaded"))
 
     def turn(msgs):
@@ -181,8 +187,13 @@ def test_traffic_manager_killed_during_de_reads_requests_retried_elsewhere(stack
     stack.supervisor.restart_now("traffic-manager-d0")
     took = wait_until(lambda: tm_answers(stack, "d0"), 30)
     record("traffic manager back (answers again)", took, 20.0)
-    served_again = wait_until(lambda: all(a.text == first.text for a in concurrently(
-        lambda _i: complete(stack, long, max_tokens=16, read_path="de", timeout=20), range(8), workers=4)), 30)
+    served_again = wait_until(
+        lambda: all(
+            a.text == first.text
+            for a in concurrently(lambda _i: complete(stack, long, max_tokens=16, read_path="de", timeout=20), range(8), workers=4)
+        ),
+        30,
+    )
     record("traffic manager back (DE reads served on every node)", served_again, 20.0)
     print("answers with the traffic manager dead:", [a.error or "ok" for a in answers], f"in {served:.1f}s")
     assert all(a.text == first.text for a in answers), [a.error for a in answers]

@@ -56,8 +56,12 @@ def stack(tiny_model, tmp_path_factory):
     s = None
     try:
         # the index log lives off the block storage (as with a shared block store), so only block files see the faults
-        s = start_stack(tiny_model, storage, root / "run", extra_env={"DUALPATH_REQUEST_TIMEOUT": "45",
-                                                                       "DUALPATH_INDEX_PATH": str(root / "index" / "index.log")})
+        s = start_stack(
+            tiny_model,
+            storage,
+            root / "run",
+            extra_env={"DUALPATH_REQUEST_TIMEOUT": "45", "DUALPATH_INDEX_PATH": str(root / "index" / "index.log")},
+        )
         yield s
     finally:
         if s is not None:

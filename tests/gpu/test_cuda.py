@@ -16,8 +16,10 @@ from dualpath.model import Decoder, Tokenizer, greedy_generate, make_tiny_model,
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch")]
 
-TEXT = ("The storage NICs of prefill engines saturate while those of decode engines sit idle; "
-        "DualPath loads KV-cache through both, then moves it over RDMA. Agents take many turns. ") * 3
+TEXT = (
+    "The storage NICs of prefill engines saturate while those of decode engines sit idle; "
+    "DualPath loads KV-cache through both, then moves it over RDMA. Agents take many turns. "
+) * 3
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +101,13 @@ def test_prefill_throughput_on_a_larger_random_model_is_reported(tmp_path):
 @pytest.mark.slow
 def test_a_cuda_stack_serves_both_read_paths_bitwise_equal_and_matching_the_cpu_reference(model_dir, tmp_path):
     import openai
-
     from conftest import start_stack
 
-    turns = ["Read the failing test and tell me what it checks, in detail please. " * 3,
-             "Tool result: AssertionError in test_read_side, expected DE got PE. Why?",
-             "Tool result: after the fix 12 passed. Write the commit message."]
+    turns = [
+        "Read the failing test and tell me what it checks, in detail please. " * 3,
+        "Tool result: AssertionError in test_read_side, expected DE got PE. Why?",
+        "Tool result: after the fix 12 passed. Write the commit message.",
+    ]
     name = model_dir.resolve().name
     runs = {}
     for path in ("pe", "de"):
@@ -114,11 +117,18 @@ def test_a_cuda_stack_serves_both_read_paths_bitwise_equal_and_matching_the_cpu_
             messages, out = [{"role": "system", "content": "You are an agent."}], []
             for text in turns:
                 messages.append({"role": "user", "content": text})
-                r = client.chat.completions.create(model=name, messages=messages, max_tokens=32, temperature=0, logprobs=True,
-                                                   extra_body={"dualpath_read_path": path})
+                r = client.chat.completions.create(
+                    model=name, messages=messages, max_tokens=32, temperature=0, logprobs=True, extra_body={"dualpath_read_path": path}
+                )
                 c = r.choices[0]
-                out.append((c.message.content, [t.logprob for t in c.logprobs.content], r.usage.prompt_tokens_details.cached_tokens,
-                            r.model_extra["dualpath"]["read_path"]))
+                out.append(
+                    (
+                        c.message.content,
+                        [t.logprob for t in c.logprobs.content],
+                        r.usage.prompt_tokens_details.cached_tokens,
+                        r.model_extra["dualpath"]["read_path"],
+                    )
+                )
                 messages.append({"role": "assistant", "content": c.message.content})
             runs[path] = out
         finally:

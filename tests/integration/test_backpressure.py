@@ -8,7 +8,6 @@ import concurrent.futures as cf
 import httpx
 import openai
 import pytest
-
 from conftest import start_stack
 
 pytestmark = pytest.mark.slow
@@ -28,8 +27,10 @@ def test_requests_wait_for_room_in_a_full_node_buffer_instead_of_failing(tiny_mo
             cached = []
             for _ in range(2):
                 r = client.chat.completions.create(model=name, messages=messages, max_tokens=16, temperature=0)
-                messages += [{"role": "assistant", "content": r.choices[0].message.content},
-                             {"role": "user", "content": "Tool result: 3 passed, 1 failed. Next step?"}]
+                messages += [
+                    {"role": "assistant", "content": r.choices[0].message.content},
+                    {"role": "user", "content": "Tool result: 3 passed, 1 failed. Next step?"},
+                ]
                 cached.append(r.usage.prompt_tokens_details.cached_tokens)
             return cached
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-
 from conftest import start_stack
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,6 @@ import time
 
 import openai
 import pytest
-
 from conftest import start_stack
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-
 from conftest import start_stack
+
 from dualpath.kv import BlockStore, block_hashes, model_digest
 from dualpath.model import Decoder, Tokenizer
 
@@ -32,12 +32,20 @@ def run_conversation(url: str, model: str, read_path: str | None = None, turns=U
     for text in turns:
         messages.append({"role": "user", "content": text})
         extra = {"dualpath_read_path": read_path} if read_path else {}
-        r = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-                                           logprobs=True, top_logprobs=2, extra_body=extra)
+        r = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0, logprobs=True, top_logprobs=2, extra_body=extra
+        )
         answer = r.choices[0].message.content
-        out.append({"answer": answer, "prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens,
-                    "cached": r.usage.prompt_tokens_details.cached_tokens,
-                    "logprobs": [c.logprob for c in r.choices[0].logprobs.content], "info": r.model_extra["dualpath"]})
+        out.append(
+            {
+                "answer": answer,
+                "prompt_tokens": r.usage.prompt_tokens,
+                "completion_tokens": r.usage.completion_tokens,
+                "cached": r.usage.prompt_tokens_details.cached_tokens,
+                "logprobs": [c.logprob for c in r.choices[0].logprobs.content],
+                "info": r.model_extra["dualpath"],
+            }
+        )
         messages.append({"role": "assistant", "content": answer})
     return out
 
@@ -91,8 +99,12 @@ def test_kv_in_storage_equals_recomputed_kv(tiny_model, tmp_path, model_name):
         s.stop()
     decoder = Decoder.load(tiny_model)
     tok = Tokenizer.from_dir(tiny_model)
-    messages = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": USER_TURNS[0]},
-                {"role": "assistant", "content": turns[0]["answer"]}, {"role": "user", "content": USER_TURNS[1]}]
+    messages = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": USER_TURNS[0]},
+        {"role": "assistant", "content": turns[0]["answer"]},
+        {"role": "user", "content": USER_TURNS[1]},
+    ]
     ids = tok.encode(tok.render_chat(messages))
     _, k, v = decoder.forward_full(ids)  # [layers, T, kvh, hd]
     store = BlockStore(tmp_path / "storage")
@@ -103,10 +115,17 @@ def test_kv_in_storage_equals_recomputed_kv(tiny_model, tmp_path, model_name):
         if not store.exists(model_digest(model_name), h):
             continue
         buf = bytearray(layers * BT * bpt)
-        store.read_into(model_digest=model_digest(model_name), block_hash=h, layers=layers, tokens=BT, bytes_per_token_layer=bpt,
-                        dtype="float32", dest=memoryview(buf))
+        store.read_into(
+            model_digest=model_digest(model_name),
+            block_hash=h,
+            layers=layers,
+            tokens=BT,
+            bytes_per_token_layer=bpt,
+            dtype="float32",
+            dest=memoryview(buf),
+        )
         kv = torch.frombuffer(buf, dtype=torch.float32).view(layers, BT, 2, decoder.kv_heads, decoder.head_dim)
-        torch.testing.assert_close(kv[:, :, 0], k[:, b * BT:(b + 1) * BT], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(kv[:, :, 1], v[:, b * BT:(b + 1) * BT], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kv[:, :, 0], k[:, b * BT : (b + 1) * BT], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kv[:, :, 1], v[:, b * BT : (b + 1) * BT], atol=1e-4, rtol=1e-4)
         checked += 1
     assert checked == len(hashes) >= 2

@@ -34,17 +34,30 @@ def converse(url: str, model: str, read_path: str) -> list[dict]:
         if i:
             time.sleep(TOOL_GAP_S)
         messages.append({"role": "user", "content": text})
-        r = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
-                                           extra_body={"dualpath_read_path": read_path}, extra_headers={"X-Session-ID": "agent-7"})
+        r = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            logprobs=True,
+            extra_body={"dualpath_read_path": read_path},
+            extra_headers={"X-Session-ID": "agent-7"},
+        )
         c = r.choices[0]
-        out.append({"text": c.message.content, "logprobs": [t.logprob for t in c.logprobs.content],
-                    "cached": r.usage.prompt_tokens_details.cached_tokens})
+        out.append(
+            {
+                "text": c.message.content,
+                "logprobs": [t.logprob for t in c.logprobs.content],
+                "cached": r.usage.prompt_tokens_details.cached_tokens,
+            }
+        )
         messages.append({"role": "assistant", "content": c.message.content})
     return out
 
 
 def prefetch_counters(nats_url: str, namespace: str) -> dict[str, dict]:
     """The latest prefetch counters each traffic manager reports."""
+
     async def collect() -> dict[str, dict]:
         nc = await nats.connect(nats_url)
         seen: dict[str, dict] = {}

@@ -11,8 +11,8 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
-
 from conftest import start_stack
+
 from dualpath.model import Decoder, Tokenizer, make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -30,11 +30,23 @@ def converse(url: str, model: str, read_path: str) -> list[dict]:
     messages, out = [{"role": "system", "content": "You are an agent."}], []
     for text in TURNS:
         messages.append({"role": "user", "content": text})
-        r = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
-                                           extra_body={"dualpath_read_path": read_path})
+        r = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            logprobs=True,
+            extra_body={"dualpath_read_path": read_path},
+        )
         c = r.choices[0]
-        out.append({"text": c.message.content, "logprobs": [t.logprob for t in c.logprobs.content],
-                    "cached": r.usage.prompt_tokens_details.cached_tokens, "path": r.model_extra["dualpath"]["read_path"]})
+        out.append(
+            {
+                "text": c.message.content,
+                "logprobs": [t.logprob for t in c.logprobs.content],
+                "cached": r.usage.prompt_tokens_details.cached_tokens,
+                "path": r.model_extra["dualpath"]["read_path"],
+            }
+        )
         messages.append({"role": "assistant", "content": c.message.content})
     return out
 
@@ -60,8 +72,9 @@ def reference(model_dir, turns: list[dict]) -> list[tuple[str, list[float]]]:
     return out
 
 
-@pytest.mark.parametrize("layers,hidden,heads,kv_heads", [(1, 32, 2, 1), (3, 96, 6, 2), (8, 64, 4, 4)],
-                         ids=["1layer-gqa2", "3layers-gqa3", "8layers-mha"])
+@pytest.mark.parametrize(
+    "layers,hidden,heads,kv_heads", [(1, 32, 2, 1), (3, 96, 6, 2), (8, 64, 4, 4)], ids=["1layer-gqa2", "3layers-gqa3", "8layers-mha"]
+)
 def test_pe_and_de_read_paths_are_bitwise_equal_and_match_a_full_recompute(tmp_path, layers, hidden, heads, kv_heads):
     model_dir = make_tiny_model(tmp_path / "model", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=400, seed=layers)
     name = model_dir.resolve().name

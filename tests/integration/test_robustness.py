@@ -10,8 +10,8 @@ import msgpack
 import nats
 import openai
 import pytest
-
 from conftest import start_stack
+
 from dualpath.kv import BlockStore, block_hashes, model_digest
 from dualpath.model import Tokenizer
 from dualpath.protocol import decode, encode
@@ -45,8 +45,16 @@ async def _probe(url: str, ns: str, node: str) -> list[tuple[str, int]]:
     nc = await nats.connect(url)
     answers = []
     try:
-        for subject in (subj.kv_lookup, subj.kv_commit, subj.submit, subj.sched_state, subj.tm(node, "load"),
-                        subj.tm(node, "alloc"), subj.prefill("p0e0"), subj.decode("d0e0")):
+        for subject in (
+            subj.kv_lookup,
+            subj.kv_commit,
+            subj.submit,
+            subj.sched_state,
+            subj.tm(node, "load"),
+            subj.tm(node, "alloc"),
+            subj.prefill("p0e0"),
+            subj.decode("d0e0"),
+        ):
             for junk in GARBAGE:
                 reply = await nc.request(subject, junk, timeout=5)
                 err = decode(reply.data, m.ErrorReply)

@@ -30,12 +30,24 @@ def converse(url: str, model: str, read_path: str) -> list[dict]:
     messages, out = [{"role": "system", "content": "You are an agent."}], []
     for text in TURNS:
         messages.append({"role": "user", "content": text})
-        r = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
-                                           extra_body={"dualpath_read_path": read_path})
+        r = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            logprobs=True,
+            extra_body={"dualpath_read_path": read_path},
+        )
         c = r.choices[0]
         record = r.model_extra["dualpath"]
-        out.append({"text": c.message.content, "logprobs": [t.logprob for t in c.logprobs.content],
-                    "cached": r.usage.prompt_tokens_details.cached_tokens, "split": record.get("read_split")})
+        out.append(
+            {
+                "text": c.message.content,
+                "logprobs": [t.logprob for t in c.logprobs.content],
+                "cached": r.usage.prompt_tokens_details.cached_tokens,
+                "split": record.get("read_split"),
+            }
+        )
         messages.append({"role": "assistant", "content": c.message.content})
     return out
 

@@ -19,8 +19,17 @@ def _long_context_agents(path, agents: int, turns: int) -> None:
     regime) while staying short."""
     with path.open("w") as f:
         for i in range(agents):
-            f.write(json.dumps({"id": f"agent-{i}", "system_tokens": 24000 + 64 * i,
-                                "append_tokens": [400] * (turns + 1), "gen_tokens": [8] * (turns + 1)}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"agent-{i}",
+                        "system_tokens": 24000 + 64 * i,
+                        "append_tokens": [400] * (turns + 1),
+                        "gen_tokens": [8] * (turns + 1),
+                    }
+                )
+                + "\n"
+            )
 
 
 def test_on_a_storage_bound_run_dualpath_beats_basic_by_reading_on_the_decode_node_and_oracle_is_fastest(tmp_path):
@@ -29,10 +38,34 @@ def test_on_a_storage_bound_run_dualpath_beats_basic_by_reading_on_the_decode_no
     data = tmp_path / "agents.jsonl"
     _long_context_agents(data, agents=12, turns=3)
     out = tmp_path / "offline"
-    proc = subprocess.run([sys.executable, "-m", "dualpath.cli", "experiment", "offline", "--agents", "12", "--turns", "3",
-                           "--dataset", str(data), "--start-at", "0", "--modes", "basic,dualpath,oracle", "--slowdown", "2",
-                           "--out", str(out), "--json"],
-                          capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dualpath.cli",
+            "experiment",
+            "offline",
+            "--agents",
+            "12",
+            "--turns",
+            "3",
+            "--dataset",
+            str(data),
+            "--start-at",
+            "0",
+            "--modes",
+            "basic,dualpath,oracle",
+            "--slowdown",
+            "2",
+            "--out",
+            str(out),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)
     rows = result["modes"]
@@ -53,10 +86,44 @@ def test_loadgen_online_against_a_real_stack_reuses_kv_and_meets_a_loose_slo(tin
     s = start_stack(tiny_model, tmp_path / "storage", tmp_path / "run")
     try:
         out = tmp_path / "lg"
-        proc = subprocess.run([sys.executable, "-m", "dualpath.cli", "loadgen", "--url", s.url, "--dataset", "32k", "--scale", "0.01",
-                               "--agents", "20", "--turns", "3", "--rate", "2", "--duration", "4", "--tokenizer", str(tiny_model),
-                               "--slo-ttft", "10", "--slo-tpot", "1", "--out", str(out), "--progress", "never", "--api", "chat"],
-                              capture_output=True, text=True, timeout=300, check=False)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dualpath.cli",
+                "loadgen",
+                "--url",
+                s.url,
+                "--dataset",
+                "32k",
+                "--scale",
+                "0.01",
+                "--agents",
+                "20",
+                "--turns",
+                "3",
+                "--rate",
+                "2",
+                "--duration",
+                "4",
+                "--tokenizer",
+                str(tiny_model),
+                "--slo-ttft",
+                "10",
+                "--slo-tpot",
+                "1",
+                "--out",
+                str(out),
+                "--progress",
+                "never",
+                "--api",
+                "chat",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         report = json.loads((out / "report.json").read_text())
         run = report["run"]

@@ -9,7 +9,6 @@ import sys
 import httpx
 import openai
 import pytest
-
 from conftest import start_stack
 
 pytestmark = pytest.mark.slow
@@ -51,8 +50,30 @@ def test_every_service_prints_its_flags_and_environment_variables():
 
 
 def test_make_tiny_model_command_writes_a_loadable_checkpoint(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "dualpath.cli", "make-tiny-model", str(tmp_path / "m"), "--layers", "3", "--hidden", "96",
-                          "--heads", "6", "--kv-heads", "2", "--vocab", "400", "--seed", "7"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dualpath.cli",
+            "make-tiny-model",
+            str(tmp_path / "m"),
+            "--layers",
+            "3",
+            "--hidden",
+            "96",
+            "--heads",
+            "6",
+            "--kv-heads",
+            "2",
+            "--vocab",
+            "400",
+            "--seed",
+            "7",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     from dualpath.model import Decoder, Tokenizer
 

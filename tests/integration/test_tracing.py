@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from conftest import start_stack
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
 
-from conftest import start_stack
 from dualpath.bus.embedded import free_port
 from dualpath.cli.trace import main as trace_main
 
@@ -78,11 +78,19 @@ class OtlpReceiver:
             service = next((_value(a.value) for a in rs.resource.attributes if a.key == "service.name"), "?")
             for ss in rs.scope_spans:
                 for s in ss.spans:
-                    self.spans.append({"trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(), "parent_id": s.parent_span_id.hex() or None,
-                                       "name": s.name, "service": service, "attributes": {a.key: _value(a.value) for a in s.attributes},
-                                       "links": [link.span_id.hex() for link in s.links]})
+                    self.spans.append(
+                        {
+                            "trace_id": s.trace_id.hex(),
+                            "span_id": s.span_id.hex(),
+                            "parent_id": s.parent_span_id.hex() or None,
+                            "name": s.name,
+                            "service": service,
+                            "attributes": {a.key: _value(a.value) for a in s.attributes},
+                            "links": [link.span_id.hex() for link in s.links],
+                        }
+                    )
 
-    def start(self) -> "OtlpReceiver":
+    def start(self) -> OtlpReceiver:
         self.thread.start()
         return self
 
@@ -114,8 +122,9 @@ def traced_run(tiny_model, tmp_path_factory) -> TracedRun:
         messages = [{"role": "system", "content": "You are a coding agent. Read the repository layout carefully first. " * 4}]
         for text, path in (("List the files that hold the scheduler.", "pe"), ("Tool output: core.py. Open it.", "de")):
             messages.append({"role": "user", "content": text})
-            r = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
-                                               extra_body={"dualpath_read_path": path})
+            r = client.chat.completions.create(
+                model=model, messages=messages, max_tokens=6, temperature=0, extra_body={"dualpath_read_path": path}
+            )
             rids.append(r.id)
             paths.append(r.model_extra["dualpath"]["read_path"])
             cached.append(r.usage.prompt_tokens_details.cached_tokens)
@@ -246,8 +255,11 @@ def _scrape(url: str, want: str, proc: subprocess.Popen, timeout: float = 20.0) 
 
 
 def _run_service(module: str, nats_url: str, port: int, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", module, "--nats-url", nats_url, "--namespace", f"m{port}", "--metrics-port", str(port),
-                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", module, "--nats-url", nats_url, "--namespace", f"m{port}", "--metrics-port", str(port), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -275,8 +287,21 @@ def test_the_scheduler_serves_its_queue_metrics_for_prometheus(nats_server):
 
 def test_a_traffic_manager_serves_read_queue_buffer_and_snic_metrics(nats_server, tmp_path):
     port = free_port()
-    proc = _run_service("services.traffic_manager", nats_server.url, port, "--node-id", "n0", "--storage", str(tmp_path),
-                        "--buffer-mb", "4", "--snic-gbps", "100", "--scale", "1000")
+    proc = _run_service(
+        "services.traffic_manager",
+        nats_server.url,
+        port,
+        "--node-id",
+        "n0",
+        "--storage",
+        str(tmp_path),
+        "--buffer-mb",
+        "4",
+        "--snic-gbps",
+        "100",
+        "--scale",
+        "1000",
+    )
     try:
         text = _scrape(f"http://127.0.0.1:{port}/metrics", "dualpath_storage_read_q", proc)
     finally:

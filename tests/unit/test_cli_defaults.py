@@ -8,12 +8,19 @@ from dualpath.cli.launcher.up import build_parser
 from dualpath.config import EmulationConfig, EngineConfig, GatewayConfig, ModelConfigSpec, NodeConfig, SchedulerConfig, default_of
 
 SHARED = [
-    ("port", GatewayConfig, "port"), ("host", GatewayConfig, "host"),
-    ("policy", SchedulerConfig, "policy"), ("read_path", SchedulerConfig, "read_path"),
-    ("device", ModelConfigSpec, "device"), ("buffer_mb", NodeConfig, "buffer_mb"),
-    ("compute", EmulationConfig, "compute"), ("target", EmulationConfig, "target"), ("scale", EmulationConfig, "scale"),
-    ("snic_gbps", EmulationConfig, "snic_gbps"), ("cnic_gbps", EmulationConfig, "cnic_gbps"),
-    ("gpus_per_node", EmulationConfig, "gpus_per_node"), ("compute_quota_ms", EngineConfig, "compute_quota_ms"),
+    ("port", GatewayConfig, "port"),
+    ("host", GatewayConfig, "host"),
+    ("policy", SchedulerConfig, "policy"),
+    ("read_path", SchedulerConfig, "read_path"),
+    ("device", ModelConfigSpec, "device"),
+    ("buffer_mb", NodeConfig, "buffer_mb"),
+    ("compute", EmulationConfig, "compute"),
+    ("target", EmulationConfig, "target"),
+    ("scale", EmulationConfig, "scale"),
+    ("snic_gbps", EmulationConfig, "snic_gbps"),
+    ("cnic_gbps", EmulationConfig, "cnic_gbps"),
+    ("gpus_per_node", EmulationConfig, "gpus_per_node"),
+    ("compute_quota_ms", EngineConfig, "compute_quota_ms"),
 ]
 
 

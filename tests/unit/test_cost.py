@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dualpath.cost import (
     GPUS,
     TARGETS,
@@ -16,8 +19,6 @@ from dualpath.cost import (
     get_target,
 )
 from dualpath.cost.model import _span_sum
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 K = 1024
 

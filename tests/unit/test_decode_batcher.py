@@ -102,8 +102,12 @@ def test_an_evicted_request_is_skipped_by_the_step_that_was_running():
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 500), st.integers(1, 200)), min_size=1, max_size=20), st.integers(4, 40),
-       st.integers(1, 8), st.randoms(use_true_random=False))
+@given(
+    st.lists(st.tuples(st.integers(1, 500), st.integers(1, 200)), min_size=1, max_size=20),
+    st.integers(4, 40),
+    st.integers(1, 8),
+    st.randoms(use_true_random=False),
+)
 def test_reservations_never_exceed_the_memory_admission_is_fifo_and_each_filled_block_is_reported_once(reqs, blocks, max_running, rnd):
     cap = blocks * BLOCK
     b = DecodeBatcher(capacity_tokens=cap, block_tokens=BLOCK, max_running=max_running)

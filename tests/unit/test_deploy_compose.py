@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dualpath import config
-from dualpath import cli
+from dualpath import cli, config
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = REPO / "deploy" / "compose"
@@ -142,8 +141,11 @@ def test_every_dualpath_and_otel_variable_is_one_the_code_reads(path: Path) -> N
     names = set(INTERPOLATION.findall(path.read_text()))
     for svc in _services(path).values():
         names |= set(_env(svc))
-    unknown = sorted(n for n in names if (n.startswith("DUALPATH_") and n not in _known_dualpath_vars())
-                     or (n.startswith("OTEL_") and not hasattr(otel, n)))
+    unknown = sorted(
+        n
+        for n in names
+        if (n.startswith("DUALPATH_") and n not in _known_dualpath_vars()) or (n.startswith("OTEL_") and not hasattr(otel, n))
+    )
     assert unknown == []
 
 
@@ -184,8 +186,14 @@ def test_every_command_names_an_existing_subcommand_service_or_module() -> None:
 
 
 def test_services_on_the_control_image_import_without_torch() -> None:
-    modules = sorted({_service_module(svc) for svc in _services(MAIN).values()
-                      if str(svc.get("build", {}).get("dockerfile", "")).endswith("Dockerfile.control")} - {None})
+    modules = sorted(
+        {
+            _service_module(svc)
+            for svc in _services(MAIN).values()
+            if str(svc.get("build", {}).get("dockerfile", "")).endswith("Dockerfile.control")
+        }
+        - {None}
+    )
     assert modules, "no DualPath service runs on the control image"
     script = (
         "import importlib, sys\n"
@@ -328,8 +336,9 @@ def test_dockerfile_copy_sources_exist_and_are_sent_with_the_build_context(conte
     ignore_file = Path(f"{dockerfile}.dockerignore")
     if not ignore_file.exists():
         ignore_file = context / ".dockerignore"
-    patterns = [ln.strip() for ln in ignore_file.read_text().splitlines() if ln.strip() and not ln.startswith("#")] \
-        if ignore_file.exists() else []
+    patterns = (
+        [ln.strip() for ln in ignore_file.read_text().splitlines() if ln.strip() and not ln.startswith("#")] if ignore_file.exists() else []
+    )
     sources = _copy_sources(dockerfile)
     assert sources, f"{dockerfile.name} copies nothing"
     for src in sources:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from dualpath.config import (
     BusConfig,
     EmulationConfig,
@@ -44,8 +45,7 @@ def _containers() -> list[tuple[str, dict]]:
     return out
 
 
-@pytest.mark.parametrize("doc", [d for d in _docs() if d["kind"] != "Kustomization"],
-                         ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+@pytest.mark.parametrize("doc", [d for d in _docs() if d["kind"] != "Kustomization"], ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
 def test_every_manifest_is_valid_against_the_kubernetes_schema(doc):
     kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
 
@@ -82,8 +82,9 @@ def test_every_container_has_liveness_and_readiness_probes():
 
 
 def test_every_dualpath_variable_set_is_one_the_services_read():
-    known = set(env_vars(BusConfig, ModelConfigSpec, NodeConfig, EngineConfig, EmulationConfig, SchedulerConfig,
-                         KvPersistenceConfig, GatewayConfig)) | {"DUALPATH_LOG_LEVEL"}
+    known = set(
+        env_vars(BusConfig, ModelConfigSpec, NodeConfig, EngineConfig, EmulationConfig, SchedulerConfig, KvPersistenceConfig, GatewayConfig)
+    ) | {"DUALPATH_LOG_LEVEL"}
     used = set(_by("ConfigMap")["dualpath-common"]["data"])
     for _name, c in _containers():
         used |= {e["name"] for e in c.get("env", [])}

@@ -15,9 +15,23 @@ BT = 64
 
 
 def _task(rid: str, prompt: int, hits: int, read_path: int) -> m.PrefillTask:
-    return m.PrefillTask(request_id=rid, model="m", model_digest=0, prompt_tokens=[1] * prompt, block_hashes=[], hit_blocks=hits,
-                         sampling={}, reply_subject="r", read_path=read_path, prefill_engine="p0", prefill_node="P", decode_engine="d0",
-                         decode_node="D", de_region={}, de_offset=0)
+    return m.PrefillTask(
+        request_id=rid,
+        model="m",
+        model_digest=0,
+        prompt_tokens=[1] * prompt,
+        block_hashes=[],
+        hit_blocks=hits,
+        sampling={},
+        reply_subject="r",
+        read_path=read_path,
+        prefill_engine="p0",
+        prefill_node="P",
+        decode_engine="d0",
+        decode_node="D",
+        de_region={},
+        de_offset=0,
+    )
 
 
 def test_miss_tokens_are_the_prompt_less_its_hits_and_the_last_token_is_always_computed():
@@ -35,8 +49,11 @@ def test_a_prefill_engine_counts_planned_hits_as_read_while_the_load_runs_and_lo
     queued = Job(task=_task("d", 500, 2, int(m.ReadPath.PE)), dest=None)
     queued.loading, queued.hit_blocks = False, 2
     batcher.add("d", cached=2 * BT, total=500)
-    engine = SimpleNamespace(setup=SimpleNamespace(layout=SimpleNamespace(block_tokens=BT)), batcher=batcher,
-                             jobs={j.task.request_id: j for j in (loading, no_read, short, queued)})
+    engine = SimpleNamespace(
+        setup=SimpleNamespace(layout=SimpleNamespace(block_tokens=BT)),
+        batcher=batcher,
+        jobs={j.task.request_id: j for j in (loading, no_read, short, queued)},
+    )
     want = (300 - 2 * BT) + 200 + (300 - BT) + (500 - 2 * BT)  # what the scheduler charges, less what the load changed
     assert PrefillEngine.tokens_left(engine) == want
 

@@ -12,21 +12,26 @@ import dataclasses
 
 import msgpack
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from dualpath.kv import BlockStore
 from dualpath.kv.block import HEADER_BYTES, BlockHeader, decode_header, encode_header
 from dualpath.kv.errors import BlockMissingError, CorruptBlockError
 from dualpath.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode
 from dualpath.protocol import messages as m
 from dualpath.protocol.codec import _BY_CODE
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 MESSAGES = sorted(_BY_CODE.items())
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # msgpack values of every kind, nested: what a hostile peer can put in a field
 plain = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=True) | st.text(max_size=20)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=20)
     | st.binary(max_size=20),
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
     max_leaves=20,
@@ -51,8 +56,11 @@ def test_random_bytes_are_a_protocol_error_or_a_message(data):
 
 
 @FUZZ
-@given(code=st.sampled_from([c for c, _ in MESSAGES]), fields=st.dictionaries(st.text(max_size=24), plain, max_size=8),
-       version=st.sampled_from([PROTOCOL_VERSION, PROTOCOL_VERSION]) | plain)
+@given(
+    code=st.sampled_from([c for c, _ in MESSAGES]),
+    fields=st.dictionaries(st.text(max_size=24), plain, max_size=8),
+    version=st.sampled_from([PROTOCOL_VERSION, PROTOCOL_VERSION]) | plain,
+)
 def test_an_envelope_with_arbitrary_fields_is_a_protocol_error_or_a_message_of_its_type(code, fields, version):
     body = {**fields, "v": version, "t": code}
     cls = _BY_CODE[code]
@@ -80,8 +88,13 @@ def test_every_message_type_with_hostile_field_values_is_rejected_cleanly(data):
 
 
 @FUZZ
-@given(digest=st.integers(0, 2**64 - 1), hashes=st.lists(st.integers(1, 2**64 - 1), max_size=40), start=st.integers(0, 40),
-       flip=st.integers(0, 10_000), bit=st.integers(0, 7))
+@given(
+    digest=st.integers(0, 2**64 - 1),
+    hashes=st.lists(st.integers(1, 2**64 - 1), max_size=40),
+    start=st.integers(0, 40),
+    flip=st.integers(0, 10_000),
+    bit=st.integers(0, 7),
+)
 def test_a_flipped_bit_in_a_commit_request_is_a_protocol_error_or_a_commit_request(digest, hashes, start, flip, bit):
     raw = bytearray(encode(m.CommitRequest(model_digest=digest, hashes=hashes, start=start)))
     raw[flip % len(raw)] ^= 1 << bit
@@ -90,9 +103,17 @@ def test_a_flipped_bit_in_a_commit_request_is_a_protocol_error_or_a_commit_reque
 
 # ---- the block file --------------------------------------------------------------------------
 
-headers = st.builds(BlockHeader, version=st.just(1), model_digest=st.integers(0, 2**64 - 1), block_hash=st.integers(1, 2**64 - 1),
-                    layers=st.integers(1, 64), tokens=st.integers(1, 128), bytes_per_token_layer=st.integers(1, 512),
-                    dtype=st.sampled_from(["float32", "bfloat16", "float16"]), checksum=st.integers(0, 2**64 - 1))
+headers = st.builds(
+    BlockHeader,
+    version=st.just(1),
+    model_digest=st.integers(0, 2**64 - 1),
+    block_hash=st.integers(1, 2**64 - 1),
+    layers=st.integers(1, 64),
+    tokens=st.integers(1, 128),
+    bytes_per_token_layer=st.integers(1, 512),
+    dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+    checksum=st.integers(0, 2**64 - 1),
+)
 
 
 @FUZZ
@@ -116,8 +137,12 @@ def test_a_header_round_trips_and_any_flipped_bit_is_detected(h, flip, bit):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(payload=st.binary(min_size=24, max_size=24), damage=st.sampled_from(["flip", "truncate", "extend", "garbage"]),
-       where=st.integers(0, 10_000), junk=st.binary(min_size=1, max_size=200))
+@given(
+    payload=st.binary(min_size=24, max_size=24),
+    damage=st.sampled_from(["flip", "truncate", "extend", "garbage"]),
+    where=st.integers(0, 10_000),
+    junk=st.binary(min_size=1, max_size=200),
+)
 def test_a_block_file_damaged_anywhere_is_never_read_as_valid(tmp_path, payload, damage, where, junk):
     store = BlockStore(tmp_path, fsync=False)
     fmt = {"layers": 2, "tokens": 3, "bytes_per_token_layer": 4, "dtype": "float32"}

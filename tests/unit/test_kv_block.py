@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dualpath.kv import FORMAT_VERSION, HEADER_BYTES, BlockHeader, CorruptBlockError
-from dualpath.kv import decode_header, encode_header
+from dualpath.kv import FORMAT_VERSION, HEADER_BYTES, BlockHeader, CorruptBlockError, decode_header, encode_header
 
 u64 = st.integers(0, 2**64 - 1)
 u32_pos = st.integers(1, 2**32 - 1)

@@ -31,12 +31,8 @@ def test_hash_matches_the_documented_formula() -> None:
     """Pins the on-disk identity: changing it would orphan every persisted block."""
     tokens = [7, 2**32 - 1, 0, 123456]
     digest = xxhash.xxh3_64_intdigest(MODEL.encode())
-    h0 = xxhash.xxh3_64_intdigest(
-        (0).to_bytes(8, "little") + digest.to_bytes(8, "little") + struct.pack("<2I", *tokens[:2])
-    )
-    h1 = xxhash.xxh3_64_intdigest(
-        h0.to_bytes(8, "little") + digest.to_bytes(8, "little") + struct.pack("<2I", *tokens[2:])
-    )
+    h0 = xxhash.xxh3_64_intdigest((0).to_bytes(8, "little") + digest.to_bytes(8, "little") + struct.pack("<2I", *tokens[:2]))
+    h1 = xxhash.xxh3_64_intdigest(h0.to_bytes(8, "little") + digest.to_bytes(8, "little") + struct.pack("<2I", *tokens[2:]))
     assert model_digest(MODEL) == digest
     assert block_hashes(MODEL, tokens, block_tokens=2) == [h0, h1]
 
@@ -75,9 +71,7 @@ def test_partial_tail_has_no_hash_and_does_not_affect_full_blocks() -> None:
 
 
 @given(tokens=token_lists, cut=st.integers(0, 40), bt=st.integers(1, 6))
-def test_hashes_of_a_prefix_are_a_prefix_of_the_hashes(
-    tokens: list[int], cut: int, bt: int
-) -> None:
+def test_hashes_of_a_prefix_are_a_prefix_of_the_hashes(tokens: list[int], cut: int, bt: int) -> None:
     whole = block_hashes(MODEL, tokens, block_tokens=bt)
     part = block_hashes(MODEL, tokens[:cut], block_tokens=bt)
     assert part == whole[: len(part)]

@@ -12,8 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dualpath.kv import HEADER_BYTES, BlockMissingError, BlockStore, CorruptBlockError
-from dualpath.kv import hash_hex, model_digest
+from dualpath.kv import HEADER_BYTES, BlockMissingError, BlockStore, CorruptBlockError, hash_hex, model_digest
 
 DIGEST = model_digest("test-model")
 LAYERS, TOKENS, BPT = 4, 64, 32
@@ -124,9 +123,7 @@ def test_flipped_payload_byte_is_corrupt(store: BlockStore, offset: int) -> None
         {"dtype": "float16"},
     ],
 )
-def test_header_fields_that_differ_from_the_expected_are_corrupt(
-    store: BlockStore, expected: dict[str, object]
-) -> None:
+def test_header_fields_that_differ_from_the_expected_are_corrupt(store: BlockStore, expected: dict[str, object]) -> None:
     put(store, payload())
     with pytest.raises(CorruptBlockError, match="header fields"):
         read(store, **expected)
@@ -151,9 +148,7 @@ def test_no_temp_files_are_left_after_writes(store: BlockStore) -> None:
     assert sorted(names) == sorted(f"{hash_hex(h)}.kvb" for h in range(1, 6))
 
 
-def test_crash_before_rename_leaves_no_block_and_no_temp_file(
-    store: BlockStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_crash_before_rename_leaves_no_block_and_no_temp_file(store: BlockStore, monkeypatch: pytest.MonkeyPatch) -> None:
     def crash(src: object, dst: object) -> None:
         raise OSError("simulated crash before rename")
 

@@ -356,9 +356,7 @@ class IndexAgainstModel(RuleBasedStateMachine):
         shutil.rmtree(self.dir)
 
 
-IndexAgainstModel.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=25, deadline=None
-)
+IndexAgainstModel.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
 test_index_behaves_like_a_dict_of_parents = IndexAgainstModel.TestCase
 
 

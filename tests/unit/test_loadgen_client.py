@@ -32,7 +32,7 @@ def _tokens(texts: list[str], usage: dict | None = None, sep: bytes = b"\n\n") -
 
 
 def _chunked(body: bytes, size: int = 37) -> bytes:
-    chunks = [body[i:i + size] for i in range(0, len(body), size)]
+    chunks = [body[i : i + size] for i in range(0, len(body), size)]
     return b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
 
 
@@ -72,13 +72,16 @@ def test_a_chunked_sse_stream_split_at_every_byte_boundary_gives_the_same_result
 
 def test_crlf_separated_events_and_one_byte_reads_are_parsed(loop) -> None:
     wire = _HEAD + _chunked(_tokens([" x", " y"], _USAGE, sep=b"\r\n\r\n"), size=5)
-    result = _feed(loop, [wire[i:i + 1] for i in range(len(wire))])
+    result = _feed(loop, [wire[i : i + 1] for i in range(len(wire))])
     assert result.text == " x y" and result.completion_tokens == 3
 
 
 def test_chat_deltas_count_content_and_ignore_the_role_only_chunk(loop) -> None:
-    events = [{"choices": [{"delta": {"role": "assistant"}}]}, {"choices": [{"delta": {"content": "hi"}}]},
-              {"choices": [{"delta": {"content": " there"}}]}]
+    events = [
+        {"choices": [{"delta": {"role": "assistant"}}]},
+        {"choices": [{"delta": {"content": "hi"}}]},
+        {"choices": [{"delta": {"content": " there"}}]},
+    ]
     body = b"".join(_event(e) for e in events) + b"data: [DONE]\n\n"
     result = _feed(loop, [_HEAD + _chunked(body)], chat=True)
     assert result.text == "hi there" and result.chunks == 2

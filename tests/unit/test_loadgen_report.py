@@ -35,11 +35,13 @@ def test_slo_outcome_of_a_turn(turn: TurnRecord, outcome: bool | None) -> None:
 
 
 def test_summary_counts_attainment_goodput_and_errors() -> None:
-    turns = [_turn(ttft=0.2, tpot=0.05, completion_tokens=5, prompt_tokens=10, cached_tokens=5),
-             _turn(ttft=0.4, tpot=0.05, completion_tokens=5, prompt_tokens=10, cached_tokens=0),
-             _turn(ttft=3.0, tpot=0.05, completion_tokens=4, prompt_tokens=10),
-             _turn(error_kind="timeout", error="slow"),
-             _turn(error_kind="cancelled", e2e=0.1)]
+    turns = [
+        _turn(ttft=0.2, tpot=0.05, completion_tokens=5, prompt_tokens=10, cached_tokens=5),
+        _turn(ttft=0.4, tpot=0.05, completion_tokens=5, prompt_tokens=10, cached_tokens=0),
+        _turn(ttft=3.0, tpot=0.05, completion_tokens=4, prompt_tokens=10),
+        _turn(error_kind="timeout", error="slow"),
+        _turn(error_kind="cancelled", e2e=0.1),
+    ]
     agents = [AgentRecord(agent=0, scheduled=0.0, started=0.0, ended=2.0, turns_done=3, turns_total=4, status="failed")]
     s = summarize(turns, agents, slo=SLO, wall_s=2.0, itl=LogHistogram(), launched_at=[0.5], offline=False)
     assert s["slo"]["turns_counted"] == 4 and s["slo"]["attainment"] == 0.5 and s["slo"]["met"] is False

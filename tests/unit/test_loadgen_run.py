@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dualpath.bench.loadgen import run_overhead_bench
 from loadgen.cli import main
 from loadgen.instant_server import start_instant_server
-from dualpath.bench.loadgen import run_overhead_bench
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +49,11 @@ def _receive_leg_ms(turn: dict, t0: float) -> float:
 
 
 @pytest.mark.slow  # 1,000 agents against a server that holds each first token 1 s: a benchmark-sized run (5-13 s)
-def test_a_thousand_agents_run_offline_without_errors_and_the_client_adds_little_ttft(
-        two_turn_file: Path, tmp_path: Path, capsys) -> None:
+def test_a_thousand_agents_run_offline_without_errors_and_the_client_adds_little_ttft(two_turn_file: Path, tmp_path: Path, capsys) -> None:
     # The server holds each first token for 1 s (a prefill), so all 1000 sessions are
     # active at once, as against a real server, instead of finishing while others start.
     with start_instant_server(ttft_s=1.0) as server:
-        code, report, _ = _run(["--url", server.url, "--dataset", str(two_turn_file), "--agents", "1000"],
-                               tmp_path, capsys)
+        code, report, _ = _run(["--url", server.url, "--dataset", str(two_turn_file), "--agents", "1000"], tmp_path, capsys)
     run = report["run"]
     assert code == 0 and report["status"] == "ok"
     assert run["agents"] == {"launched": 1000, "done": 1000, "failed": 0, "cancelled": 0}
@@ -82,8 +80,9 @@ def test_an_unreachable_server_exits_3_quickly_with_a_message_and_a_saved_report
 
 def test_a_server_answering_500_gives_exit_3_and_records_the_failed_turns(tmp_path: Path, capsys) -> None:
     with start_instant_server(fail_status=500) as server:
-        code, report, err = _run(["--url", server.url, "--agents", "30", "--turns", "2", "--scale", "0.001",
-                                  "--max-errors", "10"], tmp_path, capsys)
+        code, report, err = _run(
+            ["--url", server.url, "--agents", "30", "--turns", "2", "--scale", "0.001", "--max-errors", "10"], tmp_path, capsys
+        )
     assert code == 3 and report["status"] == "server_errors"
     assert "HTTP 500" in err and "Traceback" not in err
     assert report["run"]["turns"]["errors"].get("http", 0) >= 10
@@ -108,16 +107,20 @@ def test_bad_options_exit_2(tmp_path: Path, capsys) -> None:
 def test_a_request_timeout_fails_the_turn_instead_of_hanging(tmp_path: Path, capsys) -> None:
     with start_instant_server(ttft_s=30.0) as server:
         start = time.monotonic()
-        code, report, err = _run(["--url", server.url, "--agents", "2", "--turns", "1", "--scale", "0.001",
-                                  "--request-timeout", "0.5"], tmp_path, capsys)
+        code, report, err = _run(
+            ["--url", server.url, "--agents", "2", "--turns", "1", "--scale", "0.001", "--request-timeout", "0.5"], tmp_path, capsys
+        )
     assert code == 3 and time.monotonic() - start < 10
     assert report["run"]["turns"]["errors"] == {"timeout": 2} and "no complete response" in err
 
 
 def test_an_online_run_stops_at_its_duration_and_records_the_cut_off_turns(tmp_path: Path, capsys) -> None:
     with start_instant_server(ttft_s=0.05, tpot_s=0.05) as server:
-        code, report, _ = _run(["--url", server.url, "--agents", "200", "--turns", "50", "--scale", "0.002",
-                                "--rate", "40", "--duration", "1.0"], tmp_path, capsys)
+        code, report, _ = _run(
+            ["--url", server.url, "--agents", "200", "--turns", "50", "--scale", "0.002", "--rate", "40", "--duration", "1.0"],
+            tmp_path,
+            capsys,
+        )
     run = report["run"]
     assert code == 0 and 0.9 < run["wall_s"] < 3
     agents = run["agents"]
@@ -129,15 +132,35 @@ def test_an_online_run_stops_at_its_duration_and_records_the_cut_off_turns(tmp_p
 
 @pytest.mark.parametrize("argv", [["--api", "chat"], ["--transport", "httpx"]])
 def test_chat_api_and_httpx_transport_complete_a_small_run(instant: str, tmp_path: Path, capsys, argv) -> None:
-    code, report, _ = _run(["--url", instant, "--agents", "5", "--turns", "3", "--scale", "0.002", *argv],
-                           tmp_path, capsys)
+    code, report, _ = _run(["--url", instant, "--agents", "5", "--turns", "3", "--scale", "0.002", *argv], tmp_path, capsys)
     assert code == 0 and report["run"]["turns"]["completed"] == 15
     assert report["run"]["turns"]["gen_length_mismatches"] == 0
 
 
 def test_a_sweep_reports_every_probe_and_the_highest_passing_rate(instant: str, tmp_path: Path, capsys) -> None:
-    code = main(["--url", instant, "--agents", "50", "--turns", "2", "--scale", "0.001", "--sweep", "--rate", "20",
-                 "--duration", "0.5", "--sweep-probes", "3", "--out", str(tmp_path), "--progress", "never"])
+    code = main(
+        [
+            "--url",
+            instant,
+            "--agents",
+            "50",
+            "--turns",
+            "2",
+            "--scale",
+            "0.001",
+            "--sweep",
+            "--rate",
+            "20",
+            "--duration",
+            "0.5",
+            "--sweep-probes",
+            "3",
+            "--out",
+            str(tmp_path),
+            "--progress",
+            "never",
+        ]
+    )
     out = capsys.readouterr().out
     sweep = json.loads((tmp_path / "report.json").read_text())["sweep"]
     assert code == 0 and [p["rate"] for p in sweep["points"]] == [20.0, 40.0, 80.0] and sweep["max_aps"] == 80.0

@@ -50,8 +50,7 @@ def test_statistics_are_averaged_per_agent_before_across_agents() -> None:
 def test_calibrate_fits_a_target_outside_the_paper_table() -> None:
     """A 16K set with the 32K shape: the fit, not the stored constants, has to get there."""
     base = PAPER_STATS["32k"]
-    target = TraceStats(agents=500, max_len=16384, avg_turns=40, avg_append=400, avg_gen=120,
-                        avg_total=14000, avg_context=8500)
+    target = TraceStats(agents=500, max_len=16384, avg_turns=40, avg_append=400, avg_gen=120, avg_total=14000, avg_context=8500)
     spec = calibrate("16k", target, agents=600, iterations=8)
     got = trace_stats(generate(spec, 500, seed=2))
     for field in _FIELDS:

@@ -20,8 +20,14 @@ def _write(path: Path, lines: list[str]) -> Path:
 def test_length_and_text_trajectories_survive_a_save_and_load(tmp_path: Path) -> None:
     trajectories = [
         Trajectory(id="a", system_tokens=12, append_tokens=(5, 0, 7), gen_tokens=(3, 1, 9)),
-        Trajectory(id="b", system_tokens=2, system_text="you are", append_tokens=(2, 1),  # 1 token ~ 4 chars
-                   append_texts=("hello", "ok"), gen_tokens=(4, 4)),
+        Trajectory(
+            id="b",
+            system_tokens=2,
+            system_text="you are",
+            append_tokens=(2, 1),  # 1 token ~ 4 chars
+            append_texts=("hello", "ok"),
+            gen_tokens=(4, 4),
+        ),
     ]
     path = tmp_path / "t.jsonl"
     save_trajectories(path, trajectories)
@@ -45,7 +51,7 @@ def test_prompt_lengths_grow_by_each_append_and_answer() -> None:
         ('{"system_tokens": -1, "append_tokens": [1], "gen_tokens": [1]}', "system_tokens"),
         ('{"appends": ["a"], "append_tokens": [1], "gen_tokens": [1]}', "append_tokens"),
         ('{"append_tokens": [0], "gen_tokens": [1]}', "append_tokens"),
-        ('[1, 2]', ""),
+        ("[1, 2]", ""),
     ],
 )
 def test_a_malformed_line_is_reported_with_its_line_number_and_field(tmp_path: Path, line: str, field: str) -> None:
@@ -76,8 +82,7 @@ def test_scaling_multiplies_lengths_and_keeps_every_turn_non_empty() -> None:
 
 
 def test_capping_keeps_the_first_turns_only() -> None:
-    t = Trajectory(id="a", system_tokens=1, append_tokens=(1, 2, 3), gen_tokens=(4, 5, 6),
-                   append_texts=("a", "b", "c"))
+    t = Trajectory(id="a", system_tokens=1, append_tokens=(1, 2, 3), gen_tokens=(4, 5, 6), append_texts=("a", "b", "c"))
     capped = t.capped(2)
     assert capped.gen_tokens == (4, 5) and capped.append_texts == ("a", "b")
     assert t.capped(None) is t and t.capped(10) is t
@@ -91,8 +96,13 @@ def test_synthetic_dataset_applies_agents_turns_and_scale() -> None:
 
 
 def test_a_short_file_is_cycled_and_copies_of_recorded_text_get_a_distinct_prefix(tmp_path: Path) -> None:
-    path = _write(tmp_path / "t.jsonl", [json.dumps({"id": "r", "system": "sys", "appends": ["x"], "gen_tokens": [2]}),
-                                         json.dumps({"id": "s", "append_tokens": [3], "gen_tokens": [2]})])
+    path = _write(
+        tmp_path / "t.jsonl",
+        [
+            json.dumps({"id": "r", "system": "sys", "appends": ["x"], "gen_tokens": [2]}),
+            json.dumps({"id": "s", "append_tokens": [3], "gen_tokens": [2]}),
+        ],
+    )
     agents = load_dataset(str(path), agents=5)
     assert [a.id for a in agents] == ["r", "s", "r#1", "s#1", "r#2"]
     assert agents[0].system_text == "sys"
@@ -119,8 +129,9 @@ def test_from_turn_folds_the_first_turns_into_the_system_prompt_and_keeps_later_
     assert (mid.system_tokens, mid.append_tokens, mid.gen_tokens) == (133, (30, 40), (3, 4))
     assert mid.prompt_lengths() == t.prompt_lengths()[2:] and mid.total_tokens == t.total_tokens
     assert t.from_turn(0) is t and t.from_turn(99).turns == 1  # at least the last turn stays
-    text = Trajectory(id="b", system_tokens=2, append_tokens=(1, 1, 1), gen_tokens=(5, 5, 5), system_text="sys.",
-                      append_texts=("one.", "two.", "three."))
+    text = Trajectory(
+        id="b", system_tokens=2, append_tokens=(1, 1, 1), gen_tokens=(5, 5, 5), system_text="sys.", append_texts=("one.", "two.", "three.")
+    )
     folded = text.from_turn(2)
     assert folded.system_text == "sys.one.two." and folded.append_texts == ("three.",) and folded.gen_tokens == (5,)
 
@@ -143,7 +154,6 @@ def test_from_turn_on_mixed_text_and_length_trajectories_folds_lengths_and_slice
     text_system = Trajectory(id="c", system_tokens=3, append_tokens=(4, 5, 6), gen_tokens=(1, 1, 1), system_text="system.")
     a = text_system.from_turn(1)
     assert a.system_text is None and a.system_tokens == 3 + 4 + 1 and a.append_tokens == (5, 6)
-    length_system = Trajectory(id="d", system_tokens=50, append_tokens=(1, 1, 2), gen_tokens=(7, 7, 7),
-                               append_texts=("a.", "b.", "cc."))
+    length_system = Trajectory(id="d", system_tokens=50, append_tokens=(1, 1, 2), gen_tokens=(7, 7, 7), append_texts=("a.", "b.", "cc."))
     b = length_system.from_turn(2)
     assert b.system_tokens == 50 + 1 + 1 + 7 + 7 and b.append_texts == ("cc.",) and b.gen_tokens == (7,)

@@ -85,9 +85,14 @@ def test_config_json_carries_qwen2_fields(tiny):
 
 def test_checkpoint_holds_hf_tensor_names(tiny):
     names = set(load_file(str(tiny / "model.safetensors")))
-    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
-            "model.layers.1.self_attn.q_proj.bias", "model.layers.1.mlp.down_proj.weight",
-            "model.layers.0.post_attention_layernorm.weight"} <= names
+    assert {
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "model.layers.1.self_attn.q_proj.bias",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+    } <= names
 
 
 SHAPES = [(1, 32, 2, 1, 300), (2, 64, 4, 2, 512), (4, 128, 8, 2, 1024), (3, 96, 6, 6, 2048), (8, 64, 4, 1, 512)]
@@ -180,11 +185,11 @@ def test_one_batched_call_with_different_past_lengths_equals_each_sequence_alone
         past = [(f[1][layer, :p], f[2][layer, :p]) if p else None for f, p in zip(full, past_lens)]
         hidden, k, v = dec.forward_layer(layer, hidden, positions, segments, past)
         for (start, n), f, p in zip(segments, full, past_lens):
-            torch.testing.assert_close(k[start:start + n], f[1][layer, p:], rtol=0, atol=1e-4)
-            torch.testing.assert_close(v[start:start + n], f[2][layer, p:], rtol=0, atol=1e-4)
+            torch.testing.assert_close(k[start : start + n], f[1][layer, p:], rtol=0, atol=1e-4)
+            torch.testing.assert_close(v[start : start + n], f[2][layer, p:], rtol=0, atol=1e-4)
     logits = dec.logits(hidden)
     for (start, n), f, p in zip(segments, full, past_lens):
-        assert torch.equal(logits[start:start + n].argmax(-1), f[0][p:].argmax(-1))
+        assert torch.equal(logits[start : start + n].argmax(-1), f[0][p:].argmax(-1))
 
 
 def test_cached_greedy_decoding_matches_greedy_by_full_recompute(dec, tok):
@@ -194,7 +199,7 @@ def test_cached_greedy_decoding_matches_greedy_by_full_recompute(dec, tok):
         ids = list(prompt)
         for _ in range(24):
             ids.append(int(dec.forward_full(ids)[0][-1].argmax()))
-        assert ids[len(prompt):] == got
+        assert ids[len(prompt) :] == got
 
 
 def test_pack_and_unpack_keep_k_then_v_per_token():
@@ -237,12 +242,26 @@ def _random_checkpoint(path, *, model_type, tie, bias, shards, head_dim=16, seed
     """A fully random checkpoint (every weight matters) written by hand, HF layout."""
     g = torch.Generator().manual_seed(seed)
     hidden, heads, kv_heads, inter, layers, vocab = 48, 4, 2, 96, 2, 300
-    cfg = {"architectures": ["LlamaForCausalLM" if model_type == "llama" else "Qwen2ForCausalLM"],
-           "model_type": model_type, "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
-           "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-           "head_dim": head_dim, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 256,
-           "tie_word_embeddings": tie, "attention_bias": bias, "torch_dtype": "bfloat16",
-           "bos_token_id": 1, "eos_token_id": [2, 3], "hidden_act": "silu"}
+    cfg = {
+        "architectures": ["LlamaForCausalLM" if model_type == "llama" else "Qwen2ForCausalLM"],
+        "model_type": model_type,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": tie,
+        "attention_bias": bias,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": [2, 3],
+        "hidden_act": "silu",
+    }
 
     def rnd(*shape, std=0.2):
         return torch.randn(*shape, generator=g) * std
@@ -290,8 +309,7 @@ def _reference_logits(cfg, t, ids):
             for i in range(hd // 2):
                 angle = p * cfg["rope_theta"] ** (-2 * i / hd)
                 a, b = x[p, :, i], x[p, :, i + hd // 2]
-                out[p, :, i], out[p, :, i + hd // 2] = a * math.cos(angle) - b * math.sin(angle), \
-                    b * math.cos(angle) + a * math.sin(angle)
+                out[p, :, i], out[p, :, i + hd // 2] = a * math.cos(angle) - b * math.sin(angle), b * math.cos(angle) + a * math.sin(angle)
         return out
 
     n = len(ids)
@@ -334,8 +352,7 @@ def test_hand_written_checkpoint_loads_and_matches_a_plain_reference(tmp_path, m
 
 
 def test_llama_config_without_bias_field_defaults_to_no_bias_and_qwen2_to_bias(tmp_path):
-    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
-            "num_attention_heads": 2}
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
     assert ModelConfig.from_dict({**base, "model_type": "llama"}).attention_bias is False
     qwen = ModelConfig.from_dict({**base, "model_type": "qwen2"})
     assert qwen.attention_bias is True and qwen.num_key_value_heads == 2 and qwen.head_dim == 4
@@ -441,8 +458,8 @@ def test_suppress_eos_masks_eos_ids_only_for_flagged_rows():
 
 
 @pytest.mark.parametrize(
-    "bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_k=-1), dict(max_tokens=0),
-            dict(min_tokens=5, max_tokens=4), dict(top_logprobs=21)],
+    "bad",
+    [dict(temperature=-0.1), dict(top_p=0.0), dict(top_k=-1), dict(max_tokens=0), dict(min_tokens=5, max_tokens=4), dict(top_logprobs=21)],
 )
 def test_sampling_params_reject_out_of_range_values(bad):
     with pytest.raises(ModelInputError):

@@ -8,6 +8,7 @@ import asyncio
 
 import anyio
 import pytest
+
 from dualpath.cost import cost_model
 from dualpath.testbed.collectives import ModelTraffic, alltoall_bytes_per_token_layer
 from dualpath.transfer import DuplexNic, TrafficClass

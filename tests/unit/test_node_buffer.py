@@ -52,8 +52,14 @@ def test_layer_runs_address_layer_blocks_inside_full_blocks():
 
 
 @settings(max_examples=100, deadline=None)
-@given(layers=st.integers(1, 6), bt=st.integers(1, 16), bpt=st.integers(1, 32), start=st.integers(0, 100), n=st.integers(0, 100),
-       layer=st.integers(0, 5))
+@given(
+    layers=st.integers(1, 6),
+    bt=st.integers(1, 16),
+    bpt=st.integers(1, 32),
+    start=st.integers(0, 100),
+    n=st.integers(0, 100),
+    layer=st.integers(0, 5),
+)
 def test_layer_runs_cover_each_token_exactly_once_at_its_address(layers, bt, bpt, start, n, layer):
     layer %= layers
     lay = SlotLayout(layers=layers, block_tokens=bt, bytes_per_token_layer=bpt)
@@ -67,8 +73,14 @@ def test_layer_runs_cover_each_token_exactly_once_at_its_address(layers, bt, bpt
 
 
 @settings(max_examples=150, deadline=None)
-@given(layers=st.integers(1, 6), bt=st.integers(1, 16), bpt=st.integers(1, 32), start=st.integers(0, 100), n=st.integers(0, 100),
-       layer=st.integers(0, 5))
+@given(
+    layers=st.integers(1, 6),
+    bt=st.integers(1, 16),
+    bpt=st.integers(1, 32),
+    start=st.integers(0, 100),
+    n=st.integers(0, 100),
+    layer=st.integers(0, 5),
+)
 def test_layer_strided_is_layer_runs_grouped_into_at_most_three_strided_runs(layers, bt, bpt, start, n, layer):
     layer %= layers
     lay = SlotLayout(layers=layers, block_tokens=bt, bytes_per_token_layer=bpt)

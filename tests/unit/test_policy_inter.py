@@ -12,16 +12,16 @@ def cluster(pe_nodes: list[int], de_nodes: list[int], hbm: int = 1_000_000) -> C
     """PE nodes then DE nodes with the given engine counts; node ids 0.., engine ids 0.. in order."""
     specs, eid = [], 0
     for node_id, (role, count) in enumerate([(Role.PREFILL, c) for c in pe_nodes] + [(Role.DECODE, c) for c in de_nodes]):
-        specs.append(NodeSpec(node_id=node_id, role=role, engine_ids=tuple(range(eid, eid + count)),
-                              hbm_tokens=hbm if role is Role.DECODE else 0))
+        specs.append(
+            NodeSpec(node_id=node_id, role=role, engine_ids=tuple(range(eid, eid + count)), hbm_tokens=hbm if role is Role.DECODE else 0)
+        )
         eid += count
     return ClusterState(specs)
 
 
 def req(rid: int, miss: int = 100, hit: int = 0, total: int | None = None) -> PendingRequest:
     prompt = hit + miss
-    return PendingRequest(request_id=rid, prompt_tokens=prompt, hit_tokens=hit,
-                          total_len=prompt if total is None else total)
+    return PendingRequest(request_id=rid, prompt_tokens=prompt, hit_tokens=hit, total_len=prompt if total is None else total)
 
 
 def dualpath(alpha: int = BIG, beta: int = BIG):
@@ -29,6 +29,7 @@ def dualpath(alpha: int = BIG, beta: int = BIG):
 
 
 # -- prefill engine selection ------------------------------------------------------------
+
 
 def test_short_read_queue_node_wins_even_with_more_tokens():
     # PE0 on node 0 (read_q 1000 > alpha 500), PE1 on node 1 (read_q 10 <= 500).
@@ -90,6 +91,7 @@ def test_lowest_tok_breaks_ties_by_lowest_engine_id():
 
 
 # -- decode engine selection ---------------------------------------------------------------
+
 
 def test_phase_one_picks_the_group_with_the_smallest_token_sum_and_updates_it():
     # Groups: node 1 (DE 1) Σtok 10000, node 2 (DE 2) Σtok 4000. Requests of 1000 and 7000:
@@ -188,6 +190,7 @@ def test_a_request_larger_than_any_decode_engine_blocks_the_queue():
 
 
 # -- read side -----------------------------------------------------------------------------
+
 
 def test_read_side_is_the_node_with_the_shorter_queue():
     state = cluster([1], [1])

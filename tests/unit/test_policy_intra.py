@@ -93,6 +93,7 @@ def test_bad_inputs_are_refused():
 
 # -- properties ------------------------------------------------------------------------------
 
+
 @st.composite
 def predictors(draw):
     """Monotone in every ``new``: per-batch overhead + per-token + attention over context."""
@@ -102,8 +103,9 @@ def predictors(draw):
     return lambda batch: base + sum(per_tok * n + attn * n * (c + n) for c, n in batch)
 
 
-queues = st.lists(st.builds(PrefillWork, request_id=st.integers(0, 10**6), cached=st.integers(0, 5000),
-                            remaining=st.integers(1, 3000)), max_size=8)
+queues = st.lists(
+    st.builds(PrefillWork, request_id=st.integers(0, 10**6), cached=st.integers(0, 5000), remaining=st.integers(1, 3000)), max_size=8
+)
 
 
 def _min_size(w: PrefillWork, block: int) -> int:
@@ -125,7 +127,7 @@ def test_packing_keeps_fifo_order_the_quota_and_maximal_chunks(queue, predict, q
     assert bool(chunks) == bool(queue)  # progress whenever there is work
     if not queue:
         return
-    assert [c.request_id for c in chunks] == [w.request_id for w in queue[:len(chunks)]]  # FIFO prefix
+    assert [c.request_id for c in chunks] == [w.request_id for w in queue[: len(chunks)]]  # FIFO prefix
     pairs = [(c.cached, c.new) for c in chunks]
     for c, w in zip(chunks, queue):
         assert c.cached == w.cached and 1 <= c.new <= w.remaining

@@ -17,7 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dualpath.policy import (
-    POLICY_NAMES, ClusterState, NodeSpec, PendingRequest, ReadSide, Role, Thresholds, get_policy,
+    POLICY_NAMES,
+    ClusterState,
+    NodeSpec,
+    PendingRequest,
+    ReadSide,
+    Role,
+    Thresholds,
+    get_policy,
 )
 from dualpath.policy.index import LazyIndex
 
@@ -33,14 +40,14 @@ def scenarios(draw) -> tuple[ClusterState, Thresholds, list[PendingRequest]]:
     hbm = draw(st.integers(500, 20_000))
     specs, eid = [], 0
     for node_id, (role, count) in enumerate([(Role.PREFILL, c) for c in pe_nodes] + [(Role.DECODE, c) for c in de_nodes]):
-        specs.append(NodeSpec(node_id=node_id, role=role, engine_ids=tuple(range(eid, eid + count)),
-                              hbm_tokens=hbm if role is Role.DECODE else 0))
+        specs.append(
+            NodeSpec(node_id=node_id, role=role, engine_ids=tuple(range(eid, eid + count)), hbm_tokens=hbm if role is Role.DECODE else 0)
+        )
         eid += count
     state = ClusterState(specs)
     for engine in state.engines.values():
         free = draw(st.integers(0, hbm)) if engine.role is Role.DECODE else None
-        state.report_engine(engine.engine_id, seq=draw(st.integers(0, 3)), tok=draw(st.integers(0, 20_000)),
-                            free_hbm_tokens=free)
+        state.report_engine(engine.engine_id, seq=draw(st.integers(0, 3)), tok=draw(st.integers(0, 20_000)), free_hbm_tokens=free)
     for node in state.nodes.values():
         state.report_node(node.node_id, read_q=draw(st.integers(0, 5000)))
     th = Thresholds(alpha_tokens=draw(st.integers(0, 5000)), beta_tokens=draw(st.integers(0, 20_000)))
@@ -48,8 +55,7 @@ def scenarios(draw) -> tuple[ClusterState, Thresholds, list[PendingRequest]]:
     for rid in range(draw(st.integers(0, 12))):
         prompt = draw(st.integers(2, 4000))
         hit = draw(st.integers(0, prompt - 1))
-        waiting.append(PendingRequest(request_id=rid, prompt_tokens=prompt, hit_tokens=hit,
-                                      total_len=prompt + draw(st.integers(0, 3000))))
+        waiting.append(PendingRequest(request_id=rid, prompt_tokens=prompt, hit_tokens=hit, total_len=prompt + draw(st.integers(0, 3000))))
     return state, th, waiting
 
 
@@ -71,7 +77,7 @@ def reference_dualpath(waiting, state, th):
     g_free = {n.node_id: sum(e.free_hbm_tokens for e in n.engines) for n in state.decode_nodes}
     g_max = {n.node_id: max(e.free_hbm_tokens for e in n.engines) for n in state.decode_nodes}
     groups = []
-    for r in waiting[:len(pes)]:
+    for r in waiting[: len(pes)]:
         ok = [g for g in g_sum if g_max[g] >= r.total_len and g_free[g] >= r.total_len]
         if not ok:
             break
@@ -107,7 +113,7 @@ def reference_dualpath(waiting, state, th):
 
 def check_invariants(name, waiting, state, th, out):
     """Replay ``out`` against ``state`` and assert the rules every policy must keep."""
-    assert [a.request_id for a in out] == [r.request_id for r in waiting[:len(out)]]  # FIFO prefix
+    assert [a.request_id for a in out] == [r.request_id for r in waiting[: len(out)]]  # FIFO prefix
     tok = {e.engine_id: e.tok for e in state.engines.values()}
     free = {e.engine_id: e.free_hbm_tokens for e in state.engines.values()}
     queue = {n.node_id: n.read_q for n in state.nodes.values()}
@@ -134,8 +140,12 @@ def check_invariants(name, waiting, state, th, out):
 
 
 def snapshot(state):
-    return ([(e.seq, e.tok, e.free_hbm_tokens) for e in state.engines.values()],
-            [(n.read_q, n.tok_sum) for n in state.nodes.values()], state.assigned_total, state.live_count)
+    return (
+        [(e.seq, e.tok, e.free_hbm_tokens) for e in state.engines.values()],
+        [(n.read_q, n.tok_sum) for n in state.nodes.values()],
+        state.assigned_total,
+        state.live_count,
+    )
 
 
 @SETTINGS
@@ -158,8 +168,7 @@ def test_every_policy_keeps_the_invariants_and_leaves_the_state_alone(scenario, 
 def test_dualpath_matches_the_naive_reference(scenario):
     state, th, waiting = scenario
     out = get_policy("dualpath", th).schedule(waiting, state)
-    assert [(a.request_id, a.prefill_engine, a.decode_engine, a.read_side) for a in out] == \
-        reference_dualpath(waiting, state, th)
+    assert [(a.request_id, a.prefill_engine, a.decode_engine, a.read_side) for a in out] == reference_dualpath(waiting, state, th)
 
 
 @SETTINGS
@@ -173,12 +182,11 @@ def test_dualpath_matches_the_reference_through_a_history_of_passes(scenario, st
     for action, pick in steps:
         if action == 0 or not live:
             out = policy.schedule(queue, state)
-            assert [(a.request_id, a.prefill_engine, a.decode_engine, a.read_side) for a in out] == \
-                reference_dualpath(queue, state, th)
+            assert [(a.request_id, a.prefill_engine, a.decode_engine, a.read_side) for a in out] == reference_dualpath(queue, state, th)
             for a in out:
                 state.on_assigned(a)
                 live.append(a.request_id)
-            del queue[:len(out)]
+            del queue[: len(out)]
         else:
             rid = live[pick % len(live)]
             (state.on_read_finished, state.on_prefill_finished, state.on_finished)[action - 1](rid)
@@ -187,8 +195,7 @@ def test_dualpath_matches_the_reference_through_a_history_of_passes(scenario, st
 
 
 @SETTINGS
-@given(st.lists(st.integers(0, 50), min_size=1, max_size=20),
-       st.lists(st.tuples(st.integers(0, 19), st.integers(0, 50)), max_size=60))
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=20), st.lists(st.tuples(st.integers(0, 19), st.integers(0, 50)), max_size=60))
 def test_lazy_index_walks_members_in_ascending_key_order(initial, changes):
     keys = dict(enumerate(initial))
     index = LazyIndex(keys, keys.__getitem__)

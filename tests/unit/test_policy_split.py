@@ -57,8 +57,12 @@ def test_the_split_is_the_best_whole_block_choice(blocks, bt, q_pe, q_de, hop):
 
 
 def _one_pair() -> ClusterState:
-    return ClusterState([NodeSpec(node_id=0, role=Role.PREFILL, engine_ids=(0,)),
-                         NodeSpec(node_id=1, role=Role.DECODE, engine_ids=(1,), hbm_tokens=1_000_000)])
+    return ClusterState(
+        [
+            NodeSpec(node_id=0, role=Role.PREFILL, engine_ids=(0,)),
+            NodeSpec(node_id=1, role=Role.DECODE, engine_ids=(1,), hbm_tokens=1_000_000),
+        ]
+    )
 
 
 def test_split_policy_divides_the_hits_and_grows_both_queues_within_a_pass():

@@ -7,8 +7,14 @@ import pytest
 
 from dualpath.policy import Assignment, ClusterState, NodeSpec, PendingRequest, ReadSide, Role
 from dualpath.policy.errors import (
-    DuplicateRequestError, InsufficientHbmError, InvalidRequestError, InvalidTopologyError, RoleMismatchError,
-    UnknownEngineError, UnknownNodeError, UnknownRequestError,
+    DuplicateRequestError,
+    InsufficientHbmError,
+    InvalidRequestError,
+    InvalidTopologyError,
+    RoleMismatchError,
+    UnknownEngineError,
+    UnknownNodeError,
+    UnknownRequestError,
 )
 
 
@@ -19,8 +25,9 @@ def small() -> ClusterState:
 
 def assignment(rid: int = 1, pe: int = 0, de: int = 2, side: ReadSide = ReadSide.DE, **charges) -> Assignment:
     values = {"prefill_tokens": 100, "decode_tokens": 400, "read_tokens": 256} | charges
-    return Assignment(request_id=rid, prefill_engine=pe, decode_engine=de, read_side=side,
-                      read_node=0 if side is ReadSide.PE else 1, **values)
+    return Assignment(
+        request_id=rid, prefill_engine=pe, decode_engine=de, read_side=side, read_node=0 if side is ReadSide.PE else 1, **values
+    )
 
 
 def test_from_topology_numbers_nodes_and_engines_densely_with_leaders():

@@ -41,8 +41,7 @@ def test_alpha_is_three_seconds_of_storage_nic_in_tokens():
 
 def test_beta_is_five_seconds_of_one_gpu_in_tokens():
     assert beta_tokens(12_000) == 60_000
-    th = Thresholds.from_profile(snic_bytes_per_s=1000, kv_bytes_per_token=10, prefill_tokens_per_s=7,
-                                 alpha_seconds=2, beta_seconds=3)
+    th = Thresholds.from_profile(snic_bytes_per_s=1000, kv_bytes_per_token=10, prefill_tokens_per_s=7, alpha_seconds=2, beta_seconds=3)
     assert (th.alpha_tokens, th.beta_tokens) == (200, 21)
 
 
@@ -116,7 +115,8 @@ def test_least_tokens_ignores_read_queues_and_groups():
     state.report_engine(0, seq=1, tok=50)
     state.report_engine(3, seq=0, tok=10)
     [a] = get_policy("least_tokens", Thresholds(alpha_tokens=10, beta_tokens=10**9)).schedule(
-        [PendingRequest(request_id=1, prompt_tokens=10, hit_tokens=0, total_len=10)], state)
+        [PendingRequest(request_id=1, prompt_tokens=10, hit_tokens=0, total_len=10)], state
+    )
     assert (a.prefill_engine, a.decode_engine) == (1, 2)
 
 

@@ -55,8 +55,18 @@ def test_bad_settings_are_refused():
 
 def _finish_session_turn(prefetch: bool, session: str) -> list:
     c = Cluster(prefetch=prefetch)
-    c.handle(RequestSubmitted(now=c.now, request_id="r1", prompt_tokens=300, hit_blocks=2, block_tokens=64, max_tokens=16,
-                              payload={"id": "r1"}, session=session))
+    c.handle(
+        RequestSubmitted(
+            now=c.now,
+            request_id="r1",
+            prompt_tokens=300,
+            hit_blocks=2,
+            block_tokens=64,
+            max_tokens=16,
+            payload={"id": "r1"},
+            session=session,
+        )
+    )
     assert len(c.tick()) == 1  # ReserveSlot
     (d,) = c.handle(SlotReserved(now=c.now, request_id="r1", attempt=0, region={"r": 1}, offset=0))
     c.handle(DispatchAnswered(now=c.now, request_id="r1", attempt=0))

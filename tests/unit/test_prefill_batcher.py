@@ -111,6 +111,7 @@ def test_tokens_left_counts_what_the_queue_still_has_to_compute():
 
 # -- properties over many requests -----------------------------------------------------------
 
+
 @st.composite
 def predictors(draw):
     """Monotone in every ``new``: per-batch overhead + per-token + attention over context."""
@@ -135,7 +136,7 @@ def check_run(waves, predict, quota: float) -> None:
     i = 0
     waves = list(waves)
     while waves or len(b):
-        for hit_blocks, new in (waves.pop(0) if waves else []):
+        for hit_blocks, new in waves.pop(0) if waves else []:
             rid = f"r{i}"
             i += 1
             cached = hit_blocks * BLOCK
@@ -151,7 +152,7 @@ def check_run(waves, predict, quota: float) -> None:
         assert batch.predicted_s <= quota or minimal, batch  # the quota, except one minimal chunk alone
         assert batch.over_quota == (batch.predicted_s > quota)
         pending = [rid for rid in order if rid not in finished]
-        assert [it.request_id for it in batch.items] == pending[:len(batch.items)]  # FIFO: a queue prefix
+        assert [it.request_id for it in batch.items] == pending[: len(batch.items)]  # FIFO: a queue prefix
         for it in batch.items:
             assert it.cached == done_at[it.request_id]  # chunks are contiguous
             done_at[it.request_id] += it.new

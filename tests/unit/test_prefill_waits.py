@@ -83,10 +83,10 @@ async def test_layerwise_off_loads_every_layer_first_and_sends_after_the_last(la
     events: list[str] = []
     item = PrefillItem(request_id="r", tokens=[1, 2, 3], start=0, end=3)
     result = await run_prefill(RecordingDecoder(events), [item], RecordingIO(events), layerwise=layerwise)
-    first_compute, last_fetch = events.index("compute0"), max(events.index(f"fetch{l}") for l in range(LAYERS))
-    first_store = min(events.index(f"store{l}") for l in range(LAYERS))
+    first_compute, last_fetch = events.index("compute0"), max(events.index(f"fetch{i}") for i in range(LAYERS))
+    first_store = min(events.index(f"store{i}") for i in range(LAYERS))
     last_compute = events.index(f"compute{LAYERS - 1}")
-    assert sorted(events) == sorted([f"{e}{l}" for e in ("fetch", "compute", "store") for l in range(LAYERS)])
+    assert sorted(events) == sorted([f"{e}{i}" for e in ("fetch", "compute", "store") for i in range(LAYERS)])
     if layerwise:  # layer l+1's fetch overlaps compute: compute starts before the last fetch lands
         assert first_compute < last_fetch and first_store < last_compute
     else:

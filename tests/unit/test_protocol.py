@@ -24,11 +24,18 @@ def test_commit_request_round_trips_through_msgpack(digest, hashes, start):
 
 
 @settings(max_examples=50, deadline=None)
-@given(tokens=st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=200), hit=st.integers(0, 3),
-       temp=st.floats(0, 2, allow_nan=False))
+@given(tokens=st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=200), hit=st.integers(0, 3), temp=st.floats(0, 2, allow_nan=False))
 def test_submit_request_round_trips_with_nested_plain_data(tokens, hit, temp):
-    msg = m.SubmitRequest(request_id="r-1", model="tiny", model_digest=7, prompt_tokens=tokens, block_hashes=[1, 2], hit_blocks=hit,
-                          sampling={"temperature": temp, "max_tokens": 4, "seed": None}, reply_subject="dp.out.gw0.r-1")
+    msg = m.SubmitRequest(
+        request_id="r-1",
+        model="tiny",
+        model_digest=7,
+        prompt_tokens=tokens,
+        block_hashes=[1, 2],
+        hit_blocks=hit,
+        sampling={"temperature": temp, "max_tokens": 4, "seed": None},
+        reply_subject="dp.out.gw0.r-1",
+    )
     assert decode(encode(msg), m.SubmitRequest) == msg
 
 

@@ -39,8 +39,14 @@ class Cluster:
         th = Thresholds(alpha_tokens=1 << 22, beta_tokens=1 << 22)
         self.core = SchedulerCore(get_policy(policy, th, read_path=read_path), CoreConfig(**cfg))
         self.now = 0.0
-        self.engines = {"p0": ("P", Role.PREFILL), "p1": ("P", Role.PREFILL), "d0": ("D1", Role.DECODE), "d1": ("D1", Role.DECODE),
-                        "d2": ("D2", Role.DECODE), "d3": ("D2", Role.DECODE)}
+        self.engines = {
+            "p0": ("P", Role.PREFILL),
+            "p1": ("P", Role.PREFILL),
+            "d0": ("D1", Role.DECODE),
+            "d1": ("D1", Role.DECODE),
+            "d2": ("D2", Role.DECODE),
+            "d3": ("D2", Role.DECODE),
+        }
         for name in self.engines:
             self.report(name)
 
@@ -50,16 +56,37 @@ class Cluster:
     def report(self, engine: str, seq: int = 0, tok: int = 0, free: int = HBM, finished: tuple[str, ...] = ()):
         node, role = self.engines[engine]
         decode = role == Role.DECODE
-        return self.handle(EngineReported(now=self.now, engine=engine, node=node, role=role, seq=seq, tok=tok,
-                                          free_hbm_tokens=free if decode else 0, capacity_tokens=HBM if decode else 0,
-                                          block_bytes=1024, finished=finished))
+        return self.handle(
+            EngineReported(
+                now=self.now,
+                engine=engine,
+                node=node,
+                role=role,
+                seq=seq,
+                tok=tok,
+                free_hbm_tokens=free if decode else 0,
+                capacity_tokens=HBM if decode else 0,
+                block_bytes=1024,
+                finished=finished,
+            )
+        )
 
     def node_report(self, node: str, read_q: int):
         return self.handle(NodeReported(now=self.now, node=node, read_q_tokens=read_q))
 
     def submit(self, rid: str, prompt: int = 300, hit_blocks: int = 2, max_tokens: int = 16, forced: ReadSide | None = None):
-        return self.handle(RequestSubmitted(now=self.now, request_id=rid, prompt_tokens=prompt, hit_blocks=hit_blocks, block_tokens=64,
-                                            max_tokens=max_tokens, forced_side=forced, payload={"id": rid}))
+        return self.handle(
+            RequestSubmitted(
+                now=self.now,
+                request_id=rid,
+                prompt_tokens=prompt,
+                hit_blocks=hit_blocks,
+                block_tokens=64,
+                max_tokens=max_tokens,
+                forced_side=forced,
+                payload={"id": rid},
+            )
+        )
 
     def tick(self, dt: float = 0.001):
         self.now += dt
@@ -183,8 +210,10 @@ def test_a_full_decode_buffer_is_back_pressure_not_a_failure():
     c.submit("r1")
     (reserve,) = c.tick()
     cmds = c.handle(DispatchFailed(now=c.now, request_id="r1", attempt=0, stage=Stage.RESERVE, reason="buffer full", code=BUFFER_FULL))
-    assert cmds == [FreeSlot(node=reserve.node, request_id="r1"), Requeued(request_id="r1", attempt=1, reason="decode node buffer full",
-                                                                           counted=False)]
+    assert cmds == [
+        FreeSlot(node=reserve.node, request_id="r1"),
+        Requeued(request_id="r1", attempt=1, reason="decode node buffer full", counted=False),
+    ]
     assert c.core.buffer_waits == 1
     assert c.tick(0.005) == []  # passes pause for the back-off
     (again,) = c.tick(0.02)
@@ -201,8 +230,10 @@ def test_retries_exhausted_fail_the_request_with_the_last_reason():
     c = Cluster(max_attempts=2)
     c.submit("r1")
     c.tick()
-    assert kinds(c.handle(DispatchFailed(now=c.now, request_id="r1", attempt=0, stage=Stage.RESERVE, reason="nope"))) == \
-        ["FreeSlot", "Requeued"]
+    assert kinds(c.handle(DispatchFailed(now=c.now, request_id="r1", attempt=0, stage=Stage.RESERVE, reason="nope"))) == [
+        "FreeSlot",
+        "Requeued",
+    ]
     c.tick()
     c.handle(SlotReserved(now=c.now, request_id="r1", attempt=1, region={}, offset=0))
     cmds = c.handle(DispatchFailed(now=c.now, request_id="r1", attempt=1, stage=Stage.DISPATCH, reason="engine said no", code=500))
@@ -218,8 +249,7 @@ def test_an_unreachable_prefill_engine_is_expelled_until_it_reports_again():
     d = c.place("r1")
     c.submit("r2")
     (r2,) = c.tick()
-    cmds = c.handle(TaskFailed(now=c.now, request_id="r1", engine=d.prefill_engine, reason="handoff failed",
-                               unreachable=d.decode_engine))
+    cmds = c.handle(TaskFailed(now=c.now, request_id="r1", engine=d.prefill_engine, reason="handoff failed", unreachable=d.decode_engine))
     assert ExpelEngine(engine=d.decode_engine, reason=f"engine {d.decode_engine} did not answer") in cmds
     assert d.decode_engine not in c.core.members.engines
     requeued = {x.request_id for x in cmds if isinstance(x, Requeued)}
@@ -316,8 +346,11 @@ def test_the_same_events_give_the_same_commands():
             out += c.tick()
         for x in list(out):
             if isinstance(x, ReserveSlot) and x.request_id.endswith("3"):
-                out += c.handle(DispatchFailed(now=c.now, request_id=x.request_id, attempt=x.attempt, stage=Stage.RESERVE,
-                                               reason="full", code=BUFFER_FULL))
+                out += c.handle(
+                    DispatchFailed(
+                        now=c.now, request_id=x.request_id, attempt=x.attempt, stage=Stage.RESERVE, reason="full", code=BUFFER_FULL
+                    )
+                )
         out += c.tick(1.0)
         return out
 
@@ -339,8 +372,16 @@ def test_a_reserve_nobody_serves_marks_the_node_down_so_the_retry_and_later_requ
     (reserve,) = c.tick()
     down = reserve.node
     other = "D2" if down == "D1" else "D1"
-    cmds = c.handle(DispatchFailed(now=c.now, request_id="a", attempt=reserve.attempt, stage=Stage.RESERVE,
-                                   reason=f"tm.{down}.alloc: no service listens", node_unreachable=down))
+    cmds = c.handle(
+        DispatchFailed(
+            now=c.now,
+            request_id="a",
+            attempt=reserve.attempt,
+            stage=Stage.RESERVE,
+            reason=f"tm.{down}.alloc: no service listens",
+            node_unreachable=down,
+        )
+    )
     assert any(isinstance(x, Requeued) for x in cmds) and not any(isinstance(x, ExpelEngine) for x in cmds)
     assert _decode_nodes(c.tick()) == {other}  # the retry
     for i in range(4):
@@ -348,7 +389,8 @@ def test_a_reserve_nobody_serves_marks_the_node_down_so_the_retry_and_later_requ
     assert _decode_nodes(c.tick()) == {other}
     assert {e.name for e in c.core.engines()} == set(c.engines)  # the engines stay members, only out of the policy's state
     assert {c.core.members.engine_by_num[e].name for e in c.core.state.engines} == {"p0", "p1"} | (
-        {"d2", "d3"} if other == "D2" else {"d0", "d1"})
+        {"d2", "d3"} if other == "D2" else {"d0", "d1"}
+    )
 
 
 def test_a_node_that_stops_reporting_goes_down_after_the_node_timeout_and_comes_back_with_its_next_report():
@@ -381,8 +423,7 @@ def test_an_engine_report_while_its_node_is_down_is_kept_and_counts_once_the_nod
     c.node_report("D1", 0)
     assert c.submit("a") == []
     (reserve,) = c.tick()
-    c.handle(DispatchFailed(now=c.now, request_id="a", attempt=reserve.attempt, stage=Stage.RESERVE, reason="x",
-                            node_unreachable="D1"))
+    c.handle(DispatchFailed(now=c.now, request_id="a", attempt=reserve.attempt, stage=Stage.RESERVE, reason="x", node_unreachable="D1"))
     assert c.core.state is not None
     assert c.report("d0", seq=2, tok=500, free=HBM - 500) == []  # must not raise: d0 is out of the state
     c.node_report("D1", 0)

@@ -65,8 +65,19 @@ def test_every_figure_is_the_last_report_plus_the_charges_it_could_not_see(steps
     core = SchedulerCore(get_policy("dualpath", Thresholds(alpha_tokens=10**6, beta_tokens=10**6)), CoreConfig())
     now, n = 0.0, 0
     for name, (node, role) in ENGINES.items():
-        core.handle(EngineReported(now=now, engine=name, node=node, role=role, seq=0, tok=0, free_hbm_tokens=HBM if role else 0,
-                                   capacity_tokens=HBM if role else 0, block_bytes=64))
+        core.handle(
+            EngineReported(
+                now=now,
+                engine=name,
+                node=node,
+                role=role,
+                seq=0,
+                tok=0,
+                free_hbm_tokens=HBM if role else 0,
+                capacity_tokens=HBM if role else 0,
+                block_bytes=64,
+            )
+        )
     pending: list = []  # commands waiting for their answer
     placed: list[tuple[str, str, str]] = []  # (request, prefill engine, decode engine), dispatched
     for s in steps:
@@ -96,8 +107,19 @@ def test_every_figure_is_the_last_report_plus_the_charges_it_could_not_see(steps
                     done = (mine[0][0],)
                     if role == Role.DECODE:
                         placed.remove(mine[0])
-            core.handle(EngineReported(now=now, engine=engine, node=node, role=role, seq=seq, tok=tok,
-                                       free_hbm_tokens=HBM - tok if role else 0, capacity_tokens=HBM if role else 0, finished=done))
+            core.handle(
+                EngineReported(
+                    now=now,
+                    engine=engine,
+                    node=node,
+                    role=role,
+                    seq=seq,
+                    tok=tok,
+                    free_hbm_tokens=HBM - tok if role else 0,
+                    capacity_tokens=HBM if role else 0,
+                    finished=done,
+                )
+            )
         elif s[0] == "node":
             core.handle(NodeReported(now=now, node=s[1], read_q_tokens=s[2]))
         _check(core)

@@ -16,13 +16,40 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_offline_reports_the_testbed_experiment_fields(capsys):
-    code, out, _ = run(capsys, "offline", "--target", "ds27b", "--topology", "1P1D", "--engines-per-node", "2", "--agents", "12",
-                       "--turns", "2", "--start-at", "0.5", "--modes", "basic,dualpath", "--json")
+    code, out, _ = run(
+        capsys,
+        "offline",
+        "--target",
+        "ds27b",
+        "--topology",
+        "1P1D",
+        "--engines-per-node",
+        "2",
+        "--agents",
+        "12",
+        "--turns",
+        "2",
+        "--start-at",
+        "0.5",
+        "--modes",
+        "basic,dualpath",
+        "--json",
+    )
     assert code == 0
     result = json.loads(out)
     row = result["modes"]["dualpath"]
-    for key in ("jct_s", "cache_hit_rate", "snic_read_utilisation", "snic_bytes_max_over_avg", "attention_max_over_avg_early",
-                "snic_series", "ttft_share", "wall_s", "cpu_s", "peak_memory_mb"):
+    for key in (
+        "jct_s",
+        "cache_hit_rate",
+        "snic_read_utilisation",
+        "snic_bytes_max_over_avg",
+        "attention_max_over_avg_early",
+        "snic_series",
+        "ttft_share",
+        "wall_s",
+        "cpu_s",
+        "peak_memory_mb",
+    ):
         assert key in row
     for key in ("ttft", "ttft_queue", "ttft_exec", "ttst", "tpot"):
         assert {"p50", "p90", "p99"} <= row["latency_s"][key].keys()
@@ -33,24 +60,44 @@ def test_offline_reports_the_testbed_experiment_fields(capsys):
 
 @pytest.mark.slow
 def test_offline_writes_result_json_and_pngs(capsys, tmp_path):
-    code, out, _ = run(capsys, "offline", "--target", "ds27b", "--topology", "1P1D", "--engines-per-node", "1", "--agents", "4",
-                       "--turns", "1", "--modes", "dualpath", "--json", "--out", str(tmp_path))
+    code, out, _ = run(
+        capsys,
+        "offline",
+        "--target",
+        "ds27b",
+        "--topology",
+        "1P1D",
+        "--engines-per-node",
+        "1",
+        "--agents",
+        "4",
+        "--turns",
+        "1",
+        "--modes",
+        "dualpath",
+        "--json",
+        "--out",
+        str(tmp_path),
+    )
     assert code == 0
     assert json.loads((tmp_path / "result.json").read_text()) == json.loads(out)
     assert (tmp_path / "jct.png").stat().st_size > 0 and (tmp_path / "snic_utilisation.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("argv", [
-    ["offline", "--topology", "0P1D"],
-    ["offline", "--modes", "basic,warp"],
-    ["offline", "--target", "gpt5"],
-    ["offline", "--agents", "0"],
-    ["offline", "--decode-ep", "lots"],
-    ["offline", "--topology", "1P1D", "--agents", "4"],  # DS 660B's weights do not fit one node's decode EP group
-    ["online", "--rate", "-1"],
-    ["teleport"],
-    ["validate", "--topologies", "1X1Y", "--recorded"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["offline", "--topology", "0P1D"],
+        ["offline", "--modes", "basic,warp"],
+        ["offline", "--target", "gpt5"],
+        ["offline", "--agents", "0"],
+        ["offline", "--decode-ep", "lots"],
+        ["offline", "--topology", "1P1D", "--agents", "4"],  # DS 660B's weights do not fit one node's decode EP group
+        ["online", "--rate", "-1"],
+        ["teleport"],
+        ["validate", "--topologies", "1X1Y", "--recorded"],
+    ],
+)
 def test_bad_input_is_one_line_and_exit_code_2(capsys, argv):
     code, _, err = run(capsys, *argv)
     assert code == 2
@@ -63,8 +110,14 @@ def test_the_reduced_paper_table_has_one_row_per_figure(capsys):
     rows = json.loads(out)["rows"]
     names = [r["name"] for r in rows]
     assert len(names) == len(set(names)) >= 18
-    assert {"ds660b_2p4d_dualpath_over_basic", "ds27b_1p1d_dualpath_over_basic", "snic_max_over_avg_round_robin",
-            "ablation_scheduler_jct_reduction_pct", "scale_offline_jct_ratio", "pd_speedup_max"} <= set(names)
+    assert {
+        "ds660b_2p4d_dualpath_over_basic",
+        "ds27b_1p1d_dualpath_over_basic",
+        "snic_max_over_avg_round_robin",
+        "ablation_scheduler_jct_reduction_pct",
+        "scale_offline_jct_ratio",
+        "pd_speedup_max",
+    } <= set(names)
     for r in rows:
         assert set(r) >= {"name", "paper", "sim", "ratio"}
         assert r["sim"] is not None and r["ratio"] == pytest.approx(r["sim"] / r["paper"])

@@ -21,8 +21,15 @@ def _payload(i: int) -> bytes:
 
 def _write(store: BlockStore, hashes: list[int]) -> None:
     for i, h in enumerate(hashes):
-        store.write(model_digest=DIGEST, block_hash=h, layers=FMT.layers, tokens=FMT.block_tokens,
-                    bytes_per_token_layer=FMT.bytes_per_token_layer, dtype=FMT.dtype, payload=_payload(i))
+        store.write(
+            model_digest=DIGEST,
+            block_hash=h,
+            layers=FMT.layers,
+            tokens=FMT.block_tokens,
+            bytes_per_token_layer=FMT.bytes_per_token_layer,
+            dtype=FMT.dtype,
+            payload=_payload(i),
+        )
 
 
 @pytest.mark.parametrize("fsync", [True, False])

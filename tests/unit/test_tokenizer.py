@@ -76,13 +76,17 @@ def test_rendered_earlier_turns_are_a_token_prefix_of_the_next_turn(tok):
     second = [*first, {"role": "assistant", "content": "Four"}, {"role": "user", "content": "And 3+3?"}]
     a, b = tok.encode(tok.render_chat(first)), tok.encode(tok.render_chat(second))
     assert b[: len(a)] == a
-    assert b[len(a): len(a) + 5] == [*b"Four", 258]
+    assert b[len(a) : len(a) + 5] == [*b"Four", 258]
 
 
 @pytest.mark.parametrize(
     "messages",
-    [[{"content": "no role"}], [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
-     [{"role": "user", "content": 3}], ["not a dict"]],
+    [
+        [{"content": "no role"}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+        [{"role": "user", "content": 3}],
+        ["not a dict"],
+    ],
 )
 def test_render_chat_rejects_malformed_messages(tok, messages):
     with pytest.raises(ModelInputError):

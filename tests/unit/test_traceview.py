@@ -10,17 +10,27 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from dualpath.telemetry.errors import TraceNotFoundError, TraceSourceError
-from dualpath.telemetry.tracing import carrier, context_from
-from dualpath.telemetry.traceview import find_trace, from_jaeger, load_jsonl, render_tree
 from dualpath.cli.trace import show
+from dualpath.telemetry.errors import TraceNotFoundError, TraceSourceError
+from dualpath.telemetry.traceview import find_trace, from_jaeger, load_jsonl, render_tree
+from dualpath.telemetry.tracing import carrier, context_from
 
 T1, T2 = "a" * 32, "b" * 32
 
 
 def _span(trace_id, span_id, parent, name, service, start_ms, dur_ms, **attrs) -> dict:
-    return {"trace_id": trace_id, "span_id": span_id, "parent_id": parent, "name": name, "service": service,
-            "start_ns": int(start_ms * 1e6), "end_ns": int((start_ms + dur_ms) * 1e6), "attributes": attrs, "links": [], "status": "UNSET"}
+    return {
+        "trace_id": trace_id,
+        "span_id": span_id,
+        "parent_id": parent,
+        "name": name,
+        "service": service,
+        "start_ns": int(start_ms * 1e6),
+        "end_ns": int((start_ms + dur_ms) * 1e6),
+        "attributes": attrs,
+        "links": [],
+        "status": "UNSET",
+    }
 
 
 @pytest.fixture()
@@ -74,14 +84,36 @@ def test_an_unknown_request_or_a_missing_file_raise_named_errors(span_file, tmp_
         load_jsonl(tmp_path / "absent.jsonl")
 
 
-JAEGER = {"data": [{"traceID": T1, "processes": {"p1": {"serviceName": "gateway"}, "p2": {"serviceName": "scheduler"}},
-                    "spans": [
-                        {"traceID": T1, "spanID": "0000000000000001", "operationName": "request", "references": [], "startTime": 1_000_000,
-                         "duration": 50_000, "processID": "p1", "tags": [{"key": "request_id", "type": "string", "value": "r1"}]},
-                        {"traceID": T1, "spanID": "0000000000000002", "operationName": "scheduler.decision", "processID": "p2",
-                         "references": [{"refType": "CHILD_OF", "traceID": T1, "spanID": "0000000000000001"}],
-                         "startTime": 1_002_000, "duration": 3_000, "tags": [{"key": "policy", "type": "string", "value": "dualpath"}]},
-                    ]}]}
+JAEGER = {
+    "data": [
+        {
+            "traceID": T1,
+            "processes": {"p1": {"serviceName": "gateway"}, "p2": {"serviceName": "scheduler"}},
+            "spans": [
+                {
+                    "traceID": T1,
+                    "spanID": "0000000000000001",
+                    "operationName": "request",
+                    "references": [],
+                    "startTime": 1_000_000,
+                    "duration": 50_000,
+                    "processID": "p1",
+                    "tags": [{"key": "request_id", "type": "string", "value": "r1"}],
+                },
+                {
+                    "traceID": T1,
+                    "spanID": "0000000000000002",
+                    "operationName": "scheduler.decision",
+                    "processID": "p2",
+                    "references": [{"refType": "CHILD_OF", "traceID": T1, "spanID": "0000000000000001"}],
+                    "startTime": 1_002_000,
+                    "duration": 3_000,
+                    "tags": [{"key": "policy", "type": "string", "value": "dualpath"}],
+                },
+            ],
+        }
+    ]
+}
 
 
 def test_jaeger_answers_become_the_same_tree():

@@ -24,15 +24,31 @@ def test_a_free_during_a_read_is_deferred_until_the_read_ends(tmp_path):
     store = BlockStore(tmp_path)
     hashes = list(range(1, 41))
     for h in hashes:
-        store.write(model_digest=DIGEST, block_hash=h, layers=LAYERS, tokens=TOKENS, bytes_per_token_layer=BPT, dtype="uint8",
-                    payload=bytes([h]) * (LAYERS * TOKENS * BPT))
+        store.write(
+            model_digest=DIGEST,
+            block_hash=h,
+            layers=LAYERS,
+            tokens=TOKENS,
+            bytes_per_token_layer=BPT,
+            dtype="uint8",
+            payload=bytes([h]) * (LAYERS * TOKENS * BPT),
+        )
     region = MemoryRegion(f"test-tm-{uuid.uuid4().hex[:10]}", 64 * 64)
     desc = RegionDescriptor(region_id=region.region_id, node_id="n0", size=region.size, transport="tcp")
     # 40 blocks x 64 B at 12.8 kB/s: the read takes ~0.2 s, in grants of one block
     io = StorageIO(store, read_nic=EmulatedNic(12_800, name="snic", chunk_bytes=64, burst_bytes=64))
     tm = TrafficManager(None, NodeConfig(node_id="n0"), Subjects("t"), region, desc, io)
-    load = m.LoadRequest(request_id="r1", model_digest=DIGEST, hashes=hashes, layers=LAYERS, bytes_per_token_layer=BPT,
-                         dtype="uint8", block_tokens=TOKENS, allocate=True, total_blocks=len(hashes))
+    load = m.LoadRequest(
+        request_id="r1",
+        model_digest=DIGEST,
+        hashes=hashes,
+        layers=LAYERS,
+        bytes_per_token_layer=BPT,
+        dtype="uint8",
+        block_tokens=TOKENS,
+        allocate=True,
+        total_blocks=len(hashes),
+    )
 
     async def run():
         task = asyncio.create_task(tm.load(load))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from dualpath.bench.transfer import format_report, layouts, run_bench
 
 KIB = 1024

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import anyio
 import numpy as np
 import pytest
+
 from dualpath.transfer import (
     MemoryRegion,
     OutOfBoundsError,
@@ -115,9 +116,7 @@ async def test_write_of_a_many_entry_batch_lands_exactly_where_each_entry_says(p
     expected = pair.remote.as_array().copy()
     src = pair.local.as_array()
     for e in entries:
-        expected[e.remote_offset : e.remote_offset + e.length] = src[
-            e.local_offset : e.local_offset + e.length
-        ]
+        expected[e.remote_offset : e.remote_offset + e.length] = src[e.local_offset : e.local_offset + e.length]
 
     moved = await pair.initiator.write(pair.local, entries, traffic_class=TrafficClass.KV)
 
@@ -132,9 +131,7 @@ async def test_read_of_a_many_entry_batch_lands_exactly_where_each_entry_says(pa
     expected = pair.local.as_array().copy()
     src = pair.remote.as_array()
     for e in entries:
-        expected[e.local_offset : e.local_offset + e.length] = src[
-            e.remote_offset : e.remote_offset + e.length
-        ]
+        expected[e.local_offset : e.local_offset + e.length] = src[e.remote_offset : e.remote_offset + e.length]
 
     moved = await pair.initiator.read(pair.local, entries, traffic_class=TrafficClass.MODEL)
 
@@ -210,9 +207,7 @@ async def test_an_out_of_bounds_entry_fails_the_batch_and_writes_nothing(pair: P
     assert info.value.offset == size - 10 and info.value.size == size
 
     with pytest.raises(OutOfBoundsError):  # the local side is checked too
-        await pair.initiator.write(
-            pair.local, [good, TransferEntry(pair.local.size - 1, rid, 0, 2)]
-        )
+        await pair.initiator.write(pair.local, [good, TransferEntry(pair.local.size - 1, rid, 0, 2)])
 
     assert np.array_equal(pair.remote.as_array(), before)
 

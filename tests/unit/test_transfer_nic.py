@@ -9,6 +9,9 @@ from collections.abc import Callable
 
 import anyio
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dualpath.transfer import (
     EmulatedNic,
     MemoryRegion,
@@ -18,8 +21,6 @@ from dualpath.transfer import (
     create_transport,
     split_entries,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 pytestmark = pytest.mark.anyio
 
@@ -46,9 +47,7 @@ async def _saturate(acquire: Callable, size: int, until: float, workers: int = 1
             tg.start_soon(worker)
 
 
-async def _paced(
-    acquire: Callable, size: int, rate: float, until: float, issued: list[int]
-) -> None:
+async def _paced(acquire: Callable, size: int, rate: float, until: float, issued: list[int]) -> None:
     """Issue ``size``-byte requests at ``rate`` bytes/s until ``until``, each on its own (as
     model-execution steps or queued layer loads are), appending each to ``issued``."""
     period = size / rate
@@ -72,9 +71,7 @@ async def test_a_saturated_nic_delivers_its_rate_within_five_percent_over_two_se
     assert nic.utilisation(window_s=1.0) > 0.9
 
 
-async def _model_share_beside_kv_backlog(
-    nic: EmulatedNic, model_cls: TrafficClass
-) -> tuple[float, float]:
+async def _model_share_beside_kv_backlog(nic: EmulatedNic, model_cls: TrafficClass) -> tuple[float, float]:
     """Fraction of a 50%-of-link model demand granted within the window while KV is offered
     at twice the link rate (an ever-growing backlog, as when many layer loads are queued),
     and the link's utilisation over the window's last second."""
@@ -88,9 +85,7 @@ async def _model_share_beside_kv_backlog(
     until = start + 1.0
     demand: list[int] = []
     async with anyio.create_task_group() as tg:
-        tg.start_soon(
-            _paced, lambda n: nic.acquire(n, TrafficClass.KV), 512 * KIB, 2 * nic.rate, until, []
-        )
+        tg.start_soon(_paced, lambda n: nic.acquire(n, TrafficClass.KV), 512 * KIB, 2 * nic.rate, until, [])
         tg.start_soon(_paced, model, 128 * KIB, 0.5 * nic.rate, until, demand)
         await anyio.sleep(until + 0.01 - start)
         utilisation = nic.utilisation(window_s=1.0)
@@ -124,9 +119,7 @@ async def test_kv_traffic_never_starves_behind_saturating_model_traffic() -> Non
     nic = EmulatedNic(LINK, name="cnic0", min_kv_share=0.02)
     start = anyio.current_time()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(
-            _saturate, lambda n: nic.acquire(n, TrafficClass.MODEL), 128 * KIB, start + 0.6
-        )
+        tg.start_soon(_saturate, lambda n: nic.acquire(n, TrafficClass.MODEL), 128 * KIB, start + 0.6)
         tg.start_soon(_saturate, lambda n: nic.acquire(n, TrafficClass.KV), 128 * KIB, start + 0.6)
     kv, model = nic.bytes_sent(TrafficClass.KV), nic.bytes_sent(TrafficClass.MODEL)
     assert kv >= 0.01 * (kv + model), (kv, model)  # its guaranteed share, roughly 2%
@@ -154,9 +147,7 @@ async def test_queued_bytes_counts_waiting_requests_per_class_and_forgets_cancel
     lengths=st.lists(st.integers(min_value=0, max_value=5000), max_size=40),
     chunk=st.integers(min_value=1, max_value=4096),
 )
-def test_split_entries_keeps_every_byte_in_order_and_no_chunk_exceeds_its_limit(
-    lengths: list[int], chunk: int
-) -> None:
+def test_split_entries_keeps_every_byte_in_order_and_no_chunk_exceeds_its_limit(lengths: list[int], chunk: int) -> None:
     entries, offset = [], 0
     for i, n in enumerate(lengths):
         entries.append(TransferEntry(offset, f"r{i % 3}", 10 * offset, n))
@@ -214,9 +205,7 @@ async def test_on_a_shaped_tcp_link_model_writes_get_their_demand_beside_kv() ->
         model_done: list[tuple[float, int]] = []
 
         async def write(cls: TrafficClass, offset: int, n: int) -> None:
-            moved = await initiator.write(
-                local, [TransferEntry(offset, rid, offset, n)], traffic_class=cls
-            )
+            moved = await initiator.write(local, [TransferEntry(offset, rid, offset, n)], traffic_class=cls)
             if cls is TrafficClass.MODEL:
                 model_done.append((anyio.current_time(), moved))
 

@@ -158,8 +158,7 @@ async def test_an_engine_data_plane_charges_the_decode_gpus_cnic_for_its_buffer_
     remote = create_transport("tcp", node_id="p0", nic=pe_nic)
     window = MemoryRegion(f"{ns}-win", 4 * MB)
     pe_buf, de_buf = MemoryRegion(f"{ns}-p0-buf", 4 * MB), MemoryRegion(f"{ns}-d0-buf", 4 * MB)
-    dp = EngineDataPlane(node_id="p0", region=window, local=local, remote=remote,
-                         peers=NicDirectory(cnic_prefix(ns)), same_host=True)
+    dp = EngineDataPlane(node_id="p0", region=window, local=local, remote=remote, peers=NicDirectory(cnic_prefix(ns)), same_host=True)
     try:
         await remote.start()
         for region, node in ((pe_buf, "p0"), (de_buf, "d0")):
@@ -236,6 +235,7 @@ async def test_a_shared_link_serves_another_process_first_come_first_served_besi
     key = f"test-fifo-{uuid.uuid4().hex[:10]}"
     link = EmulatedNic(RATE, name="shared", shared=key, chunk_bytes=50_000)
     try:
+
         async def backlog() -> None:
             while True:
                 await link.send(50_000)

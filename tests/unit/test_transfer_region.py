@@ -10,6 +10,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+
 from dualpath.transfer import (
     MemoryRegion,
     OutOfBoundsError,
@@ -59,10 +60,7 @@ def test_attaching_a_missing_or_too_small_region_fails_clearly(region: MemoryReg
 def test_an_attacher_process_that_exits_does_not_remove_the_owners_memory(
     region: MemoryRegion,
 ) -> None:
-    code = (
-        "import sys; from dualpath.transfer import MemoryRegion; "
-        "r = MemoryRegion.attach(sys.argv[1]); r.buf[0:3] = b'xyz'; r.close()"
-    )
+    code = "import sys; from dualpath.transfer import MemoryRegion; r = MemoryRegion.attach(sys.argv[1]); r.buf[0:3] = b'xyz'; r.close()"
     done = subprocess.run(
         [sys.executable, "-W", "error", "-c", code, region.region_id],
         check=False,
@@ -116,9 +114,7 @@ def test_closing_a_region_with_live_views_is_refused_until_they_are_gone(
 
 
 def test_a_descriptor_survives_msgpack_and_refuses_unknown_versions() -> None:
-    desc = RegionDescriptor(
-        region_id="r1", node_id="n1", size=4096, transport="tcp", address={"host": "h", "port": 1}
-    )
+    desc = RegionDescriptor(region_id="r1", node_id="n1", size=4096, transport="tcp", address={"host": "h", "port": 1})
     wire = msgpack.unpackb(msgpack.packb(desc.to_wire()))
     assert RegionDescriptor.from_wire(wire) == desc
     with pytest.raises(ValueError, match="version"):

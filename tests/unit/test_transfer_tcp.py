@@ -12,6 +12,7 @@ from dataclasses import replace
 import anyio
 import numpy as np
 import pytest
+
 from dualpath.transfer import (
     MemoryRegion,
     OutOfBoundsError,
@@ -67,9 +68,7 @@ async def test_a_batch_of_256_blocks_is_one_request_and_one_reply(duo, monkeypat
         return real(*args, **kwargs)
 
     monkeypatch.setattr(tcp_server, "_resolve", counting)
-    entries = [
-        TransferEntry(i * 4096, remote.region_id, (255 - i) * 4096, 4096) for i in range(256)
-    ]
+    entries = [TransferEntry(i * 4096, remote.region_id, (255 - i) * 4096, 4096) for i in range(256)]
 
     assert await a.read(local, entries) == 256 * 4096
     assert len(answered) == 1
@@ -128,10 +127,7 @@ async def test_concurrent_batches_pipeline_on_one_connection_and_each_lands_exac
     results = {}
 
     async def one(i: int) -> None:
-        entries = [
-            TransferEntry(i * 65536 + j * 4096, remote.region_id, (63 - i) * 65536 + j * 4096, 4096)
-            for j in range(16)
-        ]
+        entries = [TransferEntry(i * 65536 + j * 4096, remote.region_id, (63 - i) * 65536 + j * 4096, 4096) for j in range(16)]
         results[i] = await a.read(local, entries)
 
     async with anyio.create_task_group() as tg:
@@ -141,9 +137,7 @@ async def test_concurrent_batches_pipeline_on_one_connection_and_each_lands_exac
     assert all(v == 65536 for v in results.values()) and len(results) == 64
     src, dst = remote.as_array(), local.as_array()
     for i in range(64):
-        assert np.array_equal(
-            dst[i * 65536 : (i + 1) * 65536], src[(63 - i) * 65536 : (64 - i) * 65536]
-        )
+        assert np.array_equal(dst[i * 65536 : (i + 1) * 65536], src[(63 - i) * 65536 : (64 - i) * 65536])
 
 
 async def test_a_cancelled_read_never_lands_and_leaves_the_connection_usable(duo) -> None:
@@ -223,10 +217,7 @@ async def test_one_batch_spanning_two_peers_lands_in_both(duo) -> None:
         await c.start()
         await a.connect(c.register(other))
         local.as_array()[:] = pattern(local.size, 8)
-        entries = [
-            TransferEntry(i * 8192, (remote if i % 2 else other).region_id, i * 4096, 8192)
-            for i in range(64)
-        ]
+        entries = [TransferEntry(i * 8192, (remote if i % 2 else other).region_id, i * 4096, 8192) for i in range(64)]
 
         assert await a.write(local, entries) == 64 * 8192
 

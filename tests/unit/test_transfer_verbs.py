@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+
 from dualpath.transfer import (
     MemoryRegion,
     PeerLostError,
@@ -152,9 +153,7 @@ class GlobalRoute:
 
 
 class AHAttr:
-    def __init__(
-        self, dlid=0, sl=0, src_path_bits=0, static_rate=0, is_global=0, port_num=1, gr=None
-    ) -> None:
+    def __init__(self, dlid=0, sl=0, src_path_bits=0, static_rate=0, is_global=0, port_num=1, gr=None) -> None:
         self.dlid, self.sl, self.is_global, self.gr = dlid, sl, is_global, gr
 
 
@@ -164,9 +163,7 @@ class SGE:
 
 
 class SendWR:
-    def __init__(
-        self, wr_id=0, opcode=0, num_sge=0, imm_data=0, sg=None, send_flags=E.IBV_SEND_SIGNALED
-    ) -> None:
+    def __init__(self, wr_id=0, opcode=0, num_sge=0, imm_data=0, sg=None, send_flags=E.IBV_SEND_SIGNALED) -> None:
         assert num_sge == 1 and len(sg) == 1
         self.wr_id, self.opcode, self.sge, self.send_flags = wr_id, opcode, sg[0], send_flags
         self.chained = None
@@ -251,9 +248,7 @@ def fake_pyverbs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
         "pyverbs.pd": _module("pyverbs.pd", PD=PD),
         "pyverbs.mr": _module("pyverbs.mr", MR=MR),
         "pyverbs.cq": _module("pyverbs.cq", CQ=CQ),
-        "pyverbs.qp": _module(
-            "pyverbs.qp", QP=QP, QPAttr=QPAttr, QPCap=QPCap, QPInitAttr=QPInitAttr
-        ),
+        "pyverbs.qp": _module("pyverbs.qp", QP=QP, QPAttr=QPAttr, QPCap=QPCap, QPInitAttr=QPInitAttr),
         "pyverbs.wr": _module("pyverbs.wr", SGE=SGE, SendWR=SendWR),
         "pyverbs.addr": _module("pyverbs.addr", GID=GID, AHAttr=AHAttr, GlobalRoute=GlobalRoute),
         "pyverbs.pyverbs_error": _module("pyverbs.pyverbs_error", PyverbsError=PyverbsError),
@@ -295,9 +290,7 @@ async def test_a_300_entry_read_goes_out_as_three_lists_with_one_signalled_reque
 ) -> None:
     initiator, _, local, remote = verbs_pair
     remote.as_array()[:] = pattern(remote.size, 5)
-    entries = [
-        TransferEntry(i * 8192, remote.region_id, (299 - i) * 8192, 8192) for i in range(300)
-    ]
+    entries = [TransferEntry(i * 8192, remote.region_id, (299 - i) * 8192, 8192) for i in range(300)]
     HCA.posts.clear()
 
     assert await initiator.read(local, entries) == 300 * 8192
@@ -305,9 +298,7 @@ async def test_a_300_entry_read_goes_out_as_three_lists_with_one_signalled_reque
     assert [len(p) for p in HCA.posts] == [128, 128, 44]  # doorbell batching, max_send_wr=128
     for posted in HCA.posts:
         assert all(op == E.IBV_WR_RDMA_READ for op, _ in posted)
-        assert [bool(f & E.IBV_SEND_SIGNALED) for _, f in posted] == [False] * (len(posted) - 1) + [
-            True
-        ]
+        assert [bool(f & E.IBV_SEND_SIGNALED) for _, f in posted] == [False] * (len(posted) - 1) + [True]
     src, dst = remote.as_array(), local.as_array()
     for e in entries:
         assert np.array_equal(
@@ -321,12 +312,8 @@ async def test_a_write_lands_and_each_traffic_class_uses_its_own_service_level(v
     local.as_array()[:] = pattern(local.size, 6)
     rid = remote.region_id
 
-    await initiator.write(
-        local, [TransferEntry(0, rid, 1 << 20, 1 << 20)], traffic_class=TrafficClass.MODEL
-    )
-    await initiator.write(
-        local, [TransferEntry(1 << 20, rid, 0, 1 << 20)], traffic_class=TrafficClass.KV
-    )
+    await initiator.write(local, [TransferEntry(0, rid, 1 << 20, 1 << 20)], traffic_class=TrafficClass.MODEL)
+    await initiator.write(local, [TransferEntry(1 << 20, rid, 0, 1 << 20)], traffic_class=TrafficClass.KV)
 
     assert np.array_equal(remote.as_array(1 << 20, 1 << 20), local.as_array(0, 1 << 20))
     assert np.array_equal(remote.as_array(0, 1 << 20), local.as_array(1 << 20, 1 << 20))

@@ -95,8 +95,9 @@ async def _drive(url: str, namespace: str, *, clients: int, seconds: float, chai
         while time.perf_counter() < stop_at:
             try:
                 t0 = time.perf_counter()
-                reply = await nc.request(subj.kv_lookup, _encode(11, {"model_digest": digest, "hashes": a.chain[-chain_blocks:]}),
-                                         timeout=30)
+                reply = await nc.request(
+                    subj.kv_lookup, _encode(11, {"model_digest": digest, "hashes": a.chain[-chain_blocks:]}), timeout=30
+                )
                 latencies.append(time.perf_counter() - t0)
                 counts["lookups"] += 1
                 counts["hit_blocks"] += decode(reply.data, m.LookupReply).hit_blocks
@@ -111,13 +112,23 @@ async def _drive(url: str, namespace: str, *, clients: int, seconds: float, chai
     elapsed = time.perf_counter() - t0
     await nc.close()
     latencies.sort()
-    return {"elapsed_s": elapsed, **counts,
-            "lookup_p50_ms": 1000 * latencies[len(latencies) // 2] if latencies else None,
-            "lookup_p99_ms": 1000 * latencies[int(len(latencies) * 0.99)] if latencies else None}
+    return {
+        "elapsed_s": elapsed,
+        **counts,
+        "lookup_p50_ms": 1000 * latencies[len(latencies) // 2] if latencies else None,
+        "lookup_p99_ms": 1000 * latencies[int(len(latencies) * 0.99)] if latencies else None,
+    }
 
 
-def run_bench(*, replicas: int = 2, clients: int = 48, seconds: float = 10.0, nats_cluster: int = 1, seed: int = 0,
-              chain_blocks: int = cast(int, LOAD["chain_blocks"])) -> dict:
+def run_bench(
+    *,
+    replicas: int = 2,
+    clients: int = 48,
+    seconds: float = 10.0,
+    nats_cluster: int = 1,
+    seed: int = 0,
+    chain_blocks: int = cast(int, LOAD["chain_blocks"]),
+) -> dict:
     """Start NATS and ``replicas`` kv-persistence processes, drive the load's mix, report rates and headroom."""
     from dualpath.cli.launcher.supervisor import Supervisor
     from dualpath.ha.natscluster import nats_servers
@@ -133,9 +144,25 @@ def run_bench(*, replicas: int = 2, clients: int = 48, seconds: float = 10.0, na
         time.sleep(1.0 if nats_cluster > 1 else 0.3)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for i in range(replicas):
-            sup.add(f"kv-persistence-{i}", [sys.executable, "-m", "services.kv_persistence", "--nats-url", url, "--namespace",
-                                            namespace, "--storage", str(run_dir / "storage"), "--replication", "jetstream",
-                                            "--replica-id", str(i)], env)
+            sup.add(
+                f"kv-persistence-{i}",
+                [
+                    sys.executable,
+                    "-m",
+                    "services.kv_persistence",
+                    "--nats-url",
+                    url,
+                    "--namespace",
+                    namespace,
+                    "--storage",
+                    str(run_dir / "storage"),
+                    "--replication",
+                    "jetstream",
+                    "--replica-id",
+                    str(i),
+                ],
+                env,
+            )
         _wait_for_replicas(run_dir / "logs", replicas, sup)
         cpu0 = _cpu_seconds(sup)
         measured = asyncio.run(_drive(specs[0].url, namespace, clients=clients, seconds=seconds, chain_blocks=chain_blocks, seed=seed))
@@ -144,8 +171,11 @@ def run_bench(*, replicas: int = 2, clients: int = 48, seconds: float = 10.0, na
         sup.stop([n for n in sup.children if n.startswith("kv-")], 10.0)
         sup.stop(list(sup.children), 5.0)
     t = measured["elapsed_s"]
-    rates = {"lookups_per_s": measured["lookups"] / t, "block_commits_per_s": measured["block_commits"] / t,
-             "commit_requests_per_s": measured["commit_requests"] / t}
+    rates = {
+        "lookups_per_s": measured["lookups"] / t,
+        "block_commits_per_s": measured["block_commits"] / t,
+        "commit_requests_per_s": measured["commit_requests"] / t,
+    }
     headroom = min(rates["lookups_per_s"] / LOAD["lookups_per_s"], rates["block_commits_per_s"] / LOAD["block_commits_per_s"])
     cpu = {k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1}
     # What the replicas' CPU time says: seconds of one core per second of the full load (the
@@ -153,17 +183,31 @@ def run_bench(*, replicas: int = 2, clients: int = 48, seconds: float = 10.0, na
     replica_cpu = sum(v for k, v in cpu.items() if k.startswith("kv-"))
     load_seconds = t * min(rates["lookups_per_s"] / LOAD["lookups_per_s"], rates["block_commits_per_s"] / LOAD["block_commits_per_s"])
     cores_for_load = replica_cpu / load_seconds if load_seconds else None
-    return {"load": LOAD, "measured": measured, "rates": rates, "headroom": headroom, "headroom_ok": headroom >= 3.0,
-            "replicas": replicas, "nats_servers": nats_cluster, "clients": clients, "host_cpus": os.cpu_count(),
-            "cpu_seconds": cpu, "replica_cores_for_load": cores_for_load,
-            "replica_cores_for_3x": 3 * cores_for_load if cores_for_load else None}
+    return {
+        "load": LOAD,
+        "measured": measured,
+        "rates": rates,
+        "headroom": headroom,
+        "headroom_ok": headroom >= 3.0,
+        "replicas": replicas,
+        "nats_servers": nats_cluster,
+        "clients": clients,
+        "host_cpus": os.cpu_count(),
+        "cpu_seconds": cpu,
+        "replica_cores_for_load": cores_for_load,
+        "replica_cores_for_3x": 3 * cores_for_load if cores_for_load else None,
+    }
 
 
 def _wait_for_replicas(logs: Path, replicas: int, sup, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ready = sum(1 for i in range(replicas) if (logs / f"kv-persistence-{i}.log").exists()
-                    and "index_loaded" in (logs / f"kv-persistence-{i}.log").read_text(errors="replace"))
+        ready = sum(
+            1
+            for i in range(replicas)
+            if (logs / f"kv-persistence-{i}.log").exists()
+            and "index_loaded" in (logs / f"kv-persistence-{i}.log").read_text(errors="replace")
+        )
         if ready == replicas:
             return
         for name, child in sup.children.items():
@@ -188,18 +232,27 @@ def _cpu_seconds(sup) -> dict[str, float]:
 
 def format_report(r: dict) -> str:
     load, rates, meas = r["load"], r["rates"], r["measured"]
-    head = (f"replicated block index: {r['replicas']} kv-persistence replicas, {r['nats_servers']} nats-server(s), "
-            f"{r['clients']} agents, {meas['elapsed_s']:.1f} s on {r['host_cpus']} CPUs (shared with the load driver)")
+    head = (
+        f"replicated block index: {r['replicas']} kv-persistence replicas, {r['nats_servers']} nats-server(s), "
+        f"{r['clients']} agents, {meas['elapsed_s']:.1f} s on {r['host_cpus']} CPUs (shared with the load driver)"
+    )
     lines = [head, f"{'':24}{'required':>12}{'sustained':>12}{'ratio':>8}"]
-    for label, key in (("lookups/s", "lookups_per_s"), ("block commits/s", "block_commits_per_s"),
-                       ("commit requests/s", "commit_requests_per_s")):
+    for label, key in (
+        ("lookups/s", "lookups_per_s"),
+        ("block commits/s", "block_commits_per_s"),
+        ("commit requests/s", "commit_requests_per_s"),
+    ):
         lines.append(f"{label:24}{load[key]:>12,.0f}{rates[key]:>12,.0f}{rates[key] / load[key]:>8.2f}")
-    lines.append(f"headroom {r['headroom']:.2f}x ({'meets' if r['headroom_ok'] else 'below'} the 3x target); lookup p50 "
-                 f"{meas['lookup_p50_ms']:.1f} ms, p99 {meas['lookup_p99_ms']:.1f} ms; errors {meas['errors']}")
+    lines.append(
+        f"headroom {r['headroom']:.2f}x ({'meets' if r['headroom_ok'] else 'below'} the 3x target); lookup p50 "
+        f"{meas['lookup_p50_ms']:.1f} ms, p99 {meas['lookup_p99_ms']:.1f} ms; errors {meas['errors']}"
+    )
     lines.append("CPU seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["cpu_seconds"].items())))
     if r["replica_cores_for_load"]:
-        lines.append(f"replica CPU per second of the full load: {r['replica_cores_for_load']:.1f} cores "
-                     f"(3x: {r['replica_cores_for_3x']:.1f} cores, spread over replicas on their own cores)")
+        lines.append(
+            f"replica CPU per second of the full load: {r['replica_cores_for_load']:.1f} cores "
+            f"(3x: {r['replica_cores_for_3x']:.1f} cores, spread over replicas on their own cores)"
+        )
     return "\n".join(lines)
 
 

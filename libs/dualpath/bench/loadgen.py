@@ -80,8 +80,9 @@ async def _probe_connection(url: str, period_s: float, offset_s: float) -> None:
     await asyncio.sleep(offset_s)
     reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
     body = json.dumps({"model": "probe", "prompt": " probe", "max_tokens": 1, "stream": True}).encode()
-    request = (f"POST /v1/completions HTTP/1.1\r\nhost: {parts.netloc}\r\ncontent-type: application/json\r\n"
-               f"content-length: {len(body)}\r\n\r\n").encode() + body
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: {parts.netloc}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode() + body
     while True:
         t_send = time.monotonic()
         writer.write(request)
@@ -110,8 +111,17 @@ async def _probe(url: str, interval_s: float, connections: int) -> None:
 
 
 def _start_probe(url: str, interval_s: float, connections: int, sink) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "dualpath.bench.loadgen", "--probe", url, "--probe-interval", str(interval_s),
-           "--probe-connections", str(connections)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dualpath.bench.loadgen",
+        "--probe",
+        url,
+        "--probe-interval",
+        str(interval_s),
+        "--probe-connections",
+        str(connections),
+    ]
     return subprocess.Popen(cmd, stdout=sink, stderr=subprocess.DEVNULL)
 
 
@@ -121,14 +131,22 @@ def _window(samples: list[tuple[float, float, float]], lo: float, hi: float) -> 
     return {"added": [a + b for a, b in rows], "send": [a for a, _ in rows], "receive": [b for _, b in rows]}
 
 
-async def _loadgen(url: str, *, agents: int, turns: int, gen: int, rate: float | None, transport: str,
-                   prompts: PromptText, seed: int) -> RunState:
-    trajectories = tuple(Trajectory(id=str(i), system_tokens=64, append_tokens=(32,) * turns, gen_tokens=(gen,) * turns)
-                         for i in range(agents))
+async def _loadgen(
+    url: str, *, agents: int, turns: int, gen: int, rate: float | None, transport: str, prompts: PromptText, seed: int
+) -> RunState:
+    trajectories = tuple(
+        Trajectory(id=str(i), system_tokens=64, append_tokens=(32,) * turns, gen_tokens=(gen,) * turns) for i in range(agents)
+    )
     arrivals = arrival_times(agents, rate=rate, seed=seed)
-    spec = LoadSpec(endpoint=Endpoint.parse(url, chat=False, model="instant", timeout_s=120.0),
-                    trajectories=trajectories, arrivals=tuple(arrivals.tolist()), offline=rate is None,
-                    transport=transport, text_seed=seed, max_errors=max(20, agents))
+    spec = LoadSpec(
+        endpoint=Endpoint.parse(url, chat=False, model="instant", timeout_s=120.0),
+        trajectories=trajectories,
+        arrivals=tuple(arrivals.tolist()),
+        offline=rate is None,
+        transport=transport,
+        text_seed=seed,
+        max_errors=max(20, agents),
+    )
     state = RunState()
     await run_load(spec, prompts, state)
     return state
@@ -153,8 +171,11 @@ def _compare(loadgen: dict, probe: dict) -> dict:
     out = {}
     for leg in ("added", "send", "receive"):
         lg, pr = _ms(loadgen[leg]), _ms(probe[leg])
-        out[leg] = {"loadgen_ms": lg, "probe_ms": pr,
-                    "overhead_ms": {k: lg[k] - pr[k] for k in ("p50", "p90", "p99", "mean")} if lg["n"] and pr["n"] else {}}
+        out[leg] = {
+            "loadgen_ms": lg,
+            "probe_ms": pr,
+            "overhead_ms": {k: lg[k] - pr[k] for k in ("p50", "p90", "p99", "mean")} if lg["n"] and pr["n"] else {},
+        }
     return out
 
 
@@ -193,9 +214,19 @@ class _Phase:
         self.sink.close()
 
 
-def run_overhead_bench(agents: int = 1000, *, turns: int = 6, gen_tokens: int = 16, ttft_s: float = 0.5,
-                       tpot_s: float = 0.05, idle_turns: int = 1000, probe_interval_s: float = 0.02,
-                       compare_httpx: bool = True, seed: int = 0, target_ms: float = 1.0) -> dict:
+def run_overhead_bench(
+    agents: int = 1000,
+    *,
+    turns: int = 6,
+    gen_tokens: int = 16,
+    ttft_s: float = 0.5,
+    tpot_s: float = 0.05,
+    idle_turns: int = 1000,
+    probe_interval_s: float = 0.02,
+    compare_httpx: bool = True,
+    seed: int = 0,
+    target_ms: float = 1.0,
+) -> dict:
     """Run the benchmark described in the module docstring and return its figures (ms).
 
     ``meets_target``: under load, the overhead's p50 and mean are below ``target_ms``, no
@@ -206,33 +237,49 @@ def run_overhead_bench(agents: int = 1000, *, turns: int = 6, gen_tokens: int = 
     loadavg_before = list(os.getloadavg())
     idle_phase = _Phase(probe_interval_s)  # answers at once: per-request cost only
     with idle_phase as url:
-        idle = anyio.run(lambda: _loadgen(url, agents=1, turns=idle_turns, gen=1, rate=None,
-                                          transport="fast", prompts=prompts, seed=seed))
+        idle = anyio.run(lambda: _loadgen(url, agents=1, turns=idle_turns, gen=1, rate=None, transport="fast", prompts=prompts, seed=seed))
         httpx_idle = None
         if compare_httpx:
-            httpx_idle = anyio.run(lambda: _loadgen(url, agents=1, turns=idle_turns, gen=1, rate=None,
-                                                    transport="httpx", prompts=prompts, seed=seed + 1))
+            httpx_idle = anyio.run(
+                lambda: _loadgen(url, agents=1, turns=idle_turns, gen=1, rate=None, transport="httpx", prompts=prompts, seed=seed + 1)
+            )
     load_phase = _Phase(probe_interval_s, ttft_s=ttft_s, tpot_s=tpot_s)
     with load_phase as url:
         turn_s = ttft_s + gen_tokens * tpot_s
         rate = agents / turn_s if turn_s > 0 else None  # arrivals spread over one turn
         cpu0, server0 = time.process_time(), load_phase.server_cpu_s()
-        load = anyio.run(lambda: _loadgen(url, agents=agents, turns=turns, gen=gen_tokens, rate=rate,
-                                          transport="fast", prompts=prompts, seed=seed + 2))
+        load = anyio.run(
+            lambda: _loadgen(url, agents=agents, turns=turns, gen=gen_tokens, rate=rate, transport="fast", prompts=prompts, seed=seed + 2)
+        )
         cpu, server1 = time.process_time() - cpu0, load_phase.server_cpu_s()
         server_cpu = None if server0 is None or server1 is None else server1 - server0
-    config = dict(agents=agents, turns=turns, gen_tokens=gen_tokens, server_ttft_s=ttft_s, server_tpot_s=tpot_s,
-                  idle_turns=idle_turns, probe_interval_s=probe_interval_s, seed=seed)
-    result: dict[str, Any] = {"method": "legs from CLOCK_MONOTONIC stamps of client and server; overhead = load generator's "
-                        "added latency - a raw-socket probe's, same server, same window (see dualpath.bench.loadgen)",
-              "config": config,
-              "host": {"cpus": os.cpu_count(), "loadavg_before": loadavg_before, "loadavg_after": list(os.getloadavg())},
-              "idle": _idle_figures(idle, httpx_idle, idle_phase.samples),
-              "load": _load_figures(load, load_phase.samples, cpu, server_cpu)}
+    config = dict(
+        agents=agents,
+        turns=turns,
+        gen_tokens=gen_tokens,
+        server_ttft_s=ttft_s,
+        server_tpot_s=tpot_s,
+        idle_turns=idle_turns,
+        probe_interval_s=probe_interval_s,
+        seed=seed,
+    )
+    result: dict[str, Any] = {
+        "method": "legs from CLOCK_MONOTONIC stamps of client and server; overhead = load generator's "
+        "added latency - a raw-socket probe's, same server, same window (see dualpath.bench.loadgen)",
+        "config": config,
+        "host": {"cpus": os.cpu_count(), "loadavg_before": loadavg_before, "loadavg_after": list(os.getloadavg())},
+        "idle": _idle_figures(idle, httpx_idle, idle_phase.samples),
+        "load": _load_figures(load, load_phase.samples, cpu, server_cpu),
+    }
     overhead = result["load"]["legs"]["added"]["overhead_ms"]
     result["target_ms"] = target_ms
-    result["meets_target"] = (bool(overhead) and overhead["p50"] < target_ms and overhead["mean"] < target_ms
-                              and load.errors == 0 and load.max_active >= min(1000, agents))
+    result["meets_target"] = (
+        bool(overhead)
+        and overhead["p50"] < target_ms
+        and overhead["mean"] < target_ms
+        and load.errors == 0
+        and load.max_active >= min(1000, agents)
+    )
     return result
 
 
@@ -258,12 +305,19 @@ def _load_figures(load: RunState, samples, cpu_s: float, server_cpu_s: float | N
     done = [t for t in load.turns if t.ok]
     wall = load.wall_s or 1e-9
     lag = {k: (v * 1000 if k != "n" and v is not None else v) for k, v in load.loop_lag.summary().items()}
-    return {"window_s": hi - lo, "active_sessions": {"max": load.max_active, "mean_in_window": float(np.mean(active))},
-            "turns": len(done), "errors": load.errors, "first_error": load.first_error,
-            "requests_per_s": len(done) / wall, "tokens_per_s": sum(t.completion_tokens or 0 for t in done) / wall,
-            "client_cpu_share": cpu_s / wall, "loop_lag_ms": lag,
-            "server_cpu_share": None if server_cpu_s is None else server_cpu_s / wall,
-            "legs": _compare(_legs(load, lo, hi), _window(samples, lo, hi))}
+    return {
+        "window_s": hi - lo,
+        "active_sessions": {"max": load.max_active, "mean_in_window": float(np.mean(active))},
+        "turns": len(done),
+        "errors": load.errors,
+        "first_error": load.first_error,
+        "requests_per_s": len(done) / wall,
+        "tokens_per_s": sum(t.completion_tokens or 0 for t in done) / wall,
+        "client_cpu_share": cpu_s / wall,
+        "loop_lag_ms": lag,
+        "server_cpu_share": None if server_cpu_s is None else server_cpu_s / wall,
+        "legs": _compare(_legs(load, lo, hi), _window(samples, lo, hi)),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,8 +337,15 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
         anyio.run(_probe, a.probe, a.probe_interval, a.probe_connections)
         return 0
-    result = run_overhead_bench(a.agents, turns=a.turns, gen_tokens=a.gen_tokens, ttft_s=a.ttft, tpot_s=a.tpot,
-                                probe_interval_s=a.probe_interval, compare_httpx=not a.no_httpx)
+    result = run_overhead_bench(
+        a.agents,
+        turns=a.turns,
+        gen_tokens=a.gen_tokens,
+        ttft_s=a.ttft,
+        tpot_s=a.tpot,
+        probe_interval_s=a.probe_interval,
+        compare_httpx=not a.no_httpx,
+    )
     print(json.dumps(result, indent=2))
     return 0 if result["meets_target"] else 1
 

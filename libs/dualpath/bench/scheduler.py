@@ -85,12 +85,22 @@ class BenchWorkload:
 def validate_engines(engines: int) -> None:
     """Raises InvalidTopologyError unless ``engines`` is a positive multiple of 24."""
     if engines < _GROUP_GPUS or engines % _GROUP_GPUS:
-        raise InvalidTopologyError(f"--engines {engines}: need a positive multiple of {_GROUP_GPUS} "
-                                   f"(groups of one prefill and two decode nodes of {_GPUS_PER_NODE} GPUs), e.g. 1152 or 10008")
+        raise InvalidTopologyError(
+            f"--engines {engines}: need a positive multiple of {_GROUP_GPUS} "
+            f"(groups of one prefill and two decode nodes of {_GPUS_PER_NODE} GPUs), e.g. 1152 or 10008"
+        )
 
 
-def run_bench(engines: int = 1152, seconds: float = 10.0, seed: int = 0, *, policy: str = "dualpath", warmup_s: float = 8.0,
-              tick_s: float = 0.001, workload: BenchWorkload = BenchWorkload()) -> dict:
+def run_bench(
+    engines: int = 1152,
+    seconds: float = 10.0,
+    seed: int = 0,
+    *,
+    policy: str = "dualpath",
+    warmup_s: float = 8.0,
+    tick_s: float = 0.001,
+    workload: BenchWorkload = BenchWorkload(),
+) -> dict:
     """Drive a ``SchedulerCore`` for ``warmup_s + seconds`` virtual seconds; JSON-ready figures.
 
     Raises:
@@ -101,8 +111,9 @@ def run_bench(engines: int = 1152, seconds: float = 10.0, seed: int = 0, *, poli
     validate_engines(engines)
     if not seconds > 0 or not tick_s > 0 or warmup_s < 0:
         raise ValueError(f"need seconds > 0, tick > 0 and warmup >= 0 (got {seconds}, {tick_s}, {warmup_s})")
-    thresholds = Thresholds.from_profile(snic_bytes_per_s=_SNIC_BYTES_PER_S, kv_bytes_per_token=_KV_BYTES_PER_TOKEN,
-                                         prefill_tokens_per_s=_PREFILL_TOKENS_PER_S)
+    thresholds = Thresholds.from_profile(
+        snic_bytes_per_s=_SNIC_BYTES_PER_S, kv_bytes_per_token=_KV_BYTES_PER_TOKEN, prefill_tokens_per_s=_PREFILL_TOKENS_PER_S
+    )
     core = SchedulerCore(get_policy(policy, thresholds), CoreConfig(max_queue=1 << 30))
     previous_gc = tune_gc()  # as the scheduler service runs it
     try:
@@ -194,10 +205,18 @@ class _FakeCluster:
         self.done[i] = []
         decode = self.decode[i]
         role = Role.DECODE if decode else Role.PREFILL
-        return EngineReported(now=now, engine=self.names[i], node=self.node_names[self.node_of[i]], role=role,
-                              seq=self.seq[i], tok=self.tok[i], free_hbm_tokens=self.free[i],
-                              capacity_tokens=_DECODE_HBM_TOKENS if decode else 0, block_bytes=_KV_BYTES_PER_TOKEN * _BLOCK,
-                              finished=tuple(done))
+        return EngineReported(
+            now=now,
+            engine=self.names[i],
+            node=self.node_names[self.node_of[i]],
+            role=role,
+            seq=self.seq[i],
+            tok=self.tok[i],
+            free_hbm_tokens=self.free[i],
+            capacity_tokens=_DECODE_HBM_TOKENS if decode else 0,
+            block_bytes=_KV_BYTES_PER_TOKEN * _BLOCK,
+            finished=tuple(done),
+        )
 
     def _arrivals(self, now: float, events: list) -> None:
         w, rng = self.w, self.rng
@@ -209,8 +228,11 @@ class _FakeCluster:
             self.next_rid += 1
             hit = min(context // _BLOCK * _BLOCK, prompt - 1)
             self.shape[rid] = (prompt - hit, hit, prompt + gen, gen)
-            events.append(RequestSubmitted(now=now, request_id=rid, prompt_tokens=prompt, hit_blocks=context // _BLOCK,
-                                           block_tokens=_BLOCK, max_tokens=gen))
+            events.append(
+                RequestSubmitted(
+                    now=now, request_id=rid, prompt_tokens=prompt, hit_blocks=context // _BLOCK, block_tokens=_BLOCK, max_tokens=gen
+                )
+            )
             self.next_arrival += rng.expovariate(self.rate)
 
     def _due(self, now: float) -> None:
@@ -304,12 +326,19 @@ class _FakeCluster:
 def format_report(d: dict) -> str:
     """The benchmark result as a few human-readable lines."""
     ev = d["events_per_s"]
-    return "\n".join([
-        f"scheduler core bench: policy={d['policy']}  {d['engines']} GPUs = {d['topology']}, python {d['python']}, one core",
-        f"load: {d['rate_derivation']} -> {d['offered_requests_per_s']:,.0f} requests/s offered",
-        "events/s: " + ", ".join(f"{k} {v:,.0f}" for k, v in ev.items()),
-        (f"requests: {d['submitted']:,} submitted, {d['finished']:,} finished, {d['failed']} failed in {d['virtual_seconds']:.0f} "
-         f"virtual s (after {d['warmup_seconds']:.0f} s warm-up); mean in flight {d['mean_in_flight']:,.0f}, max queued {d['max_queued']}"),
-        (f"core: {d['core_cpu_seconds']:.3f} CPU s -> {d['requests_per_s']:,.0f} requests/s on one core "
-         f"(aim {d['aim_requests_per_s']:,}); utilisation {100 * d['core_utilisation']:.1f}% of one core at the offered load"),
-    ])
+    return "\n".join(
+        [
+            f"scheduler core bench: policy={d['policy']}  {d['engines']} GPUs = {d['topology']}, python {d['python']}, one core",
+            f"load: {d['rate_derivation']} -> {d['offered_requests_per_s']:,.0f} requests/s offered",
+            "events/s: " + ", ".join(f"{k} {v:,.0f}" for k, v in ev.items()),
+            (
+                f"requests: {d['submitted']:,} submitted, {d['finished']:,} finished, {d['failed']} failed "
+                f"in {d['virtual_seconds']:.0f} virtual s (after {d['warmup_seconds']:.0f} s warm-up); "
+                f"mean in flight {d['mean_in_flight']:,.0f}, max queued {d['max_queued']}"
+            ),
+            (
+                f"core: {d['core_cpu_seconds']:.3f} CPU s -> {d['requests_per_s']:,.0f} requests/s on one core "
+                f"(aim {d['aim_requests_per_s']:,}); utilisation {100 * d['core_utilisation']:.1f}% of one core at the offered load"
+            ),
+        ]
+    )

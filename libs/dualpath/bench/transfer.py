@@ -207,15 +207,11 @@ def layouts(block: int, batch: int, size: int) -> list[list[tuple[int, int, int]
     out = []
     for w in range(count):
         base = w * (size // count) // block * block
-        out.append(
-            [(base + i * block, base + ((i * 7919) % batch) * block, block) for i in range(batch)]
-        )
+        out.append([(base + i * block, base + ((i * 7919) % batch) * block, block) for i in range(batch)])
     return out
 
 
-def _time_point(
-    run: Callable[[int], object], nbytes: int, seconds: float, max_bytes: int
-) -> dict[str, float]:
+def _time_point(run: Callable[[int], object], nbytes: int, seconds: float, max_bytes: int) -> dict[str, float]:
     run(0)  # warm-up: connections, page faults
     laps: list[float] = []
     total = 0.0
@@ -280,15 +276,14 @@ class _Column:
             return _time_point(lambda i: self._mc.batch(self.op, windows[i % len(windows)]), nbytes, seconds, max_bytes)
         entries = [[TransferEntry(lo, self._rid, ro, n) for lo, ro, n in w] for w in windows]
         return self._loop.run_until_complete(
-            _time_point_async(lambda i: self._move(self._local, entries[i % len(entries)]), nbytes, seconds, max_bytes))
+            _time_point_async(lambda i: self._move(self._local, entries[i % len(entries)]), nbytes, seconds, max_bytes)
+        )
 
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
 
-async def _time_point_async(
-    run: Callable, nbytes: int, seconds: float, max_bytes: int
-) -> dict[str, float]:
+async def _time_point_async(run: Callable, nbytes: int, seconds: float, max_bytes: int) -> dict[str, float]:
     await run(0)
     laps: list[float] = []
     total = 0.0
@@ -308,8 +303,10 @@ def format_report(d: dict[str, Any]) -> str:
     """The human-readable table of a ``run_bench`` result."""
     columns = d["columns"]
     lines = [
-        (f"dualpath bench transfer: {d['op']} of batches of blocks, one batch at a time "
-         f"({d['cpus']} CPUs, batches up to {_size(d['max_batch_bytes'])}, {d['elapsed_s']} s)"),
+        (
+            f"dualpath bench transfer: {d['op']} of batches of blocks, one batch at a time "
+            f"({d['cpus']} CPUs, batches up to {_size(d['max_batch_bytes'])}, {d['elapsed_s']} s)"
+        ),
         "cells: GB/s  median batch latency (us); tcp/memcpy = tcp GB/s over memcpy GB/s",
         "",
     ]
@@ -333,8 +330,10 @@ def format_report(d: dict[str, Any]) -> str:
     lines.append("")
     floor = d.get("roundtrip_floor")
     if floor:
-        lines.append(f"cross-process loopback round-trip floor (event loop, reader callbacks): {floor['request_us']:.0f} us "
-                     f"(32 B reply), {floor['reply_64k_us']:.0f} us (64 KiB reply)")
+        lines.append(
+            f"cross-process loopback round-trip floor (event loop, reader callbacks): {floor['request_us']:.0f} us "
+            f"(32 B reply), {floor['reply_64k_us']:.0f} us (64 KiB reply)"
+        )
         if "tcp" in d["results"] and _key(64 * KIB, 1) in d["results"]["tcp"]:
             lines.append(f"tcp one 64 KiB block: {d['results']['tcp'][_key(64 * KIB, 1)]['latency_us']:.0f} us per batch")
     for name, reason in d["unavailable"].items():

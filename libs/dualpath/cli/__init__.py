@@ -1,15 +1,15 @@
 """The ``dualpath`` command: one entry point for serving, services, tools and benchmarks.
 
-    dualpath up --model DIR --topology 1P1D [--port 8000] [--storage PATH]
-    dualpath make-tiny-model DIR [--layers N --hidden H --heads A --kv-heads K --vocab V --seed S]
-    dualpath service NAME [service flags]      (gateway, scheduler, kv-persistence, traffic-manager,
-                                                prefill-engine, decode-engine)
-    dualpath demo                              (a multi-turn conversation against a fresh stack)
-    dualpath bench scheduler|transfer|loadgen [--json]
-    dualpath loadgen --url URL --dataset 32k|48k|64k|FILE ...
-    dualpath experiment offline|online ...     (the paper's experiments on the emulated testbed)
-    dualpath trace show REQUEST_ID --file F | --jaeger URL
-    dualpath sim offline|online|paper|validate|plan ...   (the paper's experiments in a cluster simulator)
+dualpath up --model DIR --topology 1P1D [--port 8000] [--storage PATH]
+dualpath make-tiny-model DIR [--layers N --hidden H --heads A --kv-heads K --vocab V --seed S]
+dualpath service NAME [service flags]      (gateway, scheduler, kv-persistence, traffic-manager,
+                                            prefill-engine, decode-engine)
+dualpath demo                              (a multi-turn conversation against a fresh stack)
+dualpath bench scheduler|transfer|loadgen [--json]
+dualpath loadgen --url URL --dataset 32k|48k|64k|FILE ...
+dualpath experiment offline|online ...     (the paper's experiments on the emulated testbed)
+dualpath trace show REQUEST_ID --file F | --jaeger URL
+dualpath sim offline|online|paper|validate|plan ...   (the paper's experiments in a cluster simulator)
 """
 
 from __future__ import annotations
@@ -57,8 +57,17 @@ def _make_tiny_model(argv: list[str]) -> int:
     from dualpath.model import make_tiny_model
 
     try:
-        path = make_tiny_model(ns.dir, layers=ns.layers, hidden=ns.hidden, heads=ns.heads, kv_heads=ns.kv_heads, vocab=ns.vocab,
-                               seed=ns.seed, max_position=ns.max_position, tie_embeddings=ns.tie_embeddings)
+        path = make_tiny_model(
+            ns.dir,
+            layers=ns.layers,
+            hidden=ns.hidden,
+            heads=ns.heads,
+            kv_heads=ns.kv_heads,
+            vocab=ns.vocab,
+            seed=ns.seed,
+            max_position=ns.max_position,
+            tie_embeddings=ns.tie_embeddings,
+        )
     except (ValueError, OSError) as exc:
         p.error(str(exc))
     print(f"wrote {path} (config.json, model.safetensors, tokenizer.json)")

@@ -32,20 +32,35 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu", default="h800", help="modeled GPU: h800, h100")
     g.add_argument("--topology", default="2P4D", help="xPyD prefill and decode nodes")
     g.add_argument("--gpus-per-node", type=int, default=8)
-    g.add_argument("--engines-per-node", type=int, default=0, help="engines simulated per node (0 = one per GPU); fewer shrink "
-                                                                  "the node's SNIC and buffer in proportion, as the testbed does")
+    g.add_argument(
+        "--engines-per-node",
+        type=int,
+        default=0,
+        help="engines simulated per node (0 = one per GPU); fewer shrink the node's SNIC and buffer in proportion, as the testbed does",
+    )
     g.add_argument("--snic-gbps", type=float, default=400.0, help="storage NIC per node")
     g.add_argument("--cnic-gbps", type=float, default=400.0, help="compute NIC per GPU")
     g.add_argument("--dram-gb", type=float, default=80.0, help="DRAM buffer per node")
-    g.add_argument("--read-policy", default="", choices=("", "auto", "split"),
-                   help="split: also run mode 'split' (DualPath with each request's hits read by both sides) next to --modes")
+    g.add_argument(
+        "--read-policy",
+        default="",
+        choices=("", "auto", "split"),
+        help="split: also run mode 'split' (DualPath with each request's hits read by both sides) next to --modes",
+    )
     g.add_argument("--quota-ms", type=float, default=300.0, help="prefill compute quota (paper §6.2)")
-    g.add_argument("--decode-ep", default="auto",
-                   help="decode expert parallelism: auto (every decode GPU), target (the cost model's default, as the testbed), or N")
+    g.add_argument(
+        "--decode-ep",
+        default="auto",
+        help="decode expert parallelism: auto (every decode GPU), target (the cost model's default, as the testbed), or N",
+    )
     g.add_argument("--hbm-tokens", type=int, default=0, help="decode KV capacity per engine in tokens (0: the cost model's)")
     g.add_argument("--max-running", type=int, default=1024, help="decode: most requests batched together")
-    g.add_argument("--collective-share", type=float, default=0.0,
-                   help="prefill: CNIC time the model's collectives take per second of compute (high priority, KV yields)")
+    g.add_argument(
+        "--collective-share",
+        type=float,
+        default=0.0,
+        help="prefill: CNIC time the model's collectives take per second of compute (high priority, KV yields)",
+    )
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", default="64k", help="32k, 48k, 64k or a trajectory JSONL file")
     w.add_argument("--agents", type=int, default=256)
@@ -70,10 +85,23 @@ def _config(ns: argparse.Namespace, mode: str = "dualpath"):
             decode_ep = int(ns.decode_ep)
             if decode_ep < 1:
                 raise ValueError(f"--decode-ep must be auto, target or a positive integer, got {ns.decode_ep!r}")
-        return SimConfig(target=ns.target, gpu=ns.gpu, prefill_nodes=p, decode_nodes=d, gpus_per_node=ns.gpus_per_node,
-                         engines_per_node=ns.engines_per_node, snic_gbps=ns.snic_gbps, cnic_gbps=ns.cnic_gbps, dram_buffer_gb=ns.dram_gb,
-                         quota_s=ns.quota_ms / 1000, decode_ep=decode_ep, hbm_tokens=ns.hbm_tokens, max_running=ns.max_running, mode=mode,
-                         collective_share=ns.collective_share)
+        return SimConfig(
+            target=ns.target,
+            gpu=ns.gpu,
+            prefill_nodes=p,
+            decode_nodes=d,
+            gpus_per_node=ns.gpus_per_node,
+            engines_per_node=ns.engines_per_node,
+            snic_gbps=ns.snic_gbps,
+            cnic_gbps=ns.cnic_gbps,
+            dram_buffer_gb=ns.dram_gb,
+            quota_s=ns.quota_ms / 1000,
+            decode_ep=decode_ep,
+            hbm_tokens=ns.hbm_tokens,
+            max_running=ns.max_running,
+            mode=mode,
+            collective_share=ns.collective_share,
+        )
     except ValueError as exc:
         raise _Fail(str(exc)) from None
 
@@ -123,17 +151,25 @@ def _f(v, fmt: str = ".2f") -> str:
 
 
 def format_offline(result: dict) -> str:
-    lines = [(f"offline (simulated) {result['target']} {result['topology']} x{result['engines_per_node']} {result['dataset']}: "
-             f"{result['agents']} agents x {result['turns'] or 'all'} turns"),
-             (f"{'mode':<12} {'JCT s':>9} {'hit %':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'queue':>6} {'TTST p50':>9} {'TPOT p50':>9} "
-             f"{'SNIC max/avg util':>17} {'SNIC bytes m/a':>14} {'attn m/a 5%':>11} {'events':>9} {'wall s':>7} {'CPU s':>7}")]
+    lines = [
+        (
+            f"offline (simulated) {result['target']} {result['topology']} x{result['engines_per_node']} {result['dataset']}: "
+            f"{result['agents']} agents x {result['turns'] or 'all'} turns"
+        ),
+        (
+            f"{'mode':<12} {'JCT s':>9} {'hit %':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'queue':>6} {'TTST p50':>9} {'TPOT p50':>9} "
+            f"{'SNIC max/avg util':>17} {'SNIC bytes m/a':>14} {'attn m/a 5%':>11} {'events':>9} {'wall s':>7} {'CPU s':>7}"
+        ),
+    ]
     for r in result["modes"].values():
         lat = r["latency_s"]
-        lines.append(f"{r['mode']:<12} {r['jct_s']:>9.1f} {_f(100 * (r['cache_hit_rate'] or 0), '.1f'):>6} "
-                     f"{_f(lat['ttft'].get('p50'), '.3f'):>9} {_f(lat['ttft'].get('p99'), '.3f'):>9} {_f(r['ttft_share']['queueing']):>6} "
-                     f"{_f(lat['ttst'].get('p50'), '.3f'):>9} {_f(lat['tpot'].get('p50'), '.3f'):>9} "
-                     f"{_f(r['snic_util_max']) + '/' + _f(r['snic_util_avg']):>17} {_f(r['snic_bytes_max_over_avg']):>14} "
-                     f"{_f(r['attention_max_over_avg_early']):>11} {r['events']:>9} {r['wall_s']:>7.1f} {r['cpu_s']:>7.1f}")
+        lines.append(
+            f"{r['mode']:<12} {r['jct_s']:>9.1f} {_f(100 * (r['cache_hit_rate'] or 0), '.1f'):>6} "
+            f"{_f(lat['ttft'].get('p50'), '.3f'):>9} {_f(lat['ttft'].get('p99'), '.3f'):>9} {_f(r['ttft_share']['queueing']):>6} "
+            f"{_f(lat['ttst'].get('p50'), '.3f'):>9} {_f(lat['tpot'].get('p50'), '.3f'):>9} "
+            f"{_f(r['snic_util_max']) + '/' + _f(r['snic_util_avg']):>17} {_f(r['snic_bytes_max_over_avg']):>14} "
+            f"{_f(r['attention_max_over_avg_early']):>11} {r['events']:>9} {r['wall_s']:>7.1f} {r['cpu_s']:>7.1f}"
+        )
     for k, v in result["ratios"].items():
         lines.append(f"{k}: {_f(v)}x")
     lines.append(f"I/O bound (P+D)/P = {result['io_bound']:.2f}x")
@@ -144,8 +180,10 @@ def format_offline(result: dict) -> str:
     stopped = [r["stopped_at"] for r in result["modes"].values() if r.get("stopped_at")]
     if stopped:
         lines.append(f"stopped at {stopped[0]:g} virtual s (--until): JCT is that time, not the job's end")
-    lines.append(f"wall {result['wall_s']:.1f} s (agents built in {result['agents_build_s']:.1f} s), "
-                 f"peak memory {max(r['peak_memory_mb'] for r in result['modes'].values()):.0f} MiB")
+    lines.append(
+        f"wall {result['wall_s']:.1f} s (agents built in {result['agents_build_s']:.1f} s), "
+        f"peak memory {max(r['peak_memory_mb'] for r in result['modes'].values()):.0f} MiB"
+    )
     return "\n".join(lines)
 
 
@@ -159,8 +197,9 @@ def _offline(argv: list[str]) -> int:
     from dualpath.sim.experiments import run_offline
 
     base, workload, modes = _config(ns), _workload(ns), _modes(ns.modes, ns.read_policy)
-    result = run_offline(base, workload, modes, ablation=ns.ablation, progress=_progress(ns), say=_say,
-                         until=ns.until if ns.until > 0 else float("inf"))
+    result = run_offline(
+        base, workload, modes, ablation=ns.ablation, progress=_progress(ns), say=_say, until=ns.until if ns.until > 0 else float("inf")
+    )
     out = _out(ns)
     if out is not None:
         from dualpath.sim.plots import plot_jct, plot_snic
@@ -174,18 +213,26 @@ def _offline(argv: list[str]) -> int:
 
 
 def format_online(result: dict) -> str:
-    lines = [(f"online (simulated) {result['target']} {result['topology']} {result['dataset']}: SLO TTFT <= {result['slo_ttft']} s, "
-             f"TPOT <= {1000 * result['slo_tpot']:.0f} ms"),
-             (f"{'mode':<12} {'APS':>7} {'max APS':>8} {'attain':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'queue p50':>9} {'exec p50':>9} "
-             f"{'TTST p50':>9} {'TPOT p50':>9}")]
+    lines = [
+        (
+            f"online (simulated) {result['target']} {result['topology']} {result['dataset']}: SLO TTFT <= {result['slo_ttft']} s, "
+            f"TPOT <= {1000 * result['slo_tpot']:.0f} ms"
+        ),
+        (
+            f"{'mode':<12} {'APS':>7} {'max APS':>8} {'attain':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'queue p50':>9} {'exec p50':>9} "
+            f"{'TTST p50':>9} {'TPOT p50':>9}"
+        ),
+    ]
     for mode, r in result["modes"].items():
         lat = r.get("latency_s") or {}
 
         def g(k: str, q: str = "p50", lat: dict = lat) -> str:
             return _f((lat.get(k) or {}).get(q), ".3f")
 
-        lines.append(f"{mode:<12} {_f(r.get('rate'), '.3f'):>7} {_f(r.get('max_aps'), '.3f'):>8} {_f(r.get('attainment')):>7} "
-                     f"{g('ttft'):>9} {g('ttft', 'p99'):>9} {g('ttft_queue'):>9} {g('ttft_exec'):>9} {g('ttst'):>9} {g('tpot'):>9}")
+        lines.append(
+            f"{mode:<12} {_f(r.get('rate'), '.3f'):>7} {_f(r.get('max_aps'), '.3f'):>8} {_f(r.get('attainment')):>7} "
+            f"{g('ttft'):>9} {g('ttft', 'p99'):>9} {g('ttft_queue'):>9} {g('ttft_exec'):>9} {g('ttst'):>9} {g('tpot'):>9}"
+        )
     if result.get("aps_ratio"):
         lines.append(f"dualpath/basic max APS: {result['aps_ratio']:.2f}x")
     return "\n".join(lines)
@@ -216,14 +263,30 @@ def _online(argv: list[str]) -> int:
     for mode in modes:
         cfg = _config(ns, mode)
         if ns.sweep:
-            rows[mode] = sweep_online(cfg, workload, slo_ttft=ns.slo_ttft, slo_tpot=ns.slo_tpot, attainment=ns.attainment,
-                                      start_rate=ns.rate, probes=ns.sweep_probes, progress=_progress(ns), say=_say)
+            rows[mode] = sweep_online(
+                cfg,
+                workload,
+                slo_ttft=ns.slo_ttft,
+                slo_tpot=ns.slo_tpot,
+                attainment=ns.attainment,
+                start_rate=ns.rate,
+                probes=ns.sweep_probes,
+                progress=_progress(ns),
+                say=_say,
+            )
         else:
             rows[mode] = run_online(cfg, workload, slo_ttft=ns.slo_ttft, slo_tpot=ns.slo_tpot, progress=_progress(ns))
             rows[mode].pop("snic_series", None)
     b, d = (rows.get("basic") or {}).get("max_aps"), (rows.get("dualpath") or {}).get("max_aps")
-    result = {"target": ns.target, "topology": ns.topology, "dataset": ns.dataset, "slo_ttft": ns.slo_ttft, "slo_tpot": ns.slo_tpot,
-              "modes": rows, "aps_ratio": d / b if b and d else None}
+    result = {
+        "target": ns.target,
+        "topology": ns.topology,
+        "dataset": ns.dataset,
+        "slo_ttft": ns.slo_ttft,
+        "slo_tpot": ns.slo_tpot,
+        "modes": rows,
+        "aps_ratio": d / b if b and d else None,
+    }
     out = _out(ns)
     if out is not None:
         (out / "result.json").write_text(json.dumps(result, indent=2))

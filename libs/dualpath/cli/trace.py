@@ -64,7 +64,8 @@ def show(request_id: str, *, file: str = "", jaeger: str = "", attr_width: int =
     shared = linked_spans(spans, trace)
     if shared:
         out += "\nlinked from other traces (shared work):\n" + "\n".join(
-            f"  {s.name} [{s.service}] {s.duration_ms:.2f} ms  trace {s.trace_id}" for s in shared)
+            f"  {s.name} [{s.service}] {s.duration_ms:.2f} ms  trace {s.trace_id}" for s in shared
+        )
     return out
 
 
@@ -123,8 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     from dualpath.bench.trace_overhead import format_report, measure
 
     try:
-        report = measure(model=ns.model, conversations=ns.conversations, turns=ns.turns, turn_tokens=ns.turn_tokens,
-                         max_tokens=ns.max_tokens, run_dir=ns.run_dir)
+        report = measure(
+            model=ns.model,
+            conversations=ns.conversations,
+            turns=ns.turns,
+            turn_tokens=ns.turn_tokens,
+            max_tokens=ns.max_tokens,
+            run_dir=ns.run_dir,
+        )
     except Exception as exc:  # noqa: BLE001 - a benchmark reports why it could not run
         print(f"dualpath trace overhead: {exc}", file=sys.stderr)
         return 1

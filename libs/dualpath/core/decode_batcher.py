@@ -83,8 +83,9 @@ class DecodeBatcher:
 
     def __init__(self, *, capacity_tokens: int, block_tokens: int = 64, max_running: int = 64) -> None:
         if capacity_tokens < 1 or block_tokens < 1 or max_running < 1:
-            raise ValueError("need positive capacity_tokens, block_tokens, max_running; "
-                             f"got {capacity_tokens}, {block_tokens}, {max_running}")
+            raise ValueError(
+                f"need positive capacity_tokens, block_tokens, max_running; got {capacity_tokens}, {block_tokens}, {max_running}"
+            )
         self.capacity_tokens, self.block_tokens, self.max_running = capacity_tokens, block_tokens, max_running
         self._waiting: dict[str, _Seq] = {}  # FIFO
         self._running: dict[str, _Seq] = {}
@@ -110,8 +111,9 @@ class DecodeBatcher:
         need = self.footprint(prompt_tokens, max_tokens)
         if need > self.capacity_tokens:
             raise KvCapacityError(request_id, need, self.capacity_tokens)
-        self._waiting[request_id] = _Seq(request_id, tokens=prompt_tokens + 1, kv_len=prompt_tokens, generated=1,
-                                         max_tokens=max_tokens, reserved=need)
+        self._waiting[request_id] = _Seq(
+            request_id, tokens=prompt_tokens + 1, kv_len=prompt_tokens, generated=1, max_tokens=max_tokens, reserved=need
+        )
 
     def admit(self) -> list[str]:
         """Move waiting requests into the running set, FIFO, while each one's reservation fits

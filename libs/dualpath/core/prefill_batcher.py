@@ -145,8 +145,9 @@ class PrefillBatcher:
         work = (PrefillWork(request_id=i, cached=e.cached, remaining=e.total - e.cached) for i, e in enumerate(self._queue.values()))
         packed = pack_prefill_batch(work, self.predict, quota_s=self.quota_s, block_tokens=self.block_tokens)
         head = list(islice(self._queue.values(), len(packed.chunks)))
-        items = tuple(BatchItem(request_id=head[c.request_id].request_id, cached=c.cached, new=c.new, last=c.completes)
-                      for c in packed.chunks)
+        items = tuple(
+            BatchItem(request_id=head[c.request_id].request_id, cached=c.cached, new=c.new, last=c.completes) for c in packed.chunks
+        )
         self._in_flight = PrefillBatch(items=items, predicted_s=packed.predicted_s, quota_s=self.quota_s, over_quota=packed.over_quota)
         return self._in_flight
 

@@ -121,6 +121,7 @@ def tune_gc() -> tuple[int, int, int]:
     gc.set_threshold(*GC_THRESHOLDS)
     return previous
 
+
 _QUEUED, _RESERVING, _DISPATCHING, _RUNNING = 0, 1, 2, 3  # _Request.stage
 
 
@@ -130,6 +131,8 @@ def _split_blocks(a: Assignment, block_tokens: int) -> tuple[int, int] | None:
         return None
     pe_blocks = (a.read_tokens - a.de_split_tokens) // block_tokens  # the PE share is whole blocks
     return pe_blocks, -(-a.read_tokens // block_tokens) - pe_blocks
+
+
 _DECODE = Role.DECODE
 
 
@@ -152,9 +155,28 @@ class CoreConfig:
 class _Request:
     """One request the core knows (queued or placed)."""
 
-    __slots__ = ("attempt", "blocks", "buffer_waits", "de", "de_charge", "decision", "num", "payload", "pe", "pe_charge",
-                 "pending", "prefill_done", "queued_since", "read_charge", "read_side", "rid", "session", "split_charge",
-                 "stage", "wait_start")
+    __slots__ = (
+        "attempt",
+        "blocks",
+        "buffer_waits",
+        "de",
+        "de_charge",
+        "decision",
+        "num",
+        "payload",
+        "pe",
+        "pe_charge",
+        "pending",
+        "prefill_done",
+        "queued_since",
+        "read_charge",
+        "read_side",
+        "rid",
+        "session",
+        "split_charge",
+        "stage",
+        "wait_start",
+    )
 
     def __init__(self, rid: str, num: int, pending: PendingRequest, blocks: int, payload: object, now: float) -> None:
         self.rid, self.num, self.pending, self.blocks, self.payload = rid, num, pending, blocks, payload
@@ -193,9 +215,15 @@ class SchedulerCore:
         self._next_expiry = float("-inf")
         self._reserving: dict[tuple[str, int], str] = {}  # (request, attempt) -> node of an unanswered ReserveSlot
         self._handlers: dict[type, Callable[[Any], list[Command]]] = {  # each takes its own event type
-            RequestSubmitted: self._submitted, EngineReported: self._engine_reported, NodeReported: self._node_reported,
-            SlotReserved: self._slot_reserved, DispatchAnswered: self._answered, DispatchFailed: self._dispatch_failed,
-            TaskFailed: self._task_failed, RequestFinished: self._finished_event, TimeAdvanced: self._time_advanced,
+            RequestSubmitted: self._submitted,
+            EngineReported: self._engine_reported,
+            NodeReported: self._node_reported,
+            SlotReserved: self._slot_reserved,
+            DispatchAnswered: self._answered,
+            DispatchFailed: self._dispatch_failed,
+            TaskFailed: self._task_failed,
+            RequestFinished: self._finished_event,
+            TimeAdvanced: self._time_advanced,
         }
 
     # ---- the one entry point ------------------------------------------------------------
@@ -259,12 +287,24 @@ class SchedulerCore:
         state = self._cluster()
         if state is not None and need > state.max_decode_hbm_tokens:
             # It could never be placed and would block the FIFO queue behind it.
-            return [RejectRequest(request_id=rid, code=400, reason=f"prompt plus max_tokens ({need} tokens) exceeds the KV capacity "
-                                                                   f"of every decode engine ({state.max_decode_hbm_tokens} tokens)")]
+            return [
+                RejectRequest(
+                    request_id=rid,
+                    code=400,
+                    reason=f"prompt plus max_tokens ({need} tokens) exceeds the KV capacity "
+                    f"of every decode engine ({state.max_decode_hbm_tokens} tokens)",
+                )
+            ]
         hit = min(max(ev.hit_blocks, 0) * ev.block_tokens, ev.prompt_tokens - 1)
         try:
-            pending = PendingRequest(request_id=self._num, prompt_tokens=ev.prompt_tokens, hit_tokens=hit, total_len=need,
-                                     forced_side=ev.forced_side if hit > 0 else None, block_tokens=ev.block_tokens)
+            pending = PendingRequest(
+                request_id=self._num,
+                prompt_tokens=ev.prompt_tokens,
+                hit_tokens=hit,
+                total_len=need,
+                forced_side=ev.forced_side if hit > 0 else None,
+                block_tokens=ev.block_tokens,
+            )
         except InvalidRequestError as exc:
             return [RejectRequest(request_id=rid, code=400, reason=exc.reason)]
         t = _Request(rid, self._num, pending, -(-ev.prompt_tokens // ev.block_tokens), ev.payload, ev.now)
@@ -278,8 +318,9 @@ class SchedulerCore:
     def _engine_reported(self, ev: EngineReported) -> list[Command]:
         member = self.members.engines.get(ev.engine)
         if member is None:
-            member = self.members.join(ev.engine, ev.now, node=ev.node, role=Role(ev.role), capacity_tokens=ev.capacity_tokens,
-                                       block_bytes=ev.block_bytes)
+            member = self.members.join(
+                ev.engine, ev.now, node=ev.node, role=Role(ev.role), capacity_tokens=ev.capacity_tokens, block_bytes=ev.block_bytes
+            )
             self._stale = True
         member.last_seen = ev.now
         seq, tok, free = member.seq, member.tok, member.free_hbm = ev.seq, ev.tok, ev.free_hbm_tokens
@@ -293,8 +334,7 @@ class SchedulerCore:
             reflect(member, self._k)
         state = self._state
         if state is not None and not self._stale and member.num in state.engines:  # not there while its node is down
-            state.report_engine(member.num, seq + member.dseq, tok + member.dtok,
-                                free - member.dhbm if member.role is _DECODE else None)
+            state.report_engine(member.num, seq + member.dseq, tok + member.dtok, free - member.dhbm if member.role is _DECODE else None)
         return cmds
 
     def _node_reported(self, ev: NodeReported) -> list[Command]:
@@ -348,9 +388,21 @@ class SchedulerCore:
         assert t.pe is not None and t.de is not None and t.decision is not None
         self._reserving.pop((t.rid, t.attempt), None)
         t.stage = _DISPATCHING
-        return [Dispatch(request_id=t.rid, attempt=t.attempt, prefill_engine=t.pe.name, prefill_node=t.pe.node, decode_engine=t.de.name,
-                         decode_node=t.de.node, read_side=t.read_side, region=ev.region, offset=ev.offset, decision=t.decision,
-                         payload=t.payload)]
+        return [
+            Dispatch(
+                request_id=t.rid,
+                attempt=t.attempt,
+                prefill_engine=t.pe.name,
+                prefill_node=t.pe.node,
+                decode_engine=t.de.name,
+                decode_node=t.de.node,
+                read_side=t.read_side,
+                region=ev.region,
+                offset=ev.offset,
+                decision=t.decision,
+                payload=t.payload,
+            )
+        ]
 
     def _stale_slot(self, t: _Request | None, ev: SlotReserved) -> list[Command]:
         """A slot reserved for an attempt that is over: free it, unless the current attempt
@@ -461,21 +513,48 @@ class SchedulerCore:
             t.split_charge = Charge(de_node, 0, a.de_split_tokens, 0)
             state.adjust_read_q(de_node.num, a.de_split_tokens)
         state.assigned_total += 1
-        t.decision = Decision(policy=self.policy.name, prefill_engine=pe.name, prefill_node=pe.node, decode_engine=de.name,
-                              decode_node=de.node, read_side=t.read_side, policy_side=a.read_side, hit_tokens=a.read_tokens,
-                              prefill_tokens=a.prefill_tokens, decode_tokens=a.decode_tokens, queued_since=t.queued_since,
-                              queue_len=len(self.queue), seen=seen, read_split=_split_blocks(a, t.pending.block_tokens))
+        t.decision = Decision(
+            policy=self.policy.name,
+            prefill_engine=pe.name,
+            prefill_node=pe.node,
+            decode_engine=de.name,
+            decode_node=de.node,
+            read_side=t.read_side,
+            policy_side=a.read_side,
+            hit_tokens=a.read_tokens,
+            prefill_tokens=a.prefill_tokens,
+            decode_tokens=a.decode_tokens,
+            queued_since=t.queued_since,
+            queue_len=len(self.queue),
+            seen=seen,
+            read_split=_split_blocks(a, t.pending.block_tokens),
+        )
         self._reserving[(t.rid, t.attempt)] = de.node
-        cmds.append(ReserveSlot(request_id=t.rid, attempt=t.attempt, node=de.node, blocks=t.blocks, block_bytes=de.block_bytes,
-                                decision=t.decision, payload=t.payload))
+        cmds.append(
+            ReserveSlot(
+                request_id=t.rid,
+                attempt=t.attempt,
+                node=de.node,
+                blocks=t.blocks,
+                block_bytes=de.block_bytes,
+                decision=t.decision,
+                payload=t.payload,
+            )
+        )
 
     def _seen(self, a: Assignment, st: ClusterState) -> dict:
         """The figures the policy compared for ``a``, before ``a`` is charged (earlier
         placements of the same pass are charged already, as in the policy's own pass)."""
         pe, de = st.engines[a.prefill_engine], st.engines[a.decode_engine]
-        seen: dict = {"read_q_pe": st.nodes[pe.node_id].read_q, "read_q_de": st.nodes[de.node_id].read_q,
-                      "tok_e_prefill": pe.tok, "seq_e_prefill": pe.seq, "tok_e_decode": de.tok, "seq_e_decode": de.seq,
-                      "free_hbm_decode": de.free_hbm_tokens}
+        seen: dict = {
+            "read_q_pe": st.nodes[pe.node_id].read_q,
+            "read_q_de": st.nodes[de.node_id].read_q,
+            "tok_e_prefill": pe.tok,
+            "seq_e_prefill": pe.seq,
+            "tok_e_decode": de.tok,
+            "seq_e_decode": de.seq,
+            "free_hbm_decode": de.free_hbm_tokens,
+        }
         if len(st.engines) <= 32:  # the whole field the policy chose from, while it stays readable
             names = self.members.engine_by_num
             seen["prefill_candidates"] = [f"{names[e.engine_id].name}:{e.tok}" for e in st.prefill_engines]
@@ -499,8 +578,15 @@ class SchedulerCore:
         t.stage = _QUEUED
         if t.attempt - t.buffer_waits >= self.cfg.max_attempts:
             del self.requests[t.rid]
-            cmds.append(FailRequest(request_id=t.rid, code=503, reason=f"request failed after {t.attempt} attempts: {reason}",
-                                    attempts=t.attempt, payload=t.payload))
+            cmds.append(
+                FailRequest(
+                    request_id=t.rid,
+                    code=503,
+                    reason=f"request failed after {t.attempt} attempts: {reason}",
+                    attempts=t.attempt,
+                    payload=t.payload,
+                )
+            )
             return
         t.queued_since = self.now
         self.queue.appendleft(t)
@@ -518,8 +604,14 @@ class SchedulerCore:
         if not gone:
             return
         self._stale = True
-        hit = [t for t in self.requests.values() if t.stage != _QUEUED and t.pe is not None and t.de is not None
-               and (t.de.name in gone or (t.pe.name in gone and not t.prefill_done))]
+        hit = [
+            t
+            for t in self.requests.values()
+            if t.stage != _QUEUED
+            and t.pe is not None
+            and t.de is not None
+            and (t.de.name in gone or (t.pe.name in gone and not t.prefill_done))
+        ]
         for t in sorted(hit, key=lambda r: r.num, reverse=True):
             lost = t.pe.name if t.pe is not None and t.pe.name in gone else (t.de.name if t.de is not None else "")
             self._retry(t, f"engine {lost} {reason}", cmds)

@@ -49,9 +49,29 @@ from typing import Any
 from dualpath.policy.values import ReadSide, Role
 
 __all__ = [
-    "BUFFER_FULL", "Command", "Decision", "Dispatch", "DispatchAnswered", "DispatchFailed", "EngineReported", "Event", "ExpelEngine",
-    "FailRequest", "FreeSlot", "NodeReported", "ReadSide", "RejectRequest", "RequestFinished", "RequestSubmitted", "Requeued",
-    "ReserveSlot", "Role", "SlotReserved", "Stage", "TaskFailed", "TimeAdvanced",
+    "BUFFER_FULL",
+    "Command",
+    "Decision",
+    "Dispatch",
+    "DispatchAnswered",
+    "DispatchFailed",
+    "EngineReported",
+    "Event",
+    "ExpelEngine",
+    "FailRequest",
+    "FreeSlot",
+    "NodeReported",
+    "ReadSide",
+    "RejectRequest",
+    "RequestFinished",
+    "RequestSubmitted",
+    "Requeued",
+    "ReserveSlot",
+    "Role",
+    "SlotReserved",
+    "Stage",
+    "TaskFailed",
+    "TimeAdvanced",
 ]
 
 BUFFER_FULL = 507  # DispatchFailed.code: a node buffer had no room now (back-pressure, not a failure)
@@ -67,6 +87,7 @@ class Stage(IntEnum):
 
 
 # --- events --------------------------------------------------------------------------------
+
 
 @dataclass(**_ev)
 class RequestSubmitted:
@@ -182,11 +203,21 @@ class TimeAdvanced:
     now: float
 
 
-Event = (RequestSubmitted | EngineReported | NodeReported | SlotReserved | DispatchAnswered | DispatchFailed | TaskFailed
-         | RequestFinished | TimeAdvanced)
+Event = (
+    RequestSubmitted
+    | EngineReported
+    | NodeReported
+    | SlotReserved
+    | DispatchAnswered
+    | DispatchFailed
+    | TaskFailed
+    | RequestFinished
+    | TimeAdvanced
+)
 
 
 # --- commands ------------------------------------------------------------------------------
+
 
 @dataclass(**_ev)
 class Decision:

@@ -175,8 +175,9 @@ class Membership:
         state = ClusterState(specs)
         for e in self.engines.values():
             if e.num in state.engines:
-                state.report_engine(e.num, seq=e.seq + e.dseq, tok=e.tok + e.dtok,
-                                    free_hbm_tokens=e.free_hbm - e.dhbm if e.role == Role.DECODE else None)
+                state.report_engine(
+                    e.num, seq=e.seq + e.dseq, tok=e.tok + e.dtok, free_hbm_tokens=e.free_hbm - e.dhbm if e.role == Role.DECODE else None
+                )
         for n in self.nodes.values():
             if n.num in state.nodes:
                 state.report_node(n.num, read_q=n.read_q + n.dtok)

@@ -45,8 +45,7 @@ class GpuProfile:
 
 
 def _hopper_sxm(name: str) -> GpuProfile:
-    return GpuProfile(name=name, bf16_flops=989e12, fp8_flops=1979e12,
-                      hbm_bytes_per_s=3.35e12, hbm_capacity_bytes=80 * 2**30)
+    return GpuProfile(name=name, bf16_flops=989e12, fp8_flops=1979e12, hbm_bytes_per_s=3.35e12, hbm_capacity_bytes=80 * 2**30)
 
 
 GPUS: dict[str, GpuProfile] = {"h800": _hopper_sxm("H800 SXM"), "h100": _hopper_sxm("H100 SXM")}

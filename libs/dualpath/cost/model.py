@@ -81,8 +81,7 @@ def _span_sum(cached: int, new: int, cap: int) -> int:
 class CostModel:
     """Predicted FLOPs, times and HBM capacity of one engine (one GPU) for a target model."""
 
-    __slots__ = ("_gemm_rate", "_hbm_rate", "_local_experts", "_replicated", "ep", "gpu",
-                 "target")
+    __slots__ = ("_gemm_rate", "_hbm_rate", "_local_experts", "_replicated", "ep", "gpu", "target")
 
     def __init__(self, target: ModelTarget, gpu: GpuProfile, *, ep: int | None = None) -> None:
         """Build the model; ``ep`` (default ``target.default_ep``) is the expert-parallel size.
@@ -101,8 +100,7 @@ class CostModel:
         # Replicated weights of one layer: [dense layer, MoE layer]
         t = target
         moe_replicated = t.shared_experts * t.expert_params() + t.hidden * t.routed_experts
-        self._replicated = (t.attn_proj_params() + t.dense_mlp_params(),
-                            t.attn_proj_params() + moe_replicated)
+        self._replicated = (t.attn_proj_params() + t.dense_mlp_params(), t.attn_proj_params() + moe_replicated)
 
     # -- work descriptions ------------------------------------------------------------
     def _prefill_work(self, batch: Sequence[tuple[int, int]]) -> _Work:
@@ -118,8 +116,9 @@ class CostModel:
         # Sparse attention gathers its own top-k keys per query; dense reads the KV once.
         kv = attn if t.sparse_topk else dense_kv
         has_index = bool(t.index_heads)
-        return _Work(tokens=tokens, heads_out=len(batch), attn_pairs=attn, kv_read=kv,
-                     index_pairs=index * has_index, index_read=dense_kv * has_index)
+        return _Work(
+            tokens=tokens, heads_out=len(batch), attn_pairs=attn, kv_read=kv, index_pairs=index * has_index, index_read=dense_kv * has_index
+        )
 
     def _decode_work(self, context_lens: Sequence[int]) -> _Work:
         t = self.target
@@ -132,8 +131,7 @@ class CostModel:
         has_index = bool(t.index_heads)
         n = len(context_lens)
         # Sparse decode gathers top-k entries; the indexer scores and reads every key.
-        return _Work(tokens=n, heads_out=n, attn_pairs=attn, kv_read=attn,
-                     index_pairs=keys * has_index, index_read=keys * has_index)
+        return _Work(tokens=n, heads_out=n, attn_pairs=attn, kv_read=attn, index_pairs=keys * has_index, index_read=keys * has_index)
 
     # -- roofline -----------------------------------------------------------------------
     def _roof(self, flops: float, rate: float, nbytes: float) -> float:
@@ -141,11 +139,12 @@ class CostModel:
 
     def _attention_layer_time(self, w: _Work) -> float:
         t, g = self.target, self.gpu
-        attn = self._roof(self._pair_flops() * w.attn_pairs, g.bf16_flops * g.mfu_attention,
-                          w.kv_read * t.kv_bytes_per_token_layer)
-        index = self._roof(2 * t.index_heads * t.index_head_dim * w.index_pairs,
-                           g.fp8_flops * g.mfu_attention,
-                           w.index_read * t.index_bytes_per_token_layer)
+        attn = self._roof(self._pair_flops() * w.attn_pairs, g.bf16_flops * g.mfu_attention, w.kv_read * t.kv_bytes_per_token_layer)
+        index = self._roof(
+            2 * t.index_heads * t.index_head_dim * w.index_pairs,
+            g.fp8_flops * g.mfu_attention,
+            w.index_read * t.index_bytes_per_token_layer,
+        )
         return attn + index
 
     def _layer_time(self, w: _Work, *, moe: bool) -> float:
@@ -155,8 +154,7 @@ class CostModel:
         if moe:
             slots = w.tokens * t.experts_per_token  # expert-token products on this GPU
             touched = min(self._local_experts, slots)
-            total += self._roof(2 * slots * t.expert_params(), self._gemm_rate,
-                                touched * t.expert_params() * wb)
+            total += self._roof(2 * slots * t.expert_params(), self._gemm_rate, touched * t.expert_params() * wb)
         return total + self._attention_layer_time(w) + self.gpu.layer_overhead_s
 
     def _head_time(self, w: _Work) -> float:
@@ -167,8 +165,7 @@ class CostModel:
     def _total_time(self, w: _Work) -> float:
         t = self.target
         moe_layers = t.moe_layers
-        return ((t.layers - moe_layers) * self._layer_time(w, moe=False)
-                + moe_layers * self._layer_time(w, moe=True) + self._head_time(w))
+        return (t.layers - moe_layers) * self._layer_time(w, moe=False) + moe_layers * self._layer_time(w, moe=True) + self._head_time(w)
 
     def _pair_flops(self) -> int:
         """FLOPs per (query token, key) pair of attention, summed over heads."""
@@ -187,13 +184,12 @@ class CostModel:
         t = self.target
         w = self._prefill_work([(cached, new)])
         mlp = (t.layers - t.moe_layers) * self._replicated[False] + t.moe_layers * (
-            self._replicated[True] + t.experts_per_token * t.expert_params())
-        per_layer_attn = (self._pair_flops() * w.attn_pairs
-                          + 2 * t.index_heads * t.index_head_dim * w.index_pairs)
+            self._replicated[True] + t.experts_per_token * t.expert_params()
+        )
+        per_layer_attn = self._pair_flops() * w.attn_pairs + 2 * t.index_heads * t.index_head_dim * w.index_pairs
         return float(2 * new * mlp + t.layers * per_layer_attn + 2 * t.vocab * t.hidden)
 
-    def prefill_layer_time(self, batch: Sequence[tuple[int, int]], *,
-                           layer: int | None = None) -> float:
+    def prefill_layer_time(self, batch: Sequence[tuple[int, int]], *, layer: int | None = None) -> float:
         """Seconds for one layer of a prefill batch of ``(cached, new)`` requests.
 
         With ``layer`` the time of that layer (dense and MoE layers differ); without it the
@@ -264,8 +260,14 @@ class CostModel:
         if keys < requests or attended < 0:
             raise InvalidWorkloadError("decode totals (requests, keys, attended)", (requests, keys, attended))
         has_index = bool(self.target.index_heads)
-        w = _Work(tokens=requests, heads_out=requests, attn_pairs=attended, kv_read=attended,
-                  index_pairs=keys * has_index, index_read=keys * has_index)
+        w = _Work(
+            tokens=requests,
+            heads_out=requests,
+            attn_pairs=attended,
+            kv_read=attended,
+            index_pairs=keys * has_index,
+            index_read=keys * has_index,
+        )
         return self._total_time(w)
 
     def kv_bytes(self, tokens: int) -> int:
@@ -302,8 +304,7 @@ class CostModel:
             raise ModelDoesNotFitError(self.target.name, weights, usable)
         return (usable - weights) // self.target.hbm_bytes_per_token()
 
-    def prefill_tokens_per_s(self, context: int = 32768, append: int = 429, *,
-                             requests: int = 16) -> float:
+    def prefill_tokens_per_s(self, context: int = 32768, append: int = 429, *, requests: int = 16) -> float:
         """New tokens per second one GPU prefills in a batch of ``requests`` equal turns.
 
         The scheduler's beta is this times 5 s.

@@ -81,14 +81,16 @@ class ModelTarget:
         if self.attention == "gqa":
             return 2 * h * self.heads * self.head_dim + 2 * h * self.kv_heads * self.head_dim
         qk = self.qk_nope_dim + self.qk_rope_dim
-        q = (h * self.q_lora_rank + self.q_lora_rank * self.heads * qk
-             if self.q_lora_rank else h * self.heads * qk)
+        q = h * self.q_lora_rank + self.q_lora_rank * self.heads * qk if self.q_lora_rank else h * self.heads * qk
         kv_a = h * (self.kv_lora_rank + self.qk_rope_dim)
         kv_b = self.kv_lora_rank * self.heads * (self.qk_nope_dim + self.v_head_dim)
         out = self.heads * self.v_head_dim * h
         q_src = self.q_lora_rank or h
-        index = (q_src * self.index_heads * self.index_head_dim  # indexer queries
-                 + h * self.index_head_dim + h * self.index_heads)  # its key and head weights
+        index = (
+            q_src * self.index_heads * self.index_head_dim  # indexer queries
+            + h * self.index_head_dim
+            + h * self.index_heads
+        )  # its key and head weights
         return q + kv_a + kv_b + out + (index if self.index_heads else 0)
 
     def dense_mlp_params(self) -> int:
@@ -108,36 +110,77 @@ class ModelTarget:
         return self._params(self.experts_per_token)
 
     def _params(self, routed: int) -> int:
-        moe = self.moe_layers * ((routed + self.shared_experts) * self.expert_params()
-                                 + self.hidden * self.routed_experts)  # experts and router
+        moe = self.moe_layers * (
+            (routed + self.shared_experts) * self.expert_params() + self.hidden * self.routed_experts
+        )  # experts and router
         mlp_layers = self.dense_layers if self.routed_experts else self.layers
-        return (self.layers * self.attn_proj_params() + mlp_layers * self.dense_mlp_params()
-                + moe + 2 * self.vocab * self.hidden)
+        return self.layers * self.attn_proj_params() + mlp_layers * self.dense_mlp_params() + moe + 2 * self.vocab * self.hidden
 
 
 _QWEN_32B = ModelTarget(
-    name="Qwen2.5-32B", layers=64, hidden=5120, vocab=152064, attention="gqa",
-    heads=40, kv_heads=8, head_dim=128, intermediate=27648,
-    weight_bytes=2, kv_bytes_per_token_layer=2 * 8 * 128 * 2,
+    name="Qwen2.5-32B",
+    layers=64,
+    hidden=5120,
+    vocab=152064,
+    attention="gqa",
+    heads=40,
+    kv_heads=8,
+    head_dim=128,
+    intermediate=27648,
+    weight_bytes=2,
+    kv_bytes_per_token_layer=2 * 8 * 128 * 2,
 )
 
 # DeepSeek-V3.2-Exp: MLA with the lightning indexer selecting the top-2048 keys per query.
 # default_ep=16: the paper's 660B prefill side is 2 nodes x 8 GPUs; EP 8 would not fit.
 _DS_V32 = ModelTarget(
-    name="DeepSeek-V3.2", layers=61, hidden=7168, vocab=129280, attention="mla",
-    heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64,
-    v_head_dim=128, sparse_topk=2048, index_heads=64, index_head_dim=128,
-    index_bytes_per_token_layer=128 + 4, intermediate=18432, dense_layers=3,
-    routed_experts=256, experts_per_token=8, shared_experts=1, expert_intermediate=2048,
-    weight_bytes=1, kv_bytes_per_token_layer=512 + 4 * 4 + 64 * 2, default_ep=16,
+    name="DeepSeek-V3.2",
+    layers=61,
+    hidden=7168,
+    vocab=129280,
+    attention="mla",
+    heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_dim=128,
+    qk_rope_dim=64,
+    v_head_dim=128,
+    sparse_topk=2048,
+    index_heads=64,
+    index_head_dim=128,
+    index_bytes_per_token_layer=128 + 4,
+    intermediate=18432,
+    dense_layers=3,
+    routed_experts=256,
+    experts_per_token=8,
+    shared_experts=1,
+    expert_intermediate=2048,
+    weight_bytes=1,
+    kv_bytes_per_token_layer=512 + 4 * 4 + 64 * 2,
+    default_ep=16,
 )
 
 _DS_V3 = ModelTarget(
-    name="DeepSeek-V3", layers=61, hidden=7168, vocab=129280, attention="mla",
-    heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64,
-    v_head_dim=128, intermediate=18432, dense_layers=3,
-    routed_experts=256, experts_per_token=8, shared_experts=1, expert_intermediate=2048,
-    weight_bytes=1, kv_bytes_per_token_layer=512 + 4 * 4 + 64 * 2, default_ep=16,
+    name="DeepSeek-V3",
+    layers=61,
+    hidden=7168,
+    vocab=129280,
+    attention="mla",
+    heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_dim=128,
+    qk_rope_dim=64,
+    v_head_dim=128,
+    intermediate=18432,
+    dense_layers=3,
+    routed_experts=256,
+    experts_per_token=8,
+    shared_experts=1,
+    expert_intermediate=2048,
+    weight_bytes=1,
+    kv_bytes_per_token_layer=512 + 4 * 4 + 64 * 2,
+    default_ep=16,
 )
 
 # DeepSeek 27B: PAPER.md gives hidden 2560, 30 layers, 72 routed + 2 shared experts,
@@ -145,12 +188,30 @@ _DS_V3 = ModelTarget(
 # q_lora 768, one dense first layer, expert width 1536 (this makes the total ~27B),
 # dense width = 8 experts, V3.2's indexer shape; default_ep=8 (the paper runs it 1P1D).
 _DS_27B = ModelTarget(
-    name="DeepSeek-27B", layers=30, hidden=2560, vocab=129280, attention="mla",
-    heads=32, q_lora_rank=768, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64,
-    v_head_dim=128, sparse_topk=1024, index_heads=64, index_head_dim=128,
-    index_bytes_per_token_layer=128 + 4, intermediate=8 * 1536, dense_layers=1,
-    routed_experts=72, experts_per_token=6, shared_experts=2, expert_intermediate=1536,
-    weight_bytes=1, kv_bytes_per_token_layer=512 + 4 * 4 + 64 * 2, default_ep=8,
+    name="DeepSeek-27B",
+    layers=30,
+    hidden=2560,
+    vocab=129280,
+    attention="mla",
+    heads=32,
+    q_lora_rank=768,
+    kv_lora_rank=512,
+    qk_nope_dim=128,
+    qk_rope_dim=64,
+    v_head_dim=128,
+    sparse_topk=1024,
+    index_heads=64,
+    index_head_dim=128,
+    index_bytes_per_token_layer=128 + 4,
+    intermediate=8 * 1536,
+    dense_layers=1,
+    routed_experts=72,
+    experts_per_token=6,
+    shared_experts=2,
+    expert_intermediate=1536,
+    weight_bytes=1,
+    kv_bytes_per_token_layer=512 + 4 * 4 + 64 * 2,
+    default_ep=8,
 )
 
 TARGETS: dict[str, ModelTarget] = {

@@ -13,8 +13,8 @@ from dualpath.engine.layout import SlotLayout
 from dualpath.model import Decoder, Tokenizer
 from dualpath.model.config import dtype_from_name
 from dualpath.model.sampling import warm_grammar_vocabulary
-from dualpath.transfer import MemoryRegion, create_transport
 from dualpath.testbed.profile import cnic_prefix
+from dualpath.transfer import MemoryRegion, create_transport
 from dualpath.transfer.nic import DuplexNic, NicDirectory
 
 __all__ = ["EngineSetup", "build_engine", "dtype_name", "read_path_name"]
@@ -60,8 +60,16 @@ def _decoder(model: ModelConfigSpec, emu: EmulationConfig, role: str, vocab_size
     return ModeledDecoder(cost, role=role, vocab_size=vocab_size, bytes_per_token_layer=bpt, slowdown=emu.slowdown)
 
 
-async def build_engine(*, engine_id: str, namespace: str, model: ModelConfigSpec, node: NodeConfig, window_mb: int,
-                       emu: EmulationConfig | None = None, role: str = "prefill") -> EngineSetup:
+async def build_engine(
+    *,
+    engine_id: str,
+    namespace: str,
+    model: ModelConfigSpec,
+    node: NodeConfig,
+    window_mb: int,
+    emu: EmulationConfig | None = None,
+    role: str = "prefill",
+) -> EngineSetup:
     """Load the model (or its cost model) and open the engine's data plane (its own region +
     node-local and remote transports, through an emulated CNIC when the testbed sets one)."""
     emu = emu or EmulationConfig()
@@ -69,8 +77,11 @@ async def build_engine(*, engine_id: str, namespace: str, model: ModelConfigSpec
     decoder = _decoder(model, emu, role, tokenizer.vocab_size)
     if not emu.modeled:  # structured outputs' vocabulary, built now rather than in the engine loop
         await warm_grammar_vocabulary(model.model, decoder.config.vocab_size)
-    layout = SlotLayout(layers=decoder.num_layers, block_tokens=model.block_tokens,
-                        bytes_per_token_layer=decoder.config.kv_bytes_per_token_layer(decoder.dtype))
+    layout = SlotLayout(
+        layers=decoder.num_layers,
+        block_tokens=model.block_tokens,
+        bytes_per_token_layer=decoder.config.kv_bytes_per_token_layer(decoder.dtype),
+    )
     nic = emu.profile().cnic(namespace, engine_id, one_class=emu.nic_classes == 1) if emu.cnic_gbps else None  # the GPU's CNIC
     if nic is not None and emu.modeled and emu.model_traffic != "off":  # MoE all-to-all on the CNIC (testbed)
         from dualpath.testbed.collectives import attach_model_traffic
@@ -83,8 +94,23 @@ async def build_engine(*, engine_id: str, namespace: str, model: ModelConfigSpec
     await remote.start()
     # Testbed: every node is on this host, so shared memory carries every hop while the
     # emulated NICs at both ends charge the modeled link (host transport costs no modeled time).
-    dp = EngineDataPlane(node_id=node.node_id, region=region, local=local, remote=remote,
-                         peers=NicDirectory(cnic_prefix(namespace)) if nic else None, same_host=nic is not None)
+    dp = EngineDataPlane(
+        node_id=node.node_id,
+        region=region,
+        local=local,
+        remote=remote,
+        peers=NicDirectory(cnic_prefix(namespace)) if nic else None,
+        same_host=nic is not None,
+    )
     name = model.model_name or Path(model.model).resolve().name
-    return EngineSetup(decoder=decoder, layout=layout, dataplane=dp, dtype=dtype_name(decoder.dtype), model_name=name,
-                       eos_ids=frozenset(tokenizer.eos_token_ids), oracle=emu.oracle, model_dir=str(model.model), nic=nic)
+    return EngineSetup(
+        decoder=decoder,
+        layout=layout,
+        dataplane=dp,
+        dtype=dtype_name(decoder.dtype),
+        model_name=name,
+        eos_ids=frozenset(tokenizer.eos_token_ids),
+        oracle=emu.oracle,
+        model_dir=str(model.model),
+        nic=nic,
+    )

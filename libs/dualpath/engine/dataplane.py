@@ -29,8 +29,16 @@ __all__ = ["EngineDataPlane"]
 
 
 class EngineDataPlane:
-    def __init__(self, *, node_id: str, region: MemoryRegion, local: Transport, remote: Transport,
-                 peers: NicDirectory | None = None, same_host: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        region: MemoryRegion,
+        local: Transport,
+        remote: Transport,
+        peers: NicDirectory | None = None,
+        same_host: bool = False,
+    ) -> None:
         """``peers`` finds the emulated CNICs of other engines (testbed), so a transfer to or
         from a decode node's buffer is charged on the decode GPU's CNIC too; ``same_host``:
         every region is on this host (the testbed), so shared memory reaches all of them."""
@@ -78,8 +86,9 @@ class EngineDataPlane:
             return self._peers.get(peer_engine)
         return None
 
-    async def read(self, desc: RegionDescriptor, entries: list[TransferEntry], *, traffic_class=TrafficClass.KV,
-                   peer_engine: str = "") -> int:
+    async def read(
+        self, desc: RegionDescriptor, entries: list[TransferEntry], *, traffic_class=TrafficClass.KV, peer_engine: str = ""
+    ) -> int:
         """Remote ``desc`` -> this engine's region, one batch (one round trip); emulated NICs
         charge this engine's CNIC and the one serving ``desc`` (``peer_nic``)."""
         if not entries:
@@ -91,8 +100,9 @@ class EngineDataPlane:
             self.forget(desc.region_id)
             raise
 
-    async def write(self, desc: RegionDescriptor, entries: list[TransferEntry], *, traffic_class=TrafficClass.KV,
-                    peer_engine: str = "") -> int:
+    async def write(
+        self, desc: RegionDescriptor, entries: list[TransferEntry], *, traffic_class=TrafficClass.KV, peer_engine: str = ""
+    ) -> int:
         """This engine's region -> remote ``desc``, one batch; charged as ``read``."""
         if not entries:
             return 0

@@ -33,8 +33,17 @@ class DecodeSequence:
 class KvMemory:
     """Allocates per-sequence KV tensors within a token budget (the engine's HBM capacity)."""
 
-    def __init__(self, *, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 capacity_tokens: int, block_tokens: int) -> None:
+    def __init__(
+        self,
+        *,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        capacity_tokens: int,
+        block_tokens: int,
+    ) -> None:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
         self.capacity_tokens = capacity_tokens
@@ -78,7 +87,7 @@ class KvMemory:
         except MemoryError:
             self.used_tokens += old  # unchanged
             raise
-        new[:, :seq.kv_len].copy_(seq.kv[:, :seq.kv_len])
+        new[:, : seq.kv_len].copy_(seq.kv[:, : seq.kv_len])
         seq.kv = new
 
     def release(self, kv: torch.Tensor) -> None:
@@ -104,7 +113,7 @@ def decode_step(decoder, memory: KvMemory, seqs: list[DecodeSequence], inputs: l
     segments = [(i, 1) for i in range(len(seqs))]
     hidden = decoder.embed(token_t)
     for layer in range(decoder.num_layers):
-        past = [(s.kv[layer, :s.kv_len, 0], s.kv[layer, :s.kv_len, 1]) if s.kv_len else None for s in seqs]
+        past = [(s.kv[layer, : s.kv_len, 0], s.kv[layer, : s.kv_len, 1]) if s.kv_len else None for s in seqs]
         hidden, k, v = decoder.forward_layer(layer, hidden, pos_t, segments, past)
         for i, s in enumerate(seqs):
             s.kv[layer, s.kv_len, 0].copy_(k[i])

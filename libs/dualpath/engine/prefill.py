@@ -70,7 +70,7 @@ async def run_prefill(decoder, items: Sequence[PrefillItem], io: LayerIO, *, lay
     Raises whatever ``io`` raises (a lost peer fails the batch; the caller reports it).
     """
     loop = asyncio.get_running_loop()
-    ids = [t for it in items for t in it.tokens[it.start:it.end]]
+    ids = [t for it in items for t in it.tokens[it.start : it.end]]
     positions = [p for it in items for p in range(it.start, it.end)]
     segments, off = [], 0
     for it in items:
@@ -129,5 +129,4 @@ async def run_prefill(decoder, items: Sequence[PrefillItem], io: LayerIO, *, lay
         raise
     last_rows = [s + n - 1 for (s, n), it in zip(segments, items) if it.last]
     logits = await asyncio.to_thread(decoder.logits, hidden[last_rows]) if last_rows else torch.empty(0)
-    return PrefillResult(logits=logits, compute_s=compute_s, wait_s=wait_s, fetch_wait_s=tuple(fetch_wait),
-                         store_wait_s=tuple(store_wait))
+    return PrefillResult(logits=logits, compute_s=compute_s, wait_s=wait_s, fetch_wait_s=tuple(fetch_wait), store_wait_s=tuple(store_wait))

@@ -84,9 +84,21 @@ class LayerStats:
 class BatchLayerIO:
     """Implements ``LayerIO`` for one batch; ``close()`` frees its windows."""
 
-    def __init__(self, dp: EngineDataPlane, layout: SlotLayout, items: list[IoItem], *, dtype: torch.dtype,
-                 kv_heads: int, head_dim: int, device: torch.device, owner: str, oracle: bool = False,
-                 record: bool = False, layerwise: bool = True) -> None:
+    def __init__(
+        self,
+        dp: EngineDataPlane,
+        layout: SlotLayout,
+        items: list[IoItem],
+        *,
+        dtype: torch.dtype,
+        kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        owner: str,
+        oracle: bool = False,
+        record: bool = False,
+        layerwise: bool = True,
+    ) -> None:
         self.dp, self.layout, self.items = dp, layout, items
         self._n_in = _IN_WINDOWS if layerwise else layout.layers
         self._n_out = 2 if layerwise else layout.layers
@@ -139,8 +151,7 @@ class BatchLayerIO:
             for src, src_off, a, b in io.fetch_ranges():
                 _, entries = by_source.setdefault((src.region_id, io.de_engine), (src, []))
                 for slot_off, tok, cnt, count in self.layout.layer_strided(layer, a, b):
-                    entries.append(TransferEntry(local + tok * bpt, src.region_id, src_off + slot_off, cnt * bpt,
-                                                 count, cnt * bpt, bb))
+                    entries.append(TransferEntry(local + tok * bpt, src.region_id, src_off + slot_off, cnt * bpt, count, cnt * bpt, bb))
             local += n * bpt
         for (_, de_engine), (desc, entries) in by_source.items():
             t_ns = time.time_ns() if self.record else 0
@@ -179,11 +190,15 @@ class BatchLayerIO:
             by_dest[io.dest.region_id, io.de_engine] = (io.dest, entries)
             # cached tokens this chunk must forward (PE read path, first chunk): from the input window
             for slot_off, tok, cnt, count in self.layout.layer_strided(layer, io.write_from, io.forward_end):
-                entries.append(TransferEntry(in_off + tok * bpt, io.dest.region_id, io.dest_offset + slot_off, cnt * bpt,
-                                             count, cnt * bpt, bb))
+                entries.append(
+                    TransferEntry(in_off + tok * bpt, io.dest.region_id, io.dest_offset + slot_off, cnt * bpt, count, cnt * bpt, bb)
+                )
             for slot_off, tok, cnt, count in self.layout.layer_strided(layer, it.start, it.end):
-                entries.append(TransferEntry(new_off + (tok - it.start) * bpt, io.dest.region_id, io.dest_offset + slot_off,
-                                             cnt * bpt, count, cnt * bpt, bb))
+                entries.append(
+                    TransferEntry(
+                        new_off + (tok - it.start) * bpt, io.dest.region_id, io.dest_offset + slot_off, cnt * bpt, count, cnt * bpt, bb
+                    )
+                )
             new_off += (it.end - it.start) * bpt
             in_off += it.start * bpt
         for (_, de_engine), (desc, entries) in by_dest.items():
@@ -205,10 +220,21 @@ class BatchLayerIO:
         for name, layer, peer, t0_ns, t1_ns, nbytes in self._transfers:
             fetch = name == "kv.fetch"
             waits = fetch_wait_s if fetch else store_wait_s
-            span = tracer.start_span(name, start_time=t0_ns, attributes={
-                "layer": layer, "bytes": nbytes, "src": peer.node_id if fetch else me, "dst": me if fetch else peer.node_id,
-                "region": peer.region_id, "path": self._paths(fetch, peer.region_id), "traffic_class": TrafficClass.KV.name.lower(),
-                "transfer_s": (t1_ns - t0_ns) / 1e9, "wait_s": waits[layer] if layer < len(waits) else 0.0})
+            span = tracer.start_span(
+                name,
+                start_time=t0_ns,
+                attributes={
+                    "layer": layer,
+                    "bytes": nbytes,
+                    "src": peer.node_id if fetch else me,
+                    "dst": me if fetch else peer.node_id,
+                    "region": peer.region_id,
+                    "path": self._paths(fetch, peer.region_id),
+                    "traffic_class": TrafficClass.KV.name.lower(),
+                    "transfer_s": (t1_ns - t0_ns) / 1e9,
+                    "wait_s": waits[layer] if layer < len(waits) else 0.0,
+                },
+            )
             span.end(end_time=t1_ns)
         return len(self._transfers)
 

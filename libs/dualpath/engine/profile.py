@@ -117,8 +117,9 @@ def _fit_context(points: Sequence[tuple[int, int]], limit: int) -> list[tuple[in
     return out
 
 
-def measure_prefill_profile(decoder, points: Sequence[tuple[int, int]] = PROFILE_POINTS, *, repeats: int = 2,
-                            reach_s: float = 0.0, max_rounds: int = 4) -> PrefillProfile:
+def measure_prefill_profile(
+    decoder, points: Sequence[tuple[int, int]] = PROFILE_POINTS, *, repeats: int = 2, reach_s: float = 0.0, max_rounds: int = 4
+) -> PrefillProfile:
     """Time ``points`` on ``decoder`` (best of ``repeats``, after one warm-up pass) and fit.
 
     ``reach_s``: while the longest pass takes less than this (a fast device), time the points

@@ -59,8 +59,9 @@ def run_engine(ns: argparse.Namespace, role: str, engine_cls, task_type: type, r
         import torch
 
         torch.set_num_threads(max(1, cfg.torch_threads))  # oversubscribed threads slow tiny CPU forwards ~50x
-        setup = await build_engine(engine_id=cfg.engine_id, namespace=bus_cfg.namespace, model=model, node=node, window_mb=ns.window_mb,
-                                   emu=emu, role=role)
+        setup = await build_engine(
+            engine_id=cfg.engine_id, namespace=bus_cfg.namespace, model=model, node=node, window_mb=ns.window_mb, emu=emu, role=role
+        )
         engine = engine_cls(bus, subjects, cfg, node.node_id, setup, tasks)
         register_metrics(engine)
         await bus.serve(task_subject(cfg.engine_id), engine.on_task, task_type)

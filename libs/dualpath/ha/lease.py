@@ -99,7 +99,7 @@ class LeaderLease:
                 log.warning("lease_acquire_failed", error=str(exc))
             try:
                 await asyncio.wait_for(stop.wait(), self.ttl / 4)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return False
 
@@ -125,7 +125,7 @@ class LeaderLease:
                 try:
                     await asyncio.wait_for(stop.wait(), self.ttl / 3)
                     break
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 try:
                     await self.renew()
@@ -154,12 +154,17 @@ class LeaderLease:
 
 # ---- the scheduler's use of the lease (a small hook in services/scheduler/service.py) ----------
 
+
 def add_lease_arguments(parser) -> None:
     """``--leader-lease``, ``--scheduler-id``, ``--lease-ttl``: active/standby schedulers."""
     from dualpath.config import parse_bool
 
-    parser.add_argument("--leader-lease", type=parse_bool, default=False,
-                        help="run as one of several schedulers: act only while holding the JetStream KV lease (default false)")
+    parser.add_argument(
+        "--leader-lease",
+        type=parse_bool,
+        default=False,
+        help="run as one of several schedulers: act only while holding the JetStream KV lease (default false)",
+    )
     parser.add_argument("--scheduler-id", default="", help="this scheduler's name in the lease (default: host and pid)")
     parser.add_argument("--lease-ttl", type=float, default=3.0, help="seconds a dead leader keeps the lease (takeover bound)")
 

@@ -66,8 +66,17 @@ def stream_name(namespace: str) -> str:
 class ReplicatedIndex:
     """One replica's copy of the index, kept in step with the stream."""
 
-    def __init__(self, js: JetStreamContext, namespace: str, subject: str, *, capacity_blocks: int | None = None,
-                 max_batch_ops: int = 512, ack_timeout: float = 10.0, compact_after: int = 100_000) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        namespace: str,
+        subject: str,
+        *,
+        capacity_blocks: int | None = None,
+        max_batch_ops: int = 512,
+        ack_timeout: float = 10.0,
+        compact_after: int = 100_000,
+    ) -> None:
         self.js = js
         self.stream = stream_name(namespace)
         self.snapshots = f"{self.stream}_snap"  # object store bucket of the snapshot
@@ -153,8 +162,10 @@ class ReplicatedIndex:
             try:
                 store = await self.js.object_store(self.snapshots)
             except (NotFoundError, BucketNotFoundError):
-                store = await self.js.create_object_store(self.snapshots, config=api.ObjectStoreConfig(
-                    bucket=self.snapshots, replicas=min(self._replicas, info.config.num_replicas or 1)))
+                store = await self.js.create_object_store(
+                    self.snapshots,
+                    config=api.ObjectStoreConfig(bucket=self.snapshots, replicas=min(self._replicas, info.config.num_replicas or 1)),
+                )
             await store.put(SNAPSHOT, data)
             await self.js.purge_stream(self.stream, seq=seq + 1)  # records up to ``seq`` are in the snapshot
             log.info("index_compacted", seq=seq, blocks=len(self.index), bytes=len(data))
@@ -174,8 +185,13 @@ class ReplicatedIndex:
                     pass
                 for r in sorted({replicas, 1}, reverse=True):  # R3 on a cluster, R1 on a single server
                     try:
-                        await self.js.add_stream(name=self.stream, subjects=[self.subject], storage=api.StorageType.FILE,
-                                                 num_replicas=r, retention=api.RetentionPolicy.LIMITS)
+                        await self.js.add_stream(
+                            name=self.stream,
+                            subjects=[self.subject],
+                            storage=api.StorageType.FILE,
+                            num_replicas=r,
+                            retention=api.RetentionPolicy.LIMITS,
+                        )
                         return 0
                     except APIError as exc:
                         last_error = exc

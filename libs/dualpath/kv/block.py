@@ -79,12 +79,7 @@ class BlockHeader:
             value = getattr(self, name)
             if not isinstance(value, int) or not 1 <= value <= _U32_MAX:
                 raise ValueError(f"{name} must be in [1, 2**32), got {value!r}")
-        if not (
-            isinstance(self.dtype, str)
-            and 1 <= len(self.dtype) <= _DTYPE_BYTES
-            and self.dtype.isascii()
-            and self.dtype.isprintable()
-        ):
+        if not (isinstance(self.dtype, str) and 1 <= len(self.dtype) <= _DTYPE_BYTES and self.dtype.isascii() and self.dtype.isprintable()):
             raise ValueError(f"dtype must be 1..16 printable ASCII chars, got {self.dtype!r}")
 
     @property
@@ -140,9 +135,7 @@ def decode_header(raw: bytes | bytearray | memoryview) -> BlockHeader:
     (crc,) = _CRC.unpack(view[_BODY.size :])
     if zlib.crc32(body) != crc:
         raise CorruptBlockError(None, "header CRC mismatch")
-    magic, version, _reserved, digest, block_hash, layers, tokens, bpt, checksum, dtype = (
-        _BODY.unpack(body)
-    )
+    magic, version, _reserved, digest, block_hash, layers, tokens, bpt, checksum, dtype = _BODY.unpack(body)
     if magic != MAGIC:
         raise CorruptBlockError(None, f"bad magic {magic!r}")
     if version != FORMAT_VERSION:

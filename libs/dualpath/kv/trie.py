@@ -342,9 +342,7 @@ class BlockIndex:
         return evicted
 
     def _maybe_compact(self) -> None:
-        if self._log is not None and self._log.size > max(
-            self._compact_min_bytes, 2 * self._snapshot_bytes
-        ):
+        if self._log is not None and self._log.size > max(self._compact_min_bytes, 2 * self._snapshot_bytes):
             try:
                 self._compact_locked()
             except OSError as exc:

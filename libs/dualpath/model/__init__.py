@@ -14,11 +14,23 @@ from importlib import import_module
 # Lazy exports (PEP 562): control services (the gateway needs only ``Tokenizer`` and
 # ``ModelConfig``) import this package without pulling in torch.
 _HOME = {
-    "ModelConfig": "config", "RopeScaling": "config", "Decoder": "decoder", "PastKV": "decoder",
-    "ModelError": "errors", "ModelInputError": "errors", "ModelLoadError": "errors",
-    "GreedyResult": "generate", "greedy_generate": "generate", "pack_kv": "kvlayout", "unpack_kv": "kvlayout",
-    "SampledToken": "sampling", "SamplingParams": "sampling", "sample": "sampling",
-    "GENERATED_ALPHABET": "tiny", "make_tiny_model": "tiny", "Tokenizer": "tokenizer",
+    "ModelConfig": "config",
+    "RopeScaling": "config",
+    "Decoder": "decoder",
+    "PastKV": "decoder",
+    "ModelError": "errors",
+    "ModelInputError": "errors",
+    "ModelLoadError": "errors",
+    "GreedyResult": "generate",
+    "greedy_generate": "generate",
+    "pack_kv": "kvlayout",
+    "unpack_kv": "kvlayout",
+    "SampledToken": "sampling",
+    "SamplingParams": "sampling",
+    "sample": "sampling",
+    "GENERATED_ALPHABET": "tiny",
+    "make_tiny_model": "tiny",
+    "Tokenizer": "tokenizer",
 }
 
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 from dualpath.model.errors import ModelLoadError
 
 __all__ = ["DTYPES", "ModelConfig", "RopeScaling", "dtype_from_name"]
@@ -27,7 +26,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # names; torch is imported only whe
 _ROPE_KINDS = ("default", "linear", "llama3")
 
 
-def dtype_from_name(name: str) -> "torch.dtype":
+def dtype_from_name(name: str) -> torch.dtype:
     """Map ``"float32" | "bfloat16" | "float16"`` to the torch dtype.
 
     Raises:
@@ -138,11 +137,11 @@ class ModelConfig:
         )
 
     @property
-    def dtype(self) -> "torch.dtype":
+    def dtype(self) -> torch.dtype:
         """The checkpoint's torch dtype (``torch_dtype``)."""
         return dtype_from_name(self.torch_dtype)
 
-    def kv_bytes_per_token_layer(self, dtype: "torch.dtype") -> int:
+    def kv_bytes_per_token_layer(self, dtype: torch.dtype) -> int:
         """Bytes of one token's K and V in one layer: ``2 * kv_heads * head_dim * itemsize``."""
         return 2 * self.num_key_value_heads * self.head_dim * dtype.itemsize
 

@@ -85,8 +85,12 @@ class Decoder:
         bias = torch.cat([t[f"{p}self_attn.{n}.bias"] for n in names]) if self.config.attention_bias else None
         gate_up = torch.cat((t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]))
         return _Layer(
-            qkv=qkv, qkv_bias=bias, o=t[p + "self_attn.o_proj.weight"], gate_up=gate_up,
-            down=t[p + "mlp.down_proj.weight"], input_norm=t[p + "input_layernorm.weight"],
+            qkv=qkv,
+            qkv_bias=bias,
+            o=t[p + "self_attn.o_proj.weight"],
+            gate_up=gate_up,
+            down=t[p + "mlp.down_proj.weight"],
+            input_norm=t[p + "input_layernorm.weight"],
             post_norm=t[p + "post_attention_layernorm.weight"],
         )
 
@@ -201,15 +205,15 @@ class Decoder:
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return weight * x32.to(x.dtype)
 
-    def _check(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor,
-               segments: Sequence[tuple[int, int]], past: Sequence[PastKV]) -> None:
+    def _check(
+        self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, segments: Sequence[tuple[int, int]], past: Sequence[PastKV]
+    ) -> None:
         """Raise ``ModelInputError`` unless the arguments of ``forward_layer`` fit."""
         if not 0 <= layer < self.num_layers:
             raise ModelInputError(f"layer {layer} outside [0, {self.num_layers})")
         n = hidden.shape[0]
         if hidden.dim() != 2 or hidden.shape[1] != self.config.hidden_size or hidden.dtype != self.dtype:
-            raise ModelInputError(f"hidden must be [N, {self.config.hidden_size}] {self.dtype}, "
-                                  f"got {tuple(hidden.shape)} {hidden.dtype}")
+            raise ModelInputError(f"hidden must be [N, {self.config.hidden_size}] {self.dtype}, got {tuple(hidden.shape)} {hidden.dtype}")
         if positions.shape != (n,):
             raise ModelInputError(f"positions must be [{n}], got {tuple(positions.shape)}")
         if len(segments) != len(past):
@@ -226,7 +230,15 @@ class Decoder:
             if cached is None:
                 continue
             k, v = cached
-            if (k.dim() != 3 or k.shape[1:] != want or v.shape != k.shape or k.dtype != self.dtype
-                    or v.dtype != self.dtype or k.device != hidden.device or v.device != hidden.device):
-                raise ModelInputError(f"past KV must be [P, {want[0]}, {want[1]}] {self.dtype}, "
-                                      f"got {tuple(k.shape)} {k.dtype} / {tuple(v.shape)} {v.dtype}")
+            if (
+                k.dim() != 3
+                or k.shape[1:] != want
+                or v.shape != k.shape
+                or k.dtype != self.dtype
+                or v.dtype != self.dtype
+                or k.device != hidden.device
+                or v.device != hidden.device
+            ):
+                raise ModelInputError(
+                    f"past KV must be [P, {want[0]}, {want[1]}] {self.dtype}, got {tuple(k.shape)} {k.dtype} / {tuple(v.shape)} {v.dtype}"
+                )

@@ -45,7 +45,7 @@ def greedy_generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_toke
     hidden = decoder.embed(flat)
     for layer in range(decoder.num_layers):
         hidden, k, v = decoder.forward_layer(layer, hidden, positions, segments, [None] * len(prompts))
-        past.append([(k[s:s + n], v[s:s + n]) for s, n in segments])
+        past.append([(k[s : s + n], v[s : s + n]) for s, n in segments])
     logits = decoder.logits(hidden[[s + n - 1 for s, n in segments]])  # [B, V]
     tokens: list[list[int]] = [[] for _ in prompts]
     margins: list[list[float]] = [[] for _ in prompts]
@@ -62,7 +62,9 @@ def greedy_generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_toke
         positions = torch.tensor([n + step for n in lengths], device=decoder.device)
         for layer in range(decoder.num_layers):
             hidden, k, v = decoder.forward_layer(layer, hidden, positions, step_segments, past[layer])
-            past[layer] = [(torch.cat((pk, k[i:i + 1])), torch.cat((pv, v[i:i + 1])))
-                           for i, (pk, pv) in enumerate(cast("list[tuple[torch.Tensor, torch.Tensor]]", past[layer]))]  # all set
+            past[layer] = [
+                (torch.cat((pk, k[i : i + 1])), torch.cat((pv, v[i : i + 1])))
+                for i, (pk, pv) in enumerate(cast("list[tuple[torch.Tensor, torch.Tensor]]", past[layer]))
+            ]  # all set
         logits = decoder.logits(hidden)
     return GreedyResult(tokens=tokens, margins=margins)

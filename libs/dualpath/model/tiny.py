@@ -104,39 +104,68 @@ def make_tiny_model(
         raise ValueError(f"torch_dtype must be float32 or bfloat16, got {torch_dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = _config(layers, hidden, heads, kv_heads, vocab, intermediate or 2 * hidden, max_position,
-                     tie_embeddings, torch_dtype)
+    config = _config(layers, hidden, heads, kv_heads, vocab, intermediate or 2 * hidden, max_position, tie_embeddings, torch_dtype)
     tensors = _weights(config, torch.Generator().manual_seed(seed))
     dtype = torch.float32 if torch_dtype == "float32" else torch.bfloat16
-    save_file({k: t.to(dtype).contiguous() for k, t in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file({k: t.to(dtype).contiguous() for k, t in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", {
-        "bos_token_id": 256, "eos_token_id": [258, 256], "pad_token_id": 256, "do_sample": False,
-    })
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": 256,
+            "eos_token_id": [258, 256],
+            "pad_token_id": 256,
+            "do_sample": False,
+        },
+    )
     (out / "tokenizer.json").write_text(_tokenizer(vocab).to_str(pretty=True), encoding="utf-8")
-    _write_json(out / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "unk_token": None, "model_max_length": max_position,
-        "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE,
-        "added_tokens_decoder": {str(256 + i): {"content": t, "special": True, "normalized": False,
-                                                "lstrip": False, "rstrip": False, "single_word": False}
-                                 for i, t in enumerate(SPECIAL_TOKENS)},
-    })
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "unk_token": None,
+            "model_max_length": max_position,
+            "clean_up_tokenization_spaces": False,
+            "chat_template": CHAT_TEMPLATE,
+            "added_tokens_decoder": {
+                str(256 + i): {"content": t, "special": True, "normalized": False, "lstrip": False, "rstrip": False, "single_word": False}
+                for i, t in enumerate(SPECIAL_TOKENS)
+            },
+        },
+    )
     return out
 
 
-def _config(layers: int, hidden: int, heads: int, kv_heads: int, vocab: int, intermediate: int,
-            max_position: int, tie: bool, dtype: str) -> dict:
+def _config(
+    layers: int, hidden: int, heads: int, kv_heads: int, vocab: int, intermediate: int, max_position: int, tie: bool, dtype: str
+) -> dict:
     return {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
-        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": intermediate,
-        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "max_position_embeddings": max_position, "max_window_layers": layers, "rms_norm_eps": 1e-6,
-        "rope_theta": rope_theta_for(hidden // heads, max_position), "rope_scaling": None,
-        "sliding_window": None, "use_sliding_window": False,
-        "tie_word_embeddings": tie, "torch_dtype": dtype, "bos_token_id": 256, "eos_token_id": 258,
-        "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_act": "silu",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": max_position,
+        "max_window_layers": layers,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": rope_theta_for(hidden // heads, max_position),
+        "rope_scaling": None,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "tie_word_embeddings": tie,
+        "torch_dtype": dtype,
+        "bos_token_id": 256,
+        "eos_token_id": 258,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
     }
 
 

@@ -100,9 +100,7 @@ def read_tensors(
                 for name in names:
                     tensor = handle.get_tensor(name)
                     if tuple(tensor.shape) != shapes[name]:
-                        raise ModelLoadError(
-                            file, f"tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies {shapes[name]}"
-                        )
+                        raise ModelLoadError(file, f"tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies {shapes[name]}")
                     yield name, tensor.to(device=device, dtype=dtype)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(file, f"cannot read safetensors file: {exc}") from None

@@ -31,8 +31,11 @@ class PrefetchStats:
     dropped_bytes: int = 0  # expired or evicted before any load used them
 
     def to_dict(self) -> dict:
-        return {"prefetch_staged_bytes": self.staged_bytes, "prefetch_used_bytes": self.used_bytes,
-                "prefetch_dropped_bytes": self.dropped_bytes}
+        return {
+            "prefetch_staged_bytes": self.staged_bytes,
+            "prefetch_used_bytes": self.used_bytes,
+            "prefetch_dropped_bytes": self.dropped_bytes,
+        }
 
 
 class PrefetchCache:
@@ -85,7 +88,7 @@ class PrefetchCache:
             entry = self._blocks.get((digest, h))
             if entry is None or len(entry[0]) != block_bytes:
                 break
-            dest[i * block_bytes:(i + 1) * block_bytes] = entry[0]
+            dest[i * block_bytes : (i + 1) * block_bytes] = entry[0]
             n += 1
         for h in hashes[:n]:  # used once: the request's slot holds it now, the next turn re-stages
             data, _ = self._blocks.pop((digest, h))

@@ -85,13 +85,13 @@ class StorageIO:
                 starts = range(0, n, group)
                 # Every group is queued on the SNIC at once, so the link's timeline runs on
                 # while a worker thread is still reading the previous group's files.
-                grants = [self.nic.enqueue(len(hashes[g:g + group]) * bb, TrafficClass.KV) for g in starts] if self.nic else []
+                grants = [self.nic.enqueue(len(hashes[g : g + group]) * bb, TrafficClass.KV) for g in starts] if self.nic else []
                 try:
                     end = 0.0
                     for i, g in enumerate(starts):
                         if grants:
                             end = await grants[i]  # the group's bytes are on the link from now
-                        ids = hashes[g:g + group]
+                        ids = hashes[g : g + group]
                         done, failed = await asyncio.to_thread(self._read_group, model_digest, ids, fmt, dest, g)
                         loaded += done
                         self.bytes_read += done * bb  # per group, so utilisation sampled over time is smooth
@@ -119,9 +119,15 @@ class StorageIO:
         bb = fmt.block_bytes
         for i, h in enumerate(hashes):
             try:
-                self.store.read_into(model_digest=model_digest, block_hash=h, layers=fmt.layers, tokens=fmt.block_tokens,
-                                     bytes_per_token_layer=fmt.bytes_per_token_layer, dtype=fmt.dtype,
-                                     dest=dest[(first + i) * bb:(first + i + 1) * bb])
+                self.store.read_into(
+                    model_digest=model_digest,
+                    block_hash=h,
+                    layers=fmt.layers,
+                    tokens=fmt.block_tokens,
+                    bytes_per_token_layer=fmt.bytes_per_token_layer,
+                    dtype=fmt.dtype,
+                    dest=dest[(first + i) * bb : (first + i + 1) * bb],
+                )
             except (BlockMissingError, CorruptBlockError):
                 return i, h
         return len(hashes), None
@@ -139,10 +145,17 @@ class StorageIO:
             for i, h in enumerate(hashes):
                 if grants:
                     end = await grants[i]
-                payload = src[i * bb:(i + 1) * bb]
+                payload = src[i * bb : (i + 1) * bb]
                 written += await asyncio.to_thread(
-                    self.store.write, model_digest=model_digest, block_hash=h, layers=fmt.layers, tokens=fmt.block_tokens,
-                    bytes_per_token_layer=fmt.bytes_per_token_layer, dtype=fmt.dtype, payload=payload)
+                    self.store.write,
+                    model_digest=model_digest,
+                    block_hash=h,
+                    layers=fmt.layers,
+                    tokens=fmt.block_tokens,
+                    bytes_per_token_layer=fmt.bytes_per_token_layer,
+                    dtype=fmt.dtype,
+                    payload=payload,
+                )
             await sleep_until(end)  # the last block has crossed the SNIC
         finally:
             if nic is not None:

@@ -41,7 +41,9 @@ def _next_fit(engines: tuple[EngineState, ...], start: int, ok: Callable[[Engine
 
 
 def schedule_round_robin(
-    waiting: Sequence[PendingRequest], state: ClusterState, thresholds: Thresholds,
+    waiting: Sequence[PendingRequest],
+    state: ClusterState,
+    thresholds: Thresholds,
     read_path: ReadPath = ReadPath.AUTO,
 ) -> list[Assignment]:
     """One round-robin pass (see the module docstring). Does not mutate ``state``."""
@@ -75,7 +77,9 @@ def schedule_round_robin(
 
 
 def schedule_least_tokens(
-    waiting: Sequence[PendingRequest], state: ClusterState, thresholds: Thresholds,
+    waiting: Sequence[PendingRequest],
+    state: ClusterState,
+    thresholds: Thresholds,
     read_path: ReadPath = ReadPath.AUTO,
 ) -> list[Assignment]:
     """One least-tokens pass (see the module docstring). Does not mutate ``state``."""
@@ -90,6 +94,7 @@ def schedule_least_tokens(
         if pe is None or pe[0] > thresholds.beta_tokens:
             break
         need = r.total_len
+
         def room(e: tuple[int, int], need: int = need) -> bool:
             return free.get(e[1], engines[e[1]].free_hbm_tokens) >= need
 

@@ -102,6 +102,7 @@ def select_decode_groups(waiting: Sequence[PendingRequest], count: int, state: C
     chosen: list[NodeState] = []
     for i in range(count):
         need = waiting[i].total_len
+
         def fits(entry: tuple[int, int], need: int = need) -> bool:
             return room(entry[1], need)
 
@@ -114,9 +115,7 @@ def select_decode_groups(waiting: Sequence[PendingRequest], count: int, state: C
     return chosen
 
 
-def place_in_groups(
-    waiting: Sequence[PendingRequest], groups: Sequence[NodeState], slack_percent: int = Z_SLACK_PERCENT
-) -> list[int]:
+def place_in_groups(waiting: Sequence[PendingRequest], groups: Sequence[NodeState], slack_percent: int = Z_SLACK_PERCENT) -> list[int]:
     """Decode engine ids inside each request's group (phase 2); may return fewer than
     ``len(groups)`` when a group's HBM is too fragmented for a request."""
     demand: dict[int, int] = {}  # Σ len_r over R, per group
@@ -137,9 +136,7 @@ def place_in_groups(
     return chosen
 
 
-def _pick_decode_engine(
-    node: NodeState, need: int, z_num: int, tentative: dict[int, tuple[int, int, int]]
-) -> EngineState | None:
+def _pick_decode_engine(node: NodeState, need: int, z_num: int, tentative: dict[int, tuple[int, int, int]]) -> EngineState | None:
     """The DE of ``node`` for a request of ``need`` tokens: HBM room required;
     ``tok + need <= Z`` by smallest (seq, tok), else smallest tok; ties to the lower id.
     ``node.tok_sum`` in ``z_num`` is the pass-start sum, so Z stays fixed for the pass."""
@@ -216,11 +213,19 @@ def assemble(
     for i, (side, de_split) in enumerate(sides):
         r = waiting[i]
         read_engine = prefill[i] if side is ReadSide.PE else decode[i]
-        out.append(Assignment(
-            request_id=r.request_id, prefill_engine=prefill[i], decode_engine=decode[i],
-            read_side=side, read_node=engines[read_engine].node_id,
-            prefill_tokens=r.miss_tokens, decode_tokens=r.total_len, read_tokens=r.hit_tokens, de_split_tokens=de_split,
-        ))
+        out.append(
+            Assignment(
+                request_id=r.request_id,
+                prefill_engine=prefill[i],
+                decode_engine=decode[i],
+                read_side=side,
+                read_node=engines[read_engine].node_id,
+                prefill_tokens=r.miss_tokens,
+                decode_tokens=r.total_len,
+                read_tokens=r.hit_tokens,
+                de_split_tokens=de_split,
+            )
+        )
     return out
 
 

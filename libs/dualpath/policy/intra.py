@@ -116,9 +116,14 @@ def pack_prefill_batch(
         elif not chunks:
             new = sizes[0] if sizes else work.remaining
             predicted = predict([(work.cached, new)])
-            chunks.append(Chunk(
-                request_id=work.request_id, cached=work.cached, new=new, completes=new == work.remaining,
-            ))
+            chunks.append(
+                Chunk(
+                    request_id=work.request_id,
+                    cached=work.cached,
+                    new=new,
+                    completes=new == work.remaining,
+                )
+            )
             return PrefillBatch(chunks=tuple(chunks), predicted_s=predicted, over_quota=True)
         break
     return PrefillBatch(chunks=tuple(chunks), predicted_s=predicted, over_quota=False)

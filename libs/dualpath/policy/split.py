@@ -49,8 +49,9 @@ def split_blocks(hit_blocks: int, block_tokens: int, q_pe: int, q_de: int, hop_p
         ValueError: on a negative count or queue, or a ``block_tokens`` below 1.
     """
     if hit_blocks < 0 or q_pe < 0 or q_de < 0 or hop_percent < 0 or block_tokens < 1:
-        raise ValueError(f"split_blocks: bad input hit_blocks={hit_blocks} block_tokens={block_tokens} "
-                         f"q_pe={q_pe} q_de={q_de} hop_percent={hop_percent}")
+        raise ValueError(
+            f"split_blocks: bad input hit_blocks={hit_blocks} block_tokens={block_tokens} q_pe={q_pe} q_de={q_de} hop_percent={hop_percent}"
+        )
     if hit_blocks == 0:
         return 0
     bt = block_tokens

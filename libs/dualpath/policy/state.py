@@ -54,8 +54,7 @@ class EngineState:
         self.tok = 0
 
     def __repr__(self) -> str:
-        return (f"EngineState(id={self.engine_id}, node={self.node_id}, seq={self.seq}, "
-                f"tok={self.tok}, free_hbm={self.free_hbm_tokens})")
+        return f"EngineState(id={self.engine_id}, node={self.node_id}, seq={self.seq}, tok={self.tok}, free_hbm={self.free_hbm_tokens})"
 
 
 class NodeState:
@@ -67,9 +66,7 @@ class NodeState:
     def __init__(self, spec: NodeSpec) -> None:
         self.node_id = spec.node_id
         self.role = spec.role
-        self.engines = tuple(
-            EngineState(eid, spec.node_id, spec.role, spec.hbm_tokens) for eid in sorted(spec.engine_ids)
-        )
+        self.engines = tuple(EngineState(eid, spec.node_id, spec.role, spec.hbm_tokens) for eid in sorted(spec.engine_ids))
         self.leader = self.engines[0].engine_id
         self.read_q = 0
         self.tok_sum = 0
@@ -123,9 +120,7 @@ class ClusterState:
         self._live: dict[int, _Live] = {}
 
     @classmethod
-    def from_topology(
-        cls, *, prefill_nodes: int, decode_nodes: int, gpus_per_node: int = 8, decode_hbm_tokens: int
-    ) -> ClusterState:
+    def from_topology(cls, *, prefill_nodes: int, decode_nodes: int, gpus_per_node: int = 8, decode_hbm_tokens: int) -> ClusterState:
         """Build ``prefill_nodes`` PE nodes then ``decode_nodes`` DE nodes of
         ``gpus_per_node`` engines each, numbered densely from 0 (nodes and engines).
 
@@ -138,10 +133,14 @@ class ClusterState:
         for node_id in range(prefill_nodes + decode_nodes):
             role = Role.PREFILL if node_id < prefill_nodes else Role.DECODE
             first = node_id * gpus_per_node
-            specs.append(NodeSpec(
-                node_id=node_id, role=role, engine_ids=tuple(range(first, first + gpus_per_node)),
-                hbm_tokens=decode_hbm_tokens if role is Role.DECODE else 0,
-            ))
+            specs.append(
+                NodeSpec(
+                    node_id=node_id,
+                    role=role,
+                    engine_ids=tuple(range(first, first + gpus_per_node)),
+                    hbm_tokens=decode_hbm_tokens if role is Role.DECODE else 0,
+                )
+            )
         return cls(specs)
 
     # -- decisions and completions -------------------------------------------------

@@ -40,7 +40,7 @@ class ReadSide(IntEnum):
     DE = 1
 
 
-class ReadPath(str, Enum):
+class ReadPath(str, Enum):  # noqa: UP042 - StrEnum would change str() of members in logs and wire values
     """How a policy picks the read side (``SchedulerConfig.read_path``): ``auto`` = the
     node with the shorter storage read queue (DualPath), ``pe`` = always the prefill
     side (the paper's Basic), ``de`` = always the decode side (for experiments),
@@ -81,13 +81,10 @@ class PendingRequest:
         if self.hit_tokens >= self.prompt_tokens:
             raise InvalidRequestError(
                 self.request_id,
-                f"hit_tokens {self.hit_tokens} leaves nothing to compute of a "
-                f"{self.prompt_tokens}-token prompt",
+                f"hit_tokens {self.hit_tokens} leaves nothing to compute of a {self.prompt_tokens}-token prompt",
             )
         if self.total_len < self.prompt_tokens:
-            raise InvalidRequestError(
-                self.request_id, f"total_len {self.total_len} < prompt_tokens {self.prompt_tokens}"
-            )
+            raise InvalidRequestError(self.request_id, f"total_len {self.total_len} < prompt_tokens {self.prompt_tokens}")
 
     @property
     def miss_tokens(self) -> int:

@@ -27,10 +27,34 @@ from dualpath.protocol.codec import register
 from dualpath.protocol.wire import Wire
 
 __all__ = [
-    "AllocReply", "AllocRequest", "DecodeTask", "EngineReport", "ErrorReply", "FreeRequest", "LoadReply",
-    "LoadRequest", "LookupReply", "LookupRequest", "CommitRequest", "NodeReport", "Ok", "PersistRequest",
-    "PrefillTask", "ReadPath", "Role", "SubmitReply", "SubmitRequest", "TokenEvent", "RemoveRequest",
-    "DescribeRequest", "DescribeReply", "TaskFailed", "CancelRequest", "StateRequest", "StateReply", "BUFFER_FULL",
+    "AllocReply",
+    "AllocRequest",
+    "DecodeTask",
+    "EngineReport",
+    "ErrorReply",
+    "FreeRequest",
+    "LoadReply",
+    "LoadRequest",
+    "LookupReply",
+    "LookupRequest",
+    "CommitRequest",
+    "NodeReport",
+    "Ok",
+    "PersistRequest",
+    "PrefillTask",
+    "ReadPath",
+    "Role",
+    "SubmitReply",
+    "SubmitRequest",
+    "TokenEvent",
+    "RemoveRequest",
+    "DescribeRequest",
+    "DescribeReply",
+    "TaskFailed",
+    "CancelRequest",
+    "StateRequest",
+    "StateReply",
+    "BUFFER_FULL",
 ]
 
 BUFFER_FULL = 507  # ErrorReply code: a node DRAM buffer has no room now (back-pressure, not a failure)
@@ -57,6 +81,7 @@ _msg = dict(frozen=True, slots=True, kw_only=True)
 
 # --- generic replies -----------------------------------------------------------------------
 
+
 @register(1)
 @dataclass(**_msg)
 class ErrorReply(Wire):
@@ -75,6 +100,7 @@ class Ok(Wire):
 
 
 # --- kv-persistence -------------------------------------------------------------------------
+
 
 @register(10)
 @dataclass(**_msg)
@@ -112,6 +138,7 @@ class RemoveRequest(Wire):
 
 # --- gateway -> scheduler -------------------------------------------------------------------
 
+
 @register(20)
 @dataclass(**_msg)
 class SubmitRequest(Wire):
@@ -139,6 +166,7 @@ class SubmitReply(Wire):
 
 
 # --- scheduler <-> traffic manager ------------------------------------------------------------
+
 
 @register(30)
 @dataclass(**_msg)
@@ -250,6 +278,7 @@ class DescribeReply(Wire):
 
 
 # --- scheduler -> engines ---------------------------------------------------------------------
+
 
 @register(40)
 @dataclass(**_msg)
@@ -365,6 +394,7 @@ class NodeReport(Wire):
 
 # --- engines -> gateway -----------------------------------------------------------------------
 
+
 @register(50)
 @dataclass(**_msg)
 class TokenEvent(Wire):
@@ -388,6 +418,7 @@ class TokenEvent(Wire):
 
 
 # --- control ---------------------------------------------------------------------------------
+
 
 @register(60)
 @dataclass(**_msg)

@@ -68,7 +68,11 @@ class Wire:
             if accepted and not isinstance(value, accepted):
                 raise TypeError(f"field {name!r} has type {type(value).__name__}")
             kwargs[name] = value
-        missing = [f.name for f in dataclasses.fields(fields_of) if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [
+            f.name
+            for f in dataclasses.fields(fields_of)
+            if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
         if missing:
             raise TypeError(f"missing field(s) {', '.join(map(repr, missing))}")
         return cls(**kwargs)

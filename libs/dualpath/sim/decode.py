@@ -37,11 +37,31 @@ __all__ = ["DecodeEngineSim"]
 class DecodeEngineSim:
     """One decode GPU: its admission core, CNIC links and the fluid decode batch."""
 
-    __slots__ = ("_seq", "a", "b", "batcher", "below", "busy_s", "cnic_in", "cnic_out", "engine_id", "heap", "keys0", "n",
-                 "name", "node_id", "progress", "sat", "sim", "t", "topk", "version", "waiting")
+    __slots__ = (
+        "_seq",
+        "a",
+        "b",
+        "batcher",
+        "below",
+        "busy_s",
+        "cnic_in",
+        "cnic_out",
+        "engine_id",
+        "heap",
+        "keys0",
+        "n",
+        "name",
+        "node_id",
+        "progress",
+        "sat",
+        "sim",
+        "t",
+        "topk",
+        "version",
+        "waiting",
+    )
 
-    def __init__(self, sim: Simulation, engine_id: int, name: str, node_id: int, cnic_in: Link, cnic_out: Link,
-                 hbm_tokens: int) -> None:
+    def __init__(self, sim: Simulation, engine_id: int, name: str, node_id: int, cnic_in: Link, cnic_out: Link, hbm_tokens: int) -> None:
         self.sim = sim
         self.engine_id, self.name, self.node_id = engine_id, name, node_id
         self.cnic_in, self.cnic_out = cnic_in, cnic_out

@@ -43,8 +43,13 @@ class Ticker:
         done = sim.agents_done + sim.agents_failed
         bar = "#" * int(20 * done / max(total, 1))
         end = "\r" if sys.stderr.isatty() else "\n"
-        print(f"{self.label} [{bar:<20}] agents {done}/{total} turns {sim.metrics.turns_done} virtual {sim.loop.now:8.1f}s "
-              f"wall {now - self._t0:6.1f}s", end=end, file=sys.stderr, flush=True)
+        print(
+            f"{self.label} [{bar:<20}] agents {done}/{total} turns {sim.metrics.turns_done} virtual {sim.loop.now:8.1f}s "
+            f"wall {now - self._t0:6.1f}s",
+            end=end,
+            file=sys.stderr,
+            flush=True,
+        )
 
     def close(self) -> None:
         if self.enabled and sys.stderr.isatty():
@@ -59,8 +64,16 @@ def _simulate(cfg: SimConfig, workload: Workload, agents: list[Agent], progress:
     return sim
 
 
-def run_offline(base: SimConfig, workload: Workload, modes: list[str], *, ablation: bool = False, progress: bool | None = None,
-                say: Callable[[str], None] | None = None, until: float = float("inf")) -> dict:
+def run_offline(
+    base: SimConfig,
+    workload: Workload,
+    modes: list[str],
+    *,
+    ablation: bool = False,
+    progress: bool | None = None,
+    say: Callable[[str], None] | None = None,
+    until: float = float("inf"),
+) -> dict:
     """Every mode on the same agents, all started at 0; the result dict (module docstring).
     ``until`` stops each run at that virtual time (a throughput probe: JCT is then not final)."""
     if ablation:
@@ -74,21 +87,30 @@ def run_offline(base: SimConfig, workload: Workload, modes: list[str], *, ablati
         rows[mode] = run_figures(sim)
         rows[mode]["stopped_at"] = None if until == float("inf") else until
         if say:
-            say(f"[{mode}] JCT {sim.end_time:.1f} s (virtual), {sim.metrics.turns_done} turns, {sim.loop.events} events, "
-                f"wall {sim.wall_s:.1f} s, CPU {sim.cpu_s:.1f} s ({1e6 * sim.cpu_s / max(sim.metrics.turns_done, 1):.0f} us per turn)")
+            say(
+                f"[{mode}] JCT {sim.end_time:.1f} s (virtual), {sim.metrics.turns_done} turns, {sim.loop.events} events, "
+                f"wall {sim.wall_s:.1f} s, CPU {sim.cpu_s:.1f} s ({1e6 * sim.cpu_s / max(sim.metrics.turns_done, 1):.0f} us per turn)"
+            )
     jct = {m: r["jct_s"] for m, r in rows.items()}
 
     def ratio(a: str, b: str) -> float | None:
         return jct[a] / jct[b] if a in jct and b in jct and jct[b] > 0 else None
 
     return {
-        "target": base.target, "topology": base.topology, "engines_per_node": base.engines, "dataset": workload.dataset,
-        "agents": workload.agents, "turns": workload.turns, "start_at": workload.start_at, "seed": workload.seed,
+        "target": base.target,
+        "topology": base.topology,
+        "engines_per_node": base.engines,
+        "dataset": workload.dataset,
+        "agents": workload.agents,
+        "turns": workload.turns,
+        "start_at": workload.start_at,
+        "seed": workload.seed,
         "modes": rows,
         "ratios": {"basic/dualpath": ratio("basic", "dualpath"), "dualpath/oracle": ratio("dualpath", "oracle")},
         "io_bound": (base.prefill_nodes + base.decode_nodes) / base.prefill_nodes,
         "ablation": [{"mode": m, "jct_s": jct[m], "reduction": 1 - jct[m] / jct[ABLATION[0]]} for m in ABLATION] if ablation else None,
-        "wall_s": time.perf_counter() - t0, "agents_build_s": build_s,
+        "wall_s": time.perf_counter() - t0,
+        "agents_build_s": build_s,
     }
 
 
@@ -105,22 +127,44 @@ def run_online(cfg: SimConfig, workload: Workload, *, slo_ttft: float, slo_tpot:
     row = run_figures(sim)
     horizon = workload.duration_s or sim.end_time
     attainment = sim.metrics.slo_attainment(slo_ttft, slo_tpot, until=horizon)
-    row.update({"rate": workload.rate, "arrived": len(agents), "attainment": attainment,
-                "achieved_aps": len(agents) / max(a.arrival for a in agents) if agents else 0.0})
+    row.update(
+        {
+            "rate": workload.rate,
+            "arrived": len(agents),
+            "attainment": attainment,
+            "achieved_aps": len(agents) / max(a.arrival for a in agents) if agents else 0.0,
+        }
+    )
     return row
 
 
-def sweep_online(cfg: SimConfig, workload: Workload, *, slo_ttft: float, slo_tpot: float, attainment: float = 0.99,
-                 start_rate: float = 0.5, probes: int = 8, tolerance: float = 0.05, progress: bool | None = None,
-                 say: Callable[[str], None] | None = None) -> dict:
+def sweep_online(
+    cfg: SimConfig,
+    workload: Workload,
+    *,
+    slo_ttft: float,
+    slo_tpot: float,
+    attainment: float = 0.99,
+    start_rate: float = 0.5,
+    probes: int = 8,
+    tolerance: float = 0.05,
+    progress: bool | None = None,
+    say: Callable[[str], None] | None = None,
+) -> dict:
     """The highest APS whose turns meet the SLO (``attainment`` of them), by the load
     generator's search; every probe reported."""
     plan, state = SweepPlan(start_rate=start_rate, max_probes=probes, tolerance=tolerance), SweepState()
     while (rate := next_rate(plan, state)) is not None:
         row = run_online(cfg, replace(workload, rate=rate), slo_ttft=slo_ttft, slo_tpot=slo_tpot, progress=progress)
         passed = row["attainment"] is not None and row["attainment"] >= attainment
-        point = {"rate": rate, "passed": passed, "attainment": row["attainment"], "failed_turns": 0,
-                 "ttft_p50": row["latency_s"]["ttft"].get("p50"), "tpot_p50": row["latency_s"]["tpot"].get("p50")}
+        point = {
+            "rate": rate,
+            "passed": passed,
+            "attainment": row["attainment"],
+            "failed_turns": 0,
+            "ttft_p50": row["latency_s"]["ttft"].get("p50"),
+            "tpot_p50": row["latency_s"]["tpot"].get("p50"),
+        }
         state.points.append(point)
         if passed:
             state.best = max(rate, state.best or 0.0)

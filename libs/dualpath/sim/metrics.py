@@ -30,8 +30,7 @@ def percentiles(values: array | list[float]) -> dict:
 class Metrics:
     """Per-turn latencies and counters of one run."""
 
-    __slots__ = ("agent_end", "e2e", "exec", "hit_tokens", "prompt_tokens", "queue", "submit", "tpot", "ttft", "ttst",
-                 "turns_done")
+    __slots__ = ("agent_end", "e2e", "exec", "hit_tokens", "prompt_tokens", "queue", "submit", "tpot", "ttft", "ttst", "turns_done")
 
     def __init__(self) -> None:
         self.submit = array("f")

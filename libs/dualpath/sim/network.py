@@ -75,8 +75,7 @@ class FluidNetwork:
         self.loop = loop
         self.flows_done = 0
 
-    def start(self, links: tuple[Link, ...], nbytes: float, on_done: Callable[[Any], None], arg: Any = None,
-              cls: int = LOW) -> Flow | None:
+    def start(self, links: tuple[Link, ...], nbytes: float, on_done: Callable[[Any], None], arg: Any = None, cls: int = LOW) -> Flow | None:
         """Start moving ``nbytes`` over ``links``; ``on_done(arg)`` when done. An empty flow
         (no bytes or no links) completes at once, in a later event of the same instant."""
         if nbytes <= 0 or not links:

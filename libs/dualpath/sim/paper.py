@@ -46,22 +46,49 @@ class Size:
 
 
 SIZES = {
-    "quick": Size(agents_660b=96, agents_27b=48, turns=2, start_at=0.5, scale_to=(4, 8, 2), online_turns=2, online_duration=30.0,
-                  probes=3, online_scale_to=(4, 8)),
-    "reduced": Size(agents_660b=2048, agents_27b=1024, turns=6, start_at=0.5, scale_to=(8, 16, 4), online_turns=4,
-                    online_duration=300.0, probes=8, online_scale_to=(8, 16)),
-    "full": Size(agents_660b=2048, agents_27b=1024, turns=None, start_at=0.0, scale_to=(48, 96, 24), online_turns=8,
-                 online_duration=600.0, probes=8, online_scale_to=(44, 88)),
+    "quick": Size(
+        agents_660b=96,
+        agents_27b=48,
+        turns=2,
+        start_at=0.5,
+        scale_to=(4, 8, 2),
+        online_turns=2,
+        online_duration=30.0,
+        probes=3,
+        online_scale_to=(4, 8),
+    ),
+    "reduced": Size(
+        agents_660b=2048,
+        agents_27b=1024,
+        turns=6,
+        start_at=0.5,
+        scale_to=(8, 16, 4),
+        online_turns=4,
+        online_duration=300.0,
+        probes=8,
+        online_scale_to=(8, 16),
+    ),
+    "full": Size(
+        agents_660b=2048,
+        agents_27b=1024,
+        turns=None,
+        start_at=0.0,
+        scale_to=(48, 96, 24),
+        online_turns=8,
+        online_duration=600.0,
+        probes=8,
+        online_scale_to=(44, 88),
+    ),
 }
 
 NOTES = {
     "ds660b_2p4d_dualpath_over_basic": "reduced/quick sizes run a few turns per agent: the JCT is then set by the agents with the "
-                                       "longest generations (decode-bound, not SNIC-bound); whole trajectories (--full) give the ratio",
+    "longest generations (decode-bound, not SNIC-bound); whole trajectories (--full) give the ratio",
     "ablation_layerwise_jct_reduction_pct": "follows the headline ratio (same runs)",
     "ablation_dual_path_jct_reduction_pct": "follows the headline ratio (same runs)",
     "ablation_scheduler_jct_reduction_pct": "follows the headline ratio (same runs)",
     "snic_max_over_avg_round_robin": "this project's round robin still picks the read side by the shorter queue "
-                                     "(policy.registry), which balances SNIC bytes; only engine selection is round robin",
+    "(policy.registry), which balances SNIC bytes; only engine selection is round robin",
     "snic_max_over_avg_dualpath": "quick size: too few reads for a stable figure",
     "ds27b_1p1d_dualpath_over_basic": "quick size: the cluster is not storage-bound",
     "ds27b_1p1d_dualpath_over_oracle": "the paper gives a range over batch sizes (1.09-1.85x); one batch size is simulated",
@@ -73,7 +100,7 @@ NOTES = {
     "append_sweep_min": "follows the headline ratio (same configuration, appends x0.5/x1/x2)",
     "append_sweep_max": "follows the headline ratio (same configuration, appends x0.5/x1/x2)",
     "scale_offline_jct_ratio": "the larger cluster runs proportionally more agents; JCT is set by the slowest agents, "
-                               "and more agents draw a longer tail",
+    "and more agents draw a longer tail",
     "online_ds27b_aps_ratio": "the sweep brackets max APS within ~10%; ratios carry that error twice",
     "online_ds660b_aps_ratio": "the sweep brackets max APS within ~10%; ratios carry that error twice",
     "online_scale_aps_ratio": "the sweep brackets max APS within ~10%; ratios carry that error twice",
@@ -112,13 +139,31 @@ def paper_rows(size: Size, say=None, *, online: bool = True, offline: bool = Tru
     rows.append(_row("ds660b_2p4d_dualpath_over_oracle", 1.0, _jct(r, "dualpath") / _jct(r, "oracle"), "paper: 'close to Oracle'"))
     base = _jct(r, "basic-nolw")
     for mode, paper, label in (("basic", 17.21, "layerwise"), ("dualpath-rr", 38.19, "dual_path"), ("dualpath", 45.62, "scheduler")):
-        rows.append(_row(f"ablation_{label}_jct_reduction_pct", paper, 100 * (1 - _jct(r, mode) / base),
-                         "cumulative JCT reduction vs Basic without layer-wise prefill"))
+        rows.append(
+            _row(
+                f"ablation_{label}_jct_reduction_pct",
+                paper,
+                100 * (1 - _jct(r, mode) / base),
+                "cumulative JCT reduction vs Basic without layer-wise prefill",
+            )
+        )
     rr, dp = r["modes"]["dualpath-rr"], r["modes"]["dualpath"]
-    rows.append(_row("snic_max_over_avg_round_robin", 1.53, rr["snic_bytes_max_over_avg"],
-                     f"dualpath-rr, bytes read per node over the job (per time bin, averaged: {rr['snic_max_over_avg_windowed']:.2f})"))
-    rows.append(_row("snic_max_over_avg_dualpath", 1.18, dp["snic_bytes_max_over_avg"],
-                     f"bytes read per node over the job (per time bin, averaged: {dp['snic_max_over_avg_windowed']:.2f})"))
+    rows.append(
+        _row(
+            "snic_max_over_avg_round_robin",
+            1.53,
+            rr["snic_bytes_max_over_avg"],
+            f"dualpath-rr, bytes read per node over the job (per time bin, averaged: {rr['snic_max_over_avg_windowed']:.2f})",
+        )
+    )
+    rows.append(
+        _row(
+            "snic_max_over_avg_dualpath",
+            1.18,
+            dp["snic_bytes_max_over_avg"],
+            f"bytes read per node over the job (per time bin, averaged: {dp['snic_max_over_avg_windowed']:.2f})",
+        )
+    )
     rows.append(_row("attention_max_over_avg_first_5pct", 1.06, dp["attention_max_over_avg_early"], "paper: <= 1.06"))
     # -- DS 27B: 1P1D / 2P1D / 1P2D ------------------------------------------------------------
     res = {}
@@ -128,14 +173,15 @@ def paper_rows(size: Size, say=None, *, online: bool = True, offline: bool = Tru
     one = res[(1, 1)]
     rows.append(_row("ds27b_1p1d_dualpath_over_basic", 1.78, _jct(one, "basic") / _jct(one, "dualpath")))
     rows.append(_row("ds27b_1p1d_dualpath_over_oracle", 1.47, _jct(one, "dualpath") / _jct(one, "oracle"), lo=1.09, hi=1.85))
+
     def jct(p: int, d: int, mode: str) -> float:  # the same agents on every topology
         return _jct(res[(p, d)], mode)
 
     rows.append(_row("basic_1p1d_over_basic_1p2d", 1.0, jct(1, 1, "basic") / jct(1, 2, "basic"), "paper: Basic 1P1D ~ Basic 1P2D"))
-    rows.append(_row("dualpath_1p1d_over_basic_2p1d", 1.0, jct(1, 1, "dualpath") / jct(2, 1, "basic"),
-                     "paper: DualPath 1P1D ~ Basic 2P1D"))
-    rows.append(_row("dualpath_2p1d_over_dualpath_1p2d", 1.0, jct(2, 1, "dualpath") / jct(1, 2, "dualpath"),
-                     "paper: DualPath 2P1D ~ DualPath 1P2D"))
+    rows.append(_row("dualpath_1p1d_over_basic_2p1d", 1.0, jct(1, 1, "dualpath") / jct(2, 1, "basic"), "paper: DualPath 1P1D ~ Basic 2P1D"))
+    rows.append(
+        _row("dualpath_2p1d_over_dualpath_1p2d", 1.0, jct(2, 1, "dualpath") / jct(1, 2, "dualpath"), "paper: DualPath 2P1D ~ DualPath 1P2D")
+    )
     speedups = [_jct(x, "basic") / _jct(x, "dualpath") for x in res.values()]
     rows.append(_row("pd_speedup_average", 1.64, sum(speedups) / len(speedups), "ds27b over 1P1D/2P1D/1P2D"))
     rows.append(_row("pd_speedup_max", 2.46, max(speedups), "ds27b over 1P1D/2P1D/1P2D"))
@@ -150,8 +196,14 @@ def paper_rows(size: Size, say=None, *, online: bool = True, offline: bool = Tru
     # -- offline scale: 2P4D -> larger, agents in proportion ------------------------------------
     p, d, k = size.scale_to
     big = _offline("ds660b", p, d, size.agents_660b * k, size, ["dualpath"], say, decode_ep=32)  # 2P4D's decode EP group
-    rows.append(_row("scale_offline_jct_ratio", 3201 / 3167, _jct(big, "dualpath") / _jct(r, "dualpath"),
-                     f"JCT {p}P{d}D with {k}x agents / 2P4D (paper 48P96D 48K agents: 3,201 s / 3,167 s)"))
+    rows.append(
+        _row(
+            "scale_offline_jct_ratio",
+            3201 / 3167,
+            _jct(big, "dualpath") / _jct(r, "dualpath"),
+            f"JCT {p}P{d}D with {k}x agents / 2P4D (paper 48P96D 48K agents: 3,201 s / 3,167 s)",
+        )
+    )
     if online:
         rows.extend(_online_rows(size, say))
     return rows
@@ -173,18 +225,26 @@ def _online_rows(size: Size, say) -> list[dict]:
         for mode in ("basic", "dualpath"):
             cfg = SimConfig(target=target, prefill_nodes=p, decode_nodes=d, decode_ep=0, mode=mode)
             w = Workload(dataset="64k", agents=1 << 20, turns=size.online_turns, start_at=0.5, duration_s=size.online_duration)
-            aps[(target, mode)] = sweep_online(cfg, w, slo_ttft=4.0, slo_tpot=0.05, start_rate=_start_rate(cfg, size), probes=size.probes,
-                                               tolerance=0.1, say=say)["max_aps"]
+            aps[(target, mode)] = sweep_online(
+                cfg, w, slo_ttft=4.0, slo_tpot=0.05, start_rate=_start_rate(cfg, size), probes=size.probes, tolerance=0.1, say=say
+            )["max_aps"]
         b, dp = aps[(target, "basic")], aps[(target, "dualpath")]
         rows.append(_row(f"online_{target}_aps_ratio", paper, dp / b if b and dp else None, f"{p}P{d}D, SLO TTFT 4 s, TPOT 50 ms"))
     p, d = size.online_scale_to
     cfg = SimConfig(target="ds660b", prefill_nodes=p, decode_nodes=d, decode_ep=0, mode="dualpath")
     w = Workload(dataset="64k", agents=1 << 20, turns=size.online_turns, start_at=0.5, duration_s=size.online_duration)
-    big = sweep_online(cfg, w, slo_ttft=4.0, slo_tpot=0.05, start_rate=_start_rate(cfg, size), probes=size.probes, tolerance=0.1,
-                       say=say)["max_aps"]
+    big = sweep_online(cfg, w, slo_ttft=4.0, slo_tpot=0.05, start_rate=_start_rate(cfg, size), probes=size.probes, tolerance=0.1, say=say)[
+        "max_aps"
+    ]
     small = aps[("ds660b", "dualpath")]
-    rows.append(_row("online_scale_aps_ratio", (p / 2) * 1.0, big / small if big and small else None,
-                     f"{p}P{d}D / 2P4D max APS; paper 44P88D / 2P4D: 8.8 / 0.4 = 22x (node ratio)"))
+    rows.append(
+        _row(
+            "online_scale_aps_ratio",
+            (p / 2) * 1.0,
+            big / small if big and small else None,
+            f"{p}P{d}D / 2P4D max APS; paper 44P88D / 2P4D: 8.8 / 0.4 = 22x (node ratio)",
+        )
+    )
     return rows
 
 
@@ -208,7 +268,7 @@ def main(argv: list[str]) -> int:
     only.add_argument("--online-only", action="store_true", help="only the online (APS) rows")
     ns = p.parse_args(argv)
     size = SIZES["quick" if ns.quick else "full" if ns.full else "reduced"]
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True))
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     rows = paper_rows(size, say, online=not ns.offline_only, offline=not ns.online_only)
     wall = time.perf_counter() - t0
@@ -219,4 +279,3 @@ def main(argv: list[str]) -> int:
         (out / "paper.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2) if ns.json else format_rows(rows) + f"\nwall {wall:.1f} s")
     return 0
-

@@ -44,8 +44,9 @@ def _offline_jct(cfg: SimConfig, workload: Workload) -> float:
     return run_offline(cfg, workload, [cfg.mode], progress=False)["modes"][cfg.mode]["jct_s"]
 
 
-def evaluate(base: SimConfig, workload: Workload, nodes: int, *, online: bool, slo: tuple[float, float], probes: int,
-             say: Callable[[str], None]) -> list[dict]:
+def evaluate(
+    base: SimConfig, workload: Workload, nodes: int, *, online: bool, slo: tuple[float, float], probes: int, say: Callable[[str], None]
+) -> list[dict]:
     """One row per (split, policy): JCT (offline) or max APS (online)."""
     rows = []
     for p, d in _splits(nodes):
@@ -53,8 +54,9 @@ def evaluate(base: SimConfig, workload: Workload, nodes: int, *, online: bool, s
             cfg = replace(base, prefill_nodes=p, decode_nodes=d, mode=mode)
             row = {"prefill_nodes": p, "decode_nodes": d, "p_over_d": p / d, "policy": mode}
             try:
-                cost_model(cfg.target, cfg.gpu, ep=cfg.decode_ep_size(get_target(cfg.target).default_ep,
-                                                                      get_target(cfg.target).routed_experts)).hbm_kv_capacity_tokens()
+                cost_model(
+                    cfg.target, cfg.gpu, ep=cfg.decode_ep_size(get_target(cfg.target).default_ep, get_target(cfg.target).routed_experts)
+                ).hbm_kv_capacity_tokens()
             except CostModelError as exc:  # e.g. the weights do not fit this many decode GPUs
                 row["infeasible"] = str(exc)
                 say(f"{p}P{d}D {mode}: infeasible ({exc})")
@@ -81,8 +83,10 @@ def _phases(base: SimConfig, workload: Workload, nodes: int, static: dict, say) 
     out = []
     turns = workload.turns or 8
     half = max(1, turns // 2)
-    for name, w in (("early (first turns, cold storage)", replace(workload, turns=half, start_at=0.0)),
-                    ("late (mid-trajectory, warm storage)", replace(workload, turns=half, start_at=0.5))):
+    for name, w in (
+        ("early (first turns, cold storage)", replace(workload, turns=half, start_at=0.0)),
+        ("late (mid-trajectory, warm storage)", replace(workload, turns=half, start_at=0.5)),
+    ):
         jct = {}
         for p, d in _splits(nodes):
             try:
@@ -91,9 +95,16 @@ def _phases(base: SimConfig, workload: Workload, nodes: int, static: dict, say) 
                 continue
         best = min(jct, key=jct.__getitem__)
         mine = jct[(static["prefill_nodes"], static["decode_nodes"])]
-        out.append({"phase": name, "best": f"{best[0]}P{best[1]}D", "best_jct_s": jct[best],
-                    "static": f"{static['prefill_nodes']}P{static['decode_nodes']}D", "static_jct_s": mine,
-                    "gain": 1 - jct[best] / mine})
+        out.append(
+            {
+                "phase": name,
+                "best": f"{best[0]}P{best[1]}D",
+                "best_jct_s": jct[best],
+                "static": f"{static['prefill_nodes']}P{static['decode_nodes']}D",
+                "static_jct_s": mine,
+                "gain": 1 - jct[best] / mine,
+            }
+        )
         say(f"phase {name}: best {best[0]}P{best[1]}D {jct[best]:.1f} s vs static {mine:.1f} s")
     return out
 
@@ -113,7 +124,7 @@ def main(argv: list[str], add_cluster_arguments, make_config, make_workload) -> 
     if nodes < 2:
         print(f"dualpath sim plan: --gpus {ns.gpus} is fewer than two nodes of {ns.gpus_per_node} GPUs", file=sys.stderr)
         return 2
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True))
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)
     base, workload = make_config(ns), make_workload(ns)
     t0 = time.perf_counter()
     rows = evaluate(base, workload, nodes, online=ns.online, slo=(ns.slo_ttft, ns.slo_tpot), probes=ns.probes, say=say)
@@ -122,10 +133,19 @@ def main(argv: list[str], add_cluster_arguments, make_config, make_workload) -> 
         return 2
     best = _best(rows, ns.online)
     lo, hi = no_bottleneck_range(ns.gpus_per_node, ns.snic_gbps / ns.cnic_gbps)
-    result = {"target": ns.target, "dataset": ns.dataset, "gpus": ns.gpus, "nodes": nodes, "metric": "max_aps" if ns.online else "jct_s",
-              "frontier": rows, "best": best, "no_bottleneck_range": [lo, hi],
-              "best_in_range": lo <= best["p_over_d"] <= hi,
-              "phases": _phases(base, workload, nodes, best, say) if ns.phases else None, "wall_s": time.perf_counter() - t0}
+    result = {
+        "target": ns.target,
+        "dataset": ns.dataset,
+        "gpus": ns.gpus,
+        "nodes": nodes,
+        "metric": "max_aps" if ns.online else "jct_s",
+        "frontier": rows,
+        "best": best,
+        "no_bottleneck_range": [lo, hi],
+        "best_in_range": lo <= best["p_over_d"] <= hi,
+        "phases": _phases(base, workload, nodes, best, say) if ns.phases else None,
+        "wall_s": time.perf_counter() - t0,
+    }
     if ns.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -135,12 +155,18 @@ def main(argv: list[str], add_cluster_arguments, make_config, make_workload) -> 
     for r in rows:
         v = r.get(key)
         mark = " <- best" if r is best else ("  infeasible: weights do not fit" if "infeasible" in r else "")
-        print(f"{r['prefill_nodes']}P{r['decode_nodes']}D".ljust(7) + f" {r['p_over_d']:>5.2f} {r['policy']:<9} "
-              f"{(f'{v:.2f}' if v is not None else '-'):>9}{mark}")
-    print(f"paper no-bottleneck range (g={ns.gpus_per_node}, s={ns.snic_gbps / ns.cnic_gbps:g}): {lo:.3f} <= P/D <= {hi:.2f}; "
-          f"best P/D = {best['p_over_d']:.2f}: {'inside' if result['best_in_range'] else 'OUTSIDE'}")
+        print(
+            f"{r['prefill_nodes']}P{r['decode_nodes']}D".ljust(7) + f" {r['p_over_d']:>5.2f} {r['policy']:<9} "
+            f"{(f'{v:.2f}' if v is not None else '-'):>9}{mark}"
+        )
+    print(
+        f"paper no-bottleneck range (g={ns.gpus_per_node}, s={ns.snic_gbps / ns.cnic_gbps:g}): {lo:.3f} <= P/D <= {hi:.2f}; "
+        f"best P/D = {best['p_over_d']:.2f}: {'inside' if result['best_in_range'] else 'OUTSIDE'}"
+    )
     for ph in result["phases"] or []:
-        print(f"{ph['phase']}: best {ph['best']} ({ph['best_jct_s']:.1f} s) vs {ph['static']} ({ph['static_jct_s']:.1f} s): "
-              f"{100 * ph['gain']:.1f}% shorter")
+        print(
+            f"{ph['phase']}: best {ph['best']} ({ph['best_jct_s']:.1f} s) vs {ph['static']} ({ph['static_jct_s']:.1f} s): "
+            f"{100 * ph['gain']:.1f}% shorter"
+        )
     print(f"wall {result['wall_s']:.1f} s")
     return 0

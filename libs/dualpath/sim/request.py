@@ -22,8 +22,27 @@ class SimRequest:
     land in the request's slot in the decode node's buffer, reserved by the scheduler).
     """
 
-    __slots__ = ("agent", "buffer", "buffer_bytes", "de", "gen", "hit", "key", "loaded", "pe", "prompt", "read_side", "reads_left",
-                 "rid", "split_de", "t_batch", "t_first", "t_read", "t_submit", "ttst")
+    __slots__ = (
+        "agent",
+        "buffer",
+        "buffer_bytes",
+        "de",
+        "gen",
+        "hit",
+        "key",
+        "loaded",
+        "pe",
+        "prompt",
+        "read_side",
+        "reads_left",
+        "rid",
+        "split_de",
+        "t_batch",
+        "t_first",
+        "t_read",
+        "t_submit",
+        "ttst",
+    )
 
     def __init__(self, rid: int, agent: Agent, prompt: int, hit: int, gen: int, now: float) -> None:
         self.rid = rid

@@ -62,12 +62,22 @@ class SimScheduler:
     slot request (True: reserved), ``free(node, rid)`` releases one, ``dispatch(req, cmd)`` starts
     a placed request, ``failed(req, reason)`` ends one."""
 
-    def __init__(self, loop: EventLoop, policy: Policy, *, interval: float, report_interval: float,
-                 reserve: Callable[[str, str, float], bool], free: Callable[[str, str], None],
-                 dispatch: Callable[[SimRequest, Dispatch], None], failed: Callable[[SimRequest, str], None]) -> None:
+    def __init__(
+        self,
+        loop: EventLoop,
+        policy: Policy,
+        *,
+        interval: float,
+        report_interval: float,
+        reserve: Callable[[str, str, float], bool],
+        free: Callable[[str, str], None],
+        dispatch: Callable[[SimRequest, Dispatch], None],
+        failed: Callable[[SimRequest, str], None],
+    ) -> None:
         self.loop = loop
-        self.core = SchedulerCore(policy, CoreConfig(engine_timeout=float("inf"), max_queue=1 << 40, pass_window=WINDOW_MIN,
-                                                     buffer_wait_s=float("inf")))
+        self.core = SchedulerCore(
+            policy, CoreConfig(engine_timeout=float("inf"), max_queue=1 << 40, pass_window=WINDOW_MIN, buffer_wait_s=float("inf"))
+        )
         self.interval, self.report_interval = interval, report_interval
         self._reserve, self._free, self._dispatch, self._failed = reserve, free, dispatch, failed
         self._scheduled = False
@@ -80,13 +90,32 @@ class SimScheduler:
 
     def join(self, engine: str, node: str, role: Role, *, capacity_tokens: int, block_bytes: int) -> None:
         """An engine's first report (its figures are all charges from then on)."""
-        self.core.handle(EngineReported(now=self.loop.now, engine=engine, node=node, role=role, seq=0, tok=0,
-                                        free_hbm_tokens=capacity_tokens, capacity_tokens=capacity_tokens, block_bytes=block_bytes))
+        self.core.handle(
+            EngineReported(
+                now=self.loop.now,
+                engine=engine,
+                node=node,
+                role=role,
+                seq=0,
+                tok=0,
+                free_hbm_tokens=capacity_tokens,
+                capacity_tokens=capacity_tokens,
+                block_bytes=block_bytes,
+            )
+        )
 
     def submit(self, req: SimRequest, block_tokens: int) -> None:
-        cmds = self.core.handle(RequestSubmitted(now=self.loop.now, request_id=req.key, prompt_tokens=req.prompt,
-                                                 hit_blocks=req.hit // block_tokens, block_tokens=block_tokens, max_tokens=req.gen,
-                                                 payload=req))
+        cmds = self.core.handle(
+            RequestSubmitted(
+                now=self.loop.now,
+                request_id=req.key,
+                prompt_tokens=req.prompt,
+                hit_blocks=req.hit // block_tokens,
+                block_tokens=block_tokens,
+                max_tokens=req.gen,
+                payload=req,
+            )
+        )
         for cmd in cmds:
             if isinstance(cmd, RejectRequest):
                 self.failures += 1
@@ -126,8 +155,18 @@ class SimScheduler:
                     self._apply(handle(SlotReserved(now=now, request_id=cmd.request_id, attempt=cmd.attempt)))
                 else:
                     self.back_pressure += 1
-                    self._apply(handle(DispatchFailed(now=now, request_id=cmd.request_id, attempt=cmd.attempt, stage=Stage.RESERVE,
-                                                      reason="decode node buffer full", code=BUFFER_FULL)))
+                    self._apply(
+                        handle(
+                            DispatchFailed(
+                                now=now,
+                                request_id=cmd.request_id,
+                                attempt=cmd.attempt,
+                                stage=Stage.RESERVE,
+                                reason="decode node buffer full",
+                                code=BUFFER_FULL,
+                            )
+                        )
+                    )
                     self.loop.at(now + self.core.cfg.buffer_backoff_s, self.kick)
             elif isinstance(cmd, Dispatch):
                 handle(DispatchAnswered(now=now, request_id=cmd.request_id, attempt=cmd.attempt))

@@ -59,11 +59,22 @@ class Simulation:
         self.predict: Callable = self.cost.attention_time  # the quota is on attention time (§6.2)
         self.metrics = Metrics()
         self.hbm_tokens = cfg.hbm_tokens or self.decode_cost.hbm_kv_capacity_tokens()
-        self.thresholds = Thresholds.from_profile(snic_bytes_per_s=cfg.snic_bytes_per_s(), kv_bytes_per_token=self.kv_bytes_per_token,
-                                                  prefill_tokens_per_s=self.cost.prefill_tokens_per_s())
+        self.thresholds = Thresholds.from_profile(
+            snic_bytes_per_s=cfg.snic_bytes_per_s(),
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            prefill_tokens_per_s=self.cost.prefill_tokens_per_s(),
+        )
         policy = get_policy(self.mode.policy, self.thresholds, read_path=self.mode.read_path)
-        self.scheduler = SimScheduler(self.loop, policy, interval=cfg.pass_interval_s, report_interval=cfg.report_interval_s,
-                                      reserve=self._reserve, free=self._free, dispatch=self._dispatch, failed=self._failed)
+        self.scheduler = SimScheduler(
+            self.loop,
+            policy,
+            interval=cfg.pass_interval_s,
+            report_interval=cfg.report_interval_s,
+            reserve=self._reserve,
+            free=self._free,
+            dispatch=self._dispatch,
+            failed=self._failed,
+        )
         self._build_nodes()
         self.agents = agents if agents is not None else build_agents(workload, cfg.block_tokens)
         self._gap = gap_sampler(workload.tool_gap_s, workload.seed)
@@ -87,8 +98,16 @@ class Simulation:
             name = f"p{node_id}" if prefill else f"d{node_id - cfg.prefill_nodes}"
             read = SharedLink(self.loop, f"{name}.snic.read", snic, Series())
             write = SharedLink(self.loop, f"{name}.snic.write", snic, Series())
-            self.storage[name] = NodeStorage(node_id, name, read, write, buffer_bytes=cfg.buffer_bytes(),
-                                             parallel=cfg.storage_parallel, on_read=self._read_done, changed=self._read_q_changed)
+            self.storage[name] = NodeStorage(
+                node_id,
+                name,
+                read,
+                write,
+                buffer_bytes=cfg.buffer_bytes(),
+                parallel=cfg.storage_parallel,
+                on_read=self._read_done,
+                changed=self._read_q_changed,
+            )
             for k in range(cfg.engines):
                 ename = f"{name}e{k}"
                 lin, lout = Link(f"{ename}.cnic.in", cnic), Link(f"{ename}.cnic.out", cnic)
@@ -177,8 +196,9 @@ class Simulation:
         """Its last token: record the turn, free its charges, persist its new blocks."""
         now = self.loop.now
         self.scheduler.finished(req, de.name)
-        self.metrics.turn(submit=req.t_submit, first=req.t_first, batch=req.t_batch, ttst=req.ttst, end=now, gen=req.gen,
-                          prompt=req.prompt, hit=req.hit)
+        self.metrics.turn(
+            submit=req.t_submit, first=req.t_first, batch=req.t_batch, ttst=req.ttst, end=now, gen=req.gen, prompt=req.prompt, hit=req.hit
+        )
         agent = req.agent
         kv_tokens = req.prompt + req.gen - 1  # the last token's KV is never computed
         persisted = kv_tokens - kv_tokens % self.cfg.block_tokens

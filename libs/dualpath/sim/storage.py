@@ -32,11 +32,37 @@ __all__ = ["NodeStorage"]
 class NodeStorage:
     """Storage read queue, SNIC links and DRAM buffer of one node."""
 
-    __slots__ = ("_changed", "_on_read", "active", "buffer_bytes", "buffer_used", "bytes_read", "bytes_written", "hit_tokens_read",
-                 "name", "node_id", "parallel", "queue", "read_link", "read_q", "slots", "write_link")
+    __slots__ = (
+        "_changed",
+        "_on_read",
+        "active",
+        "buffer_bytes",
+        "buffer_used",
+        "bytes_read",
+        "bytes_written",
+        "hit_tokens_read",
+        "name",
+        "node_id",
+        "parallel",
+        "queue",
+        "read_link",
+        "read_q",
+        "slots",
+        "write_link",
+    )
 
-    def __init__(self, node_id: int, name: str, read_link: SharedLink, write_link: SharedLink, *, buffer_bytes: float,
-                 parallel: int, on_read: Callable[[SimRequest], None], changed: Callable[[NodeStorage], None]) -> None:
+    def __init__(
+        self,
+        node_id: int,
+        name: str,
+        read_link: SharedLink,
+        write_link: SharedLink,
+        *,
+        buffer_bytes: float,
+        parallel: int,
+        on_read: Callable[[SimRequest], None],
+        changed: Callable[[NodeStorage], None],
+    ) -> None:
         self.node_id, self.name = node_id, name
         self.read_link, self.write_link = read_link, write_link
         self.buffer_bytes = buffer_bytes

@@ -50,22 +50,55 @@ def testbed_config(topology: str, target: str = "ds27b") -> SimConfig:
     p, d = parse_topology(topology)
     share = 1 / 8
     dram_gb = TESTBED_BUFFER_MIB * 2**20 * TESTBED_SCALE / 1e9 / share
-    return SimConfig(target=target, prefill_nodes=p, decode_nodes=d, engines_per_node=1, decode_ep=-1, hbm_tokens=TESTBED_KV_TOKENS,
-                     dram_buffer_gb=dram_gb)
+    return SimConfig(
+        target=target,
+        prefill_nodes=p,
+        decode_nodes=d,
+        engines_per_node=1,
+        decode_ep=-1,
+        hbm_tokens=TESTBED_KV_TOKENS,
+        dram_buffer_gb=dram_gb,
+    )
 
 
 def sim_jcts(topology: str, modes: list[str], *, agents: int, turns: int, target: str = "ds27b", seed: int = 0) -> dict[str, float]:
-    result = run_offline(testbed_config(topology, target), Workload(dataset="64k", agents=agents, turns=turns, start_at=0.5, seed=seed),
-                         modes, progress=False)
+    result = run_offline(
+        testbed_config(topology, target),
+        Workload(dataset="64k", agents=agents, turns=turns, start_at=0.5, seed=seed),
+        modes,
+        progress=False,
+    )
     return {m: r["jct_s"] for m, r in result["modes"].items()}
 
 
-def testbed_jcts(topology: str, modes: list[str], *, agents: int, turns: int, out: Path, slowdown: float, target: str = "ds27b",
-                 seed: int = 0) -> dict[str, float]:
+def testbed_jcts(
+    topology: str, modes: list[str], *, agents: int, turns: int, out: Path, slowdown: float, target: str = "ds27b", seed: int = 0
+) -> dict[str, float]:
     """Run ``dualpath experiment offline`` (minutes per mode) and return its JCTs."""
-    cmd = [sys.executable, "-m", "dualpath.cli", "experiment", "offline", "--target", target, "--topology", topology,
-           "--agents", str(agents), "--turns", str(turns), "--modes", ",".join(modes), "--slowdown", str(slowdown),
-           "--seed", str(seed), "--json", "--out", str(out / topology)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dualpath.cli",
+        "experiment",
+        "offline",
+        "--target",
+        target,
+        "--topology",
+        topology,
+        "--agents",
+        str(agents),
+        "--turns",
+        str(turns),
+        "--modes",
+        ",".join(modes),
+        "--slowdown",
+        str(slowdown),
+        "--seed",
+        str(seed),
+        "--json",
+        "--out",
+        str(out / topology),
+    ]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"testbed {topology} exited {proc.returncode}: {proc.stderr.strip()[-400:]}")
@@ -78,16 +111,26 @@ def _rows(topology: str, testbed: dict[str, float], sim: dict[str, float]) -> li
     for mode, tb in testbed.items():
         sm = sim.get(mode)
         ratio = sm / tb if sm is not None and tb else None
-        rows.append({"topology": topology, "mode": mode, "testbed_jct": tb, "sim_jct": sm, "ratio": ratio,
-                     "within_10pct": ratio is not None and abs(ratio - 1) <= 0.10})
+        rows.append(
+            {
+                "topology": topology,
+                "mode": mode,
+                "testbed_jct": tb,
+                "sim_jct": sm,
+                "ratio": ratio,
+                "within_10pct": ratio is not None and abs(ratio - 1) <= 0.10,
+            }
+        )
     return rows
 
 
 def format_rows(rows: list[dict]) -> str:
     out = [f"{'topology':<9} {'mode':<9} {'testbed JCT':>11} {'sim JCT':>8} {'sim/testbed':>11}  within 10%"]
     for r in rows:
-        out.append(f"{r['topology']:<9} {r['mode']:<9} {r['testbed_jct']:>11.2f} {r['sim_jct']:>8.2f} {r['ratio']:>11.3f}  "
-                   f"{'yes' if r['within_10pct'] else 'NO'}")
+        out.append(
+            f"{r['topology']:<9} {r['mode']:<9} {r['testbed_jct']:>11.2f} {r['sim_jct']:>8.2f} {r['ratio']:>11.3f}  "
+            f"{'yes' if r['within_10pct'] else 'NO'}"
+        )
     return "\n".join(out)
 
 
@@ -126,7 +169,11 @@ def main(argv: list[str]) -> int:
             testbed = testbed_jcts(topo, modes, agents=agents, turns=turns, out=Path(ns.out), slowdown=slowdown)
         rows += _rows(topo, testbed, sim_jcts(topo, list(testbed), agents=agents, turns=turns))
     wall = time.perf_counter() - t0
-    result = {"rows": rows, "all_within_10pct": all(r["within_10pct"] for r in rows), "wall_s": wall,
-              "source": "recorded" if ns.recorded else "testbed-json" if ns.testbed_json else "testbed"}
+    result = {
+        "rows": rows,
+        "all_within_10pct": all(r["within_10pct"] for r in rows),
+        "wall_s": wall,
+        "source": "recorded" if ns.recorded else "testbed-json" if ns.testbed_json else "testbed",
+    }
     print(json.dumps(result, indent=2) if ns.json else format_rows(rows) + f"\nwall {wall:.1f} s")
     return 0

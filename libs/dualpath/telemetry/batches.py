@@ -18,8 +18,14 @@ from dualpath.telemetry.traceview import SpanRecord
 __all__ = ["BINS", "batch_report", "render_batch_report"]
 
 BINS: tuple[tuple[float, float, str], ...] = (
-    (0.0, 0.10, "0-10%"), (0.10, 0.25, "10-25%"), (0.25, 0.50, "25-50%"), (0.50, 0.75, "50-75%"), (0.75, 0.90, "75-90%"),
-    (0.90, 0.95, "90-95%"), (0.95, 1.0, "95-100%"), (1.0, float("inf"), ">100%"),
+    (0.0, 0.10, "0-10%"),
+    (0.10, 0.25, "10-25%"),
+    (0.25, 0.50, "25-50%"),
+    (0.50, 0.75, "50-75%"),
+    (0.75, 0.90, "75-90%"),
+    (0.90, 0.95, "90-95%"),
+    (0.95, 1.0, "95-100%"),
+    (1.0, float("inf"), ">100%"),
 )
 
 
@@ -61,8 +67,10 @@ def batch_report(spans: Iterable[SpanRecord], *, block_tokens: int = 64) -> dict
 
 def render_batch_report(r: dict[str, Any]) -> str:
     """The report as a text table."""
-    lines = [f"prefill batches: {r['batches']}  quota_s: {r['quota_s']}  predicted_by: {', '.join(r['predicted_by'])}",
-             "predicted/quota  batches  chunked  mean requests"]
+    lines = [
+        f"prefill batches: {r['batches']}  quota_s: {r['quota_s']}  predicted_by: {', '.join(r['predicted_by'])}",
+        "predicted/quota  batches  chunked  mean requests",
+    ]
     top = max((row["batches"] for row in r["histogram"]), default=0) or 1
     for row in r["histogram"]:
         mean = row["requests"] / row["batches"] if row["batches"] else 0.0

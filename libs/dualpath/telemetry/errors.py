@@ -29,7 +29,8 @@ class TraceNotFoundError(TraceError):
     """Raised when no span of the source carries ``request_id`` (not traced, sampled out, or not flushed yet)."""
 
     def __init__(self, request_id: str, source: str) -> None:
-        super().__init__(f"no trace of request {request_id!r} in {source} (was tracing on, the request sampled, "
-                         f"the services stopped or flushed?)")
+        super().__init__(
+            f"no trace of request {request_id!r} in {source} (was tracing on, the request sampled, the services stopped or flushed?)"
+        )
         self.request_id = request_id
         self.source = source

@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
-from typing import Any, Iterator, MutableMapping
+from typing import Any
 
 import structlog
 from opentelemetry import trace

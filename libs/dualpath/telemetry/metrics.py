@@ -13,7 +13,8 @@ utilisation.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
@@ -68,8 +69,15 @@ def get_meter(name: str = "dualpath") -> metrics.Meter:
     return metrics.get_meter(name)
 
 
-def observe(name: str, description: str, read: Callable[[], Iterable[Reading]], *, unit: str = "",
-            kind: str = "gauge", meter: metrics.Meter | None = None) -> None:
+def observe(
+    name: str,
+    description: str,
+    read: Callable[[], Iterable[Reading]],
+    *,
+    unit: str = "",
+    kind: str = "gauge",
+    meter: metrics.Meter | None = None,
+) -> None:
     """Register an observable instrument whose value ``read()`` gives at each scrape.
 
     ``kind`` is ``gauge`` (a level: queue length, occupancy) or ``counter`` (a cumulative total
@@ -129,11 +137,15 @@ def nic_observations(nics: Callable[[], Sequence[_NicLike]], *, window_s: float 
         return [(nic.bytes_sent(tc), {"nic": nic.name, "traffic_class": tc.name.lower()}) for nic in nics() for tc in TrafficClass]
 
     def rate() -> list[Reading]:
-        return [(nic.throughput(tc, window_s), {"nic": nic.name, "traffic_class": tc.name.lower()}) for nic in nics() for tc in TrafficClass]
+        return [
+            (nic.throughput(tc, window_s), {"nic": nic.name, "traffic_class": tc.name.lower()}) for nic in nics() for tc in TrafficClass
+        ]
 
     def busy() -> list[Reading]:
         return [(nic.utilisation(window_s), {"nic": nic.name}) for nic in nics()]
 
     observe("dualpath.nic.bytes", "bytes sent through the (emulated) NIC, by traffic class", sent, unit="By", kind="counter", meter=meter)
-    observe("dualpath.nic.throughput", f"NIC bytes per second over the last {window_s:g} s, by traffic class", rate, unit="By/s", meter=meter)
+    observe(
+        "dualpath.nic.throughput", f"NIC bytes per second over the last {window_s:g} s, by traffic class", rate, unit="By/s", meter=meter
+    )
     observe("dualpath.nic.utilization", f"busy fraction of the NIC over the last {window_s:g} s", busy, unit="1", meter=meter)

@@ -54,10 +54,20 @@ def load_jsonl(path: str | Path) -> list[SpanRecord]:
     for line in text.splitlines():
         try:
             d = json.loads(line)
-            spans.append(SpanRecord(trace_id=d["trace_id"], span_id=d["span_id"], parent_id=d.get("parent_id"), name=d["name"],
-                                    service=d.get("service") or "?", start_ns=int(d["start_ns"]), end_ns=int(d["end_ns"]),
-                                    attributes=dict(d.get("attributes") or {}), links=tuple(d.get("links") or ()),
-                                    status=d.get("status", "UNSET")))
+            spans.append(
+                SpanRecord(
+                    trace_id=d["trace_id"],
+                    span_id=d["span_id"],
+                    parent_id=d.get("parent_id"),
+                    name=d["name"],
+                    service=d.get("service") or "?",
+                    start_ns=int(d["start_ns"]),
+                    end_ns=int(d["end_ns"]),
+                    attributes=dict(d.get("attributes") or {}),
+                    links=tuple(d.get("links") or ()),
+                    status=d.get("status", "UNSET"),
+                )
+            )
         except (ValueError, KeyError, TypeError):
             continue
     return spans
@@ -79,11 +89,20 @@ def from_jaeger(payload: dict) -> list[SpanRecord]:
                 links = tuple(r["spanID"] for r in refs if r.get("refType") == "FOLLOWS_FROM")
                 start = int(s["startTime"]) * 1000  # microseconds
                 attrs = {t["key"]: t.get("value") for t in s.get("tags") or []}
-                out.append(SpanRecord(trace_id=s["traceID"].rjust(32, "0"), span_id=s["spanID"].rjust(16, "0"),
-                                      parent_id=parent.rjust(16, "0") if parent else None, name=s["operationName"],
-                                      service=services.get(s.get("processID"), "?"), start_ns=start,
-                                      end_ns=start + int(s.get("duration", 0)) * 1000, attributes=attrs, links=links,
-                                      status="ERROR" if attrs.get("error") is True else "UNSET"))
+                out.append(
+                    SpanRecord(
+                        trace_id=s["traceID"].rjust(32, "0"),
+                        span_id=s["spanID"].rjust(16, "0"),
+                        parent_id=parent.rjust(16, "0") if parent else None,
+                        name=s["operationName"],
+                        service=services.get(s.get("processID"), "?"),
+                        start_ns=start,
+                        end_ns=start + int(s.get("duration", 0)) * 1000,
+                        attributes=attrs,
+                        links=links,
+                        status="ERROR" if attrs.get("error") is True else "UNSET",
+                    )
+                )
         return out
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise TraceSourceError("jaeger", f"unexpected answer shape ({type(exc).__name__}: {exc})") from None
@@ -113,7 +132,7 @@ def _fmt(value) -> str:
 
 def _attrs(span: SpanRecord, width: int) -> str:
     text = " ".join(f"{k}={_fmt(v)}" for k, v in span.attributes.items() if k not in _SKIP_ATTRS)
-    return text if len(text) <= width else text[:width - 1] + "…"
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def render_tree(spans: list[SpanRecord], *, attr_width: int = 160) -> str:
@@ -131,15 +150,19 @@ def render_tree(spans: list[SpanRecord], *, attr_width: int = 160) -> str:
     t0 = min(s.start_ns for s in spans)
     total = (max(s.end_ns for s in spans) - t0) / 1e6
     root = next((s for s in spans if s.parent_id is None), spans[0])
-    lines = [f"trace {root.trace_id}  request {root.attributes.get('request_id', '?')}  {len(spans)} spans  {total:.1f} ms",
-             f"{'start ms':>9} {'dur ms':>9}  span"]
+    lines = [
+        f"trace {root.trace_id}  request {root.attributes.get('request_id', '?')}  {len(spans)} spans  {total:.1f} ms",
+        f"{'start ms':>9} {'dur ms':>9}  span",
+    ]
 
     def walk(span: SpanRecord, prefix: str, last: bool, top: bool) -> None:
         branch = "" if top else ("└─ " if last else "├─ ")
         flag = " (orphan)" if top and span.parent_id is not None else ""
         err = " !ERROR" if span.status == "ERROR" else ""
-        lines.append(f"{(span.start_ns - t0) / 1e6:>9.2f} {span.duration_ms:>9.2f}  {prefix}{branch}{span.name} "
-                     f"[{span.service}]{flag}{err}  {_attrs(span, attr_width)}".rstrip())
+        lines.append(
+            f"{(span.start_ns - t0) / 1e6:>9.2f} {span.duration_ms:>9.2f}  {prefix}{branch}{span.name} "
+            f"[{span.service}]{flag}{err}  {_attrs(span, attr_width)}".rstrip()
+        )
         kids = sorted(children.get(span.span_id, []), key=lambda s: (s.start_ns, s.name))
         for i, kid in enumerate(kids):
             walk(kid, prefix + ("" if top else ("   " if last else "│  ")), i == len(kids) - 1, False)

@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Sequence, cast
+from collections.abc import Sequence
+from typing import cast
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -31,7 +32,13 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 __all__ = [
-    "JsonLinesSpanExporter", "carrier", "configure_tracing", "context_from", "flush_tracing", "get_tracer", "shutdown_tracing",
+    "JsonLinesSpanExporter",
+    "carrier",
+    "configure_tracing",
+    "context_from",
+    "flush_tracing",
+    "get_tracer",
+    "shutdown_tracing",
     "tracing_enabled",
 ]
 
@@ -49,18 +56,23 @@ class JsonLinesSpanExporter(SpanExporter):
         lines = []
         for s in spans:
             ctx = cast(trace.SpanContext, s.get_span_context())  # set on every finished span
-            lines.append(json.dumps({
-                "trace_id": format(ctx.trace_id, "032x"),
-                "span_id": format(ctx.span_id, "016x"),
-                "parent_id": format(s.parent.span_id, "016x") if s.parent else None,
-                "name": s.name,
-                "service": s.resource.attributes.get("service.name"),
-                "start_ns": s.start_time,
-                "end_ns": s.end_time,
-                "attributes": dict(s.attributes or {}),
-                "links": [format(link.context.span_id, "016x") for link in s.links],
-                "status": s.status.status_code.name,
-            }, default=str))
+            lines.append(
+                json.dumps(
+                    {
+                        "trace_id": format(ctx.trace_id, "032x"),
+                        "span_id": format(ctx.span_id, "016x"),
+                        "parent_id": format(s.parent.span_id, "016x") if s.parent else None,
+                        "name": s.name,
+                        "service": s.resource.attributes.get("service.name"),
+                        "start_ns": s.start_time,
+                        "end_ns": s.end_time,
+                        "attributes": dict(s.attributes or {}),
+                        "links": [format(link.context.span_id, "016x") for link in s.links],
+                        "status": s.status.status_code.name,
+                    },
+                    default=str,
+                )
+            )
         with self._lock, open(self._path, "a", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")
         return SpanExportResult.SUCCESS

@@ -22,10 +22,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+from typing import TYPE_CHECKING
 
 from dualpath.cost import CostModel
 from dualpath.transfer.nic import DuplexNic, reserve, sleep_until, withdraw
 from dualpath.transfer.types import TrafficClass
+
+if TYPE_CHECKING:
+    from dualpath.config import EmulationConfig
+    from dualpath.testbed.modeled import ModeledDecoder
 
 __all__ = ["ModelTraffic", "alltoall_bytes_per_token_layer", "attach_model_traffic"]
 
@@ -45,8 +50,15 @@ def alltoall_bytes_per_token_layer(cost: CostModel, *, gpus_per_node: int, sprea
 class ModelTraffic:
     """One engine's modeled all-to-all traffic on its CNIC (see the module docstring)."""
 
-    def __init__(self, nic: DuplexNic, loop: asyncio.AbstractEventLoop, *, bytes_per_token_layer: float,
-                 dense_layers: int = 0, byte_scale: float = 1.0) -> None:
+    def __init__(
+        self,
+        nic: DuplexNic,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        bytes_per_token_layer: float,
+        dense_layers: int = 0,
+        byte_scale: float = 1.0,
+    ) -> None:
         """``bytes_per_token_layer``: the real cluster's volume; divided by ``byte_scale``
         like the KV bytes, so its time on the scaled NIC is the cluster's."""
         self.nic = nic
@@ -95,20 +107,25 @@ class ModelTraffic:
         """What an engine reports: all-to-all count, bytes, completion and uncontended
         seconds, and the CNIC's bytes per class (both directions, every process's)."""
         nic = self.nic
-        return {"model_xfers": self.count, "model_xfer_bytes": self.bytes, "model_xfer_s": self.actual_s,
-                "model_xfer_ideal_s": self.ideal_s,
-                "cnic_model_bytes": nic.rx.bytes_sent(TrafficClass.MODEL) + nic.tx.bytes_sent(TrafficClass.MODEL),
-                "cnic_kv_bytes": nic.rx.bytes_sent(TrafficClass.KV) + nic.tx.bytes_sent(TrafficClass.KV)}
+        return {
+            "model_xfers": self.count,
+            "model_xfer_bytes": self.bytes,
+            "model_xfer_s": self.actual_s,
+            "model_xfer_ideal_s": self.ideal_s,
+            "cnic_model_bytes": nic.rx.bytes_sent(TrafficClass.MODEL) + nic.tx.bytes_sent(TrafficClass.MODEL),
+            "cnic_kv_bytes": nic.rx.bytes_sent(TrafficClass.KV) + nic.tx.bytes_sent(TrafficClass.KV),
+        }
 
 
-def attach_model_traffic(decoder: object, nic: DuplexNic, emu: object) -> ModelTraffic | None:
+def attach_model_traffic(decoder: ModeledDecoder, nic: DuplexNic, emu: EmulationConfig) -> ModelTraffic | None:
     """Give a ``ModeledDecoder`` of a MoE target its all-to-all traffic on ``nic`` (from the
     engine's event loop); None when the target sends nothing through the CNIC."""
-    cost = decoder.cost  # type: ignore[attr-defined]
-    per_token = alltoall_bytes_per_token_layer(cost, gpus_per_node=emu.gpus_per_node, spread=emu.model_traffic == "on")  # type: ignore[attr-defined]
+    cost = decoder.cost
+    per_token = alltoall_bytes_per_token_layer(cost, gpus_per_node=emu.gpus_per_node, spread=emu.model_traffic == "on")
     if per_token <= 0:
         return None
-    traffic = ModelTraffic(nic, asyncio.get_running_loop(), bytes_per_token_layer=per_token, dense_layers=cost.target.dense_layers,
-                           byte_scale=emu.byte_scale())  # type: ignore[attr-defined]
-    decoder.traffic = traffic  # type: ignore[attr-defined]
+    traffic = ModelTraffic(
+        nic, asyncio.get_running_loop(), bytes_per_token_layer=per_token, dense_layers=cost.target.dense_layers, byte_scale=emu.byte_scale()
+    )
+    decoder.traffic = traffic
     return traffic

@@ -46,7 +46,9 @@ class _ModeledConfig:
 class ModeledDecoder:
     modeled = True
 
-    def __init__(self, cost: CostModel, *, role: str, vocab_size: int, bytes_per_token_layer: int, max_position: int = 1 << 20, slowdown: float = 1.0) -> None:
+    def __init__(
+        self, cost: CostModel, *, role: str, vocab_size: int, bytes_per_token_layer: int, max_position: int = 1 << 20, slowdown: float = 1.0
+    ) -> None:
         self.cost = cost
         self.slowdown = slowdown
         self.role = role
@@ -80,8 +82,14 @@ class ModeledDecoder:
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return token_ids.to(torch.float32).unsqueeze(1)  # [N, 1]: the token id rides along
 
-    def forward_layer(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, segments: Sequence[tuple[int, int]],
-                      past: Sequence[tuple[torch.Tensor, torch.Tensor] | None]):
+    def forward_layer(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        segments: Sequence[tuple[int, int]],
+        past: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
+    ):
         t0 = time.perf_counter()
         cached = [0 if p is None else p[0].shape[0] for p in past]
         if self.role == "decode":

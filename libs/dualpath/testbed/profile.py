@@ -73,8 +73,13 @@ class HardwareProfile:
         from dualpath.transfer.nic import DuplexNic, NicDirectory
 
         rate = self.cnic_bytes_per_s()
-        return DuplexNic.create(rate, name=f"{engine_id}-cnic", chunk_bytes=self.nic_chunk_bytes(rate),
-                                shared=NicDirectory.key(cnic_prefix(namespace), engine_id), one_class=one_class)
+        return DuplexNic.create(
+            rate,
+            name=f"{engine_id}-cnic",
+            chunk_bytes=self.nic_chunk_bytes(rate),
+            shared=NicDirectory.key(cnic_prefix(namespace), engine_id),
+            one_class=one_class,
+        )
 
     def buffer_bytes(self, engines_per_node: int) -> int:
         share = min(1.0, engines_per_node / self.gpus_per_node)

@@ -82,10 +82,7 @@ class Transport(abc.ABC):
             PeerLostError: the peer cannot be reached (transports that connect eagerly).
         """
         if remote.transport != self.name:
-            raise ValueError(
-                f"descriptor of region {remote.region_id!r} is for transport "
-                f"{remote.transport!r}, not {self.name!r}"
-            )
+            raise ValueError(f"descriptor of region {remote.region_id!r} is for transport {remote.transport!r}, not {self.name!r}")
         self._remote[remote.region_id] = remote
 
     async def read(
@@ -130,7 +127,12 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def _transfer(
-        self, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass, *, read: bool,
+        self,
+        local: MemoryRegion,
+        entries: Sequence[TransferEntry],
+        cls: TrafficClass,
+        *,
+        read: bool,
         links: tuple[EmulatedNic, ...],
     ) -> int:
         """Move one batch: remote ranges into ``local`` when ``read``, else ``local`` out;
@@ -185,9 +187,7 @@ class Transport(abc.ABC):
         await self.close()
 
 
-def check_entries(
-    transport: Transport, local: MemoryRegion, entries: Sequence[TransferEntry]
-) -> int:
+def check_entries(transport: Transport, local: MemoryRegion, entries: Sequence[TransferEntry]) -> int:
     """Check every entry against ``local`` and the known remote descriptors; return the
     batch's byte count.
 

@@ -61,9 +61,7 @@ class OutOfBoundsError(TransferError):
         self.offset = offset
         self.length = length
         self.size = size
-        super().__init__(
-            f"range [{offset}, {offset + length}) is outside region {region_id!r} of {size} bytes"
-        )
+        super().__init__(f"range [{offset}, {offset + length}) is outside region {region_id!r} of {size} bytes")
 
 
 class RegionExistsError(TransferError):
@@ -85,9 +83,7 @@ class RegionInUseError(TransferError):
 
     def __init__(self, region_id: str) -> None:
         self.region_id = region_id
-        super().__init__(
-            f"region {region_id!r} cannot be closed: views of its memory are still alive"
-        )
+        super().__init__(f"region {region_id!r} cannot be closed: views of its memory are still alive")
 
 
 class PeerLostError(TransferError):

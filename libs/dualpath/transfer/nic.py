@@ -52,8 +52,7 @@ import numpy as np
 
 from dualpath.transfer.types import TrafficClass, TransferEntry
 
-__all__ = ["DuplexNic", "EmulatedNic", "NicDirectory", "chunk_bytes_for", "complete", "reserve", "sleep_until", "split_entries",
-           "withdraw"]
+__all__ = ["DuplexNic", "EmulatedNic", "NicDirectory", "chunk_bytes_for", "complete", "reserve", "sleep_until", "split_entries", "withdraw"]
 
 _HISTORY_S = 10.0  # grants older than this are dropped from the utilisation window
 
@@ -347,7 +346,7 @@ class EmulatedNic:
             return bool(queue)
         mine = queue[0].t
         floor = time.monotonic() - _STALE_S
-        heads = st[_SLOT0 + offset:_FIELDS:2]
+        heads = st[_SLOT0 + offset : _FIELDS : 2]
         return not bool(((heads < mine) & (heads > floor)).any())
 
     def _pick(self, st: np.ndarray) -> tuple[TrafficClass, _Waiter] | None:
@@ -436,11 +435,30 @@ class DuplexNic:
         return min(self.rx.chunk_bytes, self.tx.chunk_bytes)
 
     @classmethod
-    def create(cls, rate_bytes_per_s: float, *, name: str, chunk_bytes: int | None = None, shared: str | None = None,
-               min_kv_share: float = 0.01, one_class: bool = False) -> DuplexNic:
+    def create(
+        cls,
+        rate_bytes_per_s: float,
+        *,
+        name: str,
+        chunk_bytes: int | None = None,
+        shared: str | None = None,
+        min_kv_share: float = 0.01,
+        one_class: bool = False,
+    ) -> DuplexNic:
         """Two links of ``rate_bytes_per_s``, shared under ``{shared}-rx``/``-tx`` when a key is given."""
-        return cls(*(EmulatedNic(rate_bytes_per_s, name=f"{name}-{d}", chunk_bytes=chunk_bytes, min_kv_share=min_kv_share,
-                                 shared=f"{shared}-{d}" if shared else None, one_class=one_class) for d in ("rx", "tx")))
+        return cls(
+            *(
+                EmulatedNic(
+                    rate_bytes_per_s,
+                    name=f"{name}-{d}",
+                    chunk_bytes=chunk_bytes,
+                    min_kv_share=min_kv_share,
+                    shared=f"{shared}-{d}" if shared else None,
+                    one_class=one_class,
+                )
+                for d in ("rx", "tx")
+            )
+        )
 
     @classmethod
     def attach(cls, shared: str) -> DuplexNic:
@@ -565,9 +583,17 @@ def split_entries(entries: Sequence[TransferEntry], chunk_bytes: int) -> list[li
                 if room < entry.length:
                     flush()
                 k = min(entry.count - i, room // entry.length)
-                current.append(TransferEntry(entry.local_offset + i * entry.local_stride, entry.remote_region,
-                                             entry.remote_offset + i * entry.remote_stride, entry.length, k,
-                                             entry.local_stride, entry.remote_stride))
+                current.append(
+                    TransferEntry(
+                        entry.local_offset + i * entry.local_stride,
+                        entry.remote_region,
+                        entry.remote_offset + i * entry.remote_stride,
+                        entry.length,
+                        k,
+                        entry.local_stride,
+                        entry.remote_stride,
+                    )
+                )
                 room -= k * entry.length
                 i += k
                 if room == 0:

@@ -115,9 +115,7 @@ class MemoryRegion:
         except FileNotFoundError:
             return not os.path.isdir("/dev/shm")
 
-    def _init(
-        self, region_id: str, name: str, size: int, mapping: mmap.mmap, *, owner: bool
-    ) -> None:
+    def _init(self, region_id: str, name: str, size: int, mapping: mmap.mmap, *, owner: bool) -> None:
         self.region_id = region_id
         self.shm_name = name
         self.size = size
@@ -156,9 +154,7 @@ class MemoryRegion:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise OutOfBoundsError(self.region_id, offset, length, self.size)
 
-    def as_array(
-        self, offset: int = 0, nbytes: int | None = None, dtype: Any = np.uint8
-    ) -> np.ndarray:
+    def as_array(self, offset: int = 0, nbytes: int | None = None, dtype: Any = np.uint8) -> np.ndarray:
         """A numpy view (no copy) of ``nbytes`` at ``offset`` (default: to the end).
 
         Raises:
@@ -172,9 +168,7 @@ class MemoryRegion:
             raise ValueError(f"{nbytes} bytes is not a whole number of {np.dtype(dtype)}")
         return np.frombuffer(self.buf, dtype=dtype, count=nbytes // itemsize, offset=offset)
 
-    def as_tensor(
-        self, offset: int = 0, nbytes: int | None = None, dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
+    def as_tensor(self, offset: int = 0, nbytes: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A CPU torch tensor view (no copy) of ``nbytes`` at ``offset``; ``dtype`` defaults
         to ``torch.uint8``.
 

@@ -30,9 +30,7 @@ class ShmTransport(Transport):
 
     name = "shm"
 
-    def __init__(
-        self, *, node_id: str, nic: DuplexNic | EmulatedNic | None = None, thread_copy_bytes: int = 1 << 20
-    ) -> None:
+    def __init__(self, *, node_id: str, nic: DuplexNic | EmulatedNic | None = None, thread_copy_bytes: int = 1 << 20) -> None:
         super().__init__(node_id=node_id, nic=nic)
         self.thread_copy_bytes = thread_copy_bytes
         self._mapped: dict[str, MemoryRegion] = {}  # attached remote regions, by id
@@ -87,7 +85,12 @@ class ShmTransport(Transport):
         self._mapped[remote.region_id] = mapped
 
     async def _transfer(
-        self, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass, *, read: bool,
+        self,
+        local: MemoryRegion,
+        entries: Sequence[TransferEntry],
+        cls: TrafficClass,
+        *,
+        read: bool,
         links: tuple[EmulatedNic, ...] = (),
     ) -> int:
         """One memcpy (numpy, in a worker thread when large); see ``Transport.read``/``write``."""
@@ -117,17 +120,11 @@ class ShmTransport(Transport):
         for e in entries:
             rbuf = self._region(e.remote_region).buf
             if to_local:
-                lbuf[e.local_offset : e.local_offset + e.length] = rbuf[
-                    e.remote_offset : e.remote_offset + e.length
-                ]
+                lbuf[e.local_offset : e.local_offset + e.length] = rbuf[e.remote_offset : e.remote_offset + e.length]
             else:
-                rbuf[e.remote_offset : e.remote_offset + e.length] = lbuf[
-                    e.local_offset : e.local_offset + e.length
-                ]
+                rbuf[e.remote_offset : e.remote_offset + e.length] = lbuf[e.local_offset : e.local_offset + e.length]
 
-    def _copy_numpy(
-        self, local: MemoryRegion, entries: list[TransferEntry], to_local: bool
-    ) -> None:
+    def _copy_numpy(self, local: MemoryRegion, entries: list[TransferEntry], to_local: bool) -> None:
         larr = local.as_array()  # [size] uint8
         arrays: dict[str, np.ndarray] = {}
         for e in entries:

@@ -129,7 +129,12 @@ class TcpTransport(Transport):
         )
 
     async def _transfer(
-        self, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass, *, read: bool,
+        self,
+        local: MemoryRegion,
+        entries: Sequence[TransferEntry],
+        cls: TrafficClass,
+        *,
+        read: bool,
         links: tuple[EmulatedNic, ...] = (),
     ) -> int:
         """One request frame per peer; see ``Transport.read``/``write``."""
@@ -211,9 +216,7 @@ class TcpTransport(Transport):
             sock, _ = await loop.sock_accept(listener)
             sock.setblocking(False)
             _no_delay(sock)
-            self._tasks.spawn(
-                serve_connection(sock, self._lookup, self.node_id), name="serve-connection"
-            )
+            self._tasks.spawn(serve_connection(sock, self._lookup, self.node_id), name="serve-connection")
 
     def _lookup(self, region_id: str) -> MemoryRegion | None:
         region = self._local.get(region_id)

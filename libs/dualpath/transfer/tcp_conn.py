@@ -176,7 +176,7 @@ class PeerConnection:
         """
         cur = self._cur
         if cur is None:  # a reply header
-            got = _recv(self.sock, [self._head_view[self._head_got:]])
+            got = _recv(self.sock, [self._head_view[self._head_got :]])
             if got is None:
                 return False
             self._head_got += got

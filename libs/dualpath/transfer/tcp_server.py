@@ -141,12 +141,12 @@ class _Connection:
         """Read into the staging buffer; False when nothing is there yet."""
         if self.lo:
             n = self.hi - self.lo
-            self.stage[:n] = self.stage[self.lo:self.hi]
+            self.stage[:n] = self.stage[self.lo : self.hi]
             self.lo, self.hi = 0, n
         if self.hi == len(self.stage):
             self.stage.extend(bytes(len(self.stage)))  # a request larger than the stage: grow
         try:
-            got = self.sock.recv_into(memoryview(self.stage)[self.hi:])
+            got = self.sock.recv_into(memoryview(self.stage)[self.hi :])
         except (BlockingIOError, InterruptedError):
             return False
         if got == 0:
@@ -168,8 +168,8 @@ class _Connection:
                 self.stage.extend(bytes(need - len(self.stage)))
             return False
         start = self.lo + REQUEST.size
-        table = bytes(self.stage[start:start + table_len])
-        rows = bytes(self.stage[start + table_len:self.lo + need])
+        table = bytes(self.stage[start : start + table_len])
+        rows = bytes(self.stage[start + table_len : self.lo + need])
         self.lo += need
         self._start(Op(op), batch_id, table, n_regions, rows, payload_len)
         return True
@@ -204,7 +204,7 @@ class _Connection:
         while w.todo and self.lo < self.hi:  # bytes that arrived with the header
             dst = w.todo[0]
             take = min(dst.nbytes, self.hi - self.lo)
-            dst[:take] = self.stage[self.lo:self.lo + take]
+            dst[:take] = self.stage[self.lo : self.lo + take]
             self.lo += take
             if take == dst.nbytes:
                 w.todo.pop(0)
@@ -234,7 +234,7 @@ class _Connection:
         while w.drain:
             assert scratch is not None
             try:
-                got = self.sock.recv_into(scratch[:min(w.drain, scratch.nbytes)])
+                got = self.sock.recv_into(scratch[: min(w.drain, scratch.nbytes)])
             except (BlockingIOError, InterruptedError):
                 return False
             if got == 0:

@@ -81,9 +81,7 @@ def _entries_struct(n: int) -> struct.Struct:
     return struct.Struct("<" + "IQQIQ" * n)
 
 
-def encode_request(
-    op: Op, traffic_class: int, batch_id: int, entries: Sequence[TransferEntry], payload_len: int
-) -> bytes:
+def encode_request(op: Op, traffic_class: int, batch_id: int, entries: Sequence[TransferEntry], payload_len: int) -> bytes:
     """Header, region table and entry table of a request (the payload is sent after it).
 
     Raises:

@@ -75,8 +75,9 @@ class TransferEntry:
 
     def pieces(self) -> list[tuple[int, int, int]]:
         """``(local_offset, remote_offset, length)`` of every piece, in order."""
-        return [(self.local_offset + i * self.local_stride, self.remote_offset + i * self.remote_stride, self.length)
-                for i in range(self.count)]
+        return [
+            (self.local_offset + i * self.local_stride, self.remote_offset + i * self.remote_stride, self.length) for i in range(self.count)
+        ]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -53,10 +53,7 @@ def verbs_available(device: str | None = None) -> tuple[bool, str]:
     try:
         from pyverbs.device import get_device_list
     except ImportError as exc:
-        return False, (
-            f"pyverbs is not installed ({exc}); it ships with rdma-core "
-            "(apt install python3-pyverbs), there is no PyPI wheel"
-        )
+        return False, (f"pyverbs is not installed ({exc}); it ships with rdma-core (apt install python3-pyverbs), there is no PyPI wheel")
     try:
         names = [d.name.decode() for d in get_device_list()]
     except Exception as exc:  # noqa: BLE001 - pyverbs raises PyverbsRDMAError when no device node exists
@@ -220,7 +217,12 @@ class VerbsTransport(Transport):
         return {"endpoint": self.endpoint, **link.local_info()}
 
     async def _transfer(
-        self, local: MemoryRegion, entries: Sequence[TransferEntry], cls: TrafficClass, *, read: bool,
+        self,
+        local: MemoryRegion,
+        entries: Sequence[TransferEntry],
+        cls: TrafficClass,
+        *,
+        read: bool,
         links: tuple[EmulatedNic, ...] = (),
     ) -> int:
         """RDMA READ (``read``) or WRITE work requests; see ``Transport.read``/``write``."""
@@ -250,14 +252,10 @@ class VerbsTransport(Transport):
             stuck = {id(i.link): i for i in self._inflight.values() if i.future in futures}
             for item in stuck.values():
                 self._drop_link(item.link, TransferTimeoutError(item.peer, self.timeout_s))
-            raise TransferTimeoutError(
-                ", ".join(sorted({e.remote_region for e in entries})), self.timeout_s
-            ) from None
+            raise TransferTimeoutError(", ".join(sorted({e.remote_region for e in entries})), self.timeout_s) from None
         return total
 
-    def _pieces(
-        self, chunk: list[TransferEntry], base: int, max_msg: int
-    ) -> dict[str, list[tuple[int, int, int, int]]]:
+    def _pieces(self, chunk: list[TransferEntry], base: int, max_msg: int) -> dict[str, list[tuple[int, int, int, int]]]:
         """Group a chunk's entries by remote region id as (local addr, remote addr, rkey,
         length): one work request per piece of a strided entry, cutting pieces longer than
         the port's largest message."""
@@ -289,9 +287,7 @@ class VerbsTransport(Transport):
         link.credits[cls] -= len(part)
         wr_id = next(self._wr_ids)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._inflight[wr_id] = _Inflight(
-            future, link, cls, len(part), self._peer_name(remote), remote.region_id
-        )
+        self._inflight[wr_id] = _Inflight(future, link, cls, len(part), self._peer_name(remote), remote.region_id)
         try:
             link.post(cls, wr_id, opcode, int(mr.lkey), part)
         except Exception as exc:

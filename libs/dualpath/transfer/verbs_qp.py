@@ -137,9 +137,7 @@ class VerbsDevice:
         for idx in range(int(port.gid_tbl_len)):
             try:
                 gid = str(self.ctx.query_gid(self.port_num, idx))
-                v2 = int(self.ctx.query_gid_type(self.port_num, idx)) == int(
-                    self.pv.e.IBV_GID_TYPE_SYSFS_ROCE_V2
-                )
+                v2 = int(self.ctx.query_gid_type(self.port_num, idx)) == int(self.pv.e.IBV_GID_TYPE_SYSFS_ROCE_V2)
             except self.pv.PyverbsError:
                 continue
             if set(gid) <= {"0", ":"}:
@@ -225,9 +223,7 @@ class RcLink:
             hop_limit=64,
             traffic_class=(self.dscp[cls] & 0x3F) << 2,  # DSCP is the top 6 bits of TOS
         )
-        return pv.AHAttr(
-            dlid=int(remote["lid"]), sl=sl, is_global=1, port_num=dev.port_num, gr=route
-        )
+        return pv.AHAttr(dlid=int(remote["lid"]), sl=sl, is_global=1, port_num=dev.port_num, gr=route)
 
     def post(
         self,

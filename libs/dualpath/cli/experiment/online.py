@@ -37,8 +37,9 @@ PAPER = {"ds27b": 1.67, "ds660b": 2.25}  # max APS within SLO, dualpath over bas
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dualpath experiment online", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="dualpath experiment online", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_cluster_arguments(p)
     p.set_defaults(engines_per_node=1)  # one engine per node: the SNIC shrinks to that GPU's share of it
     p.add_argument("--dataset", default="64k", help="32k, 48k, 64k or a trajectory JSONL file")
@@ -47,11 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=40.0, help="modeled seconds of arrivals per run/probe")
     p.add_argument("--turns", type=int, default=3, help="timed turns per agent (after its warm-up turn)")
     p.add_argument("--agents", type=int, default=0, help="agents that may arrive (0: enough for twice the start rate)")
-    p.add_argument("--start-at", type=float, default=0.5,
-                   help="meet every agent this far through its trajectory (0.5: the set's average context)")
+    p.add_argument(
+        "--start-at", type=float, default=0.5, help="meet every agent this far through its trajectory (0.5: the set's average context)"
+    )
     p.add_argument("--slowdown", type=float, default=2.0, help="slow motion: modeled times x, NIC rates /, rates and SLO scaled")
-    p.add_argument("--tool-gap", type=float, default=0.0,
-                   help="modeled mean seconds an agent runs a tool between turns (exponential; 0: back to back)")
+    p.add_argument(
+        "--tool-gap", type=float, default=0.0, help="modeled mean seconds an agent runs a tool between turns (exponential; 0: back to back)"
+    )
     p.add_argument("--sweep", action="store_true", help="find the highest APS meeting the SLO")
     p.add_argument("--sweep-probes", type=int, default=5)
     p.add_argument("--sweep-tolerance", type=float, default=0.15)
@@ -74,12 +77,23 @@ def _point(mode: str, rate: float, report: dict, k: float) -> dict:
     slo = run.get("slo") or {}
     ttft, queue = lat.get("ttft"), lat.get("ttft_queue")
     share = queue["mean"] / ttft["mean"] if ttft and queue and ttft.get("mean") else None
-    return {"mode": mode, "rate": rate, "attainment": slo.get("attainment"), "met": slo.get("met"), "failed_turns": errors,
-            "passed": errors == 0 and bool(slo.get("met")),
-            "turns": (run.get("turns") or {}).get("completed"), "hit_rate": (run.get("cache") or {}).get("hit_rate"),
-            "ttft_p50": _lat(ttft, "p50", k), "ttft_p99": _lat(ttft, "p99", k), "ttft_queue_p50": _lat(queue, "p50", k),
-            "ttft_exec_p50": _lat(lat.get("ttft_exec"), "p50", k), "ttft_queue_share": share,
-            "ttst_p50": _lat(lat.get("ttst"), "p50", k), "tpot_p50": _lat(lat.get("tpot"), "p50", k)}
+    return {
+        "mode": mode,
+        "rate": rate,
+        "attainment": slo.get("attainment"),
+        "met": slo.get("met"),
+        "failed_turns": errors,
+        "passed": errors == 0 and bool(slo.get("met")),
+        "turns": (run.get("turns") or {}).get("completed"),
+        "hit_rate": (run.get("cache") or {}).get("hit_rate"),
+        "ttft_p50": _lat(ttft, "p50", k),
+        "ttft_p99": _lat(ttft, "p99", k),
+        "ttft_queue_p50": _lat(queue, "p50", k),
+        "ttft_exec_p50": _lat(lat.get("ttft_exec"), "p50", k),
+        "ttft_queue_share": share,
+        "ttst_p50": _lat(lat.get("ttst"), "p50", k),
+        "tpot_p50": _lat(lat.get("tpot"), "p50", k),
+    }
 
 
 def _next_rate(points: list[dict], start: float, probes: int, tolerance: float) -> float | None:
@@ -104,16 +118,24 @@ def _probe(spec: TestbedSpec, mode: str, rate: float, index: int, k: float, say)
     say(f"[{mode}] probe {index}: {rate:g} APS (modeled)")
     r = run_mode(probe_spec, mode, say=say)
     point = _point(mode, rate, r.report, k)
-    say(f"[{mode}] {rate:g} APS: {'pass' if point['passed'] else 'fail'} (attainment {point['attainment']}, "
-        f"TTFT p50 {point['ttft_p50']}, hit {point['hit_rate']})")
+    say(
+        f"[{mode}] {rate:g} APS: {'pass' if point['passed'] else 'fail'} (attainment {point['attainment']}, "
+        f"TTFT p50 {point['ttft_p50']}, hit {point['hit_rate']})"
+    )
     return point
 
 
 def format_table(result: dict) -> str:
-    lines = [(f"online {result['target']} {result['topology']} {result['dataset']} (start-at {result['start_at']}): "
-              f"SLO TTFT <= {result['slo_ttft']}s, TPOT <= {result['slo_tpot'] * 1000:.0f}ms; modeled seconds"),
-             (f"{'mode':<9} {'max APS':>8} {'attain':>7} {'hit %':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'queue p50':>9} "
-              f"{'exec p50':>9} {'queue %':>8} {'TTST p50':>9} {'TPOT p50':>9}")]
+    lines = [
+        (
+            f"online {result['target']} {result['topology']} {result['dataset']} (start-at {result['start_at']}): "
+            f"SLO TTFT <= {result['slo_ttft']}s, TPOT <= {result['slo_tpot'] * 1000:.0f}ms; modeled seconds"
+        ),
+        (
+            f"{'mode':<9} {'max APS':>8} {'attain':>7} {'hit %':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'queue p50':>9} "
+            f"{'exec p50':>9} {'queue %':>8} {'TTST p50':>9} {'TPOT p50':>9}"
+        ),
+    ]
     for r in result["modes"].values():
         b = r["best"] or {}
         g = lambda key, b=b: f"{b[key]:.3f}" if b.get(key) is not None else "-"
@@ -121,16 +143,24 @@ def format_table(result: dict) -> str:
         att = f"{b['attainment']:.2f}" if b.get("attainment") is not None else "-"
         hit = f"{100 * b['hit_rate']:.1f}" if b.get("hit_rate") is not None else "-"
         share = f"{100 * b['ttft_queue_share']:.0f}%" if b.get("ttft_queue_share") is not None else "-"
-        lines.append(f"{r['mode']:<9} {aps:>8} {att:>7} {hit:>6} {g('ttft_p50'):>9} {g('ttft_p99'):>9} {g('ttft_queue_p50'):>9} "
-                     f"{g('ttft_exec_p50'):>9} {share:>8} {g('ttst_p50'):>9} {g('tpot_p50'):>9}")
+        lines.append(
+            f"{r['mode']:<9} {aps:>8} {att:>7} {hit:>6} {g('ttft_p50'):>9} {g('ttft_p99'):>9} {g('ttft_queue_p50'):>9} "
+            f"{g('ttft_exec_p50'):>9} {share:>8} {g('ttst_p50'):>9} {g('tpot_p50'):>9}"
+        )
         for p in r["probes"]:
-            lines.append(f"    probe {p['rate']:.3f} APS: {'pass' if p['passed'] else 'fail'}  attainment {p['attainment']}  "
-                         f"TTFT p50 {p['ttft_p50']}  queue share {p['ttft_queue_share']}")
+            lines.append(
+                f"    probe {p['rate']:.3f} APS: {'pass' if p['passed'] else 'fail'}  attainment {p['attainment']}  "
+                f"TTFT p50 {p['ttft_p50']}  queue share {p['ttft_queue_share']}"
+            )
     ratio, paper = result.get("aps_ratio"), result.get("paper")
-    lines.append((f"dualpath/basic max APS: {ratio:.2f}x" if ratio else "dualpath/basic max APS: - (needs --sweep and both modes)")
-                 + (f"  (paper: {paper:.2f}x)" if paper else ""))
-    lines.append("TTFT = queueing (admission -> first prefill batch, incl. KV load wait) + execution (first batch -> first "
-                 "token), as the server reports it; queue % = mean queueing / mean TTFT at the mode's best rate")
+    lines.append(
+        (f"dualpath/basic max APS: {ratio:.2f}x" if ratio else "dualpath/basic max APS: - (needs --sweep and both modes)")
+        + (f"  (paper: {paper:.2f}x)" if paper else "")
+    )
+    lines.append(
+        "TTFT = queueing (admission -> first prefill batch, incl. KV load wait) + execution (first batch -> first "
+        "token), as the server reports it; queue % = mean queueing / mean TTFT at the mode's best rate"
+    )
     return "\n".join(lines)
 
 
@@ -142,14 +172,30 @@ def main(argv: list[str] | None = None) -> int:
     k = ns.slowdown
     if not ns.agents:
         ns.agents = max(8, math.ceil(2 * ns.rate * ns.duration * (2 if ns.sweep else 1)))
-    extra = ("--slo-ttft", str(ns.slo_ttft * k), "--slo-tpot", str(ns.slo_tpot * k), "--start-at", str(ns.start_at),
-             "--tool-gap", str(max(ns.tool_gap, 0.0) * k))
-    prepared = prepare(ns, "dualpath experiment online", online_rate=ns.rate / k, duration=ns.duration * k, slowdown=k,
-                       warmup_turns=1, stream_interval=1, extra_loadgen=extra)
+    extra = (
+        "--slo-ttft",
+        str(ns.slo_ttft * k),
+        "--slo-tpot",
+        str(ns.slo_tpot * k),
+        "--start-at",
+        str(ns.start_at),
+        "--tool-gap",
+        str(max(ns.tool_gap, 0.0) * k),
+    )
+    prepared = prepare(
+        ns,
+        "dualpath experiment online",
+        online_rate=ns.rate / k,
+        duration=ns.duration * k,
+        slowdown=k,
+        warmup_turns=1,
+        stream_interval=1,
+        extra_loadgen=extra,
+    )
     if prepared is None:
         return 2
     spec, modes = prepared
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True))
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)
     rows: dict[str, dict[str, Any]] = {}
     for mode in modes:
         points: list[dict] = []
@@ -159,9 +205,21 @@ def main(argv: list[str] | None = None) -> int:
         best = max(passed, key=lambda p: p["rate"]) if passed else (points[-1] if points else None)
         rows[mode] = {"mode": mode, "max_aps": cast(dict, best)["rate"] if passed and ns.sweep else None, "best": best, "probes": points}
     b, d = rows.get("basic", {}).get("max_aps"), rows.get("dualpath", {}).get("max_aps")
-    result = {"target": ns.target, "topology": ns.topology, "dataset": ns.dataset, "start_at": ns.start_at, "turns": ns.turns,
-              "agents": ns.agents, "duration_s": ns.duration, "slowdown": k, "slo_ttft": ns.slo_ttft, "slo_tpot": ns.slo_tpot,
-              "modes": rows, "aps_ratio": (d / b) if b and d else None, "paper": PAPER.get(ns.target)}
+    result = {
+        "target": ns.target,
+        "topology": ns.topology,
+        "dataset": ns.dataset,
+        "start_at": ns.start_at,
+        "turns": ns.turns,
+        "agents": ns.agents,
+        "duration_s": ns.duration,
+        "slowdown": k,
+        "slo_ttft": ns.slo_ttft,
+        "slo_tpot": ns.slo_tpot,
+        "modes": rows,
+        "aps_ratio": (d / b) if b and d else None,
+        "paper": PAPER.get(ns.target),
+    }
     (spec.out / "result.json").write_text(json.dumps(result, indent=2, default=str))
     print(json.dumps(result, indent=2, default=str) if ns.json else format_table(result))
     return 0

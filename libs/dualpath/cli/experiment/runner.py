@@ -20,6 +20,7 @@ from dualpath.config import EmulationConfig
 
 __all__ = ["ABLATION", "MODES", "Mode", "ModeResult", "TestbedSpec", "add_cluster_arguments", "emulation_config", "prepare", "run_mode"]
 
+
 @dataclass(frozen=True, slots=True)
 class Mode:
     policy: str
@@ -89,9 +90,19 @@ def emulation_config(spec: TestbedSpec, oracle: bool, slowdown: float) -> Emulat
 
 
 def _emulation(spec: TestbedSpec, oracle: bool, slowdown: float) -> EmulationConfig:
-    return EmulationConfig(compute="modeled", target=spec.target, scale=spec.scale, gpus_per_node=spec.gpus_per_node,
-                           engines_per_node=spec.topology.engines_per_node, snic_gbps=spec.snic_gbps, cnic_gbps=spec.cnic_gbps,
-                           oracle=oracle, slowdown=slowdown, model_traffic=spec.model_traffic, nic_classes=spec.nic_classes)
+    return EmulationConfig(
+        compute="modeled",
+        target=spec.target,
+        scale=spec.scale,
+        gpus_per_node=spec.gpus_per_node,
+        engines_per_node=spec.topology.engines_per_node,
+        snic_gbps=spec.snic_gbps,
+        cnic_gbps=spec.cnic_gbps,
+        oracle=oracle,
+        slowdown=slowdown,
+        model_traffic=spec.model_traffic,
+        nic_classes=spec.nic_classes,
+    )
 
 
 def decode_hbm_tokens(target: str, gpu: str = "h800") -> int:
@@ -104,22 +115,56 @@ def decode_hbm_tokens(target: str, gpu: str = "h800") -> int:
 
 def _stack_config(spec: TestbedSpec, m: Mode, emu: EmulationConfig, out: Path) -> StackConfig:
     buffer_mb = max(64, emu.profile().buffer_bytes(spec.topology.engines_per_node) >> 20)
-    return StackConfig(model=spec.model, topology=spec.topology, storage=str(out / "storage"), run_dir=str(out / "run"), port=free_port(),
-                       policy=m.policy, read_path=m.read_path, emulation=emu, buffer_mb=buffer_mb,
-                       prefetch_mb=buffer_mb if m.prefetch else 0,
-                       kv_capacity_tokens=decode_hbm_tokens(spec.target),
-                       # Fewer, larger token events: the 2-core emulation host's CPU goes to the
-                       # modeled cluster, not to per-token messaging (TTFT is unaffected).
-                       extra_env={"DUALPATH_STREAM_INTERVAL": str(spec.stream_interval), "DUALPATH_MAX_RUNNING": "1024",
-                                  "DUALPATH_LAYERWISE": str(m.layerwise).lower(),
-                                  # the emulated SNIC models the write time; local fsyncs would add the host disk's
-                                  "DUALPATH_STORAGE_FSYNC": "false"})
+    return StackConfig(
+        model=spec.model,
+        topology=spec.topology,
+        storage=str(out / "storage"),
+        run_dir=str(out / "run"),
+        port=free_port(),
+        policy=m.policy,
+        read_path=m.read_path,
+        emulation=emu,
+        buffer_mb=buffer_mb,
+        prefetch_mb=buffer_mb if m.prefetch else 0,
+        kv_capacity_tokens=decode_hbm_tokens(spec.target),
+        # Fewer, larger token events: the 2-core emulation host's CPU goes to the
+        # modeled cluster, not to per-token messaging (TTFT is unaffected).
+        extra_env={
+            "DUALPATH_STREAM_INTERVAL": str(spec.stream_interval),
+            "DUALPATH_MAX_RUNNING": "1024",
+            "DUALPATH_LAYERWISE": str(m.layerwise).lower(),
+            # the emulated SNIC models the write time; local fsyncs would add the host disk's
+            "DUALPATH_STORAGE_FSYNC": "false",
+        },
+    )
 
 
 def _loadgen(spec: TestbedSpec, url: str, turns: int, out: Path) -> list[str]:
-    return [sys.executable, "-m", "loadgen.cli", "--url", url, "--dataset", spec.dataset, "--agents", str(spec.agents),
-            "--turns", str(turns), "--tokenizer", spec.model, "--out", str(out), "--progress", "never",
-            "--no-plots", "--seed", str(spec.seed), "--request-timeout", "3600", *spec.extra_loadgen]
+    return [
+        sys.executable,
+        "-m",
+        "loadgen.cli",
+        "--url",
+        url,
+        "--dataset",
+        spec.dataset,
+        "--agents",
+        str(spec.agents),
+        "--turns",
+        str(turns),
+        "--tokenizer",
+        spec.model,
+        "--out",
+        str(out),
+        "--progress",
+        "never",
+        "--no-plots",
+        "--seed",
+        str(spec.seed),
+        "--request-timeout",
+        "3600",
+        *spec.extra_loadgen,
+    ]
 
 
 def _warm_up(spec: TestbedSpec, mode: str, out: Path, say) -> None:
@@ -147,8 +192,20 @@ def _warm_key(spec: TestbedSpec) -> str:
     path loaded them)."""
     import hashlib
 
-    key = json.dumps([spec.model, spec.target, spec.scale, spec.dataset, spec.agents, spec.seed, spec.warmup_turns,
-                      list(spec.extra_loadgen), spec.topology.prefill_nodes, spec.topology.decode_nodes])
+    key = json.dumps(
+        [
+            spec.model,
+            spec.target,
+            spec.scale,
+            spec.dataset,
+            spec.agents,
+            spec.seed,
+            spec.warmup_turns,
+            list(spec.extra_loadgen),
+            spec.topology.prefill_nodes,
+            spec.topology.decode_nodes,
+        ]
+    )
     return hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
 
 
@@ -203,9 +260,17 @@ def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
     failures = max(0, _count_in_log(gateway_log, "kv_lookup_failed") - failed_before)
     if failures:
         say(f"[{mode}] warning: {failures} index lookups timed out (served as full recomputes: fewer hits, a slower run)")
-    return ModeResult(mode=mode, report=report, nodes=sampler.nodes, engines=sampler.engines, wall_s=wall,
-                      loadgen_exit=proc.returncode, snic_rate=emu.profile().snic_bytes_per_s(spec.topology.engines_per_node),
-                      slowdown=spec.slowdown, extra={"kv_lookup_failures": failures})
+    return ModeResult(
+        mode=mode,
+        report=report,
+        nodes=sampler.nodes,
+        engines=sampler.engines,
+        wall_s=wall,
+        loadgen_exit=proc.returncode,
+        snic_rate=emu.profile().snic_bytes_per_s(spec.topology.engines_per_node),
+        slowdown=spec.slowdown,
+        extra={"kv_lookup_failures": failures},
+    )
 
 
 def _count_in_log(path: Path, event: str) -> int:
@@ -221,10 +286,17 @@ def add_cluster_arguments(p) -> None:
     """Flags every testbed experiment shares: the modeled cluster and the emulation scale."""
     p.add_argument("--target", default="ds27b", help="modeled model: ds27b, ds660b, qwen32b, dsv3")
     p.add_argument("--topology", default="1P1D", help="xPyD nodes")
-    p.add_argument("--read-policy", default="", choices=("", "auto", "split"),
-                   help="split: also run mode 'split' (DualPath with each request's hits read by both sides) next to --modes")
-    p.add_argument("--prefetch", action="store_true",
-                   help="also run mode 'prefetch' (DualPath with agent-aware prefetch, a cache as large as the buffer) next to --modes")
+    p.add_argument(
+        "--read-policy",
+        default="",
+        choices=("", "auto", "split"),
+        help="split: also run mode 'split' (DualPath with each request's hits read by both sides) next to --modes",
+    )
+    p.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="also run mode 'prefetch' (DualPath with agent-aware prefetch, a cache as large as the buffer) next to --modes",
+    )
     p.add_argument("--engines-per-node", type=int, default=2, help="engine processes per node (SNIC scaled to match the GPUs)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--scale", type=float, default=1000.0, help="bytes and bandwidths divided by this (times preserved)")
@@ -256,14 +328,33 @@ def prepare(ns, prog: str, **spec_fields) -> tuple[TestbedSpec, list[str]] | Non
         if bad:
             raise ValueError(f"unknown mode(s) {bad}; choose from {sorted(MODES)}")
         _check_load(ns)
-        EmulationConfig(compute="modeled", target=ns.target, scale=ns.scale, gpus_per_node=ns.gpus_per_node,
-                        engines_per_node=ns.engines_per_node, snic_gbps=ns.snic_gbps, cnic_gbps=ns.cnic_gbps).validate()
+        EmulationConfig(
+            compute="modeled",
+            target=ns.target,
+            scale=ns.scale,
+            gpus_per_node=ns.gpus_per_node,
+            engines_per_node=ns.engines_per_node,
+            snic_gbps=ns.snic_gbps,
+            cnic_gbps=ns.cnic_gbps,
+        ).validate()
     except (ValueError, LookupError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return None
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    spec = TestbedSpec(model=ensure_model("", str(out), long_context=True), topology=topology, target=ns.target, scale=ns.scale,
-                       gpus_per_node=ns.gpus_per_node, snic_gbps=ns.snic_gbps, cnic_gbps=ns.cnic_gbps, dataset=ns.dataset,
-                       agents=ns.agents, turns=ns.turns, seed=ns.seed, out=out, **spec_fields)
+    spec = TestbedSpec(
+        model=ensure_model("", str(out), long_context=True),
+        topology=topology,
+        target=ns.target,
+        scale=ns.scale,
+        gpus_per_node=ns.gpus_per_node,
+        snic_gbps=ns.snic_gbps,
+        cnic_gbps=ns.cnic_gbps,
+        dataset=ns.dataset,
+        agents=ns.agents,
+        turns=ns.turns,
+        seed=ns.seed,
+        out=out,
+        **spec_fields,
+    )
     return spec, modes

@@ -31,8 +31,12 @@ import httpx
 
 __all__ = ["main", "run_soak"]
 
-KINDS = {"engine": ("prefill-", "decode-"), "traffic-manager": ("traffic-manager-",), "scheduler": ("scheduler",),
-         "kv-persistence": ("kv-persistence",)}
+KINDS = {
+    "engine": ("prefill-", "decode-"),
+    "traffic-manager": ("traffic-manager-",),
+    "scheduler": ("scheduler",),
+    "kv-persistence": ("kv-persistence",),
+}
 
 
 @dataclass(slots=True)
@@ -125,16 +129,30 @@ def run_soak(ns: argparse.Namespace, say=lambda _m: None) -> dict:
 
     run_dir = ns.run_dir or tempfile.mkdtemp(prefix="dualpath-soak-")
     model = ensure_model("", run_dir)
-    cfg = StackConfig(model=model, topology=parse_topology(ns.topology), storage=os.path.join(run_dir, "storage"), run_dir=run_dir,
-                      port=free_port(), replicas=ns.replicas, nats_cluster=ns.nats_cluster, buffer_mb=64,
-                      extra_env={"DUALPATH_REQUEST_TIMEOUT": str(ns.client_timeout / 2)})
+    cfg = StackConfig(
+        model=model,
+        topology=parse_topology(ns.topology),
+        storage=os.path.join(run_dir, "storage"),
+        run_dir=run_dir,
+        port=free_port(),
+        replicas=ns.replicas,
+        nats_cluster=ns.nats_cluster,
+        buffer_mb=64,
+        extra_env={"DUALPATH_REQUEST_TIMEOUT": str(ns.client_timeout / 2)},
+    )
     stack = Stack(cfg).start(timeout=180, progress=say)
     try:
         with open(os.path.join(model, "config.json")) as f:
             vocab = json.load(f)["vocab_size"]
         name = httpx.get(stack.url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        soak = Soak(url=stack.url, model=name, max_tokens=ns.max_tokens, turns=ns.turns, turn_tokens=ns.turn_tokens,
-                    client_timeout=ns.client_timeout)
+        soak = Soak(
+            url=stack.url,
+            model=name,
+            max_tokens=ns.max_tokens,
+            turns=ns.turns,
+            turn_tokens=ns.turn_tokens,
+            client_timeout=ns.client_timeout,
+        )
         until = soak.t0 + 60 * ns.minutes
         kills: list[dict] = []
         rng = random.Random(ns.seed)
@@ -186,15 +204,30 @@ def _report(ns, soak: Soak, kills: list[dict], mismatched: int, restarts: int) -
     count = {k: sum(o.status == k for o in outs) for k in ("completed", "failed", "lost")}
     windows = [(k["t"], k["t"] + ns.fault_window) for k in kills]
     calm = [o for o in outs if o.status != "lost" and not any(a <= o.started <= b for a, b in windows)]
-    met = [o for o in calm if o.status == "completed" and o.ttft_s is not None and o.ttft_s <= ns.slo_ttft
-           and (o.tpot_s or 0.0) <= ns.slo_tpot]
-    return {"minutes": ns.minutes, "kill_every_s": ns.kill_every, "agents": ns.agents, "topology": ns.topology,
-            "replicas": ns.replicas, "nats_servers": ns.nats_cluster, "kills": kills, "restarts": restarts,
-            "started": len(outs), **count, "mismatched": mismatched,
-            "slo": {"ttft_s": ns.slo_ttft, "tpot_s": ns.slo_tpot, "requests_outside_faults": len(calm),
-                    "attainment_outside_faults": len(met) / len(calm) if calm else None},
-            "errors": _error_counts(outs),
-            "lost_examples": [asdict(o) | {"prompt": len(o.prompt)} for o in outs if o.status == "lost"][:3]}
+    met = [
+        o for o in calm if o.status == "completed" and o.ttft_s is not None and o.ttft_s <= ns.slo_ttft and (o.tpot_s or 0.0) <= ns.slo_tpot
+    ]
+    return {
+        "minutes": ns.minutes,
+        "kill_every_s": ns.kill_every,
+        "agents": ns.agents,
+        "topology": ns.topology,
+        "replicas": ns.replicas,
+        "nats_servers": ns.nats_cluster,
+        "kills": kills,
+        "restarts": restarts,
+        "started": len(outs),
+        **count,
+        "mismatched": mismatched,
+        "slo": {
+            "ttft_s": ns.slo_ttft,
+            "tpot_s": ns.slo_tpot,
+            "requests_outside_faults": len(calm),
+            "attainment_outside_faults": len(met) / len(calm) if calm else None,
+        },
+        "errors": _error_counts(outs),
+        "lost_examples": [asdict(o) | {"prompt": len(o.prompt)} for o in outs if o.status == "lost"][:3],
+    }
 
 
 def _error_counts(outs: list[Outcome]) -> dict[str, int]:
@@ -240,8 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     ns.kinds = [k.strip() for k in ns.kinds.split(",") if k.strip()]
     bad = [k for k in ns.kinds if k not in KINDS]
     if bad or not ns.kinds or ns.minutes <= 0 or ns.kill_every <= 0 or ns.agents < 1 or ns.turns < 1 or ns.max_tokens < 1:
-        print(f"dualpath experiment soak: bad flags ({'unknown kinds ' + ','.join(bad) if bad else 'counts and times must be positive'}; "
-              f"kinds: {', '.join(KINDS)})", file=sys.stderr)
+        print(
+            f"dualpath experiment soak: bad flags ({'unknown kinds ' + ','.join(bad) if bad else 'counts and times must be positive'}; "
+            f"kinds: {', '.join(KINDS)})",
+            file=sys.stderr,
+        )
         return 2
     signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the stack too, as Ctrl-C does
     try:
@@ -252,8 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     if ns.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"soak {report['minutes']} min, {len(report['kills'])} kills ({report['restarts']} restarts): started {report['started']}, "
-              f"completed {report['completed']}, failed {report['failed']}, lost {report['lost']}, mismatched {report['mismatched']} "
-              f"(not answered again: {report['recheck_unanswered']}); "
-              f"SLO attainment outside fault windows {report['slo']['attainment_outside_faults']}")
+        print(
+            f"soak {report['minutes']} min, {len(report['kills'])} kills ({report['restarts']} restarts): started {report['started']}, "
+            f"completed {report['completed']}, failed {report['failed']}, lost {report['lost']}, mismatched {report['mismatched']} "
+            f"(not answered again: {report['recheck_unanswered']}); "
+            f"SLO attainment outside fault windows {report['slo']['attainment_outside_faults']}"
+        )
     return 0 if report["lost"] == 0 and report["mismatched"] == 0 and report["recheck_unanswered"] == 0 else 1

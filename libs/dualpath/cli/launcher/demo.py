@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
 
     model = ensure_model(ns.model, ns.run_dir)
     storage = tempfile.mkdtemp(prefix="dualpath-demo-storage-")
-    cfg = StackConfig(model=model, topology=parse_topology(ns.topology), storage=storage, run_dir=ns.run_dir, port=free_port(),
-                      read_path=ns.read_path)
+    cfg = StackConfig(
+        model=model, topology=parse_topology(ns.topology), storage=storage, run_dir=ns.run_dir, port=free_port(), read_path=ns.read_path
+    )
     print(f"starting a {ns.topology} stack (storage {storage}) ...", flush=True)
     try:
         stack = Stack(cfg).start(progress=lambda msg: print("  " + msg, flush=True))
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         name = client.models.list().data[0].id
         messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": "You are a coding agent working in a repository."}]
         print(f"\n{'turn':>4} {'prompt':>7} {'cached':>7} {'hit %':>6} {'new':>5} {'path':>5} {'seconds':>8}")
-        for i, text in enumerate(TURNS[:ns.turns] * (1 + ns.turns // len(TURNS)), 1):
+        for i, text in enumerate(TURNS[: ns.turns] * (1 + ns.turns // len(TURNS)), 1):
             if i > ns.turns:
                 break
             messages.append({"role": "user", "content": text})
@@ -70,8 +71,11 @@ def main(argv: list[str] | None = None) -> int:
             u = cast("CompletionUsage", r.usage)  # a DualPath server always reports usage and cached tokens
             cached = cast(int, cast("PromptTokensDetails", u.prompt_tokens_details).cached_tokens)
             info = cast("dict[str, Any]", r.model_extra).get("dualpath", {})
-            print(f"{i:>4} {u.prompt_tokens:>7} {cached:>7} {100 * cached / u.prompt_tokens:>5.1f}% {u.completion_tokens:>5} "
-                  f"{info.get('read_path', '?'):>5} {dt:>8.3f}", flush=True)
+            print(
+                f"{i:>4} {u.prompt_tokens:>7} {cached:>7} {100 * cached / u.prompt_tokens:>5.1f}% {u.completion_tokens:>5} "
+                f"{info.get('read_path', '?'):>5} {dt:>8.3f}",
+                flush=True,
+            )
             messages.append({"role": "assistant", "content": r.choices[0].message.content})
     finally:
         stack.stop()

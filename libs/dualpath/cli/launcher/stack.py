@@ -181,20 +181,59 @@ class Stack:
                 args += ["--leader-lease", "true", "--scheduler-id", f"s{i}"]
             self._spawn(replica_name("scheduler", i), "services.scheduler", args)
         for node, _role in c.topology.nodes():
-            self._spawn(f"traffic-manager-{node}", "services.traffic_manager",
-                        ["--node-id", node, "--storage", c.storage, "--buffer-mb", str(c.buffer_mb),
-                         "--prefetch-mb", str(c.prefetch_mb), "--prefetch-ttl-s", str(c.prefetch_ttl_s)])
+            self._spawn(
+                f"traffic-manager-{node}",
+                "services.traffic_manager",
+                [
+                    "--node-id",
+                    node,
+                    "--storage",
+                    c.storage,
+                    "--buffer-mb",
+                    str(c.buffer_mb),
+                    "--prefetch-mb",
+                    str(c.prefetch_mb),
+                    "--prefetch-ttl-s",
+                    str(c.prefetch_ttl_s),
+                ],
+            )
         for engine, node, role in c.topology.engines():
             if role == "prefill":
-                self._spawn(f"prefill-{engine}", "services.prefill_engine",
-                            [*model, "--engine-id", engine, "--node-id", node, "--device", c.device,
-                             *(["--compute-quota-ms", str(c.compute_quota_ms)] if c.compute_quota_ms is not None else [])])
+                self._spawn(
+                    f"prefill-{engine}",
+                    "services.prefill_engine",
+                    [
+                        *model,
+                        "--engine-id",
+                        engine,
+                        "--node-id",
+                        node,
+                        "--device",
+                        c.device,
+                        *(["--compute-quota-ms", str(c.compute_quota_ms)] if c.compute_quota_ms is not None else []),
+                    ],
+                )
             else:
-                self._spawn(f"decode-{engine}", "services.decode_engine",
-                            [*model, "--engine-id", engine, "--node-id", node, "--device", c.device,
-                             "--kv-capacity-tokens", str(c.kv_capacity_tokens)])
-        self._spawn("gateway", "services.gateway", [*model, "--host", c.host, "--port", str(c.port), "--api-key", c.api_key,
-                                                       "--prefix-cache", str(c.prefix_cache).lower()])
+                self._spawn(
+                    f"decode-{engine}",
+                    "services.decode_engine",
+                    [
+                        *model,
+                        "--engine-id",
+                        engine,
+                        "--node-id",
+                        node,
+                        "--device",
+                        c.device,
+                        "--kv-capacity-tokens",
+                        str(c.kv_capacity_tokens),
+                    ],
+                )
+        self._spawn(
+            "gateway",
+            "services.gateway",
+            [*model, "--host", c.host, "--port", str(c.port), "--api-key", c.api_key, "--prefix-cache", str(c.prefix_cache).lower()],
+        )
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -228,8 +267,9 @@ class Stack:
         deaths = [e for e in self.events if e.kind == "exited"]
         if deaths:
             first = deaths[0]
-            raise StackError(f"service {first.name} exited with code {first.code} ({len(deaths)} deaths in all):\n"
-                             f"{self.log_tail(first.name)}")
+            raise StackError(
+                f"service {first.name} exited with code {first.code} ({len(deaths)} deaths in all):\n{self.log_tail(first.name)}"
+            )
         self._check_alive()
 
     def log_tail(self, name: str, lines: int = 15) -> str:

@@ -58,8 +58,17 @@ class SupervisorEvent:
     pid: int | None = None
 
     def to_json(self) -> str:
-        return json.dumps({"event": f"child_{self.kind}", "child": self.name, "ts": self.ts, "code": self.code,
-                           "restarts": self.restarts, "backoff_s": self.backoff_s, "pid": self.pid})
+        return json.dumps(
+            {
+                "event": f"child_{self.kind}",
+                "child": self.name,
+                "ts": self.ts,
+                "code": self.code,
+                "restarts": self.restarts,
+                "backoff_s": self.backoff_s,
+                "pid": self.pid,
+            }
+        )
 
 
 @dataclass(slots=True, kw_only=True)
@@ -127,8 +136,17 @@ class Supervisor:
             child.quick_deaths = 0 if lived >= self.stable_after else child.quick_deaths + 1
             backoff = min(self.max_backoff, self.min_backoff * 2 ** max(0, child.quick_deaths - 1))
             child.restart_at = now + backoff
-            self._emit(SupervisorEvent(kind="exited", name=child.name, ts=time.time(), code=proc.returncode,
-                                       restarts=child.restarts, backoff_s=backoff, pid=proc.pid))
+            self._emit(
+                SupervisorEvent(
+                    kind="exited",
+                    name=child.name,
+                    ts=time.time(),
+                    code=proc.returncode,
+                    restarts=child.restarts,
+                    backoff_s=backoff,
+                    pid=proc.pid,
+                )
+            )
         elif now >= child.restart_at:
             try:
                 child.spawn()
@@ -138,8 +156,11 @@ class Supervisor:
                 print(f"supervisor: cannot start {child.name}: {exc}", flush=True)
                 return
             child.restarts += 1
-            self._emit(SupervisorEvent(kind="restarted", name=child.name, ts=time.time(), restarts=child.restarts,
-                                       pid=child.proc.pid if child.proc else None))
+            self._emit(
+                SupervisorEvent(
+                    kind="restarted", name=child.name, ts=time.time(), restarts=child.restarts, pid=child.proc.pid if child.proc else None
+                )
+            )
 
     def _emit(self, event: SupervisorEvent) -> None:
         self.events.append(event)

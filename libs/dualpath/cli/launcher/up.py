@@ -48,20 +48,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default=".dualpath", help="logs, storage and the tiny model live here")
     p.add_argument("--storage", default="", help="KV storage root (default: <run-dir>/storage); a shared mount at scale")
     p.add_argument("--policy", default=default_of(SchedulerConfig, "policy"), help="dualpath, round_robin, least_tokens, basic")
-    p.add_argument("--read-path", "--read-policy", dest="read_path", default=default_of(SchedulerConfig, "read_path"),
-                   choices=("auto", "pe", "de", "split"),
-                   help="which side reads hit KV: auto (shorter read queue), pe, de, or split (each request's hit blocks "
-                        "divided between both sides' storage NICs, beyond the paper)")
-    p.add_argument("--prefetch", action="store_true",
-                   help="agent-aware prefetch: when a session's answer ends, stage its blocks in its prefill node's "
-                        "DRAM while the agent runs its tool (session from X-Session-ID, the user field or dualpath_session)")
+    p.add_argument(
+        "--read-path",
+        "--read-policy",
+        dest="read_path",
+        default=default_of(SchedulerConfig, "read_path"),
+        choices=("auto", "pe", "de", "split"),
+        help="which side reads hit KV: auto (shorter read queue), pe, de, or split (each request's hit blocks "
+        "divided between both sides' storage NICs, beyond the paper)",
+    )
+    p.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="agent-aware prefetch: when a session's answer ends, stage its blocks in its prefill node's "
+        "DRAM while the agent runs its tool (session from X-Session-ID, the user field or dualpath_session)",
+    )
     p.add_argument("--prefetch-mb", type=int, default=256, help="prefetch cache per node, MiB (with --prefetch)")
-    p.add_argument("--prefetch-ttl", type=float, default=default_of(NodeConfig, "prefetch_ttl_s"),
-                   help="seconds a prefetched block waits for its session's next turn (with --prefetch)")
+    p.add_argument(
+        "--prefetch-ttl",
+        type=float,
+        default=default_of(NodeConfig, "prefetch_ttl_s"),
+        help="seconds a prefetched block waits for its session's next turn (with --prefetch)",
+    )
     p.add_argument("--device", default=default_of(ModelConfigSpec, "device"), help="torch device for engines (cpu, cuda)")
     p.add_argument("--buffer-mb", type=int, default=default_of(NodeConfig, "buffer_mb"), help="DRAM buffer per node, MiB")
-    p.add_argument("--compute-quota-ms", type=float, default=default_of(EngineConfig, "compute_quota_ms"),
-                   help="prefill compute quota per batch, ms (paper §6.2): FIFO packing while the predicted batch time fits")
+    p.add_argument(
+        "--compute-quota-ms",
+        type=float,
+        default=default_of(EngineConfig, "compute_quota_ms"),
+        help="prefill compute quota per batch, ms (paper §6.2): FIFO packing while the predicted batch time fits",
+    )
     p.add_argument("--nats-url", default="", help="use this NATS server instead of an embedded one")
     p.add_argument("--api-key", default="", help="require this bearer token on /v1/*")
     p.add_argument("--replicas", type=int, default=1, help="schedulers and kv-persistence replicas (2+: no single point of failure)")
@@ -69,19 +85,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-restart", action="store_true", help="do not restart services that die (stop the stack instead)")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for every engine")
     t = p.add_argument_group("testbed (emulated cluster hardware, modeled compute)")
-    t.add_argument("--compute", default=default_of(EmulationConfig, "compute"), choices=("torch", "modeled"),
-                   help="real torch model or cost-model time")
+    t.add_argument(
+        "--compute",
+        default=default_of(EmulationConfig, "compute"),
+        choices=("torch", "modeled"),
+        help="real torch model or cost-model time",
+    )
     t.add_argument("--target", default=default_of(EmulationConfig, "target"), help="modeled target: ds27b, ds660b, qwen32b, dsv3")
-    t.add_argument("--scale", type=float, default=default_of(EmulationConfig, "scale"),
-                   help="testbed scale factor (bytes and bandwidths / scale)")
-    t.add_argument("--snic-gbps", type=float, default=default_of(EmulationConfig, "snic_gbps"),
-                   help="emulated storage NIC per node (0 = none; testbed default 400)")
-    t.add_argument("--cnic-gbps", type=float, default=default_of(EmulationConfig, "cnic_gbps"),
-                   help="emulated compute NIC per GPU (0 = none; testbed default 400)")
-    t.add_argument("--gpus-per-node", type=int, default=default_of(EmulationConfig, "gpus_per_node"),
-                   help="emulated GPUs per node (SNIC share per engine)")
-    t.add_argument("--mode", default="", choices=("", "basic", "dualpath", "oracle"),
-                   help="paper modes: basic (PE read path, round robin), dualpath, oracle (no reads or KV transfers)")
+    t.add_argument(
+        "--scale", type=float, default=default_of(EmulationConfig, "scale"), help="testbed scale factor (bytes and bandwidths / scale)"
+    )
+    t.add_argument(
+        "--snic-gbps",
+        type=float,
+        default=default_of(EmulationConfig, "snic_gbps"),
+        help="emulated storage NIC per node (0 = none; testbed default 400)",
+    )
+    t.add_argument(
+        "--cnic-gbps",
+        type=float,
+        default=default_of(EmulationConfig, "cnic_gbps"),
+        help="emulated compute NIC per GPU (0 = none; testbed default 400)",
+    )
+    t.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=default_of(EmulationConfig, "gpus_per_node"),
+        help="emulated GPUs per node (SNIC share per engine)",
+    )
+    t.add_argument(
+        "--mode",
+        default="",
+        choices=("", "basic", "dualpath", "oracle"),
+        help="paper modes: basic (PE read path, round robin), dualpath, oracle (no reads or KV transfers)",
+    )
     return p
 
 
@@ -92,10 +129,16 @@ def emulation_from(ns):
     if ns.compute != "modeled" and not ns.snic_gbps and not ns.cnic_gbps and ns.mode != "oracle":
         return None
     modeled = ns.compute == "modeled"
-    return EmulationConfig(compute=ns.compute, target=ns.target, scale=ns.scale if modeled else 1.0,
-                           gpus_per_node=ns.gpus_per_node, engines_per_node=ns.engines_per_node,
-                           snic_gbps=ns.snic_gbps or (400.0 if modeled else 0.0), cnic_gbps=ns.cnic_gbps or (400.0 if modeled else 0.0),
-                           oracle=ns.mode == "oracle")
+    return EmulationConfig(
+        compute=ns.compute,
+        target=ns.target,
+        scale=ns.scale if modeled else 1.0,
+        gpus_per_node=ns.gpus_per_node,
+        engines_per_node=ns.engines_per_node,
+        snic_gbps=ns.snic_gbps or (400.0 if modeled else 0.0),
+        cnic_gbps=ns.cnic_gbps or (400.0 if modeled else 0.0),
+        oracle=ns.mode == "oracle",
+    )
 
 
 def mode_policy(mode: str, policy: str, read_path: str) -> tuple[str, str]:
@@ -151,11 +194,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dualpath up: {exc}", file=sys.stderr)
         return 2
     policy, read_path = mode_policy(ns.mode, ns.policy, ns.read_path)
-    cfg = StackConfig(model=model, topology=topology, storage=ns.storage or str(Path(ns.run_dir) / "storage"), run_dir=ns.run_dir,
-                      port=ns.port, host=ns.host, policy=policy, read_path=read_path, device=ns.device,
-                      buffer_mb=ns.buffer_mb, compute_quota_ms=ns.compute_quota_ms, nats_url=ns.nats_url, api_key=ns.api_key, emulation=emu,
-                      replicas=ns.replicas, nats_cluster=ns.nats_cluster, supervise=not ns.no_restart,
-                      prefetch_mb=ns.prefetch_mb if ns.prefetch else 0, prefetch_ttl_s=ns.prefetch_ttl)
+    cfg = StackConfig(
+        model=model,
+        topology=topology,
+        storage=ns.storage or str(Path(ns.run_dir) / "storage"),
+        run_dir=ns.run_dir,
+        port=ns.port,
+        host=ns.host,
+        policy=policy,
+        read_path=read_path,
+        device=ns.device,
+        buffer_mb=ns.buffer_mb,
+        compute_quota_ms=ns.compute_quota_ms,
+        nats_url=ns.nats_url,
+        api_key=ns.api_key,
+        emulation=emu,
+        replicas=ns.replicas,
+        nats_cluster=ns.nats_cluster,
+        supervise=not ns.no_restart,
+        prefetch_mb=ns.prefetch_mb if ns.prefetch else 0,
+        prefetch_ttl_s=ns.prefetch_ttl,
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -167,8 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dualpath up: {exc}", file=sys.stderr)
         return 1
     name = Path(model).resolve().name
-    print(f"ready in {time.monotonic() - t0:.1f}s: topology {topology}, model {name!r}, storage {cfg.storage}\n"
-          f"  OpenAI API: {stack.url}/v1  (try: curl {stack.url}/v1/models)\n  Ctrl-C stops everything.", flush=True)
+    print(
+        f"ready in {time.monotonic() - t0:.1f}s: topology {topology}, model {name!r}, storage {cfg.storage}\n"
+        f"  OpenAI API: {stack.url}/v1  (try: curl {stack.url}/v1/models)\n  Ctrl-C stops everything.",
+        flush=True,
+    )
     code = 0
     try:
         while not stop.is_set():
