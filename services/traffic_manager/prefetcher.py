@@ -17,6 +17,7 @@ from dualpath.kv.errors import CorruptBlockError
 from dualpath.node.prefetch import PrefetchCache
 from dualpath.node.storage_io import BlockFormat, StorageIO
 from dualpath.protocol import messages as m
+from dualpath.runtime import wait_any
 from dualpath.telemetry.logs import get_logger
 
 __all__ = ["Prefetcher"]
@@ -44,11 +45,7 @@ class Prefetcher:
         while not stop.is_set():
             if not self._pending:
                 self._wake.clear()
-                waiter = asyncio.ensure_future(self._wake.wait())
-                stopper = asyncio.ensure_future(stop.wait())
-                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
-                stopper.cancel()
+                await wait_any(self._wake, stop)
                 continue
             req = self._pending.popleft()
             try:

@@ -20,6 +20,8 @@ import contextlib
 import dataclasses
 import time
 
+from anyio.abc import TaskGroup
+
 from dualpath.bus import Bus
 from dualpath.bus.client import HandlerError
 from dualpath.config import (
@@ -36,7 +38,7 @@ from dualpath.node.storage_io import BlockFormat
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.protocol.timeouts import TIMEOUTS
-from dualpath.runtime import run_service
+from dualpath.runtime import run_service, start_logged
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.metrics import nic_observations, observe
 from dualpath.telemetry.tracing import get_tracer
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     bus_cfg, cfg, emu = from_args(BusConfig, ns), from_args(NodeConfig, ns), from_args(EmulationConfig, ns)
     subjects = Subjects(bus_cfg.namespace)
 
-    async def serve(bus: Bus, stop: asyncio.Event) -> None:
+    async def serve(bus: Bus, stop: asyncio.Event, tasks: TaskGroup) -> None:
         region = MemoryRegion(f"{bus_cfg.namespace}-{cfg.node_id}-buf", cfg.buffer_mb << 20)
         transport = create_transport(cfg.transport, node_id=cfg.node_id, host=cfg.data_host)
         await transport.start()
@@ -291,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             await bus.serve(subjects.tm(cfg.node_id, topic), handler, msg)
         if tm.prefetcher is not None:
             await bus.serve(subjects.tm(cfg.node_id, "prefetch"), tm.prefetch, m.PrefetchRequest)
-            prefetch_task = asyncio.ensure_future(tm.prefetcher.run(stop))  # ends with stop (cancelled below if not)
+            start_logged(tasks, "prefetch", tm.prefetcher.run, stop)  # in the service's task group; ends with stop
         log.info("traffic_manager_ready", node=cfg.node_id, buffer_mb=cfg.buffer_mb, transport=cfg.transport)
         try:
             while not stop.is_set():
@@ -302,7 +304,6 @@ def main(argv: list[str] | None = None) -> int:
                     pass
         finally:
             if tm.prefetcher is not None:
-                prefetch_task.cancel()
                 log.info("prefetch_stats", node=cfg.node_id, **tm._prefetch_stats())  # the experiments read these
             await transport.close()
             region.close()

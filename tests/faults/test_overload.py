@@ -26,9 +26,9 @@ def test_overload_is_refused_with_429_and_retry_after_and_memory_stays_flat(tiny
     s = start_stack(
         tiny_model, tmp_path / "storage", tmp_path / "run", extra_env={"DUALPATH_MAX_QUEUE": "2", "DUALPATH_REQUEST_TIMEOUT": "60"}
     )
+    http = httpx.Client(base_url=s.url, timeout=70)
     try:
         model = model_of(s)
-        http = httpx.Client(base_url=s.url, timeout=70)
         body = {"model": model, "prompt": "overload " + "the agent keeps calling tools " * 8, "max_tokens": 48, "temperature": 0}
 
         def ask(_i: int) -> tuple[int, str | None]:
@@ -59,4 +59,5 @@ def test_overload_is_refused_with_429_and_retry_after_and_memory_stays_flat(tiny
         for n in rss0:
             assert rss1[n] <= rss0[n] * 1.10 + 4096, (n, rss0[n], rss1[n])  # flat within 10% (+4 MiB of allocator slack)
     finally:
+        http.close()
         s.stop()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import signal
-import time
+import threading
 
 import openai
 import pytest
@@ -29,15 +29,31 @@ def test_requests_survive_an_engine_killed_mid_flight(tiny_model, tmp_path, vict
             r = client.completions.create(model=model, prompt=p, max_tokens=96, temperature=0)
             return r.choices[0].text, r.usage.completion_tokens, r.model_extra["dualpath"]
 
+        decoding = threading.Event()
+
+        def probe(p: str) -> str:
+            """A streamed request: its first token says decode has begun, so the kill lands mid-decode."""
+            parts = []
+            for chunk in client.completions.create(model=model, prompt=p, max_tokens=96, temperature=0, stream=True):
+                for choice in chunk.choices:
+                    parts.append(choice.text)
+                    decoding.set()
+            return "".join(parts)
+
         pid = dict(s.procs)[victim].pid
-        with cf.ThreadPoolExecutor(8) as pool:
+        with cf.ThreadPoolExecutor(9) as pool:
             if victim.startswith("prefill"):
                 os.kill(pid, signal.SIGKILL)  # dead before the scheduler can know: dispatches to it must fail over
+            streamed = pool.submit(probe, prompts[0])
             futures = [pool.submit(ask, p) for p in prompts]
             if victim.startswith("decode"):
-                time.sleep(0.6)  # mid-decode
-                os.kill(pid, signal.SIGKILL)
+                assert decoding.wait(60), "no token was streamed"
+                os.kill(pid, signal.SIGKILL)  # mid-decode: at least the streamed request is still decoding
             results = [f.result(timeout=90) for f in futures]
+            try:  # the streamed client gets its whole answer or an explicit error, never a hang
+                assert streamed.result(timeout=90) == results[0][0]
+            except openai.APIError:
+                pass
         assert all(n == 96 for _, n, _ in results)
         assert "request_retried" in s.log_tail("scheduler", 400)  # work really was re-dispatched
         # the survivors answer the same prompts identically (greedy), so nothing was corrupted

@@ -215,7 +215,7 @@ def test_nats_jaeger_and_the_gateway_have_healthchecks() -> None:
     probe = " ".join(svcs["gateway"]["healthcheck"]["test"])
     port = _env(svcs["gateway"])["DUALPATH_PORT"]
     path = re.search(rf"127\.0\.0\.1:{port}(/\w+)", probe).group(1)
-    assert f'@app.get("{path}")' in (REPO / "services/gateway/app.py").read_text()
+    assert f'@app.get("{path}"' in (REPO / "services/gateway/app.py").read_text()  # a route the gateway serves
 
 
 @pytest.mark.parametrize("path", COMPOSE_FILES, ids=FILE_IDS)

@@ -26,7 +26,7 @@ import httpx
 
 from dualpath.cli.launcher.supervisor import Supervisor, SupervisorEvent
 from dualpath.cli.launcher.topology import Topology
-from dualpath.config import EmulationConfig
+from dualpath.config import EmulationConfig, NodeConfig, default_of
 
 __all__ = ["Stack", "StackConfig", "StackError"]
 
@@ -53,7 +53,7 @@ class StackConfig:
     nats_cluster: int = 1  # local nats-servers: 1, or a JetStream cluster of 3+
     replicas: int = 1  # schedulers (one active) and kv-persistence replicas; 2+ = the redundant form
     supervise: bool = True  # restart children that die once the stack is up
-    buffer_mb: int = 256
+    buffer_mb: int = default_of(NodeConfig, "buffer_mb")  # one source of truth: the node config
     compute_quota_ms: float | None = None  # prefill compute quota per batch; None: the engine's own (env or 300 ms)
     kv_capacity_tokens: int = 65536
     api_key: str = ""
