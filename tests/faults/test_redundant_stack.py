@@ -76,14 +76,17 @@ def test_active_scheduler_killed_with_requests_in_flight_standby_takes_over(stac
         t0 = time.monotonic()
         os.kill(stack.pid(victim), signal.SIGKILL)
         took = wait_until(lambda: any(len(log_events(stack, n, "scheduler_active")) > c for n, c in actives_before.items()), 20)
+        record("scheduler killed (standby takes over)", took, 8.0)
+        # new requests are served by the new leader while the in-flight ones are still settling
+        first_ok = wait_until(lambda: complete(stack, PROMPTS[0], max_tokens=48).text == reference[PROMPTS[0]].text, 30)
+        record("scheduler killed (new requests served)", time.monotonic() - t0, 15.0)
+        assert first_ok < 30
         answers = [f.result(timeout=70) for f in futures]
-    record("scheduler killed (standby takes over)", took, 8.0)
+        # Known gap (issue 15): a request the dying scheduler had accepted but not dispatched is not
+        # resubmitted; its client gets an explicit error at the gateway's request timeout (45 s).
+        record("scheduler killed (every in-flight client answered or failed explicitly)", time.monotonic() - t0, 50.0)
     for p, a in zip(PROMPTS, answers):
         assert a.error or (a.text == reference[p].text and a.tokens == 48), (p, a)
-    # new requests are served by the new leader
-    first_ok = wait_until(lambda: complete(stack, PROMPTS[0], max_tokens=48).text == reference[PROMPTS[0]].text, 30)
-    record("scheduler killed (new requests served)", time.monotonic() - t0, 15.0)
-    assert first_ok < 30
     wait_until(lambda: _whole(stack), 30)
 
 
