@@ -29,6 +29,9 @@ from dualpath.transfer.tcp_wire import (
     encode_request,
     send_buffers,
 )
+from dualpath.transfer.tcp_wire import (
+    advance as _advance,
+)
 from dualpath.transfer.types import TransferEntry
 
 __all__ = ["PeerConnection"]
@@ -239,18 +242,6 @@ def _recv(sock: socket.socket, bufs: list[memoryview]) -> int | None:
     if got == 0:
         raise ConnectionResetError("connection closed by peer")
     return got
-
-
-def _advance(bufs: list[memoryview], n: int) -> None:
-    """Drop ``n`` bytes from the front of ``bufs`` (a scatter list), in place."""
-    while n:
-        size = bufs[0].nbytes
-        if n >= size:
-            n -= size
-            bufs.pop(0)
-        else:
-            bufs[0] = bufs[0][n:]
-            n = 0
 
 
 def _scratch(nbytes: int) -> list[memoryview]:

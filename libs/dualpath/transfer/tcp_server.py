@@ -39,6 +39,9 @@ from dualpath.transfer.tcp_wire import (
     Status,
     encode_error,
 )
+from dualpath.transfer.tcp_wire import (
+    advance as _advance,
+)
 
 __all__ = ["serve_connection"]
 
@@ -291,18 +294,6 @@ class _Connection:
         for view in views:
             view.release()
         views.clear()
-
-
-def _advance(bufs: list[memoryview], n: int) -> None:
-    """Drop ``n`` bytes from the front of ``bufs`` (a scatter/gather list), in place."""
-    while n:
-        size = bufs[0].nbytes
-        if n >= size:
-            n -= size
-            bufs.pop(0)
-        else:
-            bufs[0] = bufs[0][n:]
-            n = 0
 
 
 def _resolve(

@@ -34,6 +34,7 @@ from dualpath.transfer.errors import OutOfBoundsError, TransferError, UnknownReg
 from dualpath.transfer.types import TransferEntry
 
 __all__ = [
+    "advance",
     "ENTRY",
     "IOV_MAX",
     "MAX_ENTRIES",
@@ -230,3 +231,15 @@ async def recv_exactly(sock: socket.socket, nbytes: int) -> bytearray:
     if nbytes:
         await recv_into(sock, [memoryview(out)])
     return out
+
+
+def advance(bufs: list[memoryview], n: int) -> None:
+    """Drop ``n`` bytes from the front of ``bufs`` (a scatter/gather list), in place."""
+    while n:
+        size = bufs[0].nbytes
+        if n >= size:
+            n -= size
+            bufs.pop(0)
+        else:
+            bufs[0] = bufs[0][n:]
+            n = 0
