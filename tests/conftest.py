@@ -48,3 +48,58 @@ def start_stack(model: Path, storage: Path, run_dir: Path, *, topology: str = "1
         **kw,
     )
     return Stack(cfg).start(timeout=float(os.environ.get("DUALPATH_TEST_READY_TIMEOUT", "120")))
+
+
+def converse(
+    url: str,
+    model: str,
+    turns: list[str],
+    *,
+    max_tokens: int,
+    read_path: str = "auto",
+    gap_s: float = 0.0,
+    headers: dict[str, str] | None = None,
+) -> list[dict]:
+    """One greedy multi-turn conversation through the OpenAI client, with logprobs.
+
+    Each turn appends the user text, then the served answer. ``gap_s`` is the agent's tool
+    call time between turns. Per turn: text, logprobs, cached tokens, and the response's
+    ``dualpath`` extension (read path, read split).
+    """
+    import time
+
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    messages, out = [{"role": "system", "content": "You are an agent."}], []
+    try:
+        for i, text in enumerate(turns):
+            if i and gap_s:
+                time.sleep(gap_s)
+            messages.append({"role": "user", "content": text})
+            r = client.chat.completions.create(
+                model=model,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=max_tokens,
+                temperature=0,
+                logprobs=True,
+                extra_body={"dualpath_read_path": read_path},
+                extra_headers=headers or {},
+            )
+            c = r.choices[0]
+            record = (r.model_extra or {}).get("dualpath", {})
+            assert c.logprobs is not None and c.logprobs.content is not None and r.usage is not None
+            details = r.usage.prompt_tokens_details
+            out.append(
+                {
+                    "text": c.message.content,
+                    "logprobs": [t.logprob for t in c.logprobs.content],
+                    "cached": details.cached_tokens if details else 0,
+                    "path": record.get("read_path"),
+                    "split": record.get("read_split"),
+                }
+            )
+            messages.append({"role": "assistant", "content": c.message.content or ""})
+    finally:
+        client.close()
+    return out

@@ -5,12 +5,10 @@ of the same conversation without prefetch (PE and DE read paths alike read the c
 from __future__ import annotations
 
 import asyncio
-import time
 
 import nats
-import openai
 import pytest
-from conftest import start_stack
+from conftest import converse, start_stack
 
 from dualpath.model import make_tiny_model
 from dualpath.protocol.codec import decode
@@ -25,34 +23,6 @@ TURNS = [
 ]
 MAX_TOKENS = 16
 TOOL_GAP_S = 1.5  # the agent "runs a tool": the prefetch has time to stage the blocks
-
-
-def converse(url: str, model: str, read_path: str) -> list[dict]:
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
-    messages, out = [{"role": "system", "content": "You are an agent."}], []
-    for i, text in enumerate(TURNS):
-        if i:
-            time.sleep(TOOL_GAP_S)
-        messages.append({"role": "user", "content": text})
-        r = client.chat.completions.create(
-            model=model,
-            messages=messages,
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-            logprobs=True,
-            extra_body={"dualpath_read_path": read_path},
-            extra_headers={"X-Session-ID": "agent-7"},
-        )
-        c = r.choices[0]
-        out.append(
-            {
-                "text": c.message.content,
-                "logprobs": [t.logprob for t in c.logprobs.content],
-                "cached": r.usage.prompt_tokens_details.cached_tokens,
-            }
-        )
-        messages.append({"role": "assistant", "content": c.message.content})
-    return out
 
 
 def prefetch_counters(nats_url: str, namespace: str) -> dict[str, dict]:
@@ -82,7 +52,9 @@ def test_prefetch_keeps_tokens_and_logprobs_and_serves_the_next_turn(tmp_path, r
     for label, mb in (("off", 0), ("on", 16)):
         s = start_stack(model_dir, tmp_path / label / "storage", tmp_path / label / "run", prefetch_mb=mb)
         try:
-            runs[label] = converse(s.url, name, read_path)
+            runs[label] = converse(
+                s.url, name, TURNS, max_tokens=MAX_TOKENS, read_path=read_path, gap_s=TOOL_GAP_S, headers={"X-Session-ID": "agent-7"}
+            )
             counters[label] = prefetch_counters(s.nats_url, s.namespace)
         finally:
             s.stop()

@@ -8,10 +8,9 @@ full recompute by the reference forward (no cache), logprobs within 1e-3.
 
 from __future__ import annotations
 
-import openai
 import pytest
 import torch
-from conftest import start_stack
+from conftest import converse, start_stack
 
 from dualpath.model import Decoder, Tokenizer, make_tiny_model
 
@@ -23,32 +22,6 @@ TURNS = [
     "Tool result: after the fix 12 passed. Write the commit message.",
 ]
 MAX_TOKENS = 24
-
-
-def converse(url: str, model: str, read_path: str) -> list[dict]:
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
-    messages, out = [{"role": "system", "content": "You are an agent."}], []
-    for text in TURNS:
-        messages.append({"role": "user", "content": text})
-        r = client.chat.completions.create(
-            model=model,
-            messages=messages,
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-            logprobs=True,
-            extra_body={"dualpath_read_path": read_path},
-        )
-        c = r.choices[0]
-        out.append(
-            {
-                "text": c.message.content,
-                "logprobs": [t.logprob for t in c.logprobs.content],
-                "cached": r.usage.prompt_tokens_details.cached_tokens,
-                "path": r.model_extra["dualpath"]["read_path"],
-            }
-        )
-        messages.append({"role": "assistant", "content": c.message.content})
-    return out
 
 
 def reference(model_dir, turns: list[dict]) -> list[tuple[str, list[float]]]:
@@ -82,7 +55,7 @@ def test_pe_and_de_read_paths_are_bitwise_equal_and_match_a_full_recompute(tmp_p
     for path in ("pe", "de"):
         s = start_stack(model_dir, tmp_path / path / "storage", tmp_path / path / "run")
         try:
-            runs[path] = converse(s.url, name, path)
+            runs[path] = converse(s.url, name, TURNS, max_tokens=MAX_TOKENS, read_path=path)
         finally:
             s.stop()
     pe, de = runs["pe"], runs["de"]

@@ -9,9 +9,8 @@ blocks on both sides).
 
 from __future__ import annotations
 
-import openai
 import pytest
-from conftest import start_stack
+from conftest import converse, start_stack
 
 from dualpath.model import make_tiny_model
 
@@ -25,33 +24,6 @@ TURNS = [
 MAX_TOKENS = 16
 
 
-def converse(url: str, model: str, read_path: str) -> list[dict]:
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
-    messages, out = [{"role": "system", "content": "You are an agent."}], []
-    for text in TURNS:
-        messages.append({"role": "user", "content": text})
-        r = client.chat.completions.create(
-            model=model,
-            messages=messages,
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-            logprobs=True,
-            extra_body={"dualpath_read_path": read_path},
-        )
-        c = r.choices[0]
-        record = r.model_extra["dualpath"]
-        out.append(
-            {
-                "text": c.message.content,
-                "logprobs": [t.logprob for t in c.logprobs.content],
-                "cached": r.usage.prompt_tokens_details.cached_tokens,
-                "split": record.get("read_split"),
-            }
-        )
-        messages.append({"role": "assistant", "content": c.message.content})
-    return out
-
-
 def test_split_reads_give_the_tokens_and_logprobs_of_either_read_path(tmp_path):
     model_dir = make_tiny_model(tmp_path / "model", layers=3, hidden=96, heads=6, kv_heads=2, vocab=400, seed=3)
     name = model_dir.resolve().name
@@ -59,7 +31,7 @@ def test_split_reads_give_the_tokens_and_logprobs_of_either_read_path(tmp_path):
     for label, stack_path, request_path in (("pe", "auto", "pe"), ("de", "auto", "de"), ("split", "split", "auto")):
         s = start_stack(model_dir, tmp_path / label / "storage", tmp_path / label / "run", read_path=stack_path)
         try:
-            runs[label] = converse(s.url, name, request_path)
+            runs[label] = converse(s.url, name, TURNS, max_tokens=MAX_TOKENS, read_path=request_path)
         finally:
             s.stop()
     pe, de, split = runs["pe"], runs["de"], runs["split"]
