@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 
 __all__ = ["ModeledDecoder"]
 
+_MAX_DEBT_S = 0.02  # host seconds of lateness a decoder pays back at most (see ``_sleep``)
+_MAX_LATE_S = 0.002  # the earliest a sleep aims before its deadline
+_LATE_GAIN = 0.1  # weight of the newest sample in the running mean of time.sleep's lateness
+
 
 class _ModeledConfig:
     """The slice of ``ModelConfig`` the engines read."""
@@ -63,20 +67,34 @@ class ModeledDecoder:
         self.attention_s = 0.0  # modeled attention time (load-balance figure)
         self.compute_charged_s = 0.0  # cost-model compute seconds charged (no slow motion, no communication waits)
         self.traffic: ModelTraffic | None = None  # testbed.collectives.ModelTraffic of a MoE target (set by attach_model_traffic)
+        self._debt = 0.0  # host seconds the modeled schedule is behind (paid back by the next sleeps)
+        self._late = 0.0  # running mean of how late time.sleep wakes (slept that much earlier)
 
     @property
     def overhead_s(self) -> float:
         return max(0.0, self.busy_s - self.modeled_s)
 
     def _sleep(self, seconds: float, t0: float) -> float:
-        """Sleep until ``t0 + seconds * slowdown``; returns the host seconds asked for."""
+        """Sleep until ``t0 + seconds * slowdown``; returns the host seconds asked for.
+
+        Never spins (a spin steals a core from the other services of a small host): it sleeps
+        to just before the deadline, by ``time.sleep``'s usual lateness (a running mean), and
+        carries what it still missed (lateness, or work that outran the step) as a debt that the
+        next calls' deadlines pay back; so single steps jitter by a sleep's granularity but the
+        modeled GPU's average rate is exact. The debt is bounded (``_MAX_DEBT_S``): a host stall
+        of seconds is not paid back as a burst of zero-time steps.
+        """
         seconds *= self.slowdown
         deadline = t0 + seconds
-        while True:
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                break
-            time.sleep(left if left > 0.002 else 0)
+        left = deadline - self._debt - self._late - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+            woke = time.perf_counter()
+            lateness = woke - (deadline - self._debt - self._late)
+            self._late = min(_MAX_LATE_S, max(0.0, self._late + _LATE_GAIN * (lateness - self._late)))
+        else:
+            woke = time.perf_counter()
+        self._debt = min(_MAX_DEBT_S, max(-_MAX_DEBT_S, self._debt + woke - deadline))
         return seconds
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dualpath.cli.experiment.runner import ModeResult
 from dualpath.policy import max_over_avg
 
-__all__ = ["mode_figures", "snic_series"]
+__all__ = ["cpu_groups", "mode_figures", "snic_series"]
 
 
 def snic_series(samples: list[tuple[float, int, int]], rate: float) -> list[tuple[float, float]]:
@@ -52,4 +52,20 @@ def mode_figures(r: ModeResult) -> dict:
         "prefill_modeled_s": sum(s.get("modeled_s", 0.0) for s in prefill.values()) / r.slowdown,
         "loadgen_exit": r.loadgen_exit,
         "kv_lookup_failures": r.extra.get("kv_lookup_failures", 0),  # hits lost to index lookup timeouts
+        "host_cpu_s": cpu_groups(r.extra.get("cpu_s") or {}),
+        "host_cpu_per_host_s": sum((r.extra.get("cpu_s") or {}).values()) / jct if jct else None,  # cores busy on average
+        "loadavg": r.extra.get("loadavg"),
     }
+
+
+_GROUPS = (("prefill-", "PE"), ("decode-", "DE"), ("traffic-manager-", "TM"), ("loadgen", "loadgen"))
+
+
+def cpu_groups(cpu_s: dict[str, float]) -> dict[str, float]:
+    """Host CPU seconds of a run per kind of process: PE, DE, TM, loadgen, rest (gateway,
+    scheduler, index, NATS)."""
+    out = {"PE": 0.0, "DE": 0.0, "TM": 0.0, "loadgen": 0.0, "rest": 0.0}
+    for name, s in cpu_s.items():
+        group = next((g for prefix, g in _GROUPS if name.startswith(prefix)), "rest")
+        out[group] += s
+    return out

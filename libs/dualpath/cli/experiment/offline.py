@@ -93,6 +93,16 @@ def format_table(result: dict) -> str:
             f"{r['mode']:<9} {r['jct_s']:>8.1f} {hit:>6} {util:<28} {f(r['snic_bytes_max_over_avg']):>12} "
             f"{f(r['attention_max_over_avg']):>12} {f(r['overhead_share']['mean']):>9}"
         )
+    cpu = [r for r in rows.values() if r.get("host_cpu_s")]
+    if cpu:
+        lines.append("host CPU s during the timed run (PE/DE/TM/loadgen/rest), cores busy on average, load average at the end:")
+        for r in cpu:
+            g = r["host_cpu_s"]
+            load = " ".join(f"{x:.1f}" for x in r["loadavg"] or ())
+            lines.append(
+                f"  {r['mode']:<11} {g['PE']:.0f}/{g['DE']:.0f}/{g['TM']:.0f}/{g['loadgen']:.0f}/{g['rest']:.0f} s  "
+                f"{r['host_cpu_per_host_s']:.2f} cores  load {load}"
+            )
     ratios = result["ratios"]
     for k in ("basic/dualpath", "dualpath/oracle"):
         v = ratios.get(k)

@@ -4,6 +4,8 @@ the cluster figures sampled meanwhile."""
 from __future__ import annotations
 
 import json
+import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -18,7 +20,18 @@ from dualpath.cli.launcher.topology import Topology, parse_topology
 from dualpath.cli.launcher.up import ensure_model
 from dualpath.config import EmulationConfig
 
-__all__ = ["ABLATION", "MODES", "Mode", "ModeResult", "TestbedSpec", "add_cluster_arguments", "emulation_config", "prepare", "run_mode"]
+__all__ = [
+    "ABLATION",
+    "MODES",
+    "Mode",
+    "ModeResult",
+    "TestbedSpec",
+    "add_cluster_arguments",
+    "emulation_config",
+    "prepare",
+    "run_mode",
+    "stack_cpu_seconds",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,9 +259,12 @@ def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
         how = " (all at once)" if offline else f" at {spec.online_rate} APS"
         say(f"[{mode}] {spec.agents} agents x {spec.turns} turns of the {spec.dataset} set{how}")
         sampler.reset_clock()
+        cpu0, lg0 = stack_cpu_seconds(stack), _children_cpu_s()
         t0 = time.monotonic()
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         wall = time.monotonic() - t0
+        cpu = {name: max(0.0, s - cpu0.get(name, 0.0)) for name, s in stack_cpu_seconds(stack).items()}
+        cpu["loadgen"] = _children_cpu_s() - lg0
         time.sleep(2 * 0.2 + 0.1)  # one more round of reports
     finally:
         sampler.stop()
@@ -269,8 +285,29 @@ def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
         loadgen_exit=proc.returncode,
         snic_rate=emu.profile().snic_bytes_per_s(spec.topology.engines_per_node),
         slowdown=spec.slowdown,
-        extra={"kv_lookup_failures": failures},
+        extra={"kv_lookup_failures": failures, "cpu_s": cpu, "loadavg": os.getloadavg()},
     )
+
+
+def stack_cpu_seconds(stack: Stack) -> dict[str, float]:
+    """Host CPU seconds (user + system, all threads) each of the stack's processes used so far
+    (Linux ``/proc``; empty elsewhere): where the emulation host's cores go."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    for name, proc in stack.procs:
+        try:
+            stat = Path(f"/proc/{proc.pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is fields[0]
+        out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's finished children (the load generator, once waited for)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def _count_in_log(path: Path, event: str) -> int:
