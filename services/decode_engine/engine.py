@@ -391,6 +391,7 @@ class DecodeEngine:
                 logprobs=lps,
                 top_logprobs=tops,
                 ts=time.time(),
+                attempt=r.task.attempt,
             ),
         )
 
@@ -430,6 +431,7 @@ class DecodeEngine:
                 cached_tokens=t.cached_blocks * lay.block_tokens,
                 info=info,
                 ts=time.time(),
+                attempt=t.attempt,
             ),
         )
         self.finished.append(t.request_id)

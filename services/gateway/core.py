@@ -6,9 +6,13 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import anyio
+from anyio.abc import TaskGroup
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.kv import KV_DEL, KV_PURGE
 from opentelemetry import trace
 
 from dualpath.bus import Bus, BusTimeoutError
@@ -16,6 +20,7 @@ from dualpath.chat.errors import ChatError
 from dualpath.chat.plan import plan_chat
 from dualpath.chat.tools import ToolFormat, format_for_template, tool_format
 from dualpath.config import BusConfig, GatewayConfig, ModelConfigSpec
+from dualpath.ha.lease import KEY as LEASE_KEY
 from dualpath.kv import block_hashes, model_digest
 from dualpath.model import ModelConfig, Tokenizer
 from dualpath.protocol import RemoteError
@@ -28,13 +33,14 @@ from dualpath.telemetry.tracing import carrier, flush_tracing, get_tracer
 from services.gateway.api_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.detok import Detokenizer
 from services.gateway.observe import RequestTelemetry
-from services.gateway.streams import StreamOverflowError, TokenStreams
+from services.gateway.streams import Restarted, StreamOverflowError, TokenStreams, stream_key
 
 __all__ = ["ApiError", "Gateway", "Prepared", "StreamPart"]
 
 log = get_logger("gateway")
 tracer = get_tracer("dualpath.gateway")
 _FAILOVER_S = 6.0  # a standby scheduler takes over within its lease TTL (3 s) plus its poll (dualpath.ha.lease)
+_LEASE_TTL_S = 3.0  # the lease's default TTL, when its bucket does not say
 _READ_PATHS = {"auto": m.ReadPath.AUTO, "pe": m.ReadPath.PE, "de": m.ReadPath.DE}
 
 
@@ -111,12 +117,18 @@ class Gateway:
         self.streams = TokenStreams()
         self.telemetry = RequestTelemetry()
         self.bus: Bus | None = None
+        self._tasks: TaskGroup | None = None
+        self._submitted: dict[str, m.SubmitRequest] = {}  # admitted and not finished: resubmitted after a failover
 
     @asynccontextmanager
     async def lifespan(self, _app):
-        async with Bus.open(self.bus_cfg.urls(), f"gateway-{self.cfg.gateway_id}", **self.bus_cfg.connect_options()) as bus:
-            self.bus = bus
+        async with (
+            Bus.open(self.bus_cfg.urls(), f"gateway-{self.cfg.gateway_id}", **self.bus_cfg.connect_options()) as bus,
+            anyio.create_task_group() as tasks,
+        ):
+            self.bus, self._tasks = bus, tasks
             await bus.subscribe_raw(self.subjects.tokens_wildcard(self.cfg.gateway_id), self.streams.on_message)
+            tasks.start_soon(self._watch_leader, bus)
             try:  # the grammar vocabulary (~1 s per 100K tokens), built now rather than in the first structured request
                 await asyncio.to_thread(vocabulary, self.model_dir, self.model_config.vocab_size)
             except Exception as exc:  # noqa: BLE001 - structured outputs then fail per request with a clear error
@@ -125,6 +137,7 @@ class Gateway:
             try:
                 yield
             finally:
+                tasks.cancel_scope.cancel()
                 # uvicorn re-raises SIGTERM once shut down, ending the process before main's
                 # shutdown_tracing: the last requests' spans must be out by now.
                 flush_tracing()
@@ -315,7 +328,7 @@ class Gateway:
             hit = min(hit, (len(prep.prompt_tokens) - 1) // self.block_tokens)
             if span.is_recording():
                 span.set_attributes({"blocks": len(hashes), "hit_blocks": hit})
-            self.streams.open(rid)
+            self.streams.open(rid, restartable=not prep.stream)  # nothing is shown before the end: a new run may start over
             req = m.SubmitRequest(
                 request_id=rid,
                 model=self.model_name,
@@ -331,16 +344,23 @@ class Gateway:
                 trace=carrier(root),
                 session=prep.session,
             )
+            self._submitted[rid] = req  # from now on a scheduler failover resubmits it (``_watch_leader``)
             try:
                 await self._submit(req)
             except BusTimeoutError as exc:
-                self.streams.close(rid)
+                self._forget(rid)
                 raise ApiError(503, f"no scheduler available: {exc}", etype="server_error") from None
             except RemoteError as exc:
-                self.streams.close(rid)
-                if exc.code in (400, 409):  # the scheduler refused this request (empty, too large, duplicate id)
+                if exc.code == 409:  # ids are unique: a resubmission after a failover got there first
+                    return
+                self._forget(rid)
+                if exc.code == 400:  # the scheduler refused this request (empty, larger than any decode engine)
                     raise ApiError(exc.code, exc.message) from None
                 raise ApiError(429 if exc.code == 429 else 503, exc.message, etype="server_error") from None
+
+    def _forget(self, rid: str) -> None:
+        self._submitted.pop(rid, None)
+        self.streams.close(rid)
 
     async def _submit(self, req: m.SubmitRequest) -> None:
         """Submit, waiting out a scheduler failover: while no scheduler listens (the active one died
@@ -356,13 +376,77 @@ class Gateway:
                     raise
             await asyncio.sleep(0.2)
 
+    # ---- scheduler failover -----------------------------------------------------------------
+    async def _watch_leader(self, bus: Bus) -> None:
+        """Watch the schedulers' leader lease (``dualpath.ha.lease``); when leadership moved
+        (another holder, or the key was deleted or left to expire in between), resubmit every
+        request of this gateway that no run has started yet: the new leader's state is rebuilt
+        from reports and never held them. A resubmission of a request the active scheduler does
+        know is refused (409, nothing runs twice), so a false alarm costs one message per request.
+        Without a lease bucket (a single scheduler) this waits for one to appear."""
+        known, vacant, last_put = "", False, 0.0
+        while True:
+            try:
+                kv = await bus.nc.jetstream().key_value(self.subjects.sched_leader)
+                ttl = float((await kv.status()).ttl or _LEASE_TTL_S)
+                watcher = await kv.watch(LEASE_KEY)
+            except Exception as exc:  # noqa: BLE001 - no lease bucket (yet), JetStream off or restarting
+                log.debug("leader_watch_unavailable", error=str(exc))
+                await asyncio.sleep(2.0)
+                continue
+            try:
+                while True:
+                    try:  # the holder renews every ttl/3: silence this long means the watch broke
+                        e = await watcher.updates(timeout=3 * ttl)
+                    except NatsTimeoutError:
+                        break
+                    if e is None:
+                        continue  # "all history delivered" marker
+                    if e.operation in (KV_DEL, KV_PURGE):
+                        vacant = True
+                        continue
+                    holder, now = bytes(e.value or b"").decode(errors="replace"), time.monotonic()
+                    if known and (holder != known or vacant or now - last_put > ttl):
+                        log.warning("scheduler_leader_changed", previous=known, holder=holder)
+                        self._resubmit_unstarted()
+                    known, vacant, last_put = holder, False, now
+            finally:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await watcher.stop()
+                    except Exception:  # noqa: BLE001 - the connection may be gone
+                        pass
+
+    def _resubmit_unstarted(self) -> None:
+        assert self._tasks is not None  # only the leader watch (in the lifespan's task group) calls this
+        for rid, req in list(self._submitted.items()):
+            if not self.streams.started(rid):
+                self._tasks.start_soon(self._resubmit, rid, req)
+
+    async def _resubmit(self, rid: str, req: m.SubmitRequest) -> None:
+        """Submit ``rid`` again under a new reply subject (its runs are told apart by it)."""
+        n = self.streams.next_submission(rid)
+        if not n:
+            return  # finished meanwhile
+        again = replace(req, reply_subject=self.subjects.tokens(self.cfg.gateway_id, stream_key(rid, n)))
+        try:
+            await self._submit(again)
+        except RemoteError as exc:
+            if exc.code != 409:  # 409: the active scheduler has it already
+                self.streams.fail(rid, f"resubmission after a scheduler failover refused: {exc.message}", 429 if exc.code == 429 else 503)
+            return
+        except BusTimeoutError as exc:
+            self.streams.fail(rid, f"no scheduler available after a failover: {exc}", 503)
+            return
+        log.warning("request_resubmitted", request_id=rid, submission=n)
+
     async def cancel(self, rid: str, reason: str) -> None:
         if self.bus is not None:
             await self.bus.publish(self.subjects.cancel, m.CancelRequest(request_id=rid, reason=reason))
 
     def finish(self, rid: str) -> None:
         """The answer went out (or the client left): close the stream and the request's span."""
-        self.streams.close(rid)
+        self._forget(rid)
         self.telemetry.end(rid)
 
     async def cluster_state(self) -> m.StateReply | None:
@@ -378,6 +462,9 @@ class Gateway:
         res = Result()
         try:
             async for ev in self.streams.events(rid, self.cfg.request_timeout):
+                if isinstance(ev, Restarted):  # a new run of a non-streamed request: its answer starts over
+                    detok, res = Detokenizer(self.tokenizer, prep.stops), Result()
+                    continue
                 self.telemetry.on_event(rid, ev)
                 if ev.error:
                     res.finish_reason = "error"

@@ -9,7 +9,8 @@ Life of a task here:
    block-aligned chunk), *run* (``run_prefill`` over a ``BatchLayerIO``: layer-wise fetch /
    compute / store), *process result* (chunks become cached KV; finished prompts hand off);
 3. when a prompt is done: sample the first token, stream it, send ``DecodeTask`` to the DE.
-A failure fails only the tasks involved: ``TaskFailed`` lets the scheduler retry them.
+A failure fails only the tasks involved: ``TaskFailed`` lets the scheduler retry them (a
+batch that raises fails its tasks; sampling or handing off one request fails that one alone).
 
 The quota is checked against a predicted batch time (``dualpath.engine.profile``): the
 cost model on the modeled backend (exactly what ``ModeledDecoder`` then charges), a profile
@@ -364,7 +365,10 @@ class PrefillEngine:
                 self.batcher.remove(it.request_id)
                 await self._drop(job)
             elif logits is not None:
-                await self._handoff(job, logits)
+                try:
+                    await self._handoff(job, logits)
+                except Exception as exc:  # noqa: BLE001 - one request's bad sampling fails that request, not its batch
+                    await self._fail(job, f"first token failed: {type(exc).__name__}: {exc}")
 
     def _trace_batch(self, span, io: BatchLayerIO, result, actual_s: float) -> None:
         """The batch's figures and its layer spans; ``layer_trace_s`` is what the layer spans cost."""
@@ -402,7 +406,13 @@ class PrefillEngine:
             await self.bus.publish(
                 t.reply_subject,
                 m.TokenEvent(
-                    request_id=t.request_id, index=0, token_ids=[tok.token_id], logprobs=[tok.logprob], top_logprobs=[top], ts=time.time()
+                    request_id=t.request_id,
+                    index=0,
+                    token_ids=[tok.token_id],
+                    logprobs=[tok.logprob],
+                    top_logprobs=[top],
+                    ts=time.time(),
+                    attempt=t.attempt,
                 ),
             )
             task = m.DecodeTask(

@@ -50,22 +50,17 @@ def test_requests_survive_an_engine_killed_mid_flight(tiny_model, tmp_path, vict
                 assert decoding.wait(60), "no token was streamed"
                 os.kill(pid, signal.SIGKILL)  # mid-decode: at least the streamed request is still decoding
             results = [f.result(timeout=90) for f in futures]
-            try:  # the streamed client gets an answer or an explicit error, never a hang
-                streamed_text: str | None = streamed.result(timeout=90)
-            except openai.APIError:
-                streamed_text = None
+            streamed_text = streamed.result(timeout=90)  # an answer, never a hang (an explicit error raises here)
         assert all(n == 96 for _, n, _ in results)
         assert "request_retried" in s.log_tail("scheduler", 400)  # work really was re-dispatched
         # the survivors answer the same prompts identically (greedy), so nothing was corrupted
-        again = [ask(p) for p in prompts[:3]]
-        assert [a[0] for a in again] == [r[0] for r in results[:3]]
+        again = [ask(p) for p in prompts]
+        assert [a[0] for a in again] == [r[0] for r in results]
         killed_engine = victim.split("-", 1)[1]
         assert all(killed_engine not in (info["prefill_engine"], info["decode_engine"]) for _, _, info in again)
-        if streamed_text is not None and streamed_text != results[0][0]:
-            # Known bug (issue 15, found by this test): a streamed request whose decode engine dies
-            # after some tokens went out can receive a continuation that differs from the greedy
-            # answer (the gateway's per-index dedupe across attempts). Everything above still holds.
-            pytest.xfail(f"streamed answer after re-dispatch differs from the greedy one: {streamed_text!r} vs {results[0][0]!r}")
+        # The streamed client saw part of its answer before the engine died: the retry's tokens
+        # resume it exactly (the gateway skips what it delivered, checking it is the same).
+        assert streamed_text == results[0][0]
     finally:
         client.close()
         s.procs = [(n, p) for n, p in s.procs if p.poll() is None or n != victim]

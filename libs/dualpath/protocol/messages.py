@@ -415,6 +415,7 @@ class TokenEvent(Wire):
     cached_tokens: int = 0
     info: dict = field(default_factory=dict)
     ts: float = 0.0
+    attempt: int = 0  # the scheduler's placement that produced it (PrefillTask.attempt): a retry's events supersede
 
 
 # --- control ---------------------------------------------------------------------------------

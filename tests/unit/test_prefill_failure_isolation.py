@@ -1,0 +1,80 @@
+"""A prefill engine whose batch computed fine but one request's first token cannot be made
+(bad sampling parameters that reached it over the bus) fails that request alone: the other
+requests of the batch still get their first token and their hand-off to the decode engine."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import torch
+
+from dualpath.core.prefill_batcher import PrefillBatcher
+from dualpath.protocol import messages as m
+from dualpath.protocol.subjects import Subjects
+from services.prefill_engine.engine import Job, PrefillEngine
+
+BT = 64
+VOCAB = 32
+
+
+class FakeBus:
+    def __init__(self) -> None:
+        self.published: list[tuple[str, object]] = []
+        self.requested: list[tuple[str, object]] = []
+
+    async def publish(self, subject: str, msg) -> None:
+        self.published.append((subject, msg))
+
+    async def request(self, subject: str, msg, _reply, timeout: float = 0.0):
+        self.requested.append((subject, msg))
+        return m.Ok()
+
+
+def _task(rid: str, sampling: dict) -> m.PrefillTask:
+    return m.PrefillTask(
+        request_id=rid,
+        model="m",
+        model_digest=0,
+        prompt_tokens=[1] * 10,
+        block_hashes=[],
+        hit_blocks=0,
+        sampling=sampling,
+        reply_subject=f"out.{rid}",
+        read_path=int(m.ReadPath.NONE),
+        prefill_engine="p0",
+        prefill_node="P",
+        decode_engine="d0",
+        decode_node="D",
+        de_region={},
+        de_offset=0,
+        attempt=1,
+    )
+
+
+def test_one_requests_bad_sampling_fails_that_request_and_the_rest_of_its_batch_is_handed_off():
+    bus = FakeBus()
+    engine = PrefillEngine.__new__(PrefillEngine)  # no model, no bus connection: only the result processing runs
+    engine.bus, engine.subjects, engine.node_id = bus, Subjects("t"), "P"
+    engine.cfg = SimpleNamespace(engine_id="p0")
+    engine.setup = SimpleNamespace(eos_ids=[0], model_dir="", layout=SimpleNamespace(block_tokens=BT))
+    engine.batcher = PrefillBatcher(lambda _items: 0.001, block_tokens=BT)
+    engine.finished = []
+    tasks = [_task("a", {"temperature": 0.0}), _task("bad", {"temperature": -1.0}), _task("c", {"temperature": 0.0})]
+    engine.jobs = {t.request_id: Job(task=t, dest=SimpleNamespace(region_id="de-slot"), loading=False) for t in tasks}
+    for t in tasks:
+        engine.batcher.add(t.request_id, cached=0, total=len(t.prompt_tokens))
+    batch = engine.batcher.next_batch()
+    assert batch is not None and len(batch.items) == 3
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 7] = 5.0  # greedy picks token 7
+
+    asyncio.run(engine._process_result(batch, SimpleNamespace(logits=logits)))
+
+    handed_off = [msg.request_id for subject, msg in bus.requested if isinstance(msg, m.DecodeTask)]
+    first_tokens = {msg.request_id: (msg.token_ids, msg.attempt) for _, msg in bus.published if isinstance(msg, m.TokenEvent)}
+    failed = [msg for _, msg in bus.published if isinstance(msg, m.TaskFailed)]
+    assert handed_off == ["a", "c"]
+    assert first_tokens == {"a": ([7], 1), "c": ([7], 1)}  # tagged with the attempt that made them
+    assert [f.request_id for f in failed] == ["bad"] and "temperature" in failed[0].reason
+    assert engine.jobs == {}
