@@ -24,6 +24,7 @@ import math
 import sys
 from typing import Any, cast
 
+from dualpath.cli.experiment.plots import plot_online
 from dualpath.cli.experiment.runner import (
     TestbedSpec,
     add_cluster_arguments,
@@ -51,7 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--start-at", type=float, default=0.5, help="meet every agent this far through its trajectory (0.5: the set's average context)"
     )
-    p.add_argument("--slowdown", type=float, default=2.0, help="slow motion: modeled times x, NIC rates /, rates and SLO scaled")
+    p.add_argument(
+        "--slowdown",
+        type=float,
+        default=4.0,
+        help="slow motion: modeled times x, NIC rates /, rates and SLO scaled (4: the host's own cost a small share of TTFT on 2 cores)",
+    )
     p.add_argument(
         "--tool-gap", type=float, default=0.0, help="modeled mean seconds an agent runs a tool between turns (exponential; 0: back to back)"
     )
@@ -118,6 +124,9 @@ def _probe(spec: TestbedSpec, mode: str, rate: float, index: int, k: float, say)
     say(f"[{mode}] probe {index}: {rate:g} APS (modeled)")
     r = run_mode(probe_spec, mode, say=say)
     point = _point(mode, rate, r.report, k)
+    cpu = r.extra.get("cpu_s") or {}
+    point["host_cores_busy"] = sum(cpu.values()) / r.wall_s if r.wall_s else None  # the stack's and loadgen's CPU
+    point["loadavg"] = r.extra.get("loadavg")
     say(
         f"[{mode}] {rate:g} APS: {'pass' if point['passed'] else 'fail'} (attainment {point['attainment']}, "
         f"TTFT p50 {point['ttft_p50']}, hit {point['hit_rate']})"
@@ -148,9 +157,12 @@ def format_table(result: dict) -> str:
             f"{g('ttft_exec_p50'):>9} {share:>8} {g('ttst_p50'):>9} {g('tpot_p50'):>9}"
         )
         for p in r["probes"]:
+            f = lambda v: f"{v:.2f}" if isinstance(v, (int, float)) else "-"
+            load = " ".join(f"{x:.1f}" for x in p.get("loadavg") or ())
             lines.append(
-                f"    probe {p['rate']:.3f} APS: {'pass' if p['passed'] else 'fail'}  attainment {p['attainment']}  "
-                f"TTFT p50 {p['ttft_p50']}  queue share {p['ttft_queue_share']}"
+                f"    probe {p['rate']:.3f} APS: {'pass' if p['passed'] else 'fail'}  attainment {f(p['attainment'])}  "
+                f"TTFT p50 {f(p['ttft_p50'])}  queue share {f(p['ttft_queue_share'])}  hit {f(p['hit_rate'])}  "
+                f"host cores busy {f(p.get('host_cores_busy'))}  load {load}"
             )
     ratio, paper = result.get("aps_ratio"), result.get("paper")
     lines.append(
@@ -221,5 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         "paper": PAPER.get(ns.target),
     }
     (spec.out / "result.json").write_text(json.dumps(result, indent=2, default=str))
+    title = f"online {ns.target} {ns.topology} {ns.dataset}, start-at {ns.start_at}, slowdown {k:g}"
+    plot_online(rows, spec.out / "online.png", slo_ttft=ns.slo_ttft, title=title)
+    say(f"wrote {spec.out / 'result.json'}, {spec.out / 'online.png'}")
     print(json.dumps(result, indent=2, default=str) if ns.json else format_table(result))
     return 0
