@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 __all__ = ["main"]
@@ -235,6 +236,14 @@ def format_online(result: dict) -> str:
         )
     if result.get("aps_ratio"):
         lines.append(f"dualpath/basic max APS: {result['aps_ratio']:.2f}x")
+    for mode, r in result["modes"].items():
+        pf = r.get("prefetch")
+        if pf:
+            lines.append(
+                f"{mode}: prefetch staged {pf['staged_bytes'] / 1e9:.1f} GB, used {_f(pf['used_fraction'])} of it, "
+                f"peak DRAM buffer on staged copies {pf['peak_buffer_bytes'] / 1e9:.1f} GB per node "
+                f"(cap {pf['cap_bytes_per_node'] / 1e9:.1f})"
+            )
     return "\n".join(lines)
 
 
@@ -252,16 +261,23 @@ def _online(argv: list[str]) -> int:
     p.add_argument("--slo-ttft", type=float, default=4.0)
     p.add_argument("--slo-tpot", type=float, default=0.05)
     p.add_argument("--attainment", type=float, default=0.99)
+    p.add_argument("--prefetch", action="store_true", help="also run mode 'prefetch' (DualPath with agent-aware prefetch) next to --modes")
+    p.add_argument("--prefetch-gb", type=float, default=0.0, help="staged copies per node at most, GB (0: the whole DRAM buffer)")
+    p.add_argument("--prefetch-ttl", type=float, default=60.0, help="seconds a staged copy waits for its agent's next turn")
     ns = p.parse_args(argv)
     if not ns.rate > 0 or not ns.duration > 0 or not ns.burstiness > 0 or ns.tool_gap < 0:
         raise _Fail("--rate, --duration and --burstiness must be positive and --tool-gap >= 0")
+    if ns.prefetch_gb < 0 or not ns.prefetch_ttl > 0:
+        raise _Fail(f"--prefetch-gb must be >= 0 and --prefetch-ttl > 0, got {ns.prefetch_gb:g} and {ns.prefetch_ttl:g}")
     from dualpath.sim.experiments import run_online, sweep_online
 
     modes = _modes(ns.modes, ns.read_policy)
+    if ns.prefetch and "prefetch" not in modes:
+        modes.append("prefetch")
     workload = _workload(ns, rate=ns.rate, burstiness=ns.burstiness, tool_gap_s=ns.tool_gap, duration_s=ns.duration)
     rows = {}
     for mode in modes:
-        cfg = _config(ns, mode)
+        cfg = replace(_config(ns, mode), prefetch_gb=ns.prefetch_gb, prefetch_ttl_s=ns.prefetch_ttl)
         if ns.sweep:
             rows[mode] = sweep_online(
                 cfg,

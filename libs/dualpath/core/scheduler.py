@@ -134,6 +134,7 @@ def _split_blocks(a: Assignment, block_tokens: int) -> tuple[int, int] | None:
 
 
 _DECODE = Role.DECODE
+_MAX_STAGED = 100_000  # prefetch: sessions remembered between turns (the oldest is forgotten first)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -214,6 +215,7 @@ class SchedulerCore:
         self._hold_until = float("-inf")
         self._next_expiry = float("-inf")
         self._reserving: dict[tuple[str, int], str] = {}  # (request, attempt) -> node of an unanswered ReserveSlot
+        self._staged: dict[str, str] = {}  # prefetch: session -> node asked to stage its next turn's hits
         self._handlers: dict[type, Callable[[Any], list[Command]]] = {  # each takes its own event type
             RequestSubmitted: self._submitted,
             EngineReported: self._engine_reported,
@@ -304,6 +306,7 @@ class SchedulerCore:
                 total_len=need,
                 forced_side=ev.forced_side if hit > 0 else None,
                 block_tokens=ev.block_tokens,
+                staged_node=self._staged_node(ev.session) if self.cfg.prefetch and hit > 0 else -1,
             )
         except InvalidRequestError as exc:
             return [RejectRequest(request_id=rid, code=400, reason=exc.reason)]
@@ -376,9 +379,15 @@ class SchedulerCore:
             self._release_all(t)
             del self.requests[rid]
             if self.cfg.prefetch and t.session and t.pe is not None and t.pending.prompt_tokens >= t.pending.block_tokens:
-                # The session's next turn starts with this prompt: its prefill node (the PE read
-                # path is the tie's side) stages the blocks while the agent runs its tool.
-                cmds.append(Prefetch(node=t.pe.node, request_id=rid, session=t.session, payload=t.payload))
+                # The session's next turn starts with this context: the node that read this
+                # turn (the PE's when nothing was read) stages it while the agent runs its
+                # tool, and the next turn prefers that node (PendingRequest.staged_node).
+                node = t.de.node if t.read_side is ReadSide.DE else t.pe.node
+                self._staged.pop(t.session, None)
+                if len(self._staged) >= _MAX_STAGED:
+                    del self._staged[next(iter(self._staged))]  # the oldest hint
+                self._staged[t.session] = node
+                cmds.append(Prefetch(node=node, request_id=rid, session=t.session, payload=t.payload))
 
     # ---- dispatch answers ---------------------------------------------------------------
     def _slot_reserved(self, ev: SlotReserved) -> list[Command]:
@@ -650,6 +659,11 @@ class SchedulerCore:
             self._state = self.members.cluster_state()
             self._stale = False
         return self._state
+
+    def _staged_node(self, session: str) -> int:
+        """Prefetch: the policy's id of the node staging ``session``'s hits (-1: none, or down)."""
+        node = self.members.nodes.get(self._staged.pop(session, "")) if session else None
+        return node.num if node is not None and not node.down else -1
 
     def _reserved_node(self, rid: str, attempt: int) -> str:
         """The node of an answered reservation (forgotten from now on); "" if unknown."""

@@ -21,6 +21,13 @@ request stops there, and the pass keeps only the prefix every stage placed (the 
    With ``read_path`` ``split`` (beyond the paper) each request's hit blocks are divided
    between both nodes so that both reads finish together (``split.split_blocks``).
 
+Agent-aware prefetch (beyond the paper): a request whose hits are staged in a node's DRAM
+buffer (``PendingRequest.staged_node``) takes a prefill engine on that node when one
+qualifies (``tok_e ≤ β``) and the compute it queues behind there is no longer than the read
+it saves (stage 1), or that decode group when it has room and its Σ``tok_e`` is within two
+such requests of the least loaded (stage 2), and reads on that side (stage 4, unless
+forced); otherwise it is placed as any other request.
+
 Ties inside every "smallest" rule go to the lowest engine or node id. Nothing here
 mutates the ``ClusterState``; tentative values live in per-pass heaps and dicts.
 """
@@ -34,7 +41,7 @@ from dualpath.policy.index import Candidates
 from dualpath.policy.split import DE_HOP_PERCENT, split_blocks, worth_splitting
 from dualpath.policy.state import ClusterState, EngineState, NodeState
 from dualpath.policy.thresholds import Thresholds
-from dualpath.policy.values import Assignment, PendingRequest, ReadPath, ReadSide
+from dualpath.policy.values import Assignment, PendingRequest, ReadPath, ReadSide, Role
 
 __all__ = [
     "Z_SLACK_PERCENT",
@@ -76,6 +83,16 @@ def select_prefill_engines(waiting: Sequence[PendingRequest], state: ClusterStat
                 break
         else:
             break
+        staged = request.staged_node
+        if staged >= 0 and staged in nodes and nodes[staged].role is Role.PREFILL:
+            # prefetch: the node holding the staged copy, if one of its engines qualifies
+            scls = 0 if nodes[staged].read_q <= alpha else 1
+            near = cands.first(scls, ok=lambda e, n=staged: engines[e[1]].node_id == n)
+            # worth it while the extra compute queued there, (near - best) / (β/5 s), is at most
+            # the read it saves, (read_q + hits) / (α/3 s): exact integers
+            saved = nodes[engines[best[1]].node_id].read_q + request.hit_tokens
+            if near is not None and near[0] <= beta and 5 * alpha * (near[0] - best[0]) <= 3 * beta * saved:
+                cls, best = scls, near
         cands.take(cls, best, best[0] + request.miss_tokens)
         chosen.append(best[1])
     return chosen
@@ -109,6 +126,12 @@ def select_decode_groups(waiting: Sequence[PendingRequest], count: int, state: C
         best = cands.first(ok=fits)
         if best is None:
             break
+        staged = waiting[i].staged_node
+        if staged >= 0 and staged != best[1] and staged in nodes and nodes[staged].role is Role.DECODE:
+            # prefetch: the group holding the staged copy, if it has room
+            near = cands.first(ok=lambda e, n=staged, f=fits: e[1] == n and f(e))
+            if near is not None and near[0] <= best[0] + 2 * need:  # within two such requests of the least loaded
+                best = near
         cands.take(0, best, best[0] + need)
         free_total[best[1]] -= need
         chosen.append(nodes[best[1]])
@@ -181,7 +204,9 @@ def choose_read_sides(
         q_de = queue.get(de_node, nodes[de_node].read_q)
         r = waiting[i]
         forced = r.forced_side
-        if forced is None and read_path is ReadPath.SPLIT and worth_splitting(r.hit_tokens, q_pe, q_de) and pe_node != de_node:
+        staged_here = r.staged_node >= 0 and r.staged_node in (pe_node, de_node) and pe_node != de_node
+        splittable = read_path is ReadPath.SPLIT and not staged_here and pe_node != de_node
+        if forced is None and splittable and worth_splitting(r.hit_tokens, q_pe, q_de):
             bt = r.block_tokens
             pe_tok = min(split_blocks(-(-r.hit_tokens // bt), bt, q_pe, q_de, hop_percent) * bt, r.hit_tokens)
             queue[pe_node], queue[de_node] = q_pe + pe_tok, q_de + r.hit_tokens - pe_tok
@@ -189,6 +214,8 @@ def choose_read_sides(
             continue
         if forced is not None:
             pe_side = forced is ReadSide.PE
+        elif staged_here and read_path in (ReadPath.AUTO, ReadPath.SPLIT):
+            pe_side = r.staged_node == pe_node  # prefetch: the side that holds the staged copy
         else:
             pe_side = read_path is ReadPath.PE or (read_path in (ReadPath.AUTO, ReadPath.SPLIT) and q_pe <= q_de)
         if pe_side:

@@ -62,6 +62,8 @@ class PendingRequest:
     token), so ``hit_tokens < prompt_tokens``. ``forced_side`` forces the read side of
     this request (the API's per-request read path); None lets the policy choose.
     ``block_tokens`` is the block size: a split read divides whole blocks.
+    ``staged_node`` (prefetch, beyond the paper): the node whose DRAM buffer holds a staged
+    copy of the hits; the policy prefers an engine there and reads on that side.
 
     Raises:
         InvalidRequestError: on a negative count, ``hit_tokens >= prompt_tokens`` or
@@ -74,6 +76,7 @@ class PendingRequest:
     total_len: int
     forced_side: ReadSide | None = None
     block_tokens: int = 64
+    staged_node: int = -1  # agent-aware prefetch: the node holding a staged copy of its hits (-1: none)
 
     def __post_init__(self) -> None:
         if self.hit_tokens < 0:

@@ -33,6 +33,7 @@ class SimMode:
     oracle: bool = False
     layerwise: bool = True
     label: str = ""
+    prefetch: bool = False  # agent-aware prefetch (sim.prefetch)
 
 
 MODES: dict[str, SimMode] = {
@@ -42,6 +43,7 @@ MODES: dict[str, SimMode] = {
     "basic-nolw": SimMode("basic", "pe", layerwise=False, label="Basic without layer-wise prefill"),
     "dualpath-rr": SimMode("round_robin", "auto", label="+ dual-path loading (round robin, shorter read queue)"),
     "split": SimMode("dualpath", "split", label="DualPath + split reads (--read-policy split, beyond the paper)"),
+    "prefetch": SimMode("dualpath", "auto", prefetch=True, label="DualPath + agent-aware prefetch (--prefetch, beyond the paper)"),
 }
 ABLATION = ("basic-nolw", "basic", "dualpath-rr", "dualpath")
 
@@ -88,6 +90,8 @@ class SimConfig:
     report_interval_s: float = 0.2  # traffic managers report read_q this often (the services' default)
     collective_share: float = 0.0  # prefill: CNIC time model collectives (high priority) take per second of compute
     persist: bool = True  # decode persists full blocks (next turn's hits); False: hits are free
+    prefetch_gb: float = 0.0  # mode prefetch: staged copies per node at most, GB (0: the whole DRAM buffer)
+    prefetch_ttl_s: float = 60.0  # mode prefetch: seconds a staged copy waits for its agent's next turn
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

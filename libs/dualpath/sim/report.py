@@ -100,4 +100,5 @@ def run_figures(sim: Simulation) -> dict:
         "cpu_us_per_turn": 1e6 * sim.cpu_s / max(m.turns_done, 1),
         "peak_memory_mb": peak_memory_mb(),
         "hbm_tokens_per_decode_engine": sim.hbm_tokens,
+        "prefetch": sim.prefetch.summary() if sim.prefetch is not None else None,
     }

@@ -40,6 +40,7 @@ from dualpath.core.scheduler_events import (
     FailRequest,
     FreeSlot,
     NodeReported,
+    Prefetch,
     RejectRequest,
     RequestFinished,
     RequestSubmitted,
@@ -73,11 +74,20 @@ class SimScheduler:
         free: Callable[[str, str], None],
         dispatch: Callable[[SimRequest, Dispatch], None],
         failed: Callable[[SimRequest, str], None],
+        prefetch: Callable[[SimRequest, str], None] | None = None,
     ) -> None:
         self.loop = loop
         self.core = SchedulerCore(
-            policy, CoreConfig(engine_timeout=float("inf"), max_queue=1 << 40, pass_window=WINDOW_MIN, buffer_wait_s=float("inf"))
+            policy,
+            CoreConfig(
+                engine_timeout=float("inf"),
+                max_queue=1 << 40,
+                pass_window=WINDOW_MIN,
+                buffer_wait_s=float("inf"),
+                prefetch=prefetch is not None,
+            ),
         )
+        self._prefetch = prefetch  # agent-aware prefetch: the core's Prefetch(node) for a finished turn
         self.interval, self.report_interval = interval, report_interval
         self._reserve, self._free, self._dispatch, self._failed = reserve, free, dispatch, failed
         self._scheduled = False
@@ -114,6 +124,7 @@ class SimScheduler:
                 block_tokens=block_tokens,
                 max_tokens=req.gen,
                 payload=req,
+                session=str(req.agent.index) if self._prefetch is not None else "",
             )
         )
         for cmd in cmds:
@@ -176,11 +187,15 @@ class SimScheduler:
             elif isinstance(cmd, FailRequest):
                 self.failures += 1
                 self._failed(cmd.payload, f"{cmd.code} {cmd.reason}")
+            elif isinstance(cmd, Prefetch) and self._prefetch is not None:
+                self._prefetch(cmd.payload, cmd.node)
 
     # -- what engines and nodes tell it ----------------------------------------------------
     def finished(self, req: SimRequest, engine: str) -> None:
         """``engine`` finished its part of ``req`` (prefill: handed over; decode: done)."""
-        self.core.handle(RequestFinished(now=self.loop.now, request_id=req.key, engine=engine))
+        cmds = self.core.handle(RequestFinished(now=self.loop.now, request_id=req.key, engine=engine))
+        if cmds:  # a Prefetch hint (the only command a finish gives here)
+            self._apply(cmds)
         self.kick()
 
     def read_queue_changed(self, node: str, read_q: Callable[[], int]) -> None:

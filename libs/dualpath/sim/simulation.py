@@ -32,6 +32,7 @@ from dualpath.sim.config import SimConfig
 from dualpath.sim.decode import DecodeEngineSim
 from dualpath.sim.metrics import Metrics
 from dualpath.sim.network import FluidNetwork, Link
+from dualpath.sim.prefetch import SimPrefetch
 from dualpath.sim.prefill import PrefillEngineSim
 from dualpath.sim.request import SimRequest
 from dualpath.sim.scheduling import SimScheduler
@@ -74,8 +75,10 @@ class Simulation:
             free=self._free,
             dispatch=self._dispatch,
             failed=self._failed,
+            prefetch=self._prefetch_hint if self.mode.prefetch else None,
         )
         self._build_nodes()
+        self.prefetch = SimPrefetch(self, cfg.prefetch_gb * 1e9 * cfg.node_share, cfg.prefetch_ttl_s) if self.mode.prefetch else None
         self.agents = agents if agents is not None else build_agents(workload, cfg.block_tokens)
         self._gap = gap_sampler(workload.tool_gap_s, workload.seed)
         self._next_rid = 0
@@ -159,7 +162,15 @@ class Simulation:
             return
         req.reads_left = 1
         node = cmd.prefill_node if cmd.read_side == ReadSide.PE else cmd.decode_node
+        staged = self.prefetch.take(req, node, keep=cmd.read_side == ReadSide.PE) if self.prefetch is not None else 0
+        if staged and self.prefetch is not None:  # agent-aware prefetch: the leading hits are in this node's buffer already
+            self.prefetch.read_rest(req, self.storage[node], staged, self._read_done)
+            return
         self.storage[node].read(req, req.hit * kvb, into_buffer=cmd.read_side == ReadSide.PE)
+
+    def _prefetch_hint(self, req: SimRequest, node: str) -> None:
+        if self.prefetch is not None:
+            self.prefetch.hint(req, node)
 
     def _read_q_changed(self, storage: NodeStorage) -> None:
         self.scheduler.read_queue_changed(storage.name, lambda: storage.read_q)
@@ -211,6 +222,8 @@ class Simulation:
             self.loop.at(now, self._persisted, agent)
 
     def _persisted(self, agent: Agent) -> None:
+        if self.prefetch is not None:
+            self.prefetch.persisted(agent)  # the whole context is in storage: stage it for the next turn
         agent.turn += 1
         if agent.turn < agent.turns:
             self.loop.at(self.loop.now + self._gap(), self._submit, agent)

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from dualpath.sim.request import SimRequest
 from dualpath.sim.sharedlink import SharedLink
+
+if TYPE_CHECKING:
+    from dualpath.sim.prefetch import NodePrefetch
 
 T = TypeVar("T")
 
@@ -44,6 +47,7 @@ class NodeStorage:
         "name",
         "node_id",
         "parallel",
+        "prefetch",
         "queue",
         "read_link",
         "read_q",
@@ -77,6 +81,7 @@ class NodeStorage:
         self.hit_tokens_read = 0
         self._on_read = on_read
         self._changed = changed
+        self.prefetch: NodePrefetch | None = None  # agent-aware prefetch (sim.prefetch): staged copies in this buffer
 
     # -- slots (decode nodes) ------------------------------------------------------------
     def reserve(self, rid: str, nbytes: float) -> bool:
@@ -84,7 +89,7 @@ class NodeStorage:
         takes any request, so an oversized one is not refused for ever)."""
         if rid in self.slots:
             return True
-        if self.buffer_used + nbytes > self.buffer_bytes and self.buffer_used > 0:
+        if self.buffer_used + nbytes > self.buffer_bytes and self.buffer_used > 0 and not self._make_room(nbytes):
             return False
         self.slots[rid] = nbytes
         self.buffer_used += nbytes
@@ -111,7 +116,7 @@ class NodeStorage:
         while q and self.active < self.parallel:
             req, nbytes, into_buffer, tokens = q[0]
             if into_buffer:
-                if self.buffer_used + nbytes > self.buffer_bytes and self.buffer_used > 0:
+                if self.buffer_used + nbytes > self.buffer_bytes and self.buffer_used > 0 and not self._make_room(nbytes):
                     return  # back-pressure: wait for the buffer
                 self.buffer_used += nbytes
                 req.buffer, req.buffer_bytes = self, nbytes
@@ -127,7 +132,13 @@ class NodeStorage:
         self.read_q -= tokens
         self._changed(self)
         self._pump()
+        if self.prefetch is not None and not self.active:
+            self.prefetch.pump()  # the storage NIC is idle: staging may go on
         self._on_read(req)
+
+    def _make_room(self, nbytes: float) -> bool:
+        """Prefetched copies are hints: dropped first when a request needs the buffer."""
+        return self.prefetch is not None and self.prefetch.evict(nbytes)
 
     def release(self, nbytes: float) -> None:
         """KV of ``nbytes`` left the buffer."""

@@ -1,0 +1,264 @@
+"""Agent-aware prefetch in virtual time (mode ``prefetch``; ``dualpath sim online --prefetch``).
+
+The services' behaviour (``services/traffic_manager/prefetcher.py``, ``dualpath.node.prefetch``),
+modelled per node:
+
+- when a turn's decode ends, the scheduler core emits ``Prefetch`` for the node that read
+  the turn (``CoreConfig.prefetch``); once the turn's new blocks are persisted, that node
+  stages the agent's whole persisted context (prompt and answer blocks) — the next turn's
+  hit — into its DRAM buffer;
+- staging is the lowest priority on the node's storage NIC: a chunk (about 2 ms of link time,
+  whole blocks) starts only while the node has no storage read queued or running, so a real
+  read shares the link with at most one chunk;
+- a staged copy is a hint: it lives in the node's DRAM buffer (``NodeStorage.buffer_used``),
+  within a cap per node (``SimConfig.prefetch_gb``; 0: the whole buffer) and a time to live;
+  the oldest copies are dropped first when a request needs buffer room (a slot reservation
+  or a PE read), when the cap is reached, or when they expire;
+- the next turn prefers the staged node (``PendingRequest.staged_node``); a read on that node
+  takes the staged leading blocks (a DRAM copy, modelled as free) and reads only the rest
+  from storage; a turn placed elsewhere reads from storage and the copy waits out its TTL.
+
+Counters: hints, bytes staged, bytes used by a read, bytes dropped unused, and the peak
+bytes of DRAM buffer held by staged copies.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from dualpath.policy import ReadSide
+
+if TYPE_CHECKING:
+    from dualpath.sim.request import SimRequest
+    from dualpath.sim.simulation import Simulation
+    from dualpath.sim.storage import NodeStorage
+    from dualpath.sim.workload import Agent
+
+__all__ = ["NodePrefetch", "SimPrefetch"]
+
+CHUNK_S = 0.002  # link time of one staging chunk: how long a real read may share the link with one
+
+
+class _Copy:
+    """One agent's staged context on one node."""
+
+    __slots__ = ("agent", "dead", "expires", "flight", "held", "ready", "want")
+
+    def __init__(self, agent: int, want: int, expires: float) -> None:
+        self.agent = agent
+        self.want = want  # tokens to stage (block-aligned)
+        self.ready = 0  # tokens staged
+        self.flight = 0  # tokens of the chunk being read
+        self.held = 0.0  # buffer bytes accounted to it (ready and in flight)
+        self.expires = expires
+        self.dead = False  # dropped while a chunk was in flight: its bytes go when the chunk ends
+
+
+class NodePrefetch:
+    """A node's staged copies (oldest first) and its staging queue."""
+
+    def __init__(self, owner: SimPrefetch, storage: NodeStorage) -> None:
+        self.owner, self.storage = owner, storage
+        self.copies: OrderedDict[int, _Copy] = OrderedDict()
+        self.queue: deque[_Copy] = deque()
+        self.busy = False
+        self.bytes = 0.0  # buffer bytes held by copies
+
+    # -- staging -------------------------------------------------------------------------
+    def stage(self, agent: int, tokens: int) -> None:
+        """Stage ``tokens`` of the agent's context (what is already here is kept: the blocks
+        of a grown context extend the old ones)."""
+        o = self.owner
+        c = self.copies.get(agent)
+        if c is None or c.dead:
+            c = _Copy(agent, 0, 0.0)
+            self.copies[agent] = c
+        else:
+            self.copies.move_to_end(agent)
+        c.want = max(c.want, tokens)
+        c.expires = o.now() + o.ttl_s
+        if c.ready + c.flight < c.want and c not in self.queue:
+            self.queue.append(c)
+        self.pump()
+
+    def pump(self) -> None:
+        """Start the next chunk if the node's storage NIC has no real read (lowest priority)."""
+        s, o = self.storage, self.owner
+        if self.busy or s.active or s.queue:
+            return
+        self._expire()
+        while self.queue:
+            c = self.queue[0]
+            left = c.want - c.ready
+            if c.dead or left <= 0:
+                self.queue.popleft()
+                continue
+            tokens = min(left, o.chunk_tokens)
+            nbytes = tokens * o.kvb
+            if not self._room(nbytes, c):
+                if self.bytes + nbytes > o.cap and c.held == self.bytes:  # alone over the cap: stage what fits
+                    c.want = c.ready
+                    self.queue.popleft()
+                    continue
+                return  # the buffer is full of real requests: wait for the next idle moment
+            c.flight, c.held = tokens, c.held + nbytes
+            self.bytes += nbytes
+            s.buffer_used += nbytes
+            o.peak = max(o.peak, self.bytes)
+            self.busy = True
+            s.read_link.start(nbytes, self._chunk_done, c)
+            return
+
+    def _room(self, nbytes: float, keep: _Copy) -> bool:
+        """Make room for a chunk of ``keep``: older copies go first (cap, then buffer)."""
+        s, o = self.storage, self.owner
+        while self.bytes + nbytes > o.cap or s.buffer_used + nbytes > s.buffer_bytes:
+            victim = next((c for c in self.copies.values() if c is not keep and not c.dead), None)
+            if victim is None:
+                return False
+            self._drop(victim)
+        return True
+
+    def _chunk_done(self, c: _Copy) -> None:
+        o = self.owner
+        self.busy = False
+        nbytes = c.flight * o.kvb
+        o.staged_bytes += nbytes
+        if c.dead:
+            self._release(c, nbytes)
+            o.dropped_bytes += nbytes
+        else:
+            c.ready += c.flight
+        c.flight = 0
+        self.pump()
+
+    # -- use and eviction ----------------------------------------------------------------------
+    def take(self, agent: int, hit: int, *, keep: bool) -> int:
+        """A read of ``hit`` tokens on this node: the staged leading tokens it can use. The
+        copy is consumed; ``keep``: the used bytes stay in the buffer, now the request's (the
+        PE read path holds its hits there until its prefill ends), else they leave it."""
+        c = self.copies.get(agent)
+        if c is None or c.dead or c.expires <= self.owner.now():
+            return 0
+        o = self.owner
+        used = min(c.ready, hit)
+        o.used_bytes += used * o.kvb
+        o.dropped_bytes += (c.ready - used) * o.kvb
+        if keep and used:
+            c.ready -= used
+            c.held -= used * o.kvb
+            self.bytes -= used * o.kvb
+        self._drop(c, count=False)
+        return used
+
+    def evict(self, need: float) -> bool:
+        """A request needs ``need`` bytes of buffer: drop copies, oldest first, until it fits;
+        whether it fits now (bytes of a chunk in flight are freed when it lands)."""
+        s = self.storage
+        for c in list(self.copies.values()):
+            if s.buffer_used + need <= s.buffer_bytes:
+                break
+            if not c.dead:
+                self._drop(c, pump=False)  # called from the storage queue's own pump
+        return s.buffer_used + need <= s.buffer_bytes or s.buffer_used <= 0
+
+    def _expire(self) -> None:
+        now = self.owner.now()
+        for c in [c for c in self.copies.values() if c.expires <= now and not c.dead]:
+            self._drop(c)
+
+    def _drop(self, c: _Copy, *, count: bool = True, pump: bool = True) -> None:
+        """Forget ``c``: its staged bytes leave the buffer now, a chunk in flight when it lands."""
+        o = self.owner
+        if count:
+            o.dropped_bytes += c.ready * o.kvb
+        ready_bytes = c.ready * o.kvb
+        c.ready, c.want, c.dead = 0, 0, True
+        if self.copies.get(c.agent) is c:
+            del self.copies[c.agent]
+        self._release(c, ready_bytes, pump)
+        if not c.flight:
+            c.held = 0.0
+
+    def _release(self, c: _Copy, nbytes: float, pump: bool = True) -> None:
+        """``nbytes`` of ``c`` leave the buffer; ``pump``: a read waiting for room may start."""
+        if nbytes <= 0:
+            return
+        c.held -= nbytes
+        self.bytes -= nbytes
+        if self.bytes < 1e-6:
+            self.bytes = 0.0
+        s = self.storage
+        s.buffer_used -= nbytes
+        if s.buffer_used < 1e-6:
+            s.buffer_used = 0.0
+        if pump and s.queue:
+            s.release(0.0)
+
+
+class SimPrefetch:
+    """Every node's prefetch, and the hints between a turn's end and its persistence."""
+
+    def __init__(self, sim: Simulation, cap_bytes: float, ttl_s: float) -> None:
+        self.sim = sim
+        self.kvb = sim.kv_bytes_per_token
+        bt = sim.cfg.block_tokens
+        block_bytes = bt * self.kvb
+        self.chunk_tokens = bt * max(1, int(sim.cfg.snic_bytes_per_s() * CHUNK_S // block_bytes))
+        self.ttl_s = ttl_s
+        self.cap = cap_bytes if cap_bytes > 0 else sim.cfg.buffer_bytes()
+        self.nodes: dict[str, NodePrefetch] = {}
+        for name, storage in sim.storage.items():
+            storage.prefetch = self.nodes[name] = NodePrefetch(self, storage)
+        self._hinted: dict[int, str] = {}  # agent -> node asked to stage it, until its blocks are persisted
+        self.hints = 0
+        self.staged_bytes = self.used_bytes = self.dropped_bytes = self.peak = 0.0
+
+    def now(self) -> float:
+        return self.sim.loop.now
+
+    def hint(self, req: SimRequest, node: str) -> None:
+        """The core's ``Prefetch`` for the turn ``req`` (its decode just ended)."""
+        self.hints += 1
+        self._hinted[req.agent.index] = node
+
+    def persisted(self, agent: Agent) -> None:
+        """The turn's new blocks are in storage: stage the whole persisted context."""
+        node = self._hinted.pop(agent.index, None)
+        if node is not None and agent.persisted > 0:
+            self.nodes[node].stage(agent.index, agent.persisted)
+
+    def take(self, req: SimRequest, node: str, *, keep: bool) -> int:
+        """Staged leading hit tokens of ``req`` on ``node`` (0: read everything from storage);
+        ``keep``: see ``NodePrefetch.take``."""
+        return self.nodes[node].take(req.agent.index, req.hit, keep=keep)
+
+    def read_rest(self, req: SimRequest, storage: NodeStorage, staged: int, done: Callable[[SimRequest], None]) -> None:
+        """``req``'s read on ``storage``'s node, whose first ``staged`` hit tokens were staged
+        (a DRAM copy, free here): the rest comes from storage, then ``done(req)``. On the PE
+        read path the staged bytes stay in the buffer as the request's until its prefill
+        ends; when a rest must be read, its own buffer share replaces them."""
+        pe_path = req.read_side == ReadSide.PE
+        if pe_path:
+            req.buffer, req.buffer_bytes = storage, staged * self.kvb
+        if staged >= req.hit:
+            self.sim.loop.at(self.sim.loop.now, done, req)
+            return
+        if pe_path:
+            storage.release(staged * self.kvb)
+            req.buffer, req.buffer_bytes = None, 0.0
+        storage.read(req, (req.hit - staged) * self.kvb, into_buffer=pe_path, tokens=req.hit - staged)
+
+    def summary(self) -> dict:
+        staged = self.staged_bytes
+        return {
+            "hints": self.hints,
+            "staged_bytes": staged,
+            "used_bytes": self.used_bytes,
+            "dropped_bytes": self.dropped_bytes,
+            "used_fraction": self.used_bytes / staged if staged else None,
+            "peak_buffer_bytes": self.peak,
+            "cap_bytes_per_node": self.cap,
+        }

@@ -1,0 +1,72 @@
+"""Agent-aware prefetch in the simulator (mode ``prefetch``): staged copies serve next turns,
+are held in the node buffer within its size, are given up before a request waits, and leave
+nothing behind."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from dualpath.sim import SimConfig, Simulation, Workload
+
+
+def gapped(mode: str, **kw) -> Simulation:
+    """Agents with a tool-call gap between turns (the prefetch's window)."""
+    cfg = SimConfig(target="ds27b", prefill_nodes=1, decode_nodes=2, engines_per_node=2, mode=mode, **kw)
+    return Simulation(cfg, Workload(dataset="32k", agents=24, turns=5, start_at=0.5, seed=3, rate=2.0, tool_gap_s=3.0))
+
+
+def test_staged_copies_serve_next_turns_and_every_turn_completes():
+    sim = gapped("prefetch")
+    m = sim.run()
+    assert m.turns_done == sum(a.turns for a in sim.agents) and sim.agents_failed == 0
+    pf = sim.prefetch.summary()
+    assert pf["staged_bytes"] > 0 and pf["used_bytes"] > 0.5 * pf["staged_bytes"]
+    assert pf["staged_bytes"] == pf["used_bytes"] + pf["dropped_bytes"] + sum(n.bytes for n in sim.prefetch.nodes.values())
+    # the hits a staged copy served were not read from storage again
+    read = sum(s.hit_tokens_read for s in sim.storage.values()) * sim.kv_bytes_per_token
+    assert read + pf["used_bytes"] == m.hit_tokens * sim.kv_bytes_per_token
+    assert all(s.read_q == 0 and not s.slots for s in sim.storage.values())
+
+
+def test_a_small_buffer_still_completes_every_turn_within_its_size():
+    roomy, tight = gapped("prefetch"), gapped("prefetch", dram_buffer_gb=2.0)
+    roomy.run(), tight.run()
+    assert tight.metrics.turns_done == roomy.metrics.turns_done
+    assert 0 < tight.prefetch.summary()["peak_buffer_bytes"] <= tight.cfg.buffer_bytes()
+
+
+def test_a_slot_reservation_drops_staged_copies_rather_than_wait():
+    sim = gapped("prefetch")
+    node, storage = sim.prefetch.nodes["d0"], sim.storage["d0"]
+    tokens = int(0.3 * storage.buffer_bytes / sim.kv_bytes_per_token) // 64 * 64
+    for agent in (1, 2, 3):  # three copies fill 90% of the buffer
+        node.stage(agent, tokens)
+    sim.loop.run(60.0)
+    assert len(node.copies) == 3 and storage.buffer_used == node.bytes > 0.85 * storage.buffer_bytes
+    assert storage.reserve("r", 0.5 * storage.buffer_bytes)  # no wait: the two oldest copies go
+    assert list(node.copies) == [3] and storage.buffer_used <= storage.buffer_bytes
+    assert sim.prefetch.summary()["dropped_bytes"] == 2 * tokens * sim.kv_bytes_per_token
+
+
+def test_staging_waits_while_the_node_reads_for_a_request():
+    sim = gapped("prefetch")
+    node, storage = sim.prefetch.nodes["p0"], sim.storage["p0"]
+    storage.active = 1  # a request's read is running
+    node.stage(1, 64 * 100)
+    sim.loop.run(1.0)
+    assert not node.busy and node.copies[1].ready == 0 and storage.read_link.active == 0
+    storage.active = 0
+    node.pump()
+    assert node.busy and storage.read_link.active == 1
+
+
+def test_the_cap_bounds_the_buffer_staged_copies_hold():
+    sim = gapped("prefetch", prefetch_gb=0.5)
+    sim.run()
+    assert 0 < sim.prefetch.summary()["peak_buffer_bytes"] <= 0.5e9 * sim.cfg.node_share
+
+
+def test_prefetch_off_is_dualpath_unchanged():
+    a, b = gapped("dualpath"), gapped("dualpath")
+    assert a.prefetch is None and a.run().ttft == b.run().ttft
+    assert replace(a.cfg, mode="prefetch").sim_mode.prefetch
