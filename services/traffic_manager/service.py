@@ -33,6 +33,7 @@ from dualpath.config import (
 )
 from dualpath.kv import BlockStore
 from dualpath.node import BufferFullError, BufferPool, StorageIO
+from dualpath.node.buffer import Slot
 from dualpath.node.prefetch import PrefetchCache
 from dualpath.node.storage_io import BlockFormat
 from dualpath.protocol import messages as m
@@ -62,8 +63,10 @@ class TrafficManager:
         # so no late bytes land in a slot already handed to another request.
         self._busy: dict[str, int] = {}  # request id -> storage transfers using its slot
         self._free_later: set[str] = set()
-        cache = PrefetchCache(cfg.prefetch_mb << 20, cfg.prefetch_ttl_s) if cfg.prefetch_mb > 0 else None
-        self.prefetcher = Prefetcher(storage, cache) if cache is not None else None  # agent-aware prefetch (a hint)
+        # Agent-aware prefetch (a hint): staged runs are slots of this same buffer, given up
+        # first whenever a request needs the room (_alloc).
+        cache = PrefetchCache(self.pool, region.buf, cfg.prefetch_mb << 20, cfg.prefetch_ttl_s) if cfg.prefetch_mb > 0 else None
+        self.prefetcher = Prefetcher(storage, cache) if cache is not None else None
 
     @contextlib.contextmanager
     def _using(self, request_id: str):
@@ -85,6 +88,14 @@ class TrafficManager:
             return "deferred"
         return "freed" if self.pool.free(request_id) else "no slot"
 
+    def _alloc(self, owner: str, nbytes: int) -> Slot:
+        """A request's slot; staged prefetch runs are dropped, oldest first, before it waits.
+
+        Raises:
+            BufferFullError: no room even without any staged run.
+        """
+        return self.pool.alloc(owner, nbytes) if self.prefetcher is None else self.prefetcher.cache.alloc(owner, nbytes)
+
     def _slot_view(self, offset: int, nbytes: int) -> memoryview:
         self.region.check_range(offset, nbytes)
         return self.region.buf[offset : offset + nbytes]
@@ -97,7 +108,7 @@ class TrafficManager:
                 f"{self.cfg.node_id}'s whole {self.region.size}-byte buffer",
             )
         try:
-            slot = self.pool.alloc(req.request_id, req.blocks * req.block_bytes)
+            slot = self._alloc(req.request_id, req.blocks * req.block_bytes)
         except BufferFullError as exc:
             raise HandlerError(m.BUFFER_FULL, str(exc)) from None
         self._free_later.discard(req.request_id)  # a new attempt holds the slot again
@@ -119,7 +130,7 @@ class TrafficManager:
             if max(req.total_blocks, len(req.hashes)) * fmt.block_bytes > self.region.size:
                 raise HandlerError(400, f"request {req.request_id}'s KV is larger than node {self.cfg.node_id}'s whole buffer")
             try:
-                slot = self.pool.alloc(req.request_id, max(req.total_blocks, len(req.hashes)) * fmt.block_bytes)
+                slot = self._alloc(req.request_id, max(req.total_blocks, len(req.hashes)) * fmt.block_bytes)
             except BufferFullError as exc:
                 raise HandlerError(m.BUFFER_FULL, str(exc)) from None
             self._free_later.discard(req.request_id)
@@ -188,9 +199,10 @@ class TrafficManager:
                 }
                 with tracer.start_as_current_span("storage.write", attributes=attrs), self._using(req.request_id):
                     await self.io.write_blocks(req.model_digest, req.hashes, fmt, src)
-                chain = list(req.parent_chain) + list(req.hashes)
+                # the index needs only the parent of the new blocks, not the whole chain (which grows with the context)
+                chain = [*req.parent_chain[-1:], *req.hashes]
                 with tracer.start_as_current_span("kv.commit", attributes={"blocks": len(req.hashes)}):
-                    commit = m.CommitRequest(model_digest=req.model_digest, hashes=chain, start=len(req.parent_chain))
+                    commit = m.CommitRequest(model_digest=req.model_digest, hashes=chain, start=min(1, len(req.parent_chain)))
                     await self.bus.request(self.subjects.kv_commit, commit, m.Ok, timeout=TIMEOUTS.kv_commit)
         finally:
             if req.free_after:
@@ -205,7 +217,7 @@ class TrafficManager:
             node_id=self.cfg.node_id,
             read_q_tokens=self.io.read_q_tokens,
             read_q_bytes=self.io.read_q_bytes,
-            buffer_free_bytes=self.pool.free_bytes,
+            buffer_free_bytes=self.pool.free_bytes + self._prefetch_bytes(),  # staged runs are free room for requests
             buffer_bytes=self.region.size,
             regions=[self.descriptor.to_wire()],
             bytes_read=self.io.bytes_read,
@@ -214,11 +226,20 @@ class TrafficManager:
             ts=time.time(),
         )
 
+    def _prefetch_bytes(self) -> int:
+        return self.prefetcher.cache.bytes if self.prefetcher is not None else 0
+
     def _prefetch_stats(self) -> dict:
         p = self.prefetcher
         if p is None:
             return {}
-        return {**p.cache.stats.to_dict(), "prefetch_cached_bytes": p.cache.bytes, "prefetch_hints": p.hints}
+        return {
+            **p.cache.stats.to_dict(),
+            "prefetch_cached_bytes": p.cache.bytes,
+            "prefetch_peak_bytes": p.cache.peak_bytes,
+            "prefetch_read_bytes": p.bytes_read,
+            "prefetch_hints": p.hints,
+        }
 
     async def prefetch(self, req: m.PrefetchRequest) -> None:
         """A session's blocks to stage while idle (dropped when prefetch is off)."""
@@ -242,7 +263,13 @@ def register_metrics(tm: TrafficManager) -> None:
     observe(
         "dualpath.buffer.used",
         "bytes of the node DRAM buffer held by requests",
-        lambda: [(tm.region.size - tm.pool.free_bytes, node)],
+        lambda: [(tm.region.size - tm.pool.free_bytes - tm._prefetch_bytes(), node)],
+        unit="By",
+    )
+    observe(
+        "dualpath.buffer.prefetch",
+        "bytes of the node DRAM buffer held by staged prefetch runs (given up first)",
+        lambda: [(tm._prefetch_bytes(), node)],
         unit="By",
     )
     observe("dualpath.buffer.size", "bytes of the node DRAM buffer", lambda: [(tm.region.size, node)], unit="By")

@@ -1,104 +1,199 @@
-"""``PrefetchCache``: a node's prefetched Full Blocks (agent-aware prefetch, beyond the paper).
+"""``PrefetchCache``: a node's prefetched Full Blocks, in its DRAM buffer (agent-aware prefetch,
+beyond the paper).
 
 Between an agent's turns (its tool call), the scheduler may ask the traffic manager of the
 node likely to serve the next turn to pre-stage the session's persisted blocks. The traffic
-manager reads them from storage only while its storage read queue is empty, one block at a
-time (a real read waits at most one block behind a prefetch), through the same checksummed
-path as any read, and keeps the verified payloads here. A later ``load`` takes the leading
-blocks it finds here instead of reading them (a memory copy); the rest come from storage.
+manager reads them at the lowest priority (``services/traffic_manager/prefetcher.py``),
+through the same checksummed path as any read, and keeps the verified payloads here. A later
+``load`` takes the leading blocks it finds here instead of reading them (a memory copy into
+the request's slot); the rest come from storage.
 
-A prefetched copy is only a hint: the cache has its own byte budget per node (it never takes
-buffer room from a request: the request slots' pool is separate), entries expire after a TTL,
-the least recently staged go first when the budget is reached, and a next turn that lands on
-another node simply reads from storage. Counters: bytes staged, bytes used by loads, bytes
-dropped (expired or evicted unused).
+**A staged copy is only a hint.** It lives in the node's DRAM buffer: each hint's blocks are
+one *run*, a slot of the same ``BufferPool`` the requests' slots come from, so the buffer the
+scheduler and the engines see is the real one. Runs are given up before any request waits:
+
+- a request that finds no room (``alloc``) drops runs, oldest first, until it fits;
+- runs never exceed ``budget_bytes`` per node (``--prefetch-mb``): a new run first drops the
+  oldest ones, and a hint larger than the budget stages its leading blocks only (``load``
+  uses leading blocks: a tail alone would be useless);
+- a run expires ``ttl_s`` after it was opened (``--prefetch-ttl``);
+- a load that uses a run's blocks consumes the run (the request's slot holds them now; the
+  session's next hint stages the grown context again).
+
+A next turn that lands on another node simply reads from storage. Counters: bytes staged,
+bytes used by loads, bytes dropped (evicted, expired or left over when a run is consumed).
+
+Layout: run ``r`` holds block ``i`` of its hint at ``r.offset + i * block_bytes`` of the
+buffer region ``[blocks][layers, block_tokens, bytes]``, exactly as a request's slot does.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["PrefetchCache", "PrefetchStats"]
+from dualpath.node.buffer import BufferFullError, BufferPool, Slot
+
+__all__ = ["PREFETCH_OWNER", "PrefetchCache", "PrefetchStats", "Run"]
+
+PREFETCH_OWNER = "prefetch:"  # prefix of the buffer slots that hold runs (never a request id)
 
 
 @dataclass(slots=True)
 class PrefetchStats:
-    staged_bytes: int = 0  # verified block bytes read into the cache
+    staged_bytes: int = 0  # verified block bytes read into runs
     used_bytes: int = 0  # of which a load took instead of reading storage
-    dropped_bytes: int = 0  # expired or evicted before any load used them
+    dropped_bytes: int = 0  # evicted, expired or left over in a consumed run before any load used them
+    evictions: int = 0  # runs given up so that a request could have buffer room
 
     def to_dict(self) -> dict:
         return {
             "prefetch_staged_bytes": self.staged_bytes,
             "prefetch_used_bytes": self.used_bytes,
             "prefetch_dropped_bytes": self.dropped_bytes,
+            "prefetch_evictions": self.evictions,
         }
 
 
+class Run:
+    """One hint's blocks in one buffer slot; ``ready[i]``: block ``i`` is staged and verified."""
+
+    __slots__ = ("block_bytes", "digest", "expires", "hashes", "live", "nbytes", "offset", "owner", "ready")
+
+    def __init__(self, owner: str, digest: int, hashes: list[int], block_bytes: int, offset: int, nbytes: int, expires: float) -> None:
+        self.owner, self.digest, self.hashes, self.block_bytes = owner, digest, hashes, block_bytes
+        self.offset, self.nbytes, self.expires = offset, nbytes, expires
+        self.ready = [False] * len(hashes)
+        self.live = True
+
+
 class PrefetchCache:
-    """Block payloads by ``(model digest, block hash)``, within ``budget_bytes``, for ``ttl_s``.
+    """Runs of prefetched blocks in ``pool`` (the node buffer), read and written through
+    ``region`` (the buffer's bytes), within ``budget_bytes`` for ``ttl_s`` each.
 
     Raises:
         ValueError: a negative budget or a TTL that is not positive.
     """
 
-    def __init__(self, budget_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, pool: BufferPool, region: memoryview, budget_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if budget_bytes < 0 or not ttl_s > 0:
             raise ValueError(f"prefetch budget {budget_bytes} bytes / ttl {ttl_s} s: budget must be >= 0, ttl > 0")
+        self.pool, self.region = pool, region
         self.budget, self.ttl, self.clock = budget_bytes, ttl_s, clock
-        self._blocks: OrderedDict[tuple[int, int], tuple[bytes, float]] = OrderedDict()  # oldest first
-        self.bytes = 0
+        self._runs: OrderedDict[str, Run] = OrderedDict()  # oldest first
+        self._index: dict[tuple[int, int], tuple[Run, int]] = {}  # (digest, hash) -> run, block index (staged blocks)
+        self._names = itertools.count()
+        self.bytes = 0  # buffer bytes held by runs
+        self.peak_bytes = 0  # the most ever held at once
         self.stats = PrefetchStats()
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._index)
 
     def __contains__(self, key: tuple[int, int]) -> bool:
-        entry = self._blocks.get(key)
-        return entry is not None and entry[1] > self.clock()
+        entry = self._index.get(key)
+        return entry is not None and entry[0].expires > self.clock()
 
-    def put(self, digest: int, block_hash: int, data: bytes) -> bool:
-        """Keep a verified block; evicts the oldest to fit. False if it cannot fit at all."""
-        n = len(data)
-        if n > self.budget:
-            return False
-        key = (digest, block_hash)
-        old = self._blocks.pop(key, None)
-        if old is not None:
-            self.bytes -= len(old[0])
+    # ---- staging (the prefetcher) -------------------------------------------------------------
+    def open_run(self, digest: int, hashes: list[int], block_bytes: int) -> Run | None:
+        """A slot for the leading blocks of ``hashes`` that fit the budget, after dropping
+        expired and then the oldest runs as the budget needs; never takes room a request
+        holds. None when not even one block fits."""
         self._expire()
-        while self.bytes + n > self.budget and self._blocks:
-            _, (dropped, _) = self._blocks.popitem(last=False)
-            self.bytes -= len(dropped)
-            self.stats.dropped_bytes += len(dropped)
-        self._blocks[key] = (data, self.clock() + self.ttl)
-        self.bytes += n
-        self.stats.staged_bytes += n
+        n = min(len(hashes), self.budget // block_bytes) if block_bytes > 0 else 0
+        if n <= 0:
+            return None
+        need = n * block_bytes
+        while self._runs and self.bytes + need > self.budget:
+            self._drop(next(iter(self._runs.values())))
+        owner = f"{PREFETCH_OWNER}{next(self._names)}"
+        while True:
+            try:
+                slot = self.pool.alloc(owner, need)
+                break
+            except BufferFullError:
+                if not self._runs:  # the buffer is the requests': stage nothing now
+                    return None
+                self._drop(next(iter(self._runs.values())))
+        run = Run(owner, digest, list(hashes[:n]), block_bytes, slot.offset, slot.nbytes, self.clock() + self.ttl)
+        self._runs[owner] = run
+        self.bytes += slot.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+        return run
+
+    def fill(self, run: Run, i: int, data: memoryview) -> bool:
+        """Keep verified block ``i`` of ``run`` (False: the run was dropped meanwhile)."""
+        if not run.live:
+            return False
+        bb = run.block_bytes
+        start = run.offset + i * bb
+        self.region[start : start + bb] = data
+        run.ready[i] = True
+        self._index[(run.digest, run.hashes[i])] = (run, i)
+        self.stats.staged_bytes += bb
         return True
 
+    # ---- use (a load) ---------------------------------------------------------------------------
     def take_prefix(self, digest: int, hashes: list[int], block_bytes: int, dest: memoryview) -> int:
         """Copy the leading blocks of ``hashes`` found here into ``dest`` (block i at
-        ``i*block_bytes``) and forget them; returns how many. Stops at the first one absent."""
+        ``i*block_bytes``) and consume the runs they came from; returns how many. Stops at
+        the first one absent."""
         self._expire()
-        n = 0
+        n, used = 0, set()
         for i, h in enumerate(hashes):
-            entry = self._blocks.get((digest, h))
-            if entry is None or len(entry[0]) != block_bytes:
+            entry = self._index.get((digest, h))
+            if entry is None or entry[0].block_bytes != block_bytes:
                 break
-            dest[i * block_bytes : (i + 1) * block_bytes] = entry[0]
+            run, k = entry
+            src = run.offset + k * block_bytes
+            dest[i * block_bytes : (i + 1) * block_bytes] = self.region[src : src + block_bytes]
+            used.add(run.owner)
             n += 1
-        for h in hashes[:n]:  # used once: the request's slot holds it now, the next turn re-stages
-            data, _ = self._blocks.pop((digest, h))
-            self.bytes -= len(data)
-            self.stats.used_bytes += len(data)
+        self.stats.used_bytes += n * block_bytes
+        self.stats.dropped_bytes -= n * block_bytes  # _drop counts every staged block of a run; these were used
+        for owner in used:
+            self._drop(self._runs[owner])
         return n
+
+    # ---- pressure -----------------------------------------------------------------------------
+    def alloc(self, owner: str, nbytes: int) -> Slot:
+        """A request's slot in the pool, dropping runs (oldest first) until it fits.
+
+        Raises:
+            BufferFullError: no room even with every run given up.
+        """
+        while True:
+            try:
+                return self.pool.alloc(owner, nbytes)
+            except BufferFullError:
+                if not self.make_room():
+                    raise
+
+    def make_room(self) -> bool:
+        """A request found the buffer full: give up the oldest run (False: none left)."""
+        if not self._runs:
+            return False
+        self.stats.evictions += 1
+        self._drop(next(iter(self._runs.values())))
+        return True
 
     def _expire(self) -> None:
         now = self.clock()
-        for key in [k for k, (_, exp) in self._blocks.items() if exp <= now]:
-            data, _ = self._blocks.pop(key)
-            self.bytes -= len(data)
-            self.stats.dropped_bytes += len(data)
+        for run in [r for r in self._runs.values() if r.expires <= now]:
+            self._drop(run)
+
+    def _drop(self, run: Run) -> None:
+        run.live = False
+        del self._runs[run.owner]
+        for i, h in enumerate(run.hashes):
+            if run.ready[i]:
+                self.stats.dropped_bytes += run.block_bytes
+                if self._index.get((run.digest, h), (None,))[0] is run:
+                    del self._index[(run.digest, h)]
+        self.pool.free(run.owner)
+        self.bytes -= run.nbytes

@@ -26,7 +26,8 @@ buffer (``PendingRequest.staged_node``) takes a prefill engine on that node when
 qualifies (``tok_e ≤ β``) and the compute it queues behind there is no longer than the read
 it saves (stage 1), or that decode group when it has room and its Σ``tok_e`` is within two
 such requests of the least loaded (stage 2), and reads on that side (stage 4, unless
-forced); otherwise it is placed as any other request.
+forced, or unless that side's read queue is longer than the other's by more than the
+request's hits); otherwise it is placed as any other request.
 
 Ties inside every "smallest" rule go to the lowest engine or node id. Nothing here
 mutates the ``ClusterState``; tentative values live in per-pass heaps and dicts.
@@ -214,7 +215,7 @@ def choose_read_sides(
             continue
         if forced is not None:
             pe_side = forced is ReadSide.PE
-        elif staged_here and read_path in (ReadPath.AUTO, ReadPath.SPLIT):
+        elif staged_here and read_path in (ReadPath.AUTO, ReadPath.SPLIT) and _staged_side_bounded(r, pe_node, q_pe, q_de):
             pe_side = r.staged_node == pe_node  # prefetch: the side that holds the staged copy
         else:
             pe_side = read_path is ReadPath.PE or (read_path in (ReadPath.AUTO, ReadPath.SPLIT) and q_pe <= q_de)
@@ -225,6 +226,14 @@ def choose_read_sides(
             sides.append(ReadChoice(ReadSide.DE, 0))
             queue[de_node] = q_de + r.hit_tokens
     return sides
+
+
+def _staged_side_bounded(r: PendingRequest, pe_node: int, q_pe: int, q_de: int) -> bool:
+    """Whether reading on the staged side is safe: its queue is at most one such read longer
+    than the other side's, so a copy lost meanwhile (evicted, expired, partly staged) costs
+    at most that; a whole copy needs no storage read at all."""
+    q_staged, q_other = (q_pe, q_de) if r.staged_node == pe_node else (q_de, q_pe)
+    return q_staged <= q_other + r.hit_tokens
 
 
 def assemble(
