@@ -1,15 +1,22 @@
 """The block index replicated through JetStream: every replica sees every commit, a new replica
-replays the stream, evictions are the same everywhere, concurrent commits share records."""
+replays the stream, evictions are the same everywhere, concurrent commits share records, queued
+changes are bounded, a commit JetStream did not store is refused; the service's raw NATS paths
+answer lookups, commits and garbage."""
 
 from __future__ import annotations
 
 import asyncio
 
+import anyio
+import msgpack
 import nats
 import pytest
 
 from dualpath.bus.embedded import EmbeddedNats
-from dualpath.ha.replicated_index import ReplicatedIndex
+from dualpath.ha.replicated_index import IndexBusyError, ReplicatedIndex, ReplicationError
+from dualpath.protocol import decode, encode
+from dualpath.protocol import messages as m
+from services.kv_persistence.service import KvPersistence
 
 pytestmark = pytest.mark.anyio
 
@@ -128,3 +135,68 @@ async def test_a_replica_that_missed_purged_records_reloads_the_snapshot(js_serv
         for idx, nc in ((a, nc_a), (b, nc_b)):
             await idx.close()
             await nc.close()
+
+
+async def test_queued_changes_are_bounded_and_close_fails_the_waiting_ones_and_ends_every_task(js_server):
+    nc, a = await _replica(js_server.url, max_pending_ops=2)
+    try:
+        answers: list[BaseException | None] = []
+
+        async def done(error: BaseException | None) -> None:
+            answers.append(error)
+
+        a.submit_commit(6, [1], done)
+        a.submit_commit(6, [2], done)
+        with pytest.raises(IndexBusyError):
+            a.submit_commit(6, [3], done)  # two already wait: refused at once, ``done`` never runs
+        await a.close()
+        assert len(answers) == 2 and not a._tasks  # noqa: SLF001 - every background task has ended
+        assert all(e is None or isinstance(e, ReplicationError) for e in answers)
+    finally:
+        await nc.close()
+
+
+async def test_a_commit_whose_record_cannot_be_stored_is_refused_not_acknowledged(js_server):
+    nc, a = await _replica(js_server.url, ack_timeout=2.0)
+    try:
+        await nc.jetstream().delete_stream(a.stream)  # JetStream no longer stores the records
+        with pytest.raises(ReplicationError):
+            await a.commit(8, [1, 2])
+    finally:
+        await a.close()
+        await nc.close()
+
+
+async def _service(url: str) -> tuple[nats.NATS, ReplicatedIndex, KvPersistence]:
+    nc, index = await _replica(url)
+    svc = KvPersistence(index)
+    async with anyio.create_task_group() as tasks:  # the raw paths of a replicated index without storage start no task
+        svc.attach(nc.publish, tasks)
+    await nc.subscribe("t.lookup", cb=svc.on_lookup)
+    await nc.subscribe("t.commit", cb=svc.on_commit)
+    await nc.flush()
+    return nc, index, svc
+
+
+async def test_the_service_answers_raw_lookups_and_commits_and_garbage_with_an_error_reply(js_server):
+    nc, index, svc = await _service(js_server.url)
+    try:
+
+        async def ask(subject: str, data: bytes) -> object:
+            return decode((await nc.request(subject, data, timeout=10)).data, m.Ok, m.LookupReply, m.ErrorReply)
+
+        assert await ask("t.commit", encode(m.CommitRequest(model_digest=9, hashes=[1, 2, 3]))) == m.Ok()
+        assert len(index) == 3  # answered only once applied here
+        assert await ask("t.commit", encode(m.CommitRequest(model_digest=9, hashes=[3, 4], start=1))) == m.Ok()  # parent + new
+        assert await ask("t.lookup", encode(m.LookupRequest(model_digest=9, hashes=[1, 2, 3, 4, 5]))) == m.LookupReply(hit_blocks=4)
+        for subject in ("t.lookup", "t.commit"):
+            for junk in (b"\x00garbage", msgpack.packb({"v": 1, "t": 10, "model_digest": "x", "hashes": []})):
+                answer = await ask(subject, junk)
+                assert isinstance(answer, m.ErrorReply) and answer.code == 400
+        bad = await ask("t.commit", encode(m.CommitRequest(model_digest=9, hashes=[0, 7])))  # hash 0 is the root's
+        assert isinstance(bad, m.ErrorReply) and bad.code == 400
+        assert await ask("t.lookup", encode(m.LookupRequest(model_digest=9, hashes=[1, 2]))) == m.LookupReply(hit_blocks=2)
+        assert svc.looked_up == 7 and svc.hits == 6
+    finally:
+        await index.close()
+        await nc.close()

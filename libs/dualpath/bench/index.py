@@ -2,119 +2,189 @@
 
 The load, from the paper's figures (PAPER.md, 64K set, online at scale: 44P88D at 8.8 agents
 per second, 157 turns per agent, 429 tokens appended and 176 generated per turn, average
-context 32,721 tokens, 64-token blocks):
+context 32,721 tokens, 64-token blocks), as the services send it:
 
-- lookups: one per turn, 8.8 x 157 = 1,382 per second, each over the whole context's chain
-  (32,721 / 64 = 511 hashes);
-- block commits: every block that fills, (429 + 176) / 64 = 9.45 per turn, 13,061 per
-  second, arriving as one commit for the prompt's new blocks and one per generated block
-  (3.75 commit requests per turn), each carrying the whole chain (as the traffic manager
-  sends it).
+- lookups: one ``LookupRequest`` per turn (the gateway's, before it submits), carrying the
+  whole context's chain, 32,721 / 64 = 511 hashes: 8.8 x 157 = 1,382 messages per second;
+- block commits: every block that fills, (429 + 176) / 64 = 9.45 per turn, 13,060 per second.
+  They arrive as ``CommitRequest`` messages from the traffic managers, each carrying the
+  parent hash and the new blocks: one for the prompt's new blocks when decoding starts
+  (429 / 64 = 6.7 blocks on average) and one per generated block as it fills (176 / 64 =
+  2.75 messages of 1 block), 3.75 commit messages per turn, 5,181 per second, a turn's
+  commits in order (a block is committed after its parent).
 
-The benchmark runs a real nats-server with JetStream and ``--replicas`` kv-persistence
-processes (``--replication jetstream``), warms the index with the agents' contexts, then
-drives lookups and commits in the load's mix from ``--clients`` concurrent agents (closed
-loop, as fast as answers come) for ``--seconds`` and reports the rates it sustained. The
-headroom is the smaller of sustained/required over lookups and block commits. Everything
-shares this machine's cores with the load driver itself, so the figure is a lower bound.
-A benchmark, not a test: it prints what it measured.
+The benchmark runs a real nats-server with JetStream (``--nats-cluster 3``: a 3-server
+cluster, the stream on all three) and ``--replicas`` kv-persistence processes
+(``--replication jetstream``, one queue group), indexes every agent's context, then runs
+``--clients`` agents in a closed loop for ``--seconds``: each turn is one lookup of the last
+511 blocks, then the prompt's commit, then the generated blocks' commits one by one, every
+message a NATS request answered by whichever replica the queue group picks, a commit
+answered once its stream record is stored and applied. It reports the rates sustained,
+``headroom`` = the smallest of sustained / required over lookups, block commits and commit
+messages, and the CPU each process used. Everything shares this host's cores with the load
+driver (and on a shared machine with whatever else runs), so ``headroom`` is what this host
+gave; ``per_replica_core`` turns the replicas' CPU time into the load one replica core
+carries, and ``projected_headroom`` is the headroom of ``--replicas`` replicas with a core
+each (nats-server's CPU per unit of load is reported beside it). A benchmark, not a test: it
+prints what it measured.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import random
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import cast
+from typing import Any
 
 __all__ = ["LOAD", "format_report", "run_bench"]
 
 _BLOCK = 64
 _APS, _TURNS, _APPEND, _GEN, _CONTEXT = 8.8, 157, 429, 176, 32_721
-LOAD = {
+_TURNS_PER_S = _APS * _TURNS
+LOAD: dict[str, Any] = {
     "source": "PAPER.md: 64K set, 44P88D online at 8.8 APS (the 1,152-GPU scale)",
-    "lookups_per_s": _APS * _TURNS,
-    "block_commits_per_s": _APS * _TURNS * (_APPEND + _GEN) / _BLOCK,
-    "commit_requests_per_s": _APS * _TURNS * (1 + _GEN / _BLOCK),
+    "lookups_per_s": _TURNS_PER_S,
+    "block_commits_per_s": _TURNS_PER_S * (_APPEND + _GEN) / _BLOCK,
+    "commit_requests_per_s": _TURNS_PER_S * (1 + _GEN / _BLOCK),
     "chain_blocks": _CONTEXT // _BLOCK,
+    "per_turn": {
+        "lookup_messages": 1,
+        "hashes_per_lookup": _CONTEXT // _BLOCK,
+        "prompt_commit_messages": 1,
+        "prompt_blocks": _APPEND / _BLOCK,
+        "generated_commit_messages": _GEN / _BLOCK,
+        "blocks_per_generated_commit": 1,
+        "hashes_per_commit": "the parent's + the new blocks'",
+    },
 }
-
-
-def _encode(type_id: int, fields: dict) -> bytes:
-    from dualpath.protocol import encode
-    from dualpath.protocol import messages as m
-
-    cls = {11: m.LookupRequest, 12: m.CommitRequest}[type_id]
-    return encode(cls(**fields))
+_GRACE_S = 15.0  # how long the driver waits for answers still due when the measuring time is over
 
 
 class _Agent:
-    """One conversation's hash chain, grown turn by turn."""
+    """One conversation's hash chain, grown turn by turn (fractional blocks carried over)."""
 
     def __init__(self, rng: random.Random, chain_blocks: int) -> None:
         self.rng = rng
         self.chain = [rng.getrandbits(63) | 1 for _ in range(chain_blocks)]
+        self.prompt_due = rng.random()  # blocks owed, so that turns average 6.7 prompt and 2.75 generated blocks
+        self.gen_due = rng.random()
 
-    def new_blocks(self, n: int) -> list[int]:
-        return [self.rng.getrandbits(63) | 1 for _ in range(n)]
+    def new_block(self, keep: int) -> list[int]:
+        """Append one block; return ``[parent, block]`` (the commit message's hashes)."""
+        h = self.rng.getrandbits(63) | 1
+        parent = self.chain[-1]
+        self.chain.append(h)
+        if len(self.chain) > 2 * keep:
+            del self.chain[:-keep]
+        return [parent, h]
+
+
+class _Requests:
+    """Request/reply over one wildcard reply subscription: a future per request, no timer each
+    (answers still missing after the run are counted as errors)."""
+
+    def __init__(self, nc) -> None:
+        self.nc = nc
+        self.prefix = nc.new_inbox()
+        self._futures: dict[str, asyncio.Future[bytes]] = {}
+        self._ids = itertools.count()
+
+    async def start(self) -> None:
+        await self.nc.subscribe(self.prefix + ".*", cb=self._on_reply)
+        await self.nc.flush()
+
+    async def _on_reply(self, msg) -> None:
+        fut = self._futures.pop(msg.subject[len(self.prefix) + 1 :], None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg.data)
+
+    async def request(self, subject: str, payload: bytes) -> bytes:
+        token = str(next(self._ids))
+        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._futures[token] = fut
+        await self.nc.publish(subject, payload, reply=f"{self.prefix}.{token}")
+        return await fut
+
+    def abandon(self) -> int:
+        """Cancel every request still unanswered; returns how many there were."""
+        left = [f for f in self._futures.values() if not f.done()]
+        for fut in left:
+            fut.cancel()
+        self._futures.clear()
+        return len(left)
 
 
 async def _drive(url: str, namespace: str, *, clients: int, seconds: float, chain_blocks: int, seed: int) -> dict:
     import nats
 
-    from dualpath.protocol import decode
+    from dualpath.protocol import decode, encode
     from dualpath.protocol import messages as m
     from dualpath.protocol.subjects import Subjects
 
     subj = Subjects(namespace)
-    nc = await nats.connect(url, max_reconnect_attempts=-1)
+    nc = await nats.connect(url, max_reconnect_attempts=-1, pending_size=64 << 20)
+    req = _Requests(nc)
+    await req.start()
     rng = random.Random(seed)
     agents = [_Agent(rng, chain_blocks) for _ in range(clients)]
     digest = 0x5EED
-    prompt_blocks = round(_APPEND / _BLOCK)  # new blocks of a turn's prompt (plus the generated ones, one at a time)
-    gen_blocks = round(_GEN / _BLOCK)
     for a in agents:  # warm-up: each agent's context is indexed
-        await nc.request(subj.kv_commit, _encode(12, {"model_digest": digest, "hashes": a.chain, "start": 0}), timeout=30)
+        reply = await asyncio.wait_for(req.request(subj.kv_commit, encode(m.CommitRequest(model_digest=digest, hashes=a.chain))), 60)
+        decode(reply, m.Ok)
     counts = {"lookups": 0, "commit_requests": 0, "block_commits": 0, "errors": 0, "hit_blocks": 0}
     latencies: list[float] = []
     stop_at = time.perf_counter() + seconds
 
-    async def commit(a: _Agent, n: int) -> None:
-        new = a.new_blocks(n)
-        a.chain = a.chain[-chain_blocks:] + new if len(a.chain) > 4 * chain_blocks else a.chain + new
-        start = len(a.chain) - n
-        await nc.request(subj.kv_commit, _encode(12, {"model_digest": digest, "hashes": a.chain, "start": start}), timeout=30)
+    async def commit(hashes: list[int]) -> None:
+        answer = decode(await req.request(subj.kv_commit, encode(m.CommitRequest(model_digest=digest, hashes=hashes, start=1))), m.Ok)
+        assert isinstance(answer, m.Ok)
         counts["commit_requests"] += 1
-        counts["block_commits"] += n
+        counts["block_commits"] += len(hashes) - 1
+
+    async def turn(a: _Agent) -> None:
+        t0 = time.perf_counter()
+        raw = await req.request(subj.kv_lookup, encode(m.LookupRequest(model_digest=digest, hashes=a.chain[-chain_blocks:])))
+        latencies.append(time.perf_counter() - t0)
+        counts["lookups"] += 1
+        counts["hit_blocks"] += decode(raw, m.LookupReply).hit_blocks
+        a.prompt_due += _APPEND / _BLOCK
+        n, a.prompt_due = int(a.prompt_due), a.prompt_due % 1
+        if n:
+            first = a.new_block(chain_blocks)
+            await commit(first + [a.new_block(chain_blocks)[1] for _ in range(n - 1)])
+        a.gen_due += _GEN / _BLOCK
+        n, a.gen_due = int(a.gen_due), a.gen_due % 1
+        for _ in range(n):
+            await commit(a.new_block(chain_blocks))
 
     async def run(a: _Agent) -> None:
         while time.perf_counter() < stop_at:
             try:
-                t0 = time.perf_counter()
-                reply = await nc.request(
-                    subj.kv_lookup, _encode(11, {"model_digest": digest, "hashes": a.chain[-chain_blocks:]}), timeout=30
-                )
-                latencies.append(time.perf_counter() - t0)
-                counts["lookups"] += 1
-                counts["hit_blocks"] += decode(reply.data, m.LookupReply).hit_blocks
-                await commit(a, prompt_blocks)
-                for _ in range(gen_blocks):
-                    await commit(a, 1)
-            except Exception:  # noqa: BLE001 - counted, the run goes on
+                await turn(a)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - an error reply or a bad answer: counted, the run goes on
                 counts["errors"] += 1
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(run(a) for a in agents))
+    tasks = [asyncio.create_task(run(a)) for a in agents]  # awaited (or cancelled) right below
+    done, late = await asyncio.wait(tasks, timeout=seconds + _GRACE_S)
     elapsed = time.perf_counter() - t0
+    unanswered = req.abandon()
+    for task in late:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
     await nc.close()
     latencies.sort()
     return {
         "elapsed_s": elapsed,
         **counts,
+        "unanswered": unanswered,
         "lookup_p50_ms": 1000 * latencies[len(latencies) // 2] if latencies else None,
         "lookup_p99_ms": 1000 * latencies[int(len(latencies) * 0.99)] if latencies else None,
     }
@@ -123,11 +193,11 @@ async def _drive(url: str, namespace: str, *, clients: int, seconds: float, chai
 def run_bench(
     *,
     replicas: int = 2,
-    clients: int = 48,
+    clients: int = 256,
     seconds: float = 10.0,
     nats_cluster: int = 1,
     seed: int = 0,
-    chain_blocks: int = cast(int, LOAD["chain_blocks"]),
+    chain_blocks: int = LOAD["chain_blocks"],
 ) -> dict:
     """Start NATS and ``replicas`` kv-persistence processes, drive the load's mix, report rates and headroom."""
     from dualpath.cli.launcher.supervisor import Supervisor
@@ -144,58 +214,65 @@ def run_bench(
         time.sleep(1.0 if nats_cluster > 1 else 0.3)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for i in range(replicas):
-            sup.add(
-                f"kv-persistence-{i}",
-                [
-                    sys.executable,
-                    "-m",
-                    "services.kv_persistence",
-                    "--nats-url",
-                    url,
-                    "--namespace",
-                    namespace,
-                    "--storage",
-                    str(run_dir / "storage"),
-                    "--replication",
-                    "jetstream",
-                    "--replica-id",
-                    str(i),
-                ],
-                env,
-            )
+            cmd = [sys.executable, "-m", "services.kv_persistence", "--nats-url", url, "--namespace", namespace]
+            cmd += ["--storage", str(run_dir / "storage"), "--replication", "jetstream", "--replica-id", str(i)]
+            sup.add(f"kv-persistence-{i}", cmd, env)
         _wait_for_replicas(run_dir / "logs", replicas, sup)
-        cpu0 = _cpu_seconds(sup)
+        cpu0, driver0 = _cpu_seconds(sup), time.process_time()
         measured = asyncio.run(_drive(specs[0].url, namespace, clients=clients, seconds=seconds, chain_blocks=chain_blocks, seed=seed))
-        cpu1 = _cpu_seconds(sup)
+        cpu1, driver1 = _cpu_seconds(sup), time.process_time()
     finally:
         sup.stop([n for n in sup.children if n.startswith("kv-")], 10.0)
         sup.stop(list(sup.children), 5.0)
+    return _report(measured, {k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1}, driver1 - driver0, replicas, nats_cluster, clients)
+
+
+def _report(measured: dict, cpu: dict[str, float], driver_cpu: float, replicas: int, nats_cluster: int, clients: int) -> dict:
     t = measured["elapsed_s"]
+    keys = ("lookups_per_s", "block_commits_per_s", "commit_requests_per_s")
     rates = {
         "lookups_per_s": measured["lookups"] / t,
         "block_commits_per_s": measured["block_commits"] / t,
         "commit_requests_per_s": measured["commit_requests"] / t,
     }
-    headroom = min(rates["lookups_per_s"] / LOAD["lookups_per_s"], rates["block_commits_per_s"] / LOAD["block_commits_per_s"])
-    cpu = {k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1}
-    # What the replicas' CPU time says: seconds of one core per second of the full load (the
-    # measured mix has the load's ratio of lookups to commits), i.e. cores the index needs.
+    ratios = {k: rates[k] / LOAD[k] for k in keys}
+    headroom = min(ratios.values())
+    # Seconds of the full load the run carried (its mix is the load's, so the ratios agree up to
+    # the turns in progress at the end); CPU per such second is the cores the load needs.
+    load_seconds = t * headroom
     replica_cpu = sum(v for k, v in cpu.items() if k.startswith("kv-"))
-    load_seconds = t * min(rates["lookups_per_s"] / LOAD["lookups_per_s"], rates["block_commits_per_s"] / LOAD["block_commits_per_s"])
-    cores_for_load = replica_cpu / load_seconds if load_seconds else None
+    nats_cpu = sum(v for k, v in cpu.items() if k.startswith("nats"))
+    replica_cores = replica_cpu / load_seconds if load_seconds else None
+    per_core = 1 / replica_cores if replica_cores else None
     return {
         "load": LOAD,
+        "model": (
+            "per turn: 1 lookup message of 511 hashes; 1 commit message of the prompt's new blocks (6.7 on average) and "
+            "2.75 of 1 generated block each, every commit carrying the parent hash and its new blocks; closed loop, "
+            "turns of one agent in order"
+        ),
         "measured": measured,
         "rates": rates,
+        "ratios": ratios,
         "headroom": headroom,
         "headroom_ok": headroom >= 3.0,
         "replicas": replicas,
         "nats_servers": nats_cluster,
         "clients": clients,
         "host_cpus": os.cpu_count(),
-        "cpu_seconds": cpu,
-        "replica_cores_for_load": cores_for_load,
-        "replica_cores_for_3x": 3 * cores_for_load if cores_for_load else None,
+        "host_load_avg_1m": os.getloadavg()[0],
+        "cpu_seconds": {**cpu, "driver": driver_cpu},
+        "cores_used": {k: v / t for k, v in {**cpu, "driver": driver_cpu}.items()},
+        "replica_cores_for_load": replica_cores,
+        "replica_cores_for_3x": 3 * replica_cores if replica_cores else None,
+        "nats_cores_for_load": nats_cpu / load_seconds if load_seconds else None,
+        "per_replica_core": {
+            "headroom": per_core,
+            "lookups_per_s": per_core * LOAD["lookups_per_s"] if per_core else None,
+            "block_commits_per_s": per_core * LOAD["block_commits_per_s"] if per_core else None,
+            "commit_requests_per_s": per_core * LOAD["commit_requests_per_s"] if per_core else None,
+        },
+        "projected_headroom": replicas * per_core if per_core else None,
     }
 
 
@@ -234,7 +311,8 @@ def format_report(r: dict) -> str:
     load, rates, meas = r["load"], r["rates"], r["measured"]
     head = (
         f"replicated block index: {r['replicas']} kv-persistence replicas, {r['nats_servers']} nats-server(s), "
-        f"{r['clients']} agents, {meas['elapsed_s']:.1f} s on {r['host_cpus']} CPUs (shared with the load driver)"
+        f"{r['clients']} agents, {meas['elapsed_s']:.1f} s on {r['host_cpus']} CPUs (load average {r['host_load_avg_1m']:.1f}, "
+        "shared with the load driver)"
     )
     lines = [head, f"{'':24}{'required':>12}{'sustained':>12}{'ratio':>8}"]
     for label, key in (
@@ -243,27 +321,30 @@ def format_report(r: dict) -> str:
         ("commit requests/s", "commit_requests_per_s"),
     ):
         lines.append(f"{label:24}{load[key]:>12,.0f}{rates[key]:>12,.0f}{rates[key] / load[key]:>8.2f}")
+    p50, p99 = meas["lookup_p50_ms"] or 0.0, meas["lookup_p99_ms"] or 0.0
     lines.append(
-        f"headroom {r['headroom']:.2f}x ({'meets' if r['headroom_ok'] else 'below'} the 3x target); lookup p50 "
-        f"{meas['lookup_p50_ms']:.1f} ms, p99 {meas['lookup_p99_ms']:.1f} ms; errors {meas['errors']}"
+        f"headroom {r['headroom']:.2f}x on this host ({'meets' if r['headroom_ok'] else 'below'} the 3x target); lookup p50 "
+        f"{p50:.1f} ms, p99 {p99:.1f} ms; errors {meas['errors']}, unanswered {meas['unanswered']}"
     )
-    lines.append("CPU seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["cpu_seconds"].items())))
+    lines.append("cores used: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["cores_used"].items())))
     if r["replica_cores_for_load"]:
+        pc = r["per_replica_core"]
         lines.append(
-            f"replica CPU per second of the full load: {r['replica_cores_for_load']:.1f} cores "
-            f"(3x: {r['replica_cores_for_3x']:.1f} cores, spread over replicas on their own cores)"
+            f"one replica core carries {pc['headroom']:.2f}x the load ({pc['lookups_per_s']:,.0f} lookups/s with "
+            f"{pc['block_commits_per_s']:,.0f} block commits/s); {r['replicas']} replicas with a core each: "
+            f"{r['projected_headroom']:.2f}x (nats-server: {r['nats_cores_for_load']:.2f} cores per load)"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``dualpath bench index [--replicas 2] [--clients 48] [--seconds 10] [--nats-cluster 1|3] [--json]``."""
+    """``dualpath bench index [--replicas 2] [--clients 256] [--seconds 10] [--nats-cluster 1|3] [--json]``."""
     import argparse
     import json
 
     p = argparse.ArgumentParser(prog="dualpath bench index", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, default=2, help="kv-persistence replicas (default 2)")
-    p.add_argument("--clients", type=int, default=48, help="concurrent agents driving the load (default 48)")
+    p.add_argument("--clients", type=int, default=256, help="concurrent agents driving the load, closed loop (default 256)")
     p.add_argument("--seconds", type=float, default=10.0, help="measuring time (default 10)")
     p.add_argument("--nats-cluster", type=int, default=1, choices=(1, 3), help="nats-servers (3 = a JetStream cluster)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")

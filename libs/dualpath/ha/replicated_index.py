@@ -14,11 +14,19 @@ order. The sets of indexed blocks are therefore the same on every replica; only 
 A commit is answered only after its record is stored by JetStream (acknowledged, on a
 majority of the cluster's servers) *and* applied by the replica that answers, so a block the
 client was told is committed survives the loss of any one process or server: a restarted
-replica replays the stream before it serves. Concurrent commits on one replica share one
-stream message (group commit), which keeps JetStream's message rate far below the commit
-rate. With a capacity, the replica that takes a commit chooses the blocks to evict (its own
-least recently used leaves) and writes them into the record, so eviction is also identical
+replica replays the stream before it serves. Changes are group-committed: ``submit`` queues an
+op with a completion callback and returns at once; a flusher packs every queued op (up to
+``max_batch_ops``) into one stream message and keeps up to ``publish_window`` of them awaiting
+JetStream's acknowledgement at a time, so the stream's message rate stays far below the commit
+rate and no task or future exists per commit. When the record is acknowledged and applied
+here, the callbacks of all its ops run (the service publishes the replies from them). Queued
+ops are bounded (``max_pending_ops``); past the bound ``submit`` raises ``IndexBusyError``.
+With a capacity, the replica that takes a commit chooses the blocks to evict (its own least
+recently used leaves) and writes them into the record, so eviction is also identical
 everywhere.
+
+Background work (flushing, publishing, resynchronising) runs in tasks this object tracks;
+``close`` cancels them and fails the ops still waiting.
 
 Compaction: when the stream holds more than ``compact_after`` records, one replica at a time
 (a JetStream KV lease) writes a snapshot of its index, taken at the stream sequence it has
@@ -34,7 +42,9 @@ digest, [hashes...]]`` (remove them and their descendants).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import heapq
+import itertools
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import msgpack
@@ -47,7 +57,7 @@ from dualpath.kv.hashing import check_u64
 from dualpath.kv.trie import check_chain
 from dualpath.telemetry.logs import get_logger
 
-__all__ = ["RECORD_VERSION", "ReplicatedIndex", "ReplicationError", "stream_name"]
+__all__ = ["RECORD_VERSION", "Done", "IndexBusyError", "ReplicatedIndex", "ReplicationError", "stream_name"]
 
 log = get_logger("kv-index")
 RECORD_VERSION = 1
@@ -56,6 +66,18 @@ SNAPSHOT = "index"  # the object holding the latest snapshot
 
 class ReplicationError(RuntimeError):
     """Raised when the stream cannot be created or read, or a change was not acknowledged in time."""
+
+
+class IndexBusyError(ReplicationError):
+    """Raised by ``submit`` when ``limit`` ops already wait to be replicated (back-pressure)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"index busy: {limit} changes already wait to be replicated")
+        self.limit = limit
+
+
+Done = Callable[[BaseException | None], Awaitable[None]]  # an op's completion: None once durable and applied here
+_Batch = list[tuple[list[Any], Done]]
 
 
 def stream_name(namespace: str) -> str:
@@ -74,6 +96,8 @@ class ReplicatedIndex:
         *,
         capacity_blocks: int | None = None,
         max_batch_ops: int = 512,
+        publish_window: int = 4,
+        max_pending_ops: int = 16_384,
         ack_timeout: float = 10.0,
         compact_after: int = 100_000,
     ) -> None:
@@ -88,13 +112,26 @@ class ReplicatedIndex:
         self.applied = 0  # stream sequence of the last record applied
         self.records = 0  # stream messages published by this replica
         self._max_batch = max_batch_ops
+        self._max_pending = max_pending_ops
         self._ack_timeout = ack_timeout
-        self._pending: list[tuple[list[Any], asyncio.Future[int]]] = []
+        self._pending: _Batch = []  # ops queued for the next record
+        self._waiting = 0  # ops published (or being published) whose record is not applied here yet
+        self._in_flight: dict[int, _Batch] = {}  # those ops, by record: ``close`` fails what is left
         self._flushing = False
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._publish_window = publish_window
+        self._window = asyncio.Semaphore(publish_window)  # records awaiting JetStream's ack at once
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []  # heap of (seq, tie, future)
+        self._tie = itertools.count()
+        self._tasks: set[asyncio.Task[None]] = set()  # flusher, publishes, resyncs: cancelled by ``close``
         self._sub: JetStreamContext.PushSubscription | None = None
         self._resyncing = False
         self.resyncs = 0  # snapshot reloads after a gap
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        """Run ``coro`` as a task this replica owns until it ends or ``close`` cancels it."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # ---- start-up ------------------------------------------------------------------------------
     async def start(self, *, replicas: int = 3, timeout: float = 60.0) -> None:
@@ -205,7 +242,7 @@ class ReplicatedIndex:
     async def _resync(self, seen: int) -> None:
         log.warning("index_gap", applied=self.applied, seen=seen)
         try:
-            await self.close()
+            await self._unfollow()
             await self._follow()
             self.resyncs += 1
         except Exception as exc:  # noqa: BLE001 - keep serving the old copy; the next record retries
@@ -214,13 +251,43 @@ class ReplicatedIndex:
             self._resyncing = False
             self._wake()
 
-    async def close(self) -> None:
+    async def _unfollow(self) -> None:
         if self._sub is not None:
             sub, self._sub = self._sub, None
             try:
                 await sub.unsubscribe()
             except Exception as exc:  # noqa: BLE001 - the connection may be gone
                 log.debug("index_unsubscribe_failed", error=str(exc))
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every queued change to be answered; True if all were."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self._pending or self._in_flight:
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    async def close(self) -> None:
+        """Stop following the stream, cancel the background tasks, fail the ops still waiting.
+
+        Ops already published may still be applied by the other replicas: a client told
+        "failed" retries, and a commit is idempotent."""
+        await self._unfollow()
+        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        left = [*self._in_flight.values(), self._pending]  # records whose task was cancelled before it started
+        self._in_flight, self._pending, self._waiting = {}, [], 0
+        self._flushing, self._window = False, asyncio.Semaphore(self._publish_window)  # as new: tasks may have died unstarted
+        for batch in left:
+            await self._finish(batch, ReplicationError("index replica closed"))
+        for _seq, _tie, fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(ReplicationError("index replica closed"))
+        self._waiters = []
 
     # ---- applying the stream -------------------------------------------------------------------
     async def _on_record(self, msg) -> None:
@@ -229,7 +296,7 @@ class ReplicatedIndex:
             return  # a redelivery after the ordered consumer was reset, or a reload is under way
         if seq > self.applied + 1:  # records were purged before we applied them: reload the snapshot
             self._resyncing = True
-            asyncio.get_running_loop().create_task(self._resync(seq))  # owned by the flag; ends the old subscription
+            self._spawn(self._resync(seq), "index-resync")  # ends the old subscription, follows from the snapshot
             return
         try:
             record = msgpack.unpackb(msg.data, raw=False, strict_map_key=True)
@@ -257,88 +324,130 @@ class ReplicatedIndex:
             raise ValueError(f"unknown op {kind!r}")
 
     def _wake(self) -> None:
-        keep = []
-        for seq, fut in self._waiters:
-            if seq <= self.applied:
-                if not fut.done():
-                    fut.set_result(None)
-            else:
-                keep.append((seq, fut))
-        self._waiters = keep
+        waiters, applied = self._waiters, self.applied
+        while waiters and waiters[0][0] <= applied:
+            fut = heapq.heappop(waiters)[2]
+            if not fut.done():
+                fut.set_result(None)
 
     async def wait_applied(self, seq: int) -> None:
         """Return once this replica has applied the stream up to ``seq``."""
         if seq <= self.applied:
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((seq, fut))
+        heapq.heappush(self._waiters, (seq, next(self._tie), fut))
         await fut
 
     # ---- changes ---------------------------------------------------------------------------------
-    async def commit(self, model_digest: int, chain: Sequence[int], *, start: int = 0) -> list[int]:
-        """Index ``chain[start:]`` under ``chain[start-1]`` on every replica; durable and applied
-        here when this returns. Returns blocks this replica chose to evict (their files may go).
+    def submit_commit(self, model_digest: int, chain: Sequence[int], done: Done, *, start: int = 0) -> list[int]:
+        """Queue the commit of ``chain[start:]`` under ``chain[start-1]`` (the root if 0); ``done``
+        runs once it is durable and applied here (or with the error that stopped it). Only
+        ``chain[start-1:]`` is used: a client need not send the ancestors. Returns the blocks
+        this replica chose to evict (their files may go once ``done`` ran without error).
 
         Raises:
-            ValueError: bad hashes or ``start``.
-            ReplicationError: JetStream did not acknowledge the record in time.
+            ValueError: bad hashes or ``start`` (TypeError: not ints); ``done`` will not run.
+            IndexBusyError: ``max_pending_ops`` changes already wait; ``done`` will not run.
         """
         check_u64("model_digest", model_digest)
         if not 0 <= start <= len(chain):
             raise ValueError(f"start {start} out of range for a chain of {len(chain)}")
         used = check_chain(chain[start - 1 :] if start else chain)  # the parent and the new blocks are all a record carries
         parent, new = (used[0], used[1:]) if start else (0, used)
-        evicted = self._victims(model_digest, chain, len(new)) if self.capacity is not None else []
-        await self._submit(["c", model_digest, parent, new, evicted])
+        evicted = self._victims(model_digest, parent, new) if self.capacity is not None else []
+        self._submit(["c", model_digest, parent, new, evicted], done)
+        return evicted
+
+    def submit_remove(self, model_digest: int, hashes: Sequence[int], done: Done) -> list[int]:
+        """Queue the removal of ``hashes`` and their descendants everywhere; returns what this
+        replica had indexed. Raises like ``submit_commit``."""
+        hashes = check_chain(hashes)
+        missing = set(self.index.unindexed(model_digest, hashes))
+        self._submit(["r", model_digest, hashes], done)
+        return [h for h in hashes if h not in missing]
+
+    async def commit(self, model_digest: int, chain: Sequence[int], *, start: int = 0) -> list[int]:
+        """``submit_commit`` and wait: durable and applied here when this returns.
+
+        Raises:
+            ValueError, IndexBusyError: as ``submit_commit``.
+            ReplicationError: JetStream did not acknowledge the record in time.
+        """
+        fut = asyncio.get_running_loop().create_future()
+        evicted = self.submit_commit(model_digest, chain, _resolver(fut), start=start)
+        await fut
         return evicted
 
     async def remove(self, model_digest: int, hashes: Sequence[int]) -> list[int]:
-        """Unindex ``hashes`` and their descendants everywhere; returns what this replica had indexed.
+        """``submit_remove`` and wait; returns what this replica had indexed.
 
         Raises:
             ReplicationError: JetStream did not acknowledge the record in time.
         """
-        hashes = check_chain(hashes)
-        missing = set(self.index.unindexed(model_digest, hashes))
-        present = [h for h in hashes if h not in missing]
-        await self._submit(["r", model_digest, hashes])
+        fut = asyncio.get_running_loop().create_future()
+        present = self.submit_remove(model_digest, hashes, _resolver(fut))
+        await fut
         return present
 
-    def _victims(self, digest: int, chain: Sequence[int], adding: int) -> list[int]:
-        if self.capacity is None:
+    def _victims(self, digest: int, parent: int, new: Sequence[int]) -> list[int]:
+        excess = self.index.count(digest) + len(new) - (self.capacity or 0)
+        if excess <= 0:
             return []
-        excess = self.index.count(digest) + adding - self.capacity
-        return self.index.lru_victims(digest, excess, keep=set(chain)) if excess > 0 else []
+        keep = set(new)
+        keep.update(self.index.lineage(digest, parent))  # the parent's path from the root stays
+        return self.index.lru_victims(digest, excess, keep=keep)
 
-    async def _submit(self, op: list[Any]) -> None:
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._pending.append((op, fut))
+    def _submit(self, op: list[Any], done: Done) -> None:
+        if len(self._pending) + self._waiting >= self._max_pending:
+            raise IndexBusyError(self._max_pending)
+        self._pending.append((op, done))
         if not self._flushing:
             self._flushing = True
-            asyncio.get_running_loop().create_task(self._flush())  # owned by the futures that wait on it
-        seq = await fut
-        await asyncio.wait_for(self.wait_applied(seq), self._ack_timeout)
+            self._spawn(self._flush(), "index-flush")
 
     async def _flush(self) -> None:
-        """Publish pending ops, many per stream message, until none is left (group commit)."""
+        """Hand queued ops to publishers, many per stream message (group commit), while fewer
+        than ``publish_window`` records await their acknowledgement."""
         try:
             while self._pending:
+                await self._window.acquire()  # meanwhile more ops queue up: the next record carries them all
                 batch, self._pending = self._pending[: self._max_batch], self._pending[self._max_batch :]
-                payload = msgpack.packb({"v": RECORD_VERSION, "ops": [op for op, _ in batch]}, use_bin_type=True)
-                try:
-                    ack = await self.js.publish(self.subject, payload, stream=self.stream, timeout=self._ack_timeout)
-                except Exception as exc:  # noqa: BLE001 - every waiter gets the failure
-                    err = ReplicationError(f"index record not stored: {type(exc).__name__}: {exc}")
-                    for _, fut in batch:
-                        if not fut.done():
-                            fut.set_exception(err)
-                    continue
-                self.records += 1
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_result(ack.seq)
+                key = next(self._tie)
+                self._in_flight[key] = batch
+                self._waiting += len(batch)
+                self._spawn(self._publish(key), "index-publish")
         finally:
             self._flushing = False
+
+    async def _publish(self, key: int) -> None:
+        """Store one record, wait until it is applied here, then complete its ops."""
+        batch = self._in_flight[key]
+        error: BaseException | None = None
+        try:
+            try:
+                payload = msgpack.packb({"v": RECORD_VERSION, "ops": [op for op, _ in batch]}, use_bin_type=True)
+                ack = await self.js.publish(self.subject, payload, stream=self.stream, timeout=self._ack_timeout)
+                self.records += 1
+            finally:
+                self._window.release()
+            await asyncio.wait_for(self.wait_applied(ack.seq), self._ack_timeout)
+        except asyncio.CancelledError:
+            error = ReplicationError("index replica closed")
+            raise
+        except Exception as exc:  # noqa: BLE001 - every op of the record gets the failure
+            error = ReplicationError(f"index record not stored or not applied: {type(exc).__name__}: {exc}")
+        finally:
+            if self._in_flight.pop(key, None) is not None:
+                self._waiting -= len(batch)
+                await self._finish(batch, error)
+
+    @staticmethod
+    async def _finish(batch: _Batch, error: BaseException | None) -> None:
+        for _, done in batch:
+            try:
+                await done(error)
+            except Exception as exc:  # noqa: BLE001 - one client's reply must not fail the others
+                log.warning("index_done_failed", error=str(exc))
 
     # ---- reads -----------------------------------------------------------------------------------
     def longest_prefix(self, model_digest: int, chain: Sequence[int]) -> int:
@@ -349,3 +458,17 @@ class ReplicatedIndex:
 
     def __len__(self) -> int:
         return len(self.index)
+
+
+def _resolver(fut: asyncio.Future[None]) -> Done:
+    """A ``Done`` that settles ``fut``."""
+
+    async def done(error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+
+    return done

@@ -252,6 +252,18 @@ class BlockIndex:
             trie = self._tries.get(model_digest)
             return list(hashes) if trie is None else [h for h in hashes if h not in trie.nodes]
 
+    def lineage(self, model_digest: int, h: int) -> list[int]:
+        """``h`` and its indexed ancestors up to the root, deepest first ([] when not indexed)."""
+        with self._lock:
+            trie = self._tries.get(model_digest)
+            out: list[int] = []
+            if trie is not None:
+                nodes = trie.nodes
+                while h and h in nodes:
+                    out.append(h)
+                    h = nodes[h]
+            return out
+
     def lru_victims(self, model_digest: int, n: int, *, keep: AbstractSet[int] = frozenset()) -> list[int]:
         """The ``n`` least recently used blocks of a model that are not in ``keep`` (no touch).
 
