@@ -6,18 +6,21 @@ publishers feed one stream; events are re-ordered by ``index`` before a consumer
 A request can be *run* more than once: the scheduler re-dispatches it when an engine dies
 (``TokenEvent.attempt`` counts those placements), and the gateway submits it again when the
 scheduler that held it lost leadership (the *submission*, carried by the reply subject:
-``stream_key``). Every run generates the answer again from its first token, so a stream
-follows one run at a time, the newest ``(submission, attempt)`` it has heard from:
+``stream_key``). Every run generates the answer again from its first token, so a stream follows one run at a
+time, the newest ``(submission, attempt)`` it has heard from:
 
-- events of an older run are dropped (an expelled engine may still be publishing);
-- on the first event of a newer run, events held from the older one are dropped, and
-  - a *restartable* stream (the gateway has shown the client nothing yet: non-streamed
-    answers) starts over: the consumer gets ``Restarted`` and then the new run from index 0;
-  - otherwise (text already went out) the stream resumes exactly at ``next_index``: tokens
-    the new run sends below it are checked against those already delivered and skipped (an
-    event that straddles ``next_index`` is cut there). If they differ (sampling without a
-    seed, or any other divergence) the stream ends with an explicit error rather than
-    splicing two different answers.
+- on the first event of a newer run, events held from older runs are dropped; the new run's
+  tokens below ``next_index`` are checked against those already delivered and skipped (an
+  event that straddles ``next_index`` is cut there), so the answer resumes exactly where it
+  stopped;
+- an older run's event is used only when it continues the answer right now (it covers
+  ``next_index``), never held: a run that was superseded but keeps going (an engine that was
+  expelled while paused and resumed, or a decode engine that answered a retry's hand-off as a
+  duplicate of what it still runs) cannot leave a gap or stale tokens behind, nor a hang;
+- when a replay differs from what was delivered (sampling without a seed), a streamed answer
+  ends with an explicit error rather than splicing two answers; a *restartable* stream (the
+  gateway showed the client nothing yet: non-streamed answers) starts over instead: the
+  consumer gets ``Restarted`` and then the followed run from index 0;
 - an error event of the scheduler ends the stream whatever its index.
 """
 
@@ -78,7 +81,19 @@ def _tail(ev: TokenEvent, skip: int) -> TokenEvent:
 
 
 class _Stream:
-    __slots__ = ("delivered", "done", "held", "next_index", "overflow", "queue", "request_id", "restartable", "run", "submissions")
+    __slots__ = (
+        "delivered",
+        "done",
+        "held",
+        "next_index",
+        "overflow",
+        "queue",
+        "request_id",
+        "restartable",
+        "restarted",
+        "run",
+        "submissions",
+    )
 
     def __init__(self, request_id: str, restartable: bool) -> None:
         self.request_id = request_id
@@ -88,6 +103,7 @@ class _Stream:
         self.run: tuple[int, int] | None = None  # (submission, attempt) followed; None before the first event
         self.delivered: list[int] = []  # token ids queued so far (to check a newer run's replay)
         self.restartable = restartable
+        self.restarted = False  # started over after a divergence: older runs are not used any more
         self.submissions = 0  # the newest submission of the request (see stream_key)
         self.overflow = False  # the consumer fell too far behind: the stream is broken
         self.done = False  # the final event is queued
@@ -147,35 +163,39 @@ class TokenStreams:
         run = (sub, ev.attempt)
         if st.run is None:
             st.run = run
-        elif run < st.run:
-            return  # an older run (a superseded attempt or submission): its tokens are not followed
         elif run > st.run:
-            self._switch(st, run)
-        self._accept(st, ev)
+            log.info("token_stream_new_run", request_id=st.request_id, run=list(run), previous=list(st.run), next_index=st.next_index)
+            st.run = run
+            st.held.clear()  # only the followed run's events are ever held
+        elif run < st.run and (st.restarted or not ev.index <= st.next_index < ev.index + max(1, len(ev.token_ids))):
+            return  # an older run's event that does not continue the answer right now
+        self._accept(st, ev, held=run == st.run)
 
-    @staticmethod
-    def _switch(st: _Stream, run: tuple[int, int]) -> None:
-        """Follow the newer ``run`` from here (see the module docstring)."""
-        log.info("token_stream_new_run", request_id=st.request_id, run=list(run), previous=list(st.run or ()), next_index=st.next_index)
-        st.run = run
-        st.held.clear()
-        if st.restartable and st.next_index:
-            st.next_index = 0
-            st.delivered.clear()
-            TokenStreams._put(st, Restarted(*run))
-
-    def _accept(self, st: _Stream, ev: TokenEvent) -> None:
+    def _accept(self, st: _Stream, ev: TokenEvent, *, held: bool) -> None:
+        """Deliver ``ev`` (or its part from ``next_index`` on); ``held``: keep it for later if
+        it comes early (only events of the followed run are kept)."""
         if ev.index < st.next_index:
-            # A newer run regenerates the answer from its first token: what was delivered is
+            # Another run regenerates the answer from its first token: what was delivered is
             # skipped, after checking it is the same (greedy and seeded sampling repeat it).
             seen = st.delivered[ev.index : ev.index + len(ev.token_ids)]
             if ev.token_ids[: len(seen)] != seen or (ev.finish_reason is not None and ev.index + len(ev.token_ids) < st.next_index):
+                if not held:
+                    return  # an older run that went another way: not followed
                 log.warning("token_stream_diverged", request_id=ev.request_id, run=list(st.run or ()), index=ev.index)
-                self._final_error(st, replace(ev, token_ids=[], finish_reason="error", error=DIVERGED, error_code=503))
-                return
-            if ev.index + len(ev.token_ids) <= st.next_index and ev.finish_reason is None:
+                if not st.restartable:
+                    self._final_error(st, replace(ev, token_ids=[], finish_reason="error", error=DIVERGED, error_code=503))
+                    return
+                # nothing was shown yet: the answer starts over with the followed run, older ones are ignored
+                st.next_index, st.held, st.restarted = 0, {}, True
+                st.delivered.clear()
+                if not self._put(st, Restarted(*(st.run or (0, 0)))):
+                    return
+            elif ev.index + len(ev.token_ids) <= st.next_index and ev.finish_reason is None:
                 return  # wholly delivered already
-            ev = _tail(ev, st.next_index - ev.index)  # straddles next_index: keep the new tokens
+            else:
+                ev = _tail(ev, st.next_index - ev.index)  # straddles next_index: keep the new tokens
+        if ev.index != st.next_index and not held:
+            return
         st.held[ev.index] = ev
         while st.next_index in st.held and not st.done:
             nxt = st.held.pop(st.next_index)

@@ -65,10 +65,25 @@ def test_events_held_from_an_older_attempt_are_dropped_when_a_retry_starts():
     assert tokens(run(first + retry)) == [10, 11, 12]
 
 
-def test_late_events_of_a_superseded_attempt_are_ignored():
-    events = [ev(0, [10]), ev(0, [10], 1), ev(1, [50]), ev(1, [11], 1), ev(2, [51]), ev(2, [], 1, "length"), ev(3, [], 0, "length")]
+def test_an_older_runs_events_are_never_held_once_a_newer_run_is_followed():
+    # attempt 0's index-3 event arrives late, ahead of the stream: not kept (it may be stale)
+    events = [ev(0, [10]), ev(1, [11]), ev(0, [10], 1), ev(3, [99]), ev(1, [11], 1), ev(2, [12], 1), ev(3, [13], 1), ev(4, [], 1, "length")]
     out = run(events)
-    assert tokens(out) == [10, 11] and out[-1][2] == "length"
+    assert tokens(out) == [10, 11, 12, 13] and out[-1][2] == "length"
+
+
+def test_an_older_run_that_keeps_going_completes_the_answer_when_the_newer_one_stalls():
+    # the retry's first token came (attempt 1), but its decode engine took the hand-off as a
+    # duplicate of attempt 0, which it still runs: attempt 0's events continue the answer
+    events = [ev(0, [10]), ev(1, [11]), ev(0, [10], 1), ev(2, [12]), ev(3, [13]), ev(4, [], 0, "length")]
+    out = run(events)
+    assert tokens(out) == [10, 11, 12, 13] and out[-1][2] == "length"
+
+
+def test_a_non_streamed_answer_that_started_over_ignores_older_runs():
+    events = [ev(0, [10]), ev(0, [20], 1), ev(1, [11]), ev(1, [21], 1), ev(2, [], 0, "length"), ev(2, [], 1, "length")]
+    out = run(events, restartable=True)
+    assert out[1] == "restart" and tokens(out[2:]) == [20, 21] and out[-1][2] == "length"
 
 
 def test_a_retry_that_regenerates_different_tokens_ends_a_streamed_answer_with_an_error_not_a_splice():
