@@ -86,7 +86,8 @@ class Job:
     pe_slot: bool = False
     split_tokens: int = -1  # split read: cached tokens [split_tokens, hits) were read into the DE slot
     read_split: list[int] = field(default_factory=list)  # [PE blocks, DE blocks] read (the response's dualpath record)
-    cancelled: bool = False  # cancelled while its batch ran: dropped when the batch ends
+    cancelled: bool = False  # cancelled while its batch ran or its load: dropped when that ends
+    superseded: bool = False  # a newer attempt of the request came: dropped without a report or TaskFailed
     t_submit: float = field(default_factory=time.perf_counter)
     t_first_batch: float = 0.0  # wall time its first prefill batch started (TTFT: queueing before, execution after)
     span: trace.Span = trace.INVALID_SPAN  # prefill.request: open from arrival to hand-off (or failure)
@@ -97,6 +98,7 @@ class PrefillEngine:
         self.bus, self.subjects, self.cfg, self.node_id, self.setup = bus, subjects, cfg, node_id, setup
         self.tasks = tasks  # the service's task group: KV loads run there
         self.jobs: dict[str, Job] = {}
+        self._successors: dict[str, m.PrefillTask] = {}  # newer attempts waiting for the superseded job to go
         self.loaded: deque[Job] = deque()  # KV loaded, not yet received by the batcher
         quota_s = cfg.compute_quota_ms / 1000.0
         predict, self.predicted_by = prefill_predictor(setup.decoder, quota_s)
@@ -118,8 +120,22 @@ class PrefillEngine:
 
     # ---- intake ----------------------------------------------------------------------------
     async def on_task(self, task: m.PrefillTask) -> m.Ok:
-        if task.request_id in self.jobs:
-            return m.Ok(detail="duplicate")
+        old = self.jobs.get(task.request_id)
+        if old is not None:
+            if old.task.reply_subject == task.reply_subject and task.attempt <= old.task.attempt:
+                return m.Ok(detail="duplicate")
+            # A newer placement of a request still held here (the scheduler retried it, or a new
+            # scheduler got it after a failover): the old one must neither hand off nor write
+            # more KV into a decode slot that was given up. Answering "duplicate" would lose the
+            # new attempt (its scheduler would wait for it, then retry it once the old one failed).
+            log.info("prefill_task_superseded", request_id=task.request_id, attempt=old.task.attempt, by=task.attempt)
+            self._successors[task.request_id] = task
+            await self._supersede(old)
+            return m.Ok()
+        self._start(task)
+        return m.Ok()
+
+    def _start(self, task: m.PrefillTask) -> None:
         job = Job(task=task, dest=RegionDescriptor.from_wire(task.de_region))
         job.span = tracer.start_span("prefill.request", context=context_from(task.trace))
         if job.span.is_recording():
@@ -135,16 +151,30 @@ class PrefillEngine:
             )
         self.jobs[task.request_id] = job
         start_logged(self.tasks, f"load:{task.request_id}", self._load, job)
-        return m.Ok()
+
+    async def _supersede(self, old: Job) -> None:
+        """Drop ``old`` now if it only waits in a queue; else (loading, in the running batch, or
+        handing off) when that ends. Its successor starts once it is gone (``_drop``)."""
+        rid = old.task.request_id
+        old.superseded = old.cancelled = True
+        running = self.batcher.in_flight
+        if running is not None and any(it.request_id == rid for it in running.items):
+            return
+        if old in self.loaded or rid in self.batcher:
+            if old in self.loaded:
+                self.loaded.remove(old)
+            self.batcher.remove(rid)
+            await self._drop(old)
 
     async def on_cancel(self, req: m.CancelRequest) -> None:
         """Drop a loaded task; one whose batch is running is dropped when the batch ends (its
-        KV may still be read meanwhile). A task still loading finishes loading first."""
+        KV may still be read meanwhile). A task still loading finishes loading first, then is dropped."""
+        self._successors.pop(req.request_id, None)
         job = self.jobs.get(req.request_id)
         if job is None:
             return
         running = self.batcher.in_flight
-        if running is not None and any(it.request_id == req.request_id for it in running.items):
+        if job.loading or (running is not None and any(it.request_id == req.request_id for it in running.items)):
             job.cancelled = True
         elif job in self.loaded or req.request_id in self.batcher:
             if job in self.loaded:
@@ -216,6 +246,9 @@ class PrefillEngine:
             await self._fail(job, f"KV load failed: {exc}")
             return
         job.loading = False
+        if job.cancelled:
+            await self._drop(job)
+            return
         self.loaded.append(job)
         self._wake.set()
 
@@ -457,8 +490,11 @@ class PrefillEngine:
         )
 
     async def _drop(self, job: Job) -> None:
-        self.jobs.pop(job.task.request_id, None)
-        self.finished.append(job.task.request_id)
+        rid = job.task.request_id
+        if self.jobs.get(rid) is job:
+            del self.jobs[rid]
+        if not job.superseded:  # the scheduler counts it done here; a superseded attempt is not its current one
+            self.finished.append(rid)
         job.span.end()
         job.span = trace.INVALID_SPAN
         if job.pe_slot:
@@ -469,11 +505,16 @@ class PrefillEngine:
                 )
             except Exception as exc:  # noqa: BLE001
                 log.warning("pe_slot_free_failed", request_id=job.task.request_id, error=str(exc))
+        successor = self._successors.pop(rid, None) if rid not in self.jobs else None
+        if successor is not None:
+            self._start(successor)
 
     async def _fail(self, job: Job, reason: str, unreachable: str = "") -> None:
         log.warning("task_failed", request_id=job.task.request_id, reason=reason)
         job.span.set_status(Status(StatusCode.ERROR, reason))
         await self._drop(job)
+        if job.superseded:
+            return  # a TaskFailed would make the scheduler retry the attempt that superseded it
         await self.bus.publish(
             self.subjects.task_failed,
             m.TaskFailed(request_id=job.task.request_id, engine_id=self.cfg.engine_id, reason=reason, unreachable=unreachable),

@@ -1,10 +1,14 @@
-"""A prefill engine whose batch computed fine but one request's first token cannot be made
-(bad sampling parameters that reached it over the bus) fails that request alone: the other
-requests of the batch still get their first token and their hand-off to the decode engine."""
+"""A prefill engine fails or replaces one request without disturbing the others: a request
+whose first token cannot be made (bad sampling parameters that reached it over the bus) fails
+alone while the rest of its batch hands off; a newer attempt of a request it still holds
+replaces the old one (which then neither hands off nor reports) instead of being taken for a
+duplicate."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -59,7 +63,7 @@ def test_one_requests_bad_sampling_fails_that_request_and_the_rest_of_its_batch_
     engine.cfg = SimpleNamespace(engine_id="p0")
     engine.setup = SimpleNamespace(eos_ids=[0], model_dir="", layout=SimpleNamespace(block_tokens=BT))
     engine.batcher = PrefillBatcher(lambda _items: 0.001, block_tokens=BT)
-    engine.finished = []
+    engine.finished, engine._successors = [], {}
     tasks = [_task("a", {"temperature": 0.0}), _task("bad", {"temperature": -1.0}), _task("c", {"temperature": 0.0})]
     engine.jobs = {t.request_id: Job(task=t, dest=SimpleNamespace(region_id="de-slot"), loading=False) for t in tasks}
     for t in tasks:
@@ -78,3 +82,46 @@ def test_one_requests_bad_sampling_fails_that_request_and_the_rest_of_its_batch_
     assert first_tokens == {"a": ([7], 1), "c": ([7], 1)}  # tagged with the attempt that made them
     assert [f.request_id for f in failed] == ["bad"] and "temperature" in failed[0].reason
     assert engine.jobs == {}
+
+
+def _engine_with(jobs: list[m.PrefillTask]) -> tuple[PrefillEngine, FakeBus, list[m.PrefillTask]]:
+    """A prefill engine holding ``jobs`` (queued in its batcher); ``_start`` only records."""
+    bus = FakeBus()
+    engine = PrefillEngine.__new__(PrefillEngine)
+    engine.bus, engine.subjects, engine.node_id = bus, Subjects("t"), "P"
+    engine.cfg = SimpleNamespace(engine_id="p0")
+    engine.setup = SimpleNamespace(eos_ids=[0], model_dir="", layout=SimpleNamespace(block_tokens=BT))
+    engine.batcher = PrefillBatcher(lambda _items: 0.001, block_tokens=BT)
+    engine.finished, engine.loaded, engine._successors = [], deque(), {}
+    engine.jobs = {t.request_id: Job(task=t, dest=SimpleNamespace(region_id="de-slot"), loading=False) for t in jobs}
+    for t in jobs:
+        engine.batcher.add(t.request_id, cached=0, total=len(t.prompt_tokens))
+    started: list[m.PrefillTask] = []
+    engine._start = started.append  # type: ignore[method-assign]
+    return engine, bus, started
+
+
+def _attempt(task: m.PrefillTask, attempt: int) -> m.PrefillTask:
+    return replace(task, attempt=attempt)
+
+
+def test_a_retry_of_a_request_still_queued_here_replaces_it_instead_of_being_taken_for_a_duplicate():
+    old = _task("q", {"temperature": 0.0})
+    engine, bus, started = _engine_with([old])
+    assert asyncio.run(engine.on_task(_attempt(old, 0))).detail == "duplicate"  # the same attempt again
+    assert asyncio.run(engine.on_task(_attempt(old, 2))).detail == ""
+    assert [t.attempt for t in started] == [2]  # the newer attempt runs
+    assert "q" not in engine.batcher and engine.finished == []  # the old one is gone, not reported as done
+    assert not [msg for _, msg in bus.published if isinstance(msg, m.TaskFailed)]
+
+
+def test_a_retry_of_a_request_whose_batch_is_running_starts_when_the_batch_ends_and_the_old_one_never_hands_off():
+    old = _task("q", {"temperature": 0.0})
+    engine, bus, started = _engine_with([old])
+    batch = engine.batcher.next_batch()  # the old attempt is being computed
+    asyncio.run(engine.on_task(_attempt(old, 2)))
+    assert started == []  # not while the old attempt's batch still writes its KV
+    asyncio.run(engine._process_result(batch, SimpleNamespace(logits=torch.zeros(1, VOCAB))))
+    assert [t.attempt for t in started] == [2]
+    assert not [msg for _, msg in bus.requested if isinstance(msg, m.DecodeTask)]  # no hand-off of the superseded attempt
+    assert not [msg for _, msg in bus.published if isinstance(msg, (m.TaskFailed, m.TokenEvent))] and engine.finished == []
