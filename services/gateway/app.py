@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dualpath.chat.stream import StreamingToolParser
@@ -123,12 +124,12 @@ def build_app(gw: Gateway) -> FastAPI:
 
     @app.post("/v1/completions", responses={**REQUEST_ERROR_RESPONSES, **_STREAM_200})
     async def completions(body: CompletionRequest, request: Request):
-        prep = gw.prepare_completion(body)
+        prep = await run_in_threadpool(gw.prepare_completion, body)  # tokenizing a long prompt: off the event loop
         return await _answer(gw, prep, request, chat=False)
 
     @app.post("/v1/chat/completions", responses={**REQUEST_ERROR_RESPONSES, **_STREAM_200})
     async def chat(body: ChatCompletionRequest, request: Request):
-        prep = gw.prepare_chat(body)
+        prep = await run_in_threadpool(gw.prepare_chat, body)
         return await _answer(gw, prep, request, chat=True)
 
     def openapi() -> dict[str, Any]:
