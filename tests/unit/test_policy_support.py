@@ -109,6 +109,18 @@ def test_round_robin_cursor_follows_the_decisions_applied():
     assert [a.decode_engine for a in rr.schedule(reqs[1:3], state)] == [4, 5]
 
 
+def test_round_robin_alternates_the_read_side_whatever_the_read_queues_say():
+    state = ClusterState.from_topology(prefill_nodes=1, decode_nodes=1, gpus_per_node=2, decode_hbm_tokens=10**6)
+    state.report_node(0, read_q=10**6)  # the prefill node's queue is far longer: round robin does not look
+    reqs = [PendingRequest(request_id=i, prompt_tokens=200, hit_tokens=128, total_len=300) for i in range(4)]
+    rr = get_policy("round_robin", OPEN)
+    assert [a.read_side for a in rr.schedule(reqs, state)] == [ReadSide.PE, ReadSide.DE, ReadSide.PE, ReadSide.DE]
+    state.on_assigned(rr.schedule(reqs[:1], state)[0])  # the cursor moves with the decisions applied
+    assert [a.read_side for a in rr.schedule(reqs[1:3], state)] == [ReadSide.DE, ReadSide.PE]
+    assert {a.read_side for a in get_policy("round_robin", OPEN, read_path="pe").schedule(reqs, state)} == {ReadSide.PE}
+    assert get_policy("basic", OPEN).schedule(reqs, state)[1].read_side is ReadSide.PE
+
+
 def test_least_tokens_ignores_read_queues_and_groups():
     state = ClusterState.from_topology(prefill_nodes=2, decode_nodes=2, gpus_per_node=1, decode_hbm_tokens=10**6)
     state.report_node(1, read_q=10**6)  # PE1's node is far over alpha, yet PE1 has fewer tokens

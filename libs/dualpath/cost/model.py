@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from dualpath.cost.errors import InvalidWorkloadError, ModelDoesNotFitError
 from dualpath.cost.gpu import GpuProfile, get_gpu
@@ -57,16 +56,22 @@ __all__ = ["CostModel", "cost_model"]
 DEFAULT_RESERVE_FRACTION = 0.08  # HBM kept for activations, CUDA context, allocator slack
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class _Work:
-    """Token counts of one batch that the per-layer formulas need."""
+    """Token counts of one batch that the per-layer formulas need (a plain slotted class:
+    the simulator builds hundreds of thousands of these a minute)."""
 
-    tokens: int  # new tokens (query rows of every GEMM)
-    heads_out: int  # tokens that need logits
-    attn_pairs: int  # query-key pairs scored by attention
-    kv_read: int  # KV entries attention reads from HBM
-    index_pairs: int  # query-key pairs scored by the indexer
-    index_read: int  # indexer keys read from HBM
+    __slots__ = ("attn_pairs", "heads_out", "index_pairs", "index_read", "kv_read", "tokens")
+
+    def __init__(self, tokens: int, heads_out: int, attn_pairs: int, kv_read: int, index_pairs: int, index_read: int) -> None:
+        self.tokens = tokens  # new tokens (query rows of every GEMM)
+        self.heads_out = heads_out  # tokens that need logits
+        self.attn_pairs = attn_pairs  # query-key pairs scored by attention
+        self.kv_read = kv_read  # KV entries attention reads from HBM
+        self.index_pairs = index_pairs  # query-key pairs scored by the indexer
+        self.index_read = index_read  # indexer keys read from HBM
+
+
+_PAIR_CACHE_MAX = 4096  # (cached, new) -> span sums kept between calls; cleared when full
 
 
 def _span_sum(cached: int, new: int, cap: int) -> int:
@@ -81,7 +86,7 @@ def _span_sum(cached: int, new: int, cap: int) -> int:
 class CostModel:
     """Predicted FLOPs, times and HBM capacity of one engine (one GPU) for a target model."""
 
-    __slots__ = ("_gemm_rate", "_hbm_rate", "_local_experts", "_replicated", "ep", "gpu", "target")
+    __slots__ = ("_c", "_gemm_rate", "_hbm_rate", "_local_experts", "_pairs", "_replicated", "ep", "gpu", "target")
 
     def __init__(self, target: ModelTarget, gpu: GpuProfile, *, ep: int | None = None) -> None:
         """Build the model; ``ep`` (default ``target.default_ep``) is the expert-parallel size.
@@ -101,24 +106,57 @@ class CostModel:
         t = target
         moe_replicated = t.shared_experts * t.expert_params() + t.hidden * t.routed_experts
         self._replicated = (t.attn_proj_params() + t.dense_mlp_params(), t.attn_proj_params() + moe_replicated)
+        self._pairs: dict[tuple[int, int], tuple[int, int, int]] = {}  # (cached, new) -> (attn, index, dense KV) sums
+        # Every factor of _total_time that does not depend on the batch, computed once with the
+        # same operations as the per-layer methods, so the fused form gives the same floats.
+        rep0, rep1 = self._replicated
+        wb = t.weight_bytes
+        self._c = (
+            self._hbm_rate,
+            self._gemm_rate,
+            gpu.layer_overhead_s,
+            self._pair_flops(),
+            gpu.bf16_flops * gpu.mfu_attention,
+            t.kv_bytes_per_token_layer,
+            2 * t.index_heads * t.index_head_dim,
+            gpu.fp8_flops * gpu.mfu_attention,
+            t.index_bytes_per_token_layer,
+            rep0,
+            rep1,
+            rep0 * wb / self._hbm_rate,
+            rep1 * wb / self._hbm_rate,
+            t.experts_per_token,
+            self._local_experts,
+            t.expert_params(),
+            wb,
+            t.layers - t.moe_layers,
+            t.moe_layers,
+            t.vocab * t.hidden,
+            t.vocab * t.hidden * wb / self._hbm_rate,
+            t.sparse_topk,
+            bool(t.index_heads),
+        )
 
     # -- work descriptions ------------------------------------------------------------
     def _prefill_work(self, batch: Sequence[tuple[int, int]]) -> _Work:
-        t = self.target
+        topk, has_index = self._c[21], self._c[22]
+        pairs = self._pairs
         tokens = attn = dense_kv = index = 0
         for cached, new in batch:
-            if cached < 0 or new < 1:
-                raise InvalidWorkloadError("prefill request (cached, new)", (cached, new))
+            sums = pairs.get((cached, new))
+            if sums is None:  # a batcher asks for the same pairs many times while it packs
+                if cached < 0 or new < 1:
+                    raise InvalidWorkloadError("prefill request (cached, new)", (cached, new))
+                if len(pairs) >= _PAIR_CACHE_MAX:
+                    pairs.clear()
+                sums = pairs[(cached, new)] = (_span_sum(cached, new, topk), _span_sum(cached, new, 0), cached + new)
             tokens += new
-            attn += _span_sum(cached, new, t.sparse_topk)
-            index += _span_sum(cached, new, 0)
-            dense_kv += cached + new
+            attn += sums[0]
+            index += sums[1]
+            dense_kv += sums[2]
         # Sparse attention gathers its own top-k keys per query; dense reads the KV once.
-        kv = attn if t.sparse_topk else dense_kv
-        has_index = bool(t.index_heads)
-        return _Work(
-            tokens=tokens, heads_out=len(batch), attn_pairs=attn, kv_read=kv, index_pairs=index * has_index, index_read=dense_kv * has_index
-        )
+        kv = attn if topk else dense_kv
+        return _Work(tokens, len(batch), attn, kv, index * has_index, dense_kv * has_index)
 
     def _decode_work(self, context_lens: Sequence[int]) -> _Work:
         t = self.target
@@ -131,21 +169,18 @@ class CostModel:
         has_index = bool(t.index_heads)
         n = len(context_lens)
         # Sparse decode gathers top-k entries; the indexer scores and reads every key.
-        return _Work(tokens=n, heads_out=n, attn_pairs=attn, kv_read=attn, index_pairs=keys * has_index, index_read=keys * has_index)
+        return _Work(n, n, attn, attn, keys * has_index, keys * has_index)
 
     # -- roofline -----------------------------------------------------------------------
     def _roof(self, flops: float, rate: float, nbytes: float) -> float:
         return max(flops / rate, nbytes / self._hbm_rate)
 
     def _attention_layer_time(self, w: _Work) -> float:
-        t, g = self.target, self.gpu
-        attn = self._roof(self._pair_flops() * w.attn_pairs, g.bf16_flops * g.mfu_attention, w.kv_read * t.kv_bytes_per_token_layer)
-        index = self._roof(
-            2 * t.index_heads * t.index_head_dim * w.index_pairs,
-            g.fp8_flops * g.mfu_attention,
-            w.index_read * t.index_bytes_per_token_layer,
-        )
-        return attn + index
+        hbm, _, _, pair_flops, attn_rate, kvb, index_flops, index_rate, ib = self._c[:9]
+        a, b = pair_flops * w.attn_pairs / attn_rate, w.kv_read * kvb / hbm
+        attn = a if a >= b else b  # the roofline: max(compute, memory), as _roof
+        a, b = index_flops * w.index_pairs / index_rate, w.index_read * ib / hbm
+        return attn + (a if a >= b else b)
 
     def _layer_time(self, w: _Work, *, moe: bool) -> float:
         t, wb = self.target, self.target.weight_bytes
@@ -163,9 +198,27 @@ class CostModel:
         return self._roof(2 * w.heads_out * params, self._gemm_rate, nbytes)
 
     def _total_time(self, w: _Work) -> float:
-        t = self.target
-        moe_layers = t.moe_layers
-        return (t.layers - moe_layers) * self._layer_time(w, moe=False) + moe_layers * self._layer_time(w, moe=True) + self._head_time(w)
+        """All layers and the LM head: ``(L - M) * _layer_time(dense) + M * _layer_time(MoE) +
+        _head_time``, fused (the simulator's hottest arithmetic) with the same operations in
+        the same order, so it returns exactly what those methods would."""
+        (hbm, gemm, overhead, pair_flops, attn_rate, kvb, index_flops, index_rate, ib, rep0, rep1, rep0_s, rep1_s, k, local, ep, wb,
+         dense_layers, moe_layers, head_params, head_s, _, _) = self._c  # fmt: skip
+        # attention and indexer (_attention_layer_time), the same in every layer
+        a, b = pair_flops * w.attn_pairs / attn_rate, w.kv_read * kvb / hbm
+        attn = a if a >= b else b
+        a, b = index_flops * w.index_pairs / index_rate, w.index_read * ib / hbm
+        attn += a if a >= b else b
+        tokens = w.tokens
+        a = 2 * tokens * rep0 / gemm
+        dense = ((a if a >= rep0_s else rep0_s) + attn) + overhead
+        a = 2 * tokens * rep1 / gemm
+        moe = a if a >= rep1_s else rep1_s
+        slots = tokens * k
+        a, b = 2 * slots * ep / gemm, (local if local < slots else slots) * ep * wb / hbm
+        moe += a if a >= b else b
+        moe = (moe + attn) + overhead
+        a = 2 * w.heads_out * head_params / gemm
+        return dense_layers * dense + moe_layers * moe + (a if a >= head_s else head_s)
 
     def _pair_flops(self) -> int:
         """FLOPs per (query token, key) pair of attention, summed over heads."""
@@ -259,16 +312,8 @@ class CostModel:
             return 0.0
         if keys < requests or attended < 0:
             raise InvalidWorkloadError("decode totals (requests, keys, attended)", (requests, keys, attended))
-        has_index = bool(self.target.index_heads)
-        w = _Work(
-            tokens=requests,
-            heads_out=requests,
-            attn_pairs=attended,
-            kv_read=attended,
-            index_pairs=keys * has_index,
-            index_read=keys * has_index,
-        )
-        return self._total_time(w)
+        index = keys * self._c[22]
+        return self._total_time(_Work(requests, requests, attended, attended, index, index))
 
     def kv_bytes(self, tokens: int) -> int:
         """KV-cache bytes of ``tokens`` tokens over all layers (what storage moves).

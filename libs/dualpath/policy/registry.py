@@ -4,9 +4,10 @@ Names (``SchedulerConfig.policy``, ``--policy``):
 
 - ``dualpath``: the paper's algorithm (``inter.schedule_dualpath``); read side = shorter
   storage read queue.
-- ``round_robin``, ``least_tokens``: the baselines of ``baselines``; read side = shorter
-  queue, so they differ from ``dualpath`` only in engine selection (the paper's
-  load-balance comparison, SNIC max/avg 1.53 → 1.18, is round robin vs DualPath).
+- ``round_robin``, ``least_tokens``: the baselines of ``baselines``. Round robin assigns the
+  read side round robin too (the paper's load-balance comparison, SNIC max/avg 1.53 → 1.18,
+  is round robin vs DualPath); least tokens reads on the side with the shorter storage read
+  queue, so it differs from ``dualpath`` only in engine selection.
 - ``basic``: the paper's Basic system: ``round_robin`` selection and every read on the
   prefill side. Round robin because the paper's ablation adds "the scheduling algorithm"
   on top of dual-path loading and compares load balance against round robin, so that is

@@ -5,7 +5,10 @@ The simulator's only clock. ``at(t, fn, arg)`` schedules ``fn(arg)`` at virtual 
 run in the order they were scheduled and a run is deterministic. There is no cancellation:
 owners that reschedule (a flow whose rate changed, a decode batch whose membership changed)
 tag each event with a version and ignore stale ones, which is cheaper than deleting from a
-heap.
+heap. An owner whose event may only move later (a flow that slowed down) can leave it in
+place and, when it fires early, schedule the real one then with ``at_seq`` in the place it
+``reserve``d when the time changed: the order of same-instant events is what it would
+have been had it rescheduled at once.
 """
 
 from __future__ import annotations
@@ -32,6 +35,16 @@ class EventLoop:
         """Run ``fn(arg)`` at virtual time ``t`` (``t`` earlier than now runs now)."""
         self._seq += 1
         heappush(self._heap, (max(self.now, t), self._seq, fn, arg))
+
+    def reserve(self) -> int:
+        """A place in the order of same-instant events, taken now for an event that may be
+        scheduled later with ``at_seq`` (it then runs where an ``at`` made now would have)."""
+        self._seq += 1
+        return self._seq
+
+    def at_seq(self, t: float, seq: int, fn: Callable[[Any], None], arg: Any = None) -> None:
+        """Run ``fn(arg)`` at ``t`` (not earlier than now) in the place ``seq`` (from ``reserve``)."""
+        heappush(self._heap, (t, seq, fn, arg))
 
     def after(self, delay: float, fn: Callable[[Any], None], arg: Any = None) -> None:
         """Run ``fn(arg)`` ``delay`` seconds from now."""

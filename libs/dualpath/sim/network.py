@@ -14,7 +14,12 @@ keep their rates until an event touches one of their own links). A storage read 
 SNIC, so its neighbourhood is exactly that link's flows and the share is exact; for flows
 over two CNICs this is local max-min, always feasible (no link is ever over capacity), and
 bounded in work however large the cluster. Each flow's completion is an event in the loop;
-only a flow whose rate changed is rescheduled (new version, the stale event ignored).
+only a flow whose rate changed is rescheduled. A flow that slowed down keeps its armed event
+(the loop has no cancellation, and a flow sharing a busy link slows down at every arrival):
+when it fires before the flow's new end it re-arms there, in the place in the order of
+same-instant events it took when its rate changed (``EventLoop.reserve``), so runs are the
+same as rescheduling at every change, with fewer events. A flow that sped up is armed anew
+and its earlier event is ignored (its ticket is stale).
 """
 
 from __future__ import annotations
@@ -49,10 +54,17 @@ class Link:
         return f"Link({self.name}, {len(self.flows)} flows)"
 
 
-class Flow:
-    """Bytes in transit over ``links``; ``on_done(arg)`` runs when the last byte arrives."""
+_INF = float("inf")
 
-    __slots__ = ("arg", "cls", "last", "links", "on_done", "rate", "remaining", "size", "version")
+
+class Flow:
+    """Bytes in transit over ``links``; ``on_done(arg)`` runs when the last byte arrives.
+
+    ``due`` is when it ends at its current rate (``seq`` its place among same-instant
+    events); ``armed`` the time of its live completion event (``ticket`` names it; infinite:
+    none); ``version`` counts its rate changes."""
+
+    __slots__ = ("arg", "armed", "cls", "due", "last", "links", "on_done", "rate", "remaining", "seq", "size", "ticket", "version")
 
     def __init__(self, links: tuple[Link, ...], nbytes: float, cls: int, on_done: Callable[[Any], None], arg: Any) -> None:
         self.links = links
@@ -64,6 +76,10 @@ class Flow:
         self.rate = 0.0
         self.last = 0.0
         self.version = 0
+        self.due = _INF
+        self.seq = 0
+        self.armed = _INF
+        self.ticket = 0
 
 
 class FluidNetwork:
@@ -126,7 +142,8 @@ class FluidNetwork:
         else:
             self._max_min(links, flows)
         # Only a flow whose rate changed is settled (at its old rate) and rescheduled: the
-        # others keep moving at the same rate, and their completion events still hold.
+        # others keep moving at the same rate, and their completion events still hold. A
+        # later end keeps the armed event (see the module docstring).
         loop, now, settle, finish = self.loop, self.loop.now, self._settle, self._finish
         for f, rate in zip(flows, before):
             if f.rate == rate and f.version:
@@ -134,7 +151,14 @@ class FluidNetwork:
             settle(f, rate)
             f.version += 1
             if f.rate > 0:
-                loop.at(now + f.remaining / f.rate, finish, (f, f.version))
+                f.seq = loop.reserve()
+                due = f.due = now + f.remaining / f.rate
+                if due < f.armed:
+                    f.armed = due
+                    f.ticket += 1
+                    loop.at_seq(due, f.seq, finish, (f, f.ticket))
+            else:
+                f.due = _INF
 
     @staticmethod
     def _share_one(link: Link, flows: dict[Flow, None]) -> None:
@@ -197,8 +221,13 @@ class FluidNetwork:
                         count[link] -= 1
 
     def _finish(self, token: tuple[Flow, int]) -> None:
-        flow, version = token
-        if version != flow.version:
+        flow, ticket = token
+        if ticket != flow.ticket:
+            return  # it sped up: a newer event is armed
+        if self.loop.now < flow.due:  # it slowed down since: re-arm at its end, in its place
+            flow.armed = due = flow.due
+            if due < _INF:
+                self.loop.at_seq(due, flow.seq, self._finish, token)
             return
         self._settle(flow, flow.rate)
         flow.remaining = 0.0
