@@ -38,6 +38,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
+from opentelemetry.context import Context
 
 from dualpath.bus import BUSY, DEFAULT_MAX_IN_FLIGHT, Bus
 from dualpath.config import (
@@ -55,7 +56,7 @@ from dualpath.protocol.subjects import Subjects
 from dualpath.runtime import periodic, run_service
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.metrics import observe
-from dualpath.telemetry.tracing import get_tracer
+from dualpath.telemetry.tracing import get_tracer, tracing_enabled
 
 log = get_logger("kv-persistence")
 tracer = get_tracer("dualpath.kv_persistence")
@@ -87,11 +88,12 @@ class KvPersistence:
         """Answer a ``LookupRequest`` from memory (no task, no await but the reply's publish)."""
         try:
             req = decode(msg.data, m.LookupRequest)
-            ctx = propagate.extract(msg.headers) if msg.headers else None
-            with tracer.start_as_current_span("index.lookup", context=ctx) as span:
-                hit = self.index.longest_prefix(req.model_digest, req.hashes)
-                if span.is_recording():
+            if tracing_enabled():
+                with tracer.start_as_current_span("index.lookup", context=_parent(msg)) as span:
+                    hit = self.index.longest_prefix(req.model_digest, req.hashes)
                     span.set_attributes({"blocks": len(req.hashes), "hit_blocks": hit})
+            else:  # no span at all: even a no-op one costs a few microseconds per lookup
+                hit = self.index.longest_prefix(req.model_digest, req.hashes)
             self.looked_up += len(req.hashes)
             self.hits += hit
             answer = self._hit_replies.get(hit)
@@ -120,21 +122,23 @@ class KvPersistence:
             self._slow += 1
             self._tasks.start_soon(self._commit_and_reply, msg, req, name="kvp:commit")
             return
-        ctx = propagate.extract(msg.headers) if msg.headers else None
-        span = tracer.start_span("index.commit", context=ctx, attributes={"blocks": len(req.hashes) - req.start})
+        span = (
+            tracer.start_span("index.commit", context=_parent(msg), attributes={"blocks": len(req.hashes) - req.start})
+            if tracing_enabled()
+            else None
+        )
 
         async def done(error: BaseException | None) -> None:
-            span.end()
+            if span is not None:
+                span.end()
             await self._reply(msg, _OK if error is None else _error(BUSY, str(error), msg.subject))
 
         try:
             self.index.submit_commit(req.model_digest, req.hashes, done, start=req.start)  # no store: evictions leave files
-        except (TypeError, ValueError) as exc:
-            span.end()
-            await self._reply(msg, _error(400, str(exc), msg.subject))
-        except IndexBusyError as exc:
-            span.end()
-            await self._reply(msg, _error(BUSY, str(exc), msg.subject))
+        except (TypeError, ValueError, IndexBusyError) as exc:
+            if span is not None:
+                span.end()
+            await self._reply(msg, _error(BUSY if isinstance(exc, IndexBusyError) else 400, str(exc), msg.subject))
 
     async def _commit_and_reply(self, msg: Msg, req: m.CommitRequest) -> None:
         try:
@@ -227,6 +231,11 @@ class KvPersistence:
             self.deleted += await asyncio.to_thread(delete)
         except OSError as exc:  # the index is right either way; a left-over file only costs space
             log.warning("block_delete_failed", error=str(exc), blocks=len(hashes))
+
+
+def _parent(msg: Msg) -> Context | None:
+    """The caller's trace context, carried in the message's headers."""
+    return propagate.extract(msg.headers) if msg.headers else None
 
 
 def _error(code: int, message: str, subject: str) -> bytes:
