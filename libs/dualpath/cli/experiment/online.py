@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Any, cast
 
 from dualpath.cli.experiment.plots import plot_online
@@ -126,12 +127,32 @@ def _probe(spec: TestbedSpec, mode: str, rate: float, index: int, k: float, say)
     point = _point(mode, rate, r.report, k)
     cpu = r.extra.get("cpu_s") or {}
     point["host_cores_busy"] = sum(cpu.values()) / r.wall_s if r.wall_s else None  # the stack's and loadgen's CPU
+    point["prefetch"] = prefetch_stats(probe_spec.out / mode / "run" / "logs")
     point["loadavg"] = r.extra.get("loadavg")
     say(
         f"[{mode}] {rate:g} APS: {'pass' if point['passed'] else 'fail'} (attainment {point['attainment']}, "
         f"TTFT p50 {point['ttft_p50']}, hit {point['hit_rate']})"
     )
     return point
+
+
+def prefetch_stats(logs: Path) -> dict | None:
+    """The traffic managers' last ``prefetch_stats`` lines, summed over nodes (None: prefetch off)."""
+    total: dict[str, float] = {}
+    for path in sorted(logs.glob("*.log")) if logs.is_dir() else ():
+        last = None
+        for line in path.read_text(errors="replace").splitlines():
+            if '"prefetch_stats"' in line:
+                last = line
+        if last is not None:
+            for key, value in json.loads(last).items():
+                if key.startswith("prefetch_") and isinstance(value, (int, float)):
+                    total[key] = total.get(key, 0) + value
+    if not total:
+        return None
+    staged = total.get("prefetch_staged_bytes", 0)
+    total["prefetch_used_fraction"] = total.get("prefetch_used_bytes", 0) / staged if staged else 0.0
+    return total
 
 
 def format_table(result: dict) -> str:
@@ -161,9 +182,16 @@ def format_table(result: dict) -> str:
             load = " ".join(f"{x:.1f}" for x in p.get("loadavg") or ())
             lines.append(
                 f"    probe {p['rate']:.3f} APS: {'pass' if p['passed'] else 'fail'}  attainment {f(p['attainment'])}  "
-                f"TTFT p50 {f(p['ttft_p50'])}  queue share {f(p['ttft_queue_share'])}  hit {f(p['hit_rate'])}  "
+                f"TTFT p50 {f(p['ttft_p50'])} p99 {f(p['ttft_p99'])}  queue share {f(p['ttft_queue_share'])}  hit {f(p['hit_rate'])}  "
                 f"host cores busy {f(p.get('host_cores_busy'))}  load {load}"
             )
+            pf = p.get("prefetch")
+            if pf:
+                lines.append(
+                    f"      prefetch: staged {pf.get('prefetch_staged_bytes', 0) / 2**20:.1f} MiB, used {f(pf['prefetch_used_fraction'])} "
+                    f"of it, peak buffer on staged runs {pf.get('prefetch_peak_bytes', 0) / 2**20:.1f} MiB (all nodes), "
+                    f"evictions {pf.get('prefetch_evictions', 0):.0f}, hints {pf.get('prefetch_hints', 0):.0f}"
+                )
     ratio, paper = result.get("aps_ratio"), result.get("paper")
     lines.append(
         (f"dualpath/basic max APS: {ratio:.2f}x" if ratio else "dualpath/basic max APS: - (needs --sweep and both modes)")
