@@ -48,7 +48,7 @@ from dualpath.config import (
     add_arguments,
     from_args,
 )
-from dualpath.ha.replicated_index import IndexBusyError, ReplicatedIndex
+from dualpath.ha.replicated_index import IndexBusyError, ReplicatedIndex, ReplicationError
 from dualpath.kv import BlockIndex, BlockStore
 from dualpath.protocol import ProtocolError, decode, encode
 from dualpath.protocol import messages as m
@@ -149,7 +149,8 @@ class KvPersistence:
             except (TypeError, ValueError) as exc:
                 answer = _error(400, str(exc), msg.subject)
             except Exception as exc:  # noqa: BLE001 - the client is told; the service goes on
-                answer = _error(BUSY if isinstance(exc, IndexBusyError) else 500, f"{type(exc).__name__}: {exc}", msg.subject)
+                code = BUSY if isinstance(exc, ReplicationError) else 500  # not stored (or queue full): the client may retry
+                answer = _error(code, f"{type(exc).__name__}: {exc}", msg.subject)
             finally:
                 if token is not None:
                     otel_context.detach(token)

@@ -14,13 +14,13 @@ order. The sets of indexed blocks are therefore the same on every replica; only 
 A commit is answered only after its record is stored by JetStream (acknowledged, on a
 majority of the cluster's servers) *and* applied by the replica that answers, so a block the
 client was told is committed survives the loss of any one process or server: a restarted
-replica replays the stream before it serves. Changes are group-committed: ``submit`` queues an
-op with a completion callback and returns at once; a flusher packs every queued op (up to
-``max_batch_ops``) into one stream message and keeps up to ``publish_window`` of them awaiting
-JetStream's acknowledgement at a time, so the stream's message rate stays far below the commit
-rate and no task or future exists per commit. When the record is acknowledged and applied
+replica replays the stream before it serves. Changes are group-committed: ``submit_commit`` (or
+``submit_remove``) queues an op with a completion callback and returns at once; a flusher packs
+every queued op (up to ``max_batch_ops``) into one stream message and keeps up to
+``publish_window`` of them awaiting JetStream's acknowledgement at a time, so the stream's
+message rate stays far below the commit rate and no task or future exists per commit. When the record is acknowledged and applied
 here, the callbacks of all its ops run (the service publishes the replies from them). Queued
-ops are bounded (``max_pending_ops``); past the bound ``submit`` raises ``IndexBusyError``.
+ops are bounded (``max_pending_ops``); past the bound a submit raises ``IndexBusyError``.
 With a capacity, the replica that takes a commit chooses the blocks to evict (its own least
 recently used leaves) and writes them into the record, so eviction is also identical
 everywhere.
