@@ -31,7 +31,8 @@ def test_a_tiny_bench_run_reports_every_point_for_memcpy_and_each_transport() ->
     assert "64 KiB" in report and "tcp/memcpy" in report and "mooncake-tcp: not measured" in report
     floor = d["roundtrip_floor"]
     assert 0 < floor["request_us"] <= floor["reply_64k_us"] * 1.5  # a 64 KiB reply is not faster than 32 B
-    assert "round-trip floor" in report and "tcp one 64 KiB block" in report
+    assert "round-trip floor" in report and "one 64 KiB block per batch (median): tcp" in report
+    assert all(r["cpu_us"] > 0 for c in ("tcp", "shm") for r in d["results"][c].values())  # both ends' CPU per batch
 
 
 def test_bench_windows_stay_inside_the_region_and_scatter_remote_blocks() -> None:

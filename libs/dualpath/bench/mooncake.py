@@ -104,6 +104,11 @@ class MooncakeLoopback:
             raise RuntimeError("Mooncake register_memory failed")
         return self
 
+    @property
+    def target_pid(self) -> int | None:
+        """The target process's id (for its CPU time), None before ``__enter__``."""
+        return self._proc.pid if self._proc is not None else None
+
     def batch(self, op: str, layout: list[tuple[int, int, int]]) -> None:
         """Move the blocks of ``layout`` ((local offset, remote offset, length) each).
 
