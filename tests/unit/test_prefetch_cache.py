@@ -61,14 +61,22 @@ def test_staged_runs_live_in_the_node_buffer_and_are_given_up_before_a_request_w
         cache.alloc("big", 4 * 4096)  # nothing left to give up
 
 
-def test_the_budget_drops_the_oldest_and_stages_only_the_leading_blocks_that_fit():
-    cache, _ = _cache(buffer=1 << 16, budget=25)
-    _stage(cache, 0, [1], 10)
-    _stage(cache, 0, [2], 10)
-    run = _stage(cache, 0, [3, 4, 5], 10)  # 30 bytes over a 25-byte budget: blocks 3 and 4 only
-    assert run.hashes == [3, 4] and (0, 1) not in cache and (0, 2) not in cache
-    assert cache.stats.dropped_bytes == 20
-    assert cache.open_run(0, [9], 26) is None  # one block larger than the budget
+def test_the_budget_stages_only_the_leading_blocks_that_fit_and_never_drops_another_run():
+    bb = 4096
+    cache, _ = _cache(buffer=1 << 20, budget=3 * bb)
+    _stage(cache, 0, [1], bb)
+    run = _stage(cache, 0, [3, 4, 5], bb)  # two blocks of room left: the leading two
+    assert run.hashes == [3, 4] and (0, 1) in cache and cache.stats.dropped_bytes == 0
+    assert cache.open_run(0, [9], bb) is None  # the budget is spent: the hint waits for nothing
+    assert cache.open_run(0, [9], 4 * bb) is None  # one block larger than the budget
+
+
+def test_a_run_takes_only_the_free_room_requests_left():
+    bb = 4096
+    cache, pool = _cache(buffer=4 * bb, budget=1 << 20)
+    pool.alloc("req", 3 * bb)
+    run = _stage(cache, 0, [1, 2, 3], bb)
+    assert run.hashes == [1] and pool.free_bytes == 0 and pool.get("req") is not None
 
 
 def test_expired_blocks_are_dropped_not_served():

@@ -13,9 +13,9 @@ one *run*, a slot of the same ``BufferPool`` the requests' slots come from, so t
 scheduler and the engines see is the real one. Runs are given up before any request waits:
 
 - a request that finds no room (``alloc``) drops runs, oldest first, until it fits;
-- runs never exceed ``budget_bytes`` per node (``--prefetch-mb``): a new run first drops the
-  oldest ones, and a hint larger than the budget stages its leading blocks only (``load``
-  uses leading blocks: a tail alone would be useless);
+- runs never exceed ``budget_bytes`` per node (``--prefetch-mb``) nor take room a request
+  holds; a hint larger than the room left stages its leading blocks only (``load`` uses
+  leading blocks: a tail alone would be useless), and staging never drops another run;
 - a run expires ``ttl_s`` after it was opened (``--prefetch-ttl``);
 - a load that uses a run's blocks consumes the run (the request's slot holds them now; the
   session's next hint stages the grown context again).
@@ -101,25 +101,21 @@ class PrefetchCache:
 
     # ---- staging (the prefetcher) -------------------------------------------------------------
     def open_run(self, digest: int, hashes: list[int], block_bytes: int) -> Run | None:
-        """A slot for the leading blocks of ``hashes`` that fit the budget, after dropping
-        expired and then the oldest runs as the budget needs; never takes room a request
-        holds. None when not even one block fits."""
+        """A slot for the leading blocks of ``hashes`` that fit both the budget left and the
+        buffer's free room (expired runs are dropped first). Staging never drops another run:
+        that would spend the storage NIC to trade one hint for another of the same worth.
+        None when not even one block fits."""
         self._expire()
-        n = min(len(hashes), self.budget // block_bytes) if block_bytes > 0 else 0
-        if n <= 0:
-            return None
-        need = n * block_bytes
-        while self._runs and self.bytes + need > self.budget:
-            self._drop(next(iter(self._runs.values())))
+        n = min(len(hashes), (self.budget - self.bytes) // block_bytes) if block_bytes > 0 else 0
         owner = f"{PREFETCH_OWNER}{next(self._names)}"
-        while True:
+        while n > 0:
             try:
-                slot = self.pool.alloc(owner, need)
+                slot = self.pool.alloc(owner, n * block_bytes)
                 break
             except BufferFullError:
-                if not self._runs:  # the buffer is the requests': stage nothing now
-                    return None
-                self._drop(next(iter(self._runs.values())))
+                n //= 2  # the largest free run is smaller: fewer leading blocks
+        else:
+            return None
         run = Run(owner, digest, list(hashes[:n]), block_bytes, slot.offset, slot.nbytes, self.clock() + self.ttl)
         self._runs[owner] = run
         self.bytes += slot.nbytes

@@ -13,7 +13,7 @@ modelled per node:
 - a staged copy is a hint: it lives in the node's DRAM buffer (``NodeStorage.buffer_used``),
   within a cap per node (``SimConfig.prefetch_gb``; 0: the whole buffer) and a time to live;
   the oldest copies are dropped first when a request needs buffer room (a slot reservation
-  or a PE read), when the cap is reached, or when they expire;
+  or a PE read), and when they expire; staging waits for room rather than drop a copy;
 - the next turn prefers the staged node (``PendingRequest.staged_node``); a read on that node
   takes the staged leading blocks (a DRAM copy, modelled as free) and reads only the rest
   from storage; a turn placed elsewhere reads from storage and the copy waits out its TTL.
@@ -97,12 +97,12 @@ class NodePrefetch:
                 continue
             tokens = min(left, o.chunk_tokens)
             nbytes = tokens * o.kvb
-            if not self._room(nbytes, c):
+            if not self._room(nbytes):
                 if self.bytes + nbytes > o.cap and c.held == self.bytes:  # alone over the cap: stage what fits
                     c.want = c.ready
                     self.queue.popleft()
                     continue
-                return  # the buffer is full of real requests: wait for the next idle moment
+                return  # no room: wait until a copy is used, expires or a request leaves
             c.flight, c.held = tokens, c.held + nbytes
             self.bytes += nbytes
             s.buffer_used += nbytes
@@ -111,15 +111,12 @@ class NodePrefetch:
             s.read_link.start(nbytes, self._chunk_done, c)
             return
 
-    def _room(self, nbytes: float, keep: _Copy) -> bool:
-        """Make room for a chunk of ``keep``: older copies go first (cap, then buffer)."""
+    def _room(self, nbytes: float) -> bool:
+        """Whether a chunk fits the cap and the buffer. Staging never drops another copy: that
+        would spend the storage NIC to trade one hint for another of the same worth (the
+        working set of agents in their tool calls is larger than DRAM at any useful rate)."""
         s, o = self.storage, self.owner
-        while self.bytes + nbytes > o.cap or s.buffer_used + nbytes > s.buffer_bytes:
-            victim = next((c for c in self.copies.values() if c is not keep and not c.dead), None)
-            if victim is None:
-                return False
-            self._drop(victim)
-        return True
+        return self.bytes + nbytes <= o.cap and s.buffer_used + nbytes <= s.buffer_bytes
 
     def _chunk_done(self, c: _Copy) -> None:
         o = self.owner
