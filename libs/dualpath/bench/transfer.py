@@ -238,17 +238,23 @@ def _figures(nbytes: int, laps: list[float], total: float, cpu_s: float) -> dict
 
 
 def _cpu_seconds(pid: int | None) -> float:
-    """CPU time of this process (every thread) plus that of process ``pid`` (Linux /proc;
-    elsewhere only this process)."""
+    """CPU time of this process (every thread) plus that of process ``pid``'s live threads
+    (Linux ``/proc/PID/task/*/schedstat``, in ns; elsewhere only this process)."""
     here = time.process_time()
     if pid is None:
         return here
+    total = 0
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return here
-    return here + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+    return here + total / 1e9
 
 
 class _Column:
@@ -345,12 +351,16 @@ def format_report(d: dict[str, Any]) -> str:
     ]
     versus = "tcp" in columns and MOONCAKE in columns
     if versus:
-        lines.insert(2, "tcp/mc = tcp GB/s over Mooncake TCP GB/s; cpu us = CPU time of both ends per batch (every thread), tcp | mooncake")
+        lines.insert(
+            2,
+            "tcp/mc: tcp GB/s over Mooncake TCP GB/s, and by median latency (Mooncake's over tcp's: load on the machine moves the "
+            "mean far more than the median); cpu us: CPU time of both ends per batch (every thread), tcp | mooncake",
+        )
     head = f"{'block':>7} {'batch':>5} " + "".join(f"{c:>22}" for c in columns)
     if "tcp" in columns:
         head += f"{'tcp/memcpy':>12}"
     if versus:
-        head += f"{'tcp/mc':>9}{'cpu us tcp | mc':>22}"
+        head += f"{'tcp/mc':>9}{'(p50)':>7}{'cpu us tcp | mc':>20}"
     lines += [head, "-" * len(head)]
     first = d["results"][columns[0]]
     for block in d["block_sizes"]:
@@ -366,7 +376,7 @@ def format_report(d: dict[str, Any]) -> str:
                 row += f"{d['results']['tcp'][key]['gbps'] / first[key]['gbps']:>11.0%}"
             if versus:
                 t, m = d["results"]["tcp"][key], d["results"][MOONCAKE][key]
-                row += f"{t['gbps'] / m['gbps']:>8.2f}x{t['cpu_us']:>11.0f} |{m['cpu_us']:>9.0f}"
+                row += f"{t['gbps'] / m['gbps']:>8.2f}x{m['latency_us'] / t['latency_us']:>6.2f}x{t['cpu_us']:>9.0f} |{m['cpu_us']:>9.0f}"
             lines.append(row)
     lines.append("")
     floor = d.get("roundtrip_floor")
@@ -404,6 +414,11 @@ def _verdicts(d: dict[str, Any]) -> list[str]:
         behind = [k for k in res["tcp"] if res["tcp"][k]["gbps"] < res[MOONCAKE][k]["gbps"]]
         note = f"; behind at {', '.join(behind)}" if behind else ""
         out.append(f"tcp vs Mooncake TCP, every point: worst {ratio:.2f}x (at {worst}); aim >= 1x{note}")
+        slower = [k for k in res["tcp"] if res["tcp"][k]["latency_us"] > res[MOONCAKE][k]["latency_us"]]
+        out.append(
+            f"by median batch latency: tcp slower at {len(slower)} of {len(res['tcp'])} points"
+            + (f" ({', '.join(slower)})" if slower else "")
+        )
         cheaper = sum(res["tcp"][k]["cpu_us"] < res[MOONCAKE][k]["cpu_us"] for k in res["tcp"])
         cpu = statistics.median(res["tcp"][k]["cpu_us"] / res[MOONCAKE][k]["cpu_us"] for k in res["tcp"])
         out.append(f"CPU per batch, both ends: tcp below Mooncake TCP at {cheaper} of {len(res['tcp'])} points (median tcp/mc {cpu:.2f})")
