@@ -35,7 +35,7 @@ from dualpath.config import EngineConfig
 from dualpath.core.batch_errors import BatcherError
 from dualpath.core.decode_batcher import CANCELLED, DecodeBatcher, DecodeStep
 from dualpath.engine.common import EngineSetup, read_path_name
-from dualpath.engine.decode import DecodeSequence, KvMemory, decode_step
+from dualpath.engine.decode import DecodeSequence, KvMemory, decode_step, decode_step_async
 from dualpath.kv import block_hashes
 from dualpath.model.sampling import SamplingParams, grammar_constraint, sample
 from dualpath.protocol import messages as m
@@ -315,6 +315,8 @@ class DecodeEngine:
         """One token through the model for every request of ``step`` (decode first, then flush)."""
         seqs = [self.running[rid].seq for rid in step.batch]
         inputs = [s.tokens[s.kv_len] for s in seqs]  # the one token without KV yet
+        if hasattr(self.setup.decoder, "decode_step_async"):  # modeled: the step's time awaited on the loop
+            return await decode_step_async(self.setup.decoder, self.memory, seqs, inputs)
         return await asyncio.to_thread(decode_step, self.setup.decoder, self.memory, seqs, inputs)
 
     async def _process_result(self, step: DecodeStep, logits: torch.Tensor) -> None:

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+
+import pytest
+import torch
 
 from dualpath.cost import cost_model
 from dualpath.testbed import ModeledDecoder
@@ -30,3 +34,57 @@ def test_a_host_stall_is_paid_back_only_up_to_the_bounded_debt():
     t1 = time.perf_counter()
     dec._sleep(0.05, t1)  # pays back at most the bound, not the whole stall
     assert time.perf_counter() - t1 > 0.05 - 0.02 - 0.005
+
+
+def _batch(dec):
+    batch = [(4096, 429), (0, 700)]
+    n = sum(new for _, new in batch)
+    hidden = dec.embed(torch.arange(n))
+    positions = torch.cat([torch.arange(c, c + k) for c, k in batch])
+    segments = [(0, 429), (429, 700)]
+    past = [(torch.zeros(c, 1, 2), torch.zeros(c, 1, 2)) if c else None for c, _ in batch]
+    return batch, hidden, positions, segments, past
+
+
+def test_the_awaited_layer_charges_the_same_time_and_gives_the_same_kv_as_the_threaded_one():
+    slowdown = 1e-4
+    sync, awaited = (
+        ModeledDecoder(cost_model("ds27b"), role="prefill", vocab_size=512, bytes_per_token_layer=4, slowdown=slowdown) for _ in range(2)
+    )
+    batch, hidden, positions, segments, past = _batch(sync)
+
+    async def run_awaited():
+        outs = []
+        for layer in range(awaited.num_layers):
+            outs.append(await awaited.forward_layer_async(layer, hidden, positions, segments, past))
+        return outs
+
+    outs = asyncio.run(run_awaited())
+    for layer, (_, k, v) in enumerate(outs):
+        _, k0, v0 = sync.forward_layer(layer, hidden, positions, segments, past)
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    assert awaited.modeled_s == pytest.approx(sync.modeled_s, rel=1e-12)
+    assert awaited.modeled_s / slowdown == pytest.approx(cost_model("ds27b").prefill_time(batch), rel=1e-9)
+
+
+def test_an_awaited_decode_step_keeps_the_event_loop_free_while_it_lasts():
+    dec = ModeledDecoder(cost_model("ds27b"), role="decode", vocab_size=512, bytes_per_token_layer=4, slowdown=20.0)
+    ticks = []
+
+    async def main():
+        async def tick():
+            while True:
+                ticks.append(time.perf_counter())
+                await asyncio.sleep(0.005)
+
+        ticker = asyncio.create_task(tick())
+        t0 = time.perf_counter()
+        logits = await dec.decode_step_async([32000] * 8, list(range(8)))
+        elapsed = time.perf_counter() - t0
+        ticker.cancel()
+        return logits, elapsed
+
+    logits, elapsed = asyncio.run(main())
+    assert logits.shape == (8, 512)
+    assert elapsed >= 0.8 * dec.modeled_s  # the step took its modeled (slowed) time ...
+    assert len(ticks) >= 3  # ... during which the loop ran other tasks

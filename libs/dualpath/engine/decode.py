@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["DecodeSequence", "KvMemory", "decode_step"]
+__all__ = ["DecodeSequence", "KvMemory", "decode_step", "decode_step_async"]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -92,6 +92,17 @@ class KvMemory:
 
     def release(self, kv: torch.Tensor) -> None:
         self.used_tokens -= kv.shape[1]
+
+
+async def decode_step_async(decoder, memory: KvMemory, seqs: list[DecodeSequence], inputs: list[int]) -> torch.Tensor:
+    """``decode_step`` of a modeled decoder (one with ``decode_step_async``) on the event loop:
+    the step's modeled time is awaited, not slept in a worker thread."""
+    for s in seqs:
+        memory.grow(s, s.kv_len + 1)
+    logits = await decoder.decode_step_async([s.kv_len + 1 for s in seqs], inputs)
+    for s in seqs:
+        s.kv_len += 1
+    return logits
 
 
 def decode_step(decoder, memory: KvMemory, seqs: list[DecodeSequence], inputs: list[int]) -> torch.Tensor:

@@ -87,6 +87,7 @@ async def run_prefill(decoder, items: Sequence[PrefillItem], io: LayerIO, *, lay
     stores: list[asyncio.Task] = []
     deferred: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     n_layers = decoder.num_layers
+    forward_async = getattr(decoder, "forward_layer_async", None)
     # Up to FETCH_AHEAD layers' cached KV in flight while a layer computes: on a link whose
     # round trip exceeds one layer's compute (TCP, a busy host) one layer ahead is not enough.
     ahead = FETCH_AHEAD if layerwise else n_layers
@@ -106,7 +107,10 @@ async def run_prefill(decoder, items: Sequence[PrefillItem], io: LayerIO, *, lay
             if layer + ahead < n_layers:
                 pending.append(asyncio.ensure_future(io.fetch(layer + ahead)))
             t1 = loop.time()
-            hidden, k, v = await asyncio.to_thread(decoder.forward_layer, layer, hidden, pos_t, segments, past)
+            if forward_async is not None:  # a modeled decoder sleeps on the loop: no thread hand-off per layer
+                hidden, k, v = await forward_async(layer, hidden, pos_t, segments, past)
+            else:
+                hidden, k, v = await asyncio.to_thread(decoder.forward_layer, layer, hidden, pos_t, segments, past)
             compute_s += loop.time() - t1
             if not layerwise:
                 deferred.append((layer, k, v))

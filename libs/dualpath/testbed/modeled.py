@@ -11,12 +11,17 @@ with a token-derived pattern so transfers are real bytes. Sampling produces prin
 
 ``slowdown`` (testbed slow motion) multiplies every modeled time.
 
+``forward_layer_async`` / ``decode_step_async`` are the same calls awaited on the engine's event
+loop (the engines use them when the decoder has them): the modeled time is an ``asyncio.sleep``,
+so a layer or step costs no worker-thread hand-off (two wake-ups that a busy host delays).
+
 ``overhead_s`` accumulates how much longer each call took than its modeled time: the
 emulation's own cost (Python, scheduling), reported by the testbed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
@@ -78,24 +83,39 @@ class ModeledDecoder:
         """Sleep until ``t0 + seconds * slowdown``; returns the host seconds asked for.
 
         Never spins (a spin steals a core from the other services of a small host): it sleeps
-        to just before the deadline, by ``time.sleep``'s usual lateness (a running mean), and
+        to just before the deadline, by the sleep's usual lateness (a running mean), and
         carries what it still missed (lateness, or work that outran the step) as a debt that the
         next calls' deadlines pay back; so single steps jitter by a sleep's granularity but the
         modeled GPU's average rate is exact. The debt is bounded (``_MAX_DEBT_S``): a host stall
         of seconds is not paid back as a burst of zero-time steps.
         """
-        seconds *= self.slowdown
-        deadline = t0 + seconds
-        left = deadline - self._debt - self._late - time.perf_counter()
+        seconds, deadline, left = self._plan(seconds, t0)
         if left > 0:
             time.sleep(left)
-            woke = time.perf_counter()
+        self._woke(deadline, left)
+        return seconds
+
+    async def _sleep_async(self, seconds: float, t0: float) -> float:
+        """``_sleep`` on the event loop (``asyncio.sleep``): no worker thread to hand off to."""
+        seconds, deadline, left = self._plan(seconds, t0)
+        if left > 0:
+            await asyncio.sleep(left)
+        self._woke(deadline, left)
+        return seconds
+
+    def _plan(self, seconds: float, t0: float) -> tuple[float, float, float]:
+        """(host seconds, the modeled deadline, how long to sleep now)."""
+        seconds *= self.slowdown
+        deadline = t0 + seconds
+        return seconds, deadline, deadline - self._debt - self._late - time.perf_counter()
+
+    def _woke(self, deadline: float, left: float) -> None:
+        """Update the sleep's mean lateness and the debt after a sleep of ``left`` (if positive)."""
+        woke = time.perf_counter()
+        if left > 0:
             lateness = woke - (deadline - self._debt - self._late)
             self._late = min(_MAX_LATE_S, max(0.0, self._late + _LATE_GAIN * (lateness - self._late)))
-        else:
-            woke = time.perf_counter()
         self._debt = min(_MAX_DEBT_S, max(-_MAX_DEBT_S, self._debt + woke - deadline))
-        return seconds
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return token_ids.to(torch.float32).unsqueeze(1)  # [N, 1]: the token id rides along
@@ -109,6 +129,33 @@ class ModeledDecoder:
         past: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
     ):
         t0 = time.perf_counter()
+        seconds, comm, out = self._layer(layer, hidden, positions, segments, past)
+        self.modeled_s += self._sleep(seconds, t0)
+        self.modeled_s += self._wait_comm(comm)
+        self.busy_s += time.perf_counter() - t0
+        return out
+
+    async def forward_layer_async(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        segments: Sequence[tuple[int, int]],
+        past: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
+    ):
+        """``forward_layer`` awaited on the engine's event loop (the modeled time is an
+        ``asyncio.sleep``): no worker-thread hand-off per layer, the emulation's main per-layer
+        host cost. With model traffic attached (its wait blocks) it runs in a thread as before."""
+        if self.traffic is not None:
+            return await asyncio.to_thread(self.forward_layer, layer, hidden, positions, segments, past)
+        t0 = time.perf_counter()
+        seconds, _, out = self._layer(layer, hidden, positions, segments, past)
+        self.modeled_s += await self._sleep_async(seconds, t0)
+        self.busy_s += time.perf_counter() - t0
+        return out
+
+    def _layer(self, layer, hidden, positions, segments, past):
+        """A layer's modeled seconds, its all-to-all (started) and its outputs (hidden, k, v)."""
         cached = [0 if p is None else p[0].shape[0] for p in past]
         if self.role == "decode":
             seconds = self.cost.decode_step_time([c + 1 for c in cached]) / self.num_layers
@@ -124,10 +171,7 @@ class ModeledDecoder:
         pattern = (positions.to(torch.int64) * 31 + layer) % 251  # [N]
         kv = pattern.to(torch.uint8).view(n, 1, 1).expand(n, 2, self.head_dim).contiguous()
         self.compute_charged_s += seconds
-        self.modeled_s += self._sleep(seconds, t0)
-        self.modeled_s += self._wait_comm(comm)
-        self.busy_s += time.perf_counter() - t0
-        return hidden, kv[:, 0].unsqueeze(1), kv[:, 1].unsqueeze(1)
+        return seconds, comm, (hidden, kv[:, 0].unsqueeze(1), kv[:, 1].unsqueeze(1))
 
     def decode_step(self, context_lens: Sequence[int], inputs: Sequence[int]) -> torch.Tensor:
         """One decode step of the whole batch in one call: the modeled time, then the logits."""
@@ -137,6 +181,17 @@ class ModeledDecoder:
         logits = self.logits(torch.tensor(inputs, dtype=torch.float32).unsqueeze(1))
         self.modeled_s += self._sleep(seconds, t0)
         self.modeled_s += self._wait_comm(comm)
+        self.busy_s += time.perf_counter() - t0
+        return logits
+
+    async def decode_step_async(self, context_lens: Sequence[int], inputs: Sequence[int]) -> torch.Tensor:
+        """``decode_step`` awaited on the engine's event loop (see ``forward_layer_async``)."""
+        if self.traffic is not None:
+            return await asyncio.to_thread(self.decode_step, context_lens, inputs)
+        t0 = time.perf_counter()
+        seconds = self.cost.decode_step_time(context_lens)
+        logits = self.logits(torch.tensor(inputs, dtype=torch.float32).unsqueeze(1))
+        self.modeled_s += await self._sleep_async(seconds, t0)
         self.busy_s += time.perf_counter() - t0
         return logits
 
