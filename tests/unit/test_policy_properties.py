@@ -117,7 +117,7 @@ def check_invariants(name, waiting, state, th, out):
     tok = {e.engine_id: e.tok for e in state.engines.values()}
     free = {e.engine_id: e.free_hbm_tokens for e in state.engines.values()}
     queue = {n.node_id: n.read_q for n in state.nodes.values()}
-    for r, a in zip(waiting, out):
+    for i, (r, a) in enumerate(zip(waiting, out)):
         pe, de = state.engines[a.prefill_engine], state.engines[a.decode_engine]
         assert pe.role is Role.PREFILL and de.role is Role.DECODE
         assert tok[pe.engine_id] <= th.beta_tokens  # never to a PE over beta
@@ -126,6 +126,8 @@ def check_invariants(name, waiting, state, th, out):
         q_pe, q_de = queue[pe.node_id], queue[de.node_id]
         if name == "basic":
             assert a.read_side is ReadSide.PE
+        elif name == "round_robin":  # the read side round robin too: PE on even decisions
+            assert a.read_side is (ReadSide.DE if (state.assigned_total + i) % 2 else ReadSide.PE)
         else:  # the shorter queue, ties to the PE side
             assert a.read_side is (ReadSide.PE if q_pe <= q_de else ReadSide.DE)
         assert a.read_node == (pe.node_id if a.read_side is ReadSide.PE else de.node_id)

@@ -271,6 +271,11 @@ class SchedulerCore:
         roles have live engines. Do not modify."""
         return self._cluster()
 
+    @property
+    def held_until(self) -> float:
+        """Passes place nothing before this ``now`` (back-pressure after a full node buffer)."""
+        return self._hold_until
+
     def is_current(self, request_id: str, attempt: int) -> bool:
         """Whether ``attempt`` is the live placement of the request."""
         t = self.requests.get(request_id)

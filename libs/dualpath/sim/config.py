@@ -41,7 +41,7 @@ MODES: dict[str, SimMode] = {
     "dualpath": SimMode("dualpath", "auto", label="DualPath: both read paths, DualPath scheduler"),
     "oracle": SimMode("dualpath", "auto", oracle=True, label="Oracle: no storage reads, no KV transfers"),
     "basic-nolw": SimMode("basic", "pe", layerwise=False, label="Basic without layer-wise prefill"),
-    "dualpath-rr": SimMode("round_robin", "auto", label="+ dual-path loading (round robin, shorter read queue)"),
+    "dualpath-rr": SimMode("round_robin", "auto", label="+ dual-path loading (round robin engines and read side)"),
     "split": SimMode("dualpath", "split", label="DualPath + split reads (--read-policy split, beyond the paper)"),
     "prefetch": SimMode("dualpath", "auto", prefetch=True, label="DualPath + agent-aware prefetch (--prefetch, beyond the paper)"),
 }

@@ -87,8 +87,8 @@ NOTES = {
     "ablation_layerwise_jct_reduction_pct": "follows the headline ratio (same runs)",
     "ablation_dual_path_jct_reduction_pct": "follows the headline ratio (same runs)",
     "ablation_scheduler_jct_reduction_pct": "follows the headline ratio (same runs)",
-    "snic_max_over_avg_round_robin": "this project's round robin still picks the read side by the shorter queue "
-    "(policy.registry), which balances SNIC bytes; only engine selection is round robin",
+    "snic_max_over_avg_round_robin": "round robin reads every other request on the prefill side: with P < D prefill nodes "
+    "each prefill node reads (P + D) / (2P) times the average, the decode nodes less; the figure follows P/D",
     "snic_max_over_avg_dualpath": "quick size: too few reads for a stable figure",
     "ds27b_1p1d_dualpath_over_basic": "quick size: the cluster is not storage-bound",
     "ds27b_1p1d_dualpath_over_oracle": "the paper gives a range over batch sizes (1.09-1.85x); one batch size is simulated",

@@ -147,7 +147,10 @@ class SimScheduler:
         self.passes += 1
         core = self.core
         before, refused = len(core.queue), self.back_pressure
-        self._apply(core.handle(TimeAdvanced(now=self.loop.now)))
+        if self.loop.now >= core.held_until:
+            self._apply(core.handle(TimeAdvanced(now=self.loop.now)))
+        # else: paused by back-pressure, the pass would place nothing (and with engine expiry
+        # off, TimeAdvanced would change nothing else): skip the event, keep its timing
         placed = before - len(core.queue)
         window = core.cfg.pass_window
         if placed >= window and core.queue and self.back_pressure == refused:

@@ -21,9 +21,11 @@ A turn's path (the services' path, see ``dualpath.protocol.messages``):
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 
+from dualpath.core.scheduler import tune_gc
 from dualpath.core.scheduler_events import Dispatch
 from dualpath.cost import cost_model
 from dualpath.policy import ReadSide, Role, Thresholds, get_policy
@@ -239,7 +241,11 @@ class Simulation:
         for agent in self.agents:
             self.loop.at(agent.arrival, self._submit, agent)
         t0, c0 = time.perf_counter(), time.process_time()
-        self.loop.run(until, tick=(lambda _t: tick(self)) if tick else None)
+        gc_before = tune_gc()  # hundreds of thousands of live objects, no cycles among them while the run lasts
+        try:
+            self.loop.run(until, tick=(lambda _t: tick(self)) if tick else None)
+        finally:
+            gc.set_threshold(*gc_before)
         self.wall_s = time.perf_counter() - t0
         self.cpu_s = time.process_time() - c0  # what the run cost this process, however busy the machine
         if self.end_time == 0.0 or until != float("inf"):
