@@ -168,9 +168,14 @@ class PrefillEngine:
 
     async def on_cancel(self, req: m.CancelRequest) -> None:
         """Drop a loaded task; one whose batch is running is dropped when the batch ends (its
-        KV may still be read meanwhile). A task still loading finishes loading first, then is dropped."""
-        self._successors.pop(req.request_id, None)
+        KV may still be read meanwhile). A task still loading finishes loading first, then is dropped.
+        A scheduler's retry (``before_attempt``) supersedes older attempts only (see ``_supersede``)."""
         job = self.jobs.get(req.request_id)
+        if req.before_attempt >= 0:  # the scheduler retried the request: only older attempts stop, silently
+            if job is not None and job.task.attempt < req.before_attempt:
+                await self._supersede(job)
+            return
+        self._successors.pop(req.request_id, None)
         if job is None:
             return
         running = self.batcher.in_flight

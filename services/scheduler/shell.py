@@ -167,10 +167,20 @@ class SchedulerShell:
             elif isinstance(c, Requeued):
                 if c.counted:
                     log.warning("request_retried", request_id=c.request_id, attempt=c.attempt, reason=c.reason)
+                    # A live prefill engine may still hold the old attempt: stop it before it writes into the
+                    # decode slot just given up (published before the new attempt's dispatch, so it lands first).
+                    self.tasks.start_soon(self._stop_attempts_before, c)
             elif isinstance(c, ExpelEngine):
                 log.warning("engine_lost", engine=c.engine, reason=c.reason)
             elif isinstance(c, Prefetch):
                 self.tasks.start_soon(self._prefetch, c)
+
+    async def _stop_attempts_before(self, c: Requeued) -> None:
+        cancel = m.CancelRequest(request_id=c.request_id, reason=f"retried: {c.reason}", before_attempt=c.attempt)
+        try:
+            await self.bus.publish(self.subjects.cancel, cancel)
+        except Exception as exc:  # noqa: BLE001 - best effort: the old attempt then fails on its own
+            log.warning("retry_cancel_failed", request_id=c.request_id, error=str(exc))
 
     async def _prefetch(self, c: Prefetch) -> None:
         """Hint the session's prompt blocks to the node (published: a lost hint costs nothing)."""

@@ -125,3 +125,17 @@ def test_a_retry_of_a_request_whose_batch_is_running_starts_when_the_batch_ends_
     assert [t.attempt for t in started] == [2]
     assert not [msg for _, msg in bus.requested if isinstance(msg, m.DecodeTask)]  # no hand-off of the superseded attempt
     assert not [msg for _, msg in bus.published if isinstance(msg, (m.TaskFailed, m.TokenEvent))] and engine.finished == []
+
+
+def test_the_schedulers_retry_cancel_stops_only_older_attempts_and_silently():
+    old = _task("q", {"temperature": 0.0})  # attempt 1
+    engine, bus, started = _engine_with([old])
+    asyncio.run(engine.on_cancel(m.CancelRequest(request_id="q", reason="retried", before_attempt=1)))
+    assert "q" in engine.jobs  # attempt 1 is not older than 1: kept
+    asyncio.run(engine.on_cancel(m.CancelRequest(request_id="q", reason="retried", before_attempt=2)))
+    assert "q" not in engine.jobs and "q" not in engine.batcher
+    assert engine.finished == [] and started == []  # not reported done: the scheduler's attempt 2 is not this one
+    client = _task("c", {"temperature": 0.0})
+    engine2, _, _ = _engine_with([client])
+    asyncio.run(engine2.on_cancel(m.CancelRequest(request_id="c", reason="client disconnected")))
+    assert engine2.finished == ["c"]  # a client's cancel is reported, so the scheduler forgets the request

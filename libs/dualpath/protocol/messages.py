@@ -428,6 +428,7 @@ class CancelRequest(Wire):
 
     request_id: str
     reason: str = ""
+    before_attempt: int = -1  # the scheduler retried it: only attempts before this one stop (-1: every attempt)
 
 
 @register(61)
