@@ -45,7 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default="64k", help="32k, 48k, 64k or a trajectory JSONL file")
     p.set_defaults(engines_per_node=1)  # one engine per node: the SNIC shrinks to that GPU's share of it
     p.add_argument("--agents", type=int, default=64, help="agents, all started at once (I/O-bound: tens per engine)")
-    p.add_argument("--turns", type=int, default=3, help="timed turns per agent (the sets have 60-157)")
+    p.add_argument(
+        "--turns",
+        type=int,
+        default=6,
+        help="timed turns per agent (the sets have 60-157); the closed loop's start and its last decode turn are fixed "
+        "costs, so with few turns they weigh on the ratios",
+    )
     p.add_argument("--modes", default="basic,dualpath,oracle", help=f"comma-separated, from {', '.join(MODES)}")
     p.add_argument(
         "--ablation",

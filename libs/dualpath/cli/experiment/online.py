@@ -10,7 +10,8 @@ time), so the host's own cost is a small share of every latency.
 
 ``--sweep`` searches the highest passing APS per mode (ramp, then geometric bisection; every
 probe is a fresh stack on a copy of the warmed storage, running the same agents) and prints
-the dualpath/basic ratio next to the paper's, with the TTFT split into queueing (admission ->
+the dualpath/basic ratio next to the paper's (the modes' probes alternate, so a shared host's
+changing load falls on both alike), with the TTFT split into queueing (admission ->
 first prefill batch, KV load wait included) and execution at each mode's best rate. Without
 it, one run at ``--rate``. Writes result.json.
 """
@@ -237,10 +238,18 @@ def main(argv: list[str] | None = None) -> int:
     spec, modes = prepared
     say = lambda msg: print(msg, file=sys.stderr, flush=True)
     rows: dict[str, dict[str, Any]] = {}
-    for mode in modes:
-        points: list[dict] = []
-        while (rate := _next_rate(points, ns.rate, ns.sweep_probes if ns.sweep else 1, ns.sweep_tolerance)) is not None:
-            points.append(_probe(spec, mode, rate, len(points), k, say))
+    # The modes' probes alternate (basic, dualpath, basic, ...), so a shared host's changing load
+    # falls on every mode alike instead of on whichever ran last.
+    probes: dict[str, list[dict]] = {mode: [] for mode in modes}
+    active = list(modes)
+    while active:
+        for mode in list(active):
+            rate = _next_rate(probes[mode], ns.rate, ns.sweep_probes if ns.sweep else 1, ns.sweep_tolerance)
+            if rate is None:
+                active.remove(mode)
+                continue
+            probes[mode].append(_probe(spec, mode, rate, len(probes[mode]), k, say))
+    for mode, points in probes.items():
         passed = [p for p in points if p["passed"]]
         best = max(passed, key=lambda p: p["rate"]) if passed else (points[-1] if points else None)
         rows[mode] = {"mode": mode, "max_aps": cast(dict, best)["rate"] if passed and ns.sweep else None, "best": best, "probes": points}
