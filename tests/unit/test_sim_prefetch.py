@@ -4,8 +4,10 @@ nothing behind."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
+from dualpath.cli.sim import main
 from dualpath.sim import SimConfig, Simulation, Workload
 
 
@@ -70,3 +72,13 @@ def test_prefetch_off_is_dualpath_unchanged():
     a, b = gapped("dualpath"), gapped("dualpath")
     assert a.prefetch is None and a.run().ttft == b.run().ttft
     assert replace(a.cfg, mode="prefetch").sim_mode.prefetch
+
+
+def test_sim_online_prefetch_runs_the_prefetch_mode_next_to_dualpath_and_reports_its_buffer(capsys):
+    argv = ["online", "--target", "ds27b", "--topology", "1P1D", "--dataset", "32k", "--turns", "3", "--start-at", "0.5"]
+    argv += ["--rate", "2", "--duration", "5", "--tool-gap", "2", "--modes", "dualpath", "--prefetch", "--prefetch-gb", "4", "--json"]
+    assert main(argv) == 0
+    modes = json.loads(capsys.readouterr().out)["modes"]
+    assert list(modes) == ["dualpath", "prefetch"] and modes["dualpath"]["prefetch"] is None
+    pf = modes["prefetch"]["prefetch"]
+    assert pf["staged_bytes"] > 0 and 0 < pf["used_fraction"] <= 1 and 0 < pf["peak_buffer_bytes"] <= 4e9
