@@ -12,8 +12,6 @@ from dataclasses import replace
 import anyio
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from dualpath.transfer import (
     MemoryRegion,
@@ -27,7 +25,6 @@ from dualpath.transfer import (
 )
 from dualpath.transfer.peer import pattern, spawn_peer
 from dualpath.transfer.tcp import TcpTransport
-from dualpath.transfer.tcp_bulk import BULK_BYTES, split_stripes
 
 pytestmark = pytest.mark.anyio
 
@@ -235,50 +232,6 @@ async def test_one_batch_spanning_two_peers_lands_in_both(duo) -> None:
         other.unlink()
 
 
-async def test_a_large_batch_is_striped_over_two_connections_and_every_byte_lands(monkeypatch) -> None:
-    a = TcpTransport(node_id="a", timeout_s=10.0, streams=2)
-    b = TcpTransport(node_id="b")
-    local, remote = MemoryRegion(_rid("l"), 24 * MIB), MemoryRegion(_rid("r"), 24 * MIB)
-    answered = []
-    real = tcp_server._resolve
-
-    def counting(*args, **kwargs):
-        answered.append(sum(e[2] * e[3] for e in tcp_server.ENTRY.iter_unpack(args[4])))  # bytes per request
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(tcp_server, "_resolve", counting)
-    try:
-        await a.start()
-        await b.start()
-        await a.connect(b.register(remote))
-        remote.as_array()[:] = pattern(remote.size, 11)
-        rid = remote.region_id
-        # 48 scattered 256 KiB blocks (12 MiB) and one strided entry of 16 pieces (4 MiB)
-        entries = [TransferEntry(i * 256 * 1024, rid, ((i * 29) % 48) * 256 * 1024, 256 * 1024) for i in range(48)]
-        entries.append(TransferEntry(12 * MIB, rid, 13 * MIB, 256 * 1024, 16, 256 * 1024, 512 * 1024))
-        assert await a.read(local, entries) == 16 * MIB
-        assert answered == [8 * MIB, 8 * MIB]  # two stripes, each its own batch
-        assert len({c for c in a._peers}) == 2  # on two connections
-        expected = np.zeros(local.size, np.uint8)
-        for e in entries:
-            for lo, ro, n in e.pieces():
-                expected[lo : lo + n] = remote.as_array()[ro : ro + n]
-        assert np.array_equal(local.as_array(0, 16 * MIB), expected[: 16 * MIB])
-
-        local.as_array()[:] = pattern(local.size, 12)
-        remote.as_array()[:] = 0
-        assert await a.write(local, entries) == 16 * MIB
-        for e in entries:
-            for lo, ro, n in e.pieces():
-                assert np.array_equal(remote.as_array(ro, n), local.as_array(lo, n))
-    finally:
-        await a.close()
-        await b.close()
-        for region in (local, remote):
-            region.close()
-            region.unlink()
-
-
 async def test_a_large_write_cancelled_mid_payload_lets_go_of_the_region_and_the_next_batch_redials() -> None:
     rid = _rid("stalled")
     local, other = MemoryRegion(_rid("l"), 64 * MIB), MemoryRegion(_rid("o"), 8 * MIB)
@@ -288,12 +241,12 @@ async def test_a_large_write_cancelled_mid_payload_lets_go_of_the_region_and_the
     try:
         await transport.connect(peer.descriptors[rid])
         assert await transport.read(local, [TransferEntry(0, rid, 0, 10)]) == 10  # dialled
-        os.kill(peer.proc.pid, signal.SIGSTOP)  # the peer stops reading: the payload stalls in a worker
+        os.kill(peer.proc.pid, signal.SIGSTOP)  # the peer stops reading: the payload stalls mid-send
         with anyio.fail_after(5):
             with anyio.move_on_after(0.3) as scope:
                 await transport.write(local, [TransferEntry(0, rid, 0, 64 * MIB)])
         assert scope.cancelled_caught
-        local.close()  # no worker holds its memory any more (RegionInUseError otherwise)
+        local.close()  # nothing holds its memory any more (RegionInUseError otherwise)
         os.kill(peer.proc.pid, signal.SIGCONT)
         other.as_array()[:] = pattern(other.size, 5)
         assert await transport.write(other, [TransferEntry(0, rid, 0, 8 * MIB)]) == 8 * MIB
@@ -306,43 +259,3 @@ async def test_a_large_write_cancelled_mid_payload_lets_go_of_the_region_and_the
         for region in (local, other):
             region.close()
             region.unlink()
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    pieces=st.lists(
-        st.tuples(st.integers(1, 3 * MIB), st.integers(1, 6), st.booleans()),  # length, count, strided
-        min_size=1,
-        max_size=12,
-    ),
-    streams=st.integers(1, 5),
-)
-def test_stripes_cover_every_byte_of_a_batch_once_in_order_and_split_it_evenly(pieces, streams) -> None:
-    entries, local, remote = [], 0, 0
-    for length, count, strided in pieces:
-        gap = length + 7 if strided else length
-        entries.append(TransferEntry(local, "r", remote, length, count, gap, gap))
-        local += count * gap
-        remote += count * gap + 3
-    total = sum(e.nbytes for e in entries)
-
-    stripes = split_stripes(entries, total, streams)
-
-    def byte_pairs(es):
-        return [(lo, ro, n) for e in es for lo, ro, n in e.pieces()]
-
-    def merged(triples):  # adjacent pieces joined: a cut contiguous entry reads as the whole one
-        out = []
-        for lo, ro, n in triples:
-            if out and out[-1][0] + out[-1][2] == lo and out[-1][1] + out[-1][2] == ro:
-                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
-            else:
-                out.append((lo, ro, n))
-        return out
-
-    assert merged([p for s in stripes for p in byte_pairs(s)]) == merged(byte_pairs(entries))
-    assert 1 <= len(stripes) <= max(1, min(streams, total // BULK_BYTES))
-    largest_piece = max(length for length, _, _ in pieces)
-    target = -(-total // max(1, min(streams, total // BULK_BYTES)))
-    for stripe in stripes[:-1]:  # each full to its share, short of it by less than one piece
-        assert target - largest_piece < sum(e.nbytes for e in stripe) <= target

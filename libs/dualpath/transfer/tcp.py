@@ -6,11 +6,6 @@ it: a batch is one request frame (with a write's payload) and one reply frame (w
 payload), matched by batch id. A reader task per connection receives replies straight into
 the local region. A peer that disappears fails every batch in flight with
 ``PeerLostError``; one that stops answering fails them after ``timeout_s``.
-
-Bulk (``tcp_bulk``): a batch of ``2 * BULK_BYTES`` or more to one peer is cut into up to
-``streams`` stripes, each its own batch on its own connection (lane) to the peer, and
-payloads of ``BULK_BYTES`` or more are copied by per-connection worker threads on both
-ends, so one large batch uses several cores instead of one.
 """
 
 from __future__ import annotations
@@ -28,7 +23,6 @@ from dualpath.transfer.base import Transport, check_entries
 from dualpath.transfer.errors import PeerLostError, TransferTimeoutError
 from dualpath.transfer.nic import DuplexNic, EmulatedNic
 from dualpath.transfer.region import MemoryRegion
-from dualpath.transfer.tcp_bulk import split_stripes
 from dualpath.transfer.tcp_conn import PeerConnection
 from dualpath.transfer.tcp_server import serve_connection
 from dualpath.transfer.tcp_wire import Op
@@ -43,7 +37,6 @@ class _Group:
 
     peer: tuple[str, int]
     entries: list[TransferEntry] = field(default_factory=list)
-    nbytes: int = 0
 
 
 class TcpTransport(Transport):
@@ -61,29 +54,20 @@ class TcpTransport(Transport):
         timeout_s: float = 30.0,
         connect_timeout_s: float = 5.0,
         socket_buffer_bytes: int | None = 8 << 20,
-        streams: int = 2,
     ) -> None:
         """``timeout_s`` bounds a whole batch; ``socket_buffer_bytes`` sets SO_SNDBUF and
         SO_RCVBUF (the kernel caps them at net.core.wmem_max/rmem_max; ``None`` keeps
-        autotuning): large buffers mean fewer wake-ups per megabyte. ``streams`` is the most
-        connections one large batch to one peer is striped over (1: never striped).
-
-        Raises:
-            ValueError: ``streams`` is below 1.
-        """
-        if streams < 1:
-            raise ValueError(f"streams must be at least 1, not {streams}")
+        autotuning): large buffers mean fewer wake-ups per megabyte."""
         super().__init__(node_id=node_id, nic=nic)
         self.host = host
         self.port = port
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.socket_buffer_bytes = socket_buffer_bytes
-        self.streams = streams
         self._listener: socket.socket | None = None
         self._tasks = TaskSet(f"tcp-transport-{node_id}")
-        self._peers: dict[tuple[str, int, int], PeerConnection] = {}  # (host, port, lane)
-        self._dialing: dict[tuple[str, int, int], asyncio.Lock] = {}
+        self._peers: dict[tuple[str, int], PeerConnection] = {}
+        self._dialing: dict[tuple[str, int], asyncio.Lock] = {}
         self._batch_ids = itertools.count(1)
         self._peer_of: dict[str, tuple[str, int]] = {}  # remote region id -> (host, port)
 
@@ -161,14 +145,12 @@ class TcpTransport(Transport):
         peer_of = self._peer_of
         first = peer_of[entries[0].remote_region]
         if all(peer_of[e.remote_region] == first for e in entries):  # the usual batch: one peer
-            groups = {first: _Group(first, list(entries), total)}
+            groups = {first: _Group(first, list(entries))}
         else:
             groups = {}
             for entry in entries:
                 key = peer_of[entry.remote_region]
-                group = groups.setdefault(key, _Group(key))
-                group.entries.append(entry)
-                group.nbytes += entry.nbytes
+                groups.setdefault(key, _Group(key)).entries.append(entry)
         futures: list[asyncio.Future[int]] = []
         conns: list[PeerConnection] = []
         # A timer, not a cancel scope: it costs nothing per batch until it fires, and when it
@@ -180,24 +162,11 @@ class TcpTransport(Transport):
             for conn in conns:
                 conn.abort(TransferTimeoutError(conn.peer, self.timeout_s))
 
-        async def submit(peer: tuple[str, int, int], stripe: list[TransferEntry]) -> None:
-            conn = await self._connection(peer)
-            conns.append(conn)
-            futures.append(await conn.submit(op, cls, next(self._batch_ids), local, stripe))
-
         async def move() -> None:
-            jobs = [
-                ((*group.peer, lane), stripe)
-                for group in groups.values()
-                for lane, stripe in enumerate(split_stripes(group.entries, group.nbytes, self.streams))
-            ]
-            if read or len(jobs) == 1:  # a read's submit returns once its request is sent
-                for peer, stripe in jobs:
-                    await submit(peer, stripe)
-            else:  # a write's returns once its payload is: the stripes go out side by side
-                for outcome in await asyncio.gather(*(submit(p, s) for p, s in jobs), return_exceptions=True):
-                    if isinstance(outcome, BaseException):
-                        raise outcome
+            for group in groups.values():
+                conn = await self._connection(group.peer)
+                conns.append(conn)
+                futures.append(await conn.submit(op, cls, next(self._batch_ids), local, group.entries))
             if len(futures) == 1:
                 await futures[0]
             else:
@@ -221,8 +190,7 @@ class TcpTransport(Transport):
         finally:
             timer.cancel()
 
-    async def _connection(self, peer: tuple[str, int, int]) -> PeerConnection:
-        """The live connection of ``peer``'s lane (dialled on first use or after a break)."""
+    async def _connection(self, peer: tuple[str, int]) -> PeerConnection:
         conn = self._peers.get(peer)
         if conn is not None and conn.alive:
             return conn
@@ -234,7 +202,7 @@ class TcpTransport(Transport):
             name = f"{peer[0]}:{peer[1]}"
             try:
                 with anyio.fail_after(self.connect_timeout_s):
-                    sock = await _dial(peer[:2], self.socket_buffer_bytes)
+                    sock = await _dial(peer, self.socket_buffer_bytes)
             except (OSError, TimeoutError) as exc:
                 raise PeerLostError(name, f"cannot connect: {exc!r}") from exc
             conn = PeerConnection(sock, name)

@@ -3,11 +3,9 @@
 ``submit`` sends a batch's request (and a write's payload) and returns a future;
 ``read_replies`` registers the connection's reader callback, which resolves futures as
 replies arrive (in request order: the server answers a connection's batches in turn),
-receiving a read's payload straight into the local region. A payload of ``BULK_BYTES`` or
-more is sent or received by the connection's worker threads instead (``tcp_bulk``): one for
-sends, one for receives, so a write's payload going out never waits behind a read's reply
-coming in. When the connection breaks, every batch in flight fails with the same error and
-the connection is marked dead (the transport dials a new one for the next batch).
+receiving a read's payload straight into the local region. When the connection breaks, every batch
+in flight fails with the same error and the connection is marked dead (the transport dials
+a new one for the next batch).
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from dataclasses import dataclass, field
 
 from dualpath.transfer.errors import PeerLostError, TransferError
 from dualpath.transfer.region import MemoryRegion
-from dualpath.transfer.tcp_bulk import BULK_BYTES, BulkWorker
 from dualpath.transfer.tcp_wire import (
     IOV_MAX,
     MAX_ERROR_BYTES,
@@ -68,9 +65,6 @@ class PeerConnection:
         self._head_got = 0
         self._cur: _Pending | None = None  # the batch whose reply is being received
         self._ended: asyncio.Future[None] | None = None
-        self._sender = BulkWorker(f"tcp-send-{peer}")
-        self._receiver = BulkWorker(f"tcp-recv-{peer}")
-        self._reading = False
 
     @property
     def alive(self) -> bool:
@@ -112,11 +106,7 @@ class PeerConnection:
                 return future
             async with self._send_lock:
                 started = True
-                if op is Op.WRITE and nbytes >= BULK_BYTES:
-                    await send_buffers(self.sock, [frame])
-                    await self._send_bulk(views)
-                else:
-                    await send_buffers(self.sock, [frame, *views] if op is Op.WRITE else [frame])
+                await send_buffers(self.sock, [frame, *views] if op is Op.WRITE else [frame])
         except OSError as exc:
             error = PeerLostError(self.peer, f"send failed: {exc!r}")
             self.abort(error)
@@ -134,22 +124,8 @@ class PeerConnection:
                 _release(views)
         return future
 
-    async def _send_bulk(self, views: list[memoryview]) -> None:
-        """Send a write's payload from the send worker. A caller that gives up mid-payload
-        aborts the connection (the stream cannot be resynchronised) and still waits for the
-        worker to let go of the region's memory."""
-        job = self._sender.run(self.sock, views, send=True)
-        try:
-            await asyncio.shield(job)
-        except asyncio.CancelledError:
-            if not job.done():
-                self.abort(PeerLostError(self.peer, "a batch was cancelled while being sent"))
-                await self._sender.settle()
-            raise
-
     def abort(self, error: TransferError) -> None:
-        """Fail every batch in flight with ``error`` and shut the connection down (a reply
-        that a worker is receiving fails when the worker has let go of its memory)."""
+        """Fail every batch in flight with ``error`` and shut the connection down."""
         if self._dead is None:
             self._dead = error
         self._fail_all(self._dead)
@@ -171,7 +147,6 @@ class PeerConnection:
             self._ended.set_result(None)
         else:
             loop.add_reader(self._fd, self._on_readable)
-            self._reading = True
         try:
             await self._ended
         except asyncio.CancelledError:
@@ -180,11 +155,6 @@ class PeerConnection:
         finally:
             with contextlib.suppress(ValueError, OSError):  # already closed
                 loop.remove_reader(self._fd)
-            self._reading = False
-            # The socket is shut down: workers end at once; none may use it once it is closed.
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._receiver.aclose(_CLOSE_GRACE_S)
-                await self._sender.aclose(_CLOSE_GRACE_S)
             # A sender woken by the shutdown fails fast and frees the lock; then close.
             acquired = False
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
@@ -231,9 +201,6 @@ class PeerConnection:
                     raise TransferError(f"{self.peer}: read reply of {payload_len} B for {pending.nbytes} B")
                 # a read whose caller gave up drains its reply into scratch
                 pending.todo = [b for b in pending.views if b.nbytes] if not pending.future.done() else _scratch(payload_len)
-                if payload_len >= BULK_BYTES:
-                    self._receive_bulk(pending)
-                    return False
             else:
                 pending.todo = []
             return True
@@ -244,34 +211,6 @@ class PeerConnection:
             _advance(cur.todo, got)
             if cur.todo:
                 return True
-        self._finish(cur)
-        return bool(self._pending)  # nothing else awaited: epoll wakes us if more comes
-
-    def _receive_bulk(self, cur: _Pending) -> None:
-        """Hand a large read payload to the receive worker; reading resumes when it is in."""
-        asyncio.get_running_loop().remove_reader(self._fd)
-        self._reading = False
-        todo, cur.todo = cur.todo, []
-        self._receiver.run(self.sock, todo, send=False).add_done_callback(self._received_bulk)
-
-    def _received_bulk(self, job: asyncio.Future[None]) -> None:
-        cur = self._cur
-        if cur is None:  # aborted meanwhile; the batch has failed
-            return
-        if self._dead is not None:
-            self._fail_all(self._dead)
-            return
-        exc = None if job.cancelled() else job.exception()
-        if exc is not None or job.cancelled():
-            self.abort(PeerLostError(self.peer, f"connection lost: {exc!r}"))
-            return
-        self._finish(cur)
-        asyncio.get_running_loop().add_reader(self._fd, self._on_readable)
-        self._reading = True
-        self._on_readable()  # replies that arrived meanwhile
-
-    def _finish(self, cur: _Pending) -> None:
-        """The reply of ``cur`` is in: resolve its future."""
         self._cur = None
         _release(cur.views)
         if not cur.future.done():
@@ -279,10 +218,11 @@ class PeerConnection:
                 cur.future.set_exception(decode_error(bytes(cur.error_body), self.peer))
             else:
                 cur.future.set_result(cur.nbytes)
+        return bool(self._pending)  # nothing else awaited: epoll wakes us if more comes
 
     def _fail_all(self, error: TransferError) -> None:
         pending, self._pending = self._pending, {}
-        if self._cur is not None and not self._receiver.busy:  # else: failed when the worker is done
+        if self._cur is not None:
             pending[-1] = self._cur
             self._cur = None
         for item in pending.values():

@@ -12,15 +12,11 @@ straight into the region — and answers every complete request with one ``sendm
 read's reply and its payload together). That is one loop wake-up and two or three syscalls
 per batch, the floor of an event-loop server; only a reply the socket cannot take at once
 waits for the writer callback (and reading pauses meanwhile, so replies stay in order).
-A payload of ``BULK_BYTES`` or more (a large read's reply, a large write's payload) moves in
-the connection's worker thread instead (``tcp_bulk``), reading paused likewise until it is
-done: connections striped from one large batch then copy on several cores.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 from collections.abc import Callable
@@ -30,7 +26,6 @@ import numpy as np
 
 from dualpath.transfer.errors import OutOfBoundsError, TransferError, UnknownRegionError
 from dualpath.transfer.region import MemoryRegion
-from dualpath.transfer.tcp_bulk import BULK_BYTES, BulkWorker
 from dualpath.transfer.tcp_wire import (
     ENTRY,
     IOV_MAX,
@@ -53,7 +48,6 @@ __all__ = ["serve_connection"]
 _log = logging.getLogger(__name__)
 _STAGE = 1 << 16  # staging buffer for headers and tables (grows for a larger table)
 _DRAIN_CHUNK = 1 << 20
-_CLOSE_GRACE_S = 1.0
 
 Lookup = Callable[[str], "MemoryRegion | None"]
 
@@ -84,7 +78,7 @@ async def serve_connection(sock: socket.socket, lookup: Lookup, node_id: str) ->
         conn.start()
         await conn.done
     finally:
-        await conn.aclose()
+        conn.close()
 
 
 class _Connection:
@@ -99,63 +93,28 @@ class _Connection:
         self.out: list[memoryview] = []  # reply bytes the socket has not taken yet
         self.out_release: list[memoryview] = []  # region views to release once ``out`` is sent
         self.reading = False
-        self.worker = BulkWorker(f"tcp-serve-{node_id}")
 
     def start(self) -> None:
         self.loop.add_reader(self.fd, self._on_readable)
         self.reading = True
 
-    async def aclose(self) -> None:
-        """Stop serving: the worker lets go of the socket and the regions first."""
-        self._pause()
-        if self.worker.busy:
-            with contextlib.suppress(OSError):  # OSError: the peer is gone already
-                self.sock.shutdown(socket.SHUT_RDWR)  # wakes the worker at once
-        try:
-            await self.worker.aclose(_CLOSE_GRACE_S)
-        finally:
-            if self.out:
-                self.loop.remove_writer(self.fd)
-            self._release(self.out_release)
-            self.out.clear()
-            if self.write is not None:
-                self.write.scatters.clear()
-                self._release(self.write.views)
-                self.write = None
-            self.sock.close()
+    def close(self) -> None:
+        if self.reading:
+            self.loop.remove_reader(self.fd)
+            self.reading = False
+        if self.out:
+            self.loop.remove_writer(self.fd)
+        self._release(self.out_release)
+        self.out.clear()
+        if self.write is not None:
+            self.write.scatters.clear()
+            self._release(self.write.views)
+            self.write = None
+        self.sock.close()
 
     def _end(self) -> None:
         if not self.done.done():
             self.done.set_result(None)
-
-    def _pause(self) -> None:
-        if self.reading:
-            self.loop.remove_reader(self.fd)
-            self.reading = False
-
-    def _resume(self) -> None:
-        """Read again after a reply or a bulk move is done (requests may be staged)."""
-        if self.done.done():
-            return
-        self.loop.add_reader(self.fd, self._on_readable)
-        self.reading = True
-        self._on_readable()
-
-    def _bulk(self, bufs: list[memoryview], *, send: bool, then: Callable[[], None]) -> None:
-        """Move ``bufs`` in the worker thread with reading paused; ``then`` runs on success."""
-        self._pause()
-
-        def done(job: asyncio.Future[None]) -> None:
-            if self.done.done():
-                return
-            if job.cancelled() or job.exception() is not None:
-                self._end()  # the peer vanished; its side reports it
-                return
-            then()
-            if not self.out and self.worker.busy is False and self.write is None:
-                self._resume()
-
-        self.worker.run(self.sock, bufs, send=send).add_done_callback(done)
 
     # ---- reading -------------------------------------------------------------------------
     def _on_readable(self) -> None:
@@ -169,7 +128,7 @@ class _Connection:
 
     def _pump(self) -> None:
         """Handle everything that can be handled without waiting."""
-        while not self.out and not self.worker.busy and not self.done.done():
+        while not self.out and not self.done.done():
             if self.write is not None:
                 if not self._receive_payload():
                     return
@@ -254,10 +213,6 @@ class _Connection:
                 w.todo.pop(0)
             else:
                 w.todo[0] = dst[take:]
-        if sum(b.nbytes for b in w.todo) >= BULK_BYTES:
-            todo, w.todo = w.todo, []
-            self._bulk(todo, send=False, then=lambda: self._finish_write(w))
-            return False
         while w.todo:
             try:
                 got = self.sock.recvmsg_into(w.todo[:IOV_MAX])[0]
@@ -266,16 +221,12 @@ class _Connection:
             if got == 0:
                 raise ConnectionResetError("connection closed by peer")
             _advance(w.todo, got)
-        self._finish_write(w)
-        return True
-
-    def _finish_write(self, w: _Write) -> None:
-        """A write's payload is in: place its strided pieces and answer it."""
         for target, scratch in w.scatters:  # strided pieces: received together, placed at C speed
             target[...] = np.frombuffer(scratch, dtype=np.uint8).reshape(target.shape)
         w.scatters.clear()
         self.write = None
         self._send([memoryview(REPLY.pack(REPLY_MAGIC, Status.OK, Op.WRITE, 0, 0, w.batch_id, 0))], w.views)
+        return True
 
     def _drain(self, w: _Write) -> bool:
         """Drop a rejected write's payload to stay in sync, then send its error."""
@@ -306,9 +257,6 @@ class _Connection:
         """Send ``bufs`` now as far as the socket takes them; the rest from the writer
         callback, with reading paused (replies go out in request order)."""
         bufs = [b.cast("B") if b.format != "B" else b for b in bufs if b.nbytes]
-        if sum(b.nbytes for b in bufs) >= BULK_BYTES:
-            self._bulk(bufs, send=True, then=lambda: self._release(release))
-            return
         while bufs:
             try:
                 sent = self.sock.sendmsg(bufs[:IOV_MAX])
@@ -319,7 +267,9 @@ class _Connection:
             self._release(release)
             return
         self.out, self.out_release = bufs, release
-        self._pause()
+        if self.reading:
+            self.loop.remove_reader(self.fd)
+            self.reading = False
         self.loop.add_writer(self.fd, self._on_writable)
 
     def _on_writable(self) -> None:
@@ -335,7 +285,9 @@ class _Connection:
             return
         self.loop.remove_writer(self.fd)
         self._release(self.out_release)
-        self._resume()  # requests staged meanwhile
+        self.loop.add_reader(self.fd, self._on_readable)
+        self.reading = True
+        self._on_readable()  # requests staged meanwhile
 
     @staticmethod
     def _release(views: list[memoryview]) -> None:

@@ -176,20 +176,23 @@ async def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
     fd = sock.fileno()
     bufs = [memoryview(b).cast("B") for b in buffers if len(b)]
     i = 0
-    while i < len(bufs):
-        try:
-            sent = sock.sendmsg(bufs[i : i + _IOV_MAX])
-        except (BlockingIOError, InterruptedError):
-            await _wait(loop, fd, write=True)
-            continue
-        while sent:
-            size = bufs[i].nbytes
-            if sent >= size:
-                sent -= size
-                i += 1
-            else:
-                bufs[i] = bufs[i][sent:]
-                sent = 0
+    try:
+        while i < len(bufs):
+            try:
+                sent = sock.sendmsg(bufs[i : i + _IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                await _wait(loop, fd, write=True)
+                continue
+            while sent:
+                size = bufs[i].nbytes
+                if sent >= size:
+                    sent -= size
+                    i += 1
+                else:
+                    bufs[i] = bufs[i][sent:]
+                    sent = 0
+    finally:
+        bufs.clear()  # a cancelled send's traceback keeps this frame: not the region's memory
 
 
 async def recv_into(sock: socket.socket, buffers: Sequence[memoryview]) -> None:
