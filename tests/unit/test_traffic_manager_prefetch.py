@@ -1,0 +1,120 @@
+"""The traffic manager's prefetch: staged runs live in the node buffer, a load takes them
+(bytes as stored), a request that needs the room drops them rather than wait, and staging
+starts only while the node reads nothing for a request."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from dualpath.config import NodeConfig
+from dualpath.kv import BlockStore
+from dualpath.node.storage_io import StorageIO
+from dualpath.protocol import messages as m
+from dualpath.protocol.subjects import Subjects
+from dualpath.transfer import MemoryRegion, RegionDescriptor
+from services.traffic_manager.service import TrafficManager
+
+LAYERS, TOKENS, BPT = 2, 64, 32  # 4 KiB blocks
+BB = LAYERS * TOKENS * BPT
+DIGEST = 5
+
+
+def _tm(tmp_path, blocks: int, buffer_blocks: int) -> tuple[TrafficManager, MemoryRegion, list[int]]:
+    store = BlockStore(tmp_path)
+    hashes = list(range(1, blocks + 1))
+    for h in hashes:
+        store.write(
+            model_digest=DIGEST,
+            block_hash=h,
+            layers=LAYERS,
+            tokens=TOKENS,
+            bytes_per_token_layer=BPT,
+            dtype="uint8",
+            payload=bytes([h]) * BB,
+        )
+    region = MemoryRegion(f"test-tmpf-{uuid.uuid4().hex[:10]}", buffer_blocks * BB)
+    desc = RegionDescriptor(region_id=region.region_id, node_id="n0", size=region.size, transport="tcp")
+    cfg = NodeConfig(node_id="n0", prefetch_mb=1, prefetch_ttl_s=60.0)
+    return TrafficManager(None, cfg, Subjects("t"), region, desc, StorageIO(store)), region, hashes
+
+
+def _load(rid: str, hashes: list[int], total: int) -> m.LoadRequest:
+    return m.LoadRequest(
+        request_id=rid,
+        model_digest=DIGEST,
+        hashes=hashes,
+        layers=LAYERS,
+        bytes_per_token_layer=BPT,
+        dtype="uint8",
+        block_tokens=TOKENS,
+        allocate=True,
+        total_blocks=total,
+    )
+
+
+async def _stage(tm: TrafficManager, hashes: list[int]) -> None:
+    stop = asyncio.Event()
+    assert tm.prefetcher is not None
+    await tm.prefetcher._one(m.PrefetchRequest(session="s", model_digest=DIGEST, hashes=hashes), stop)
+
+
+def test_a_load_takes_the_staged_blocks_from_the_buffer_and_reads_the_rest(tmp_path):
+    tm, region, hashes = _tm(tmp_path, blocks=6, buffer_blocks=32)
+    try:
+
+        async def run():
+            await _stage(tm, hashes[:4])
+            assert tm.prefetcher is not None and tm.prefetcher.cache.bytes == 4 * BB
+            assert tm.report().buffer_free_bytes == region.size  # staged runs count as free room
+            reply = await tm.load(_load("r1", hashes, 6))
+            return reply
+
+        reply = asyncio.run(run())
+        assert reply.loaded == 6 and reply.bytes_read == 2 * BB  # four blocks came from the staged run
+        got = bytes(region.buf[reply.offset : reply.offset + 6 * BB])
+        assert got == b"".join(bytes([h]) * BB for h in hashes)
+        stats = tm._prefetch_stats()
+        assert stats["prefetch_used_bytes"] == 4 * BB and stats["prefetch_cached_bytes"] == 0
+    finally:
+        region.close()
+        region.unlink()
+
+
+def test_a_request_that_needs_the_room_drops_staged_runs_instead_of_waiting(tmp_path):
+    tm, region, hashes = _tm(tmp_path, blocks=8, buffer_blocks=8)
+    try:
+
+        async def run():
+            await _stage(tm, hashes[:6])
+            reply = await tm.alloc(m.AllocRequest(request_id="r2", blocks=8, block_bytes=BB))
+            return reply
+
+        reply = asyncio.run(run())
+        assert reply.nbytes == 8 * BB
+        stats = tm._prefetch_stats()
+        assert stats["prefetch_evictions"] == 1 and stats["prefetch_dropped_bytes"] == 6 * BB and stats["prefetch_cached_bytes"] == 0
+    finally:
+        region.close()
+        region.unlink()
+
+
+def test_staging_waits_while_a_request_read_is_queued(tmp_path):
+    tm, region, hashes = _tm(tmp_path, blocks=4, buffer_blocks=32)
+    try:
+
+        async def run():
+            tm.io.read_q_tokens = 64  # a request's read is queued on this node
+            task = asyncio.create_task(_stage(tm, hashes))
+            await asyncio.sleep(0.1)
+            assert tm.prefetcher is not None
+            waiting = tm.prefetcher.blocks_read == 0 and tm.prefetcher.cache.bytes == 0  # no buffer taken either
+            tm.io.read_q_tokens = 0
+            await asyncio.wait_for(task, 5)
+            return waiting
+
+        assert asyncio.run(run())
+        assert tm.prefetcher is not None and tm.prefetcher.blocks_read == 4
+    finally:
+        region.close()
+        region.unlink()
