@@ -85,11 +85,12 @@ class Flow:
 class FluidNetwork:
     """Flows over links in virtual time (see the module docstring)."""
 
-    __slots__ = ("flows_done", "loop")
+    __slots__ = ("flows_done", "high", "loop")
 
     def __init__(self, loop: EventLoop) -> None:
         self.loop = loop
         self.flows_done = 0
+        self.high = 0  # HIGH-class flows in progress (none: max-min has one class to fill)
 
     def start(self, links: tuple[Link, ...], nbytes: float, on_done: Callable[[Any], None], arg: Any = None, cls: int = LOW) -> Flow | None:
         """Start moving ``nbytes`` over ``links``; ``on_done(arg)`` when done. An empty flow
@@ -99,6 +100,8 @@ class FluidNetwork:
             return None
         flow = Flow(links, nbytes, cls, on_done, arg)
         flow.last = self.loop.now
+        if cls == HIGH:
+            self.high += 1
         for link in links:
             link.flows[flow] = None
         self._reallocate(links)
@@ -133,14 +136,22 @@ class FluidNetwork:
         flow.last = now
 
     def _reallocate(self, seeds: tuple[Link, ...]) -> None:
-        links, flows = self._neighbourhood(seeds)
+        if len(seeds) == 1:  # _neighbourhood, without copying the one link's flows (nothing here changes them)
+            flows = seeds[0].flows
+            seen: dict[Link, None] = {}
+            for f in flows:
+                for link in f.links:
+                    seen[link] = None
+            links = list(seen)
+        else:
+            links, flows = self._neighbourhood(seeds)
         before = [f.rate for f in flows]
         if len(links) == 1:
             self._share_one(links[0], flows)
         elif len(flows) == 1:
             self._alone(next(iter(flows)))
         else:
-            self._max_min(links, flows)
+            self._max_min(links, flows, self.high > 0)
         # Only a flow whose rate changed is settled (at its old rate) and rescheduled: the
         # others keep moving at the same rate, and their completion events still hold. A
         # later end keeps the armed event (see the module docstring).
@@ -187,7 +198,7 @@ class FluidNetwork:
         flow.rate = rate if rate > 0 else 0.0
 
     @staticmethod
-    def _max_min(links: list[Link], flows: dict[Flow, None]) -> None:
+    def _max_min(links: list[Link], flows: dict[Flow, None], any_high: bool = True) -> None:
         """Progressive filling of ``flows``, class by class in priority order, over what the
         flows outside the set leave of each link (they keep their rates)."""
         residual = {}
@@ -197,7 +208,7 @@ class FluidNetwork:
                 if f not in flows:
                     left -= f.rate
             residual[link] = left if left > 0 else 0.0
-        classes = (LOW,) if all(f.cls == LOW for f in flows) else (HIGH, LOW)
+        classes = (LOW,) if not any_high or all(f.cls == LOW for f in flows) else (HIGH, LOW)
         for cls in classes:
             active = {f: None for f in flows if f.cls == cls} if len(classes) > 1 else dict(flows)
             count: dict[Link, int] = {}
@@ -205,20 +216,24 @@ class FluidNetwork:
                 for link in f.links:
                     count[link] = count.get(link, 0) + 1
             while active:
-                bottleneck, share = None, float("inf")
-                for link, n in count.items():
-                    if n:
-                        s = residual[link] / n
-                        if s < share:
-                            bottleneck, share = link, s
+                bottleneck, share = None, _INF
+                for link, n in count.items():  # only links with unfixed flows are counted
+                    s = residual[link] / n
+                    if s < share:
+                        bottleneck, share = link, s
                 if bottleneck is None:
                     break
-                for f in [f for f in bottleneck.flows if f in active]:
-                    f.rate = share
-                    del active[f]
-                    for link in f.links:
-                        residual[link] -= share
-                        count[link] -= 1
+                for f in bottleneck.flows:
+                    if f in active:
+                        f.rate = share
+                        del active[f]
+                        for link in f.links:
+                            residual[link] -= share
+                            n = count[link] - 1
+                            if n:
+                                count[link] = n
+                            else:
+                                del count[link]
 
     def _finish(self, token: tuple[Flow, int]) -> None:
         flow, ticket = token
@@ -232,6 +247,8 @@ class FluidNetwork:
         self._settle(flow, flow.rate)
         flow.remaining = 0.0
         flow.version += 1
+        if flow.cls == HIGH:
+            self.high -= 1
         for link in flow.links:
             del link.flows[flow]
         remaining = tuple(link for link in flow.links if link.flows)
