@@ -315,6 +315,7 @@ class Gateway:
         try:
             await self._admit(rid, prep, root)
         except Exception as exc:
+            self._forget(rid)
             self.telemetry.outcome(rid, "error", error=exc.message if isinstance(exc, ApiError) else str(exc))
             self.telemetry.end(rid)
             raise
