@@ -74,11 +74,16 @@ def select_prefill_engines(waiting: Sequence[PendingRequest], state: ClusterStat
     def queue_class(engine_id: int) -> int:  # 0: node read_q <= alpha (short), 1: long
         return 0 if nodes[engines[engine_id].node_id].read_q <= alpha else 1
 
-    cands = Candidates(state.prefill_index.walk(), queue_class, classes=2)
+    short = sum(1 for n in state.prefill_nodes if n.read_q <= alpha)
+    single = short == 0 or short == len(state.prefill_nodes)
+    if single:  # every node in one class: one list (looking for the empty class would walk every engine)
+        cands, classes = Candidates(state.prefill_index.walk()), (0,)
+    else:
+        cands, classes = Candidates(state.prefill_index.walk(), queue_class, classes=2), (0, 1)
     chosen: list[int] = []
     for request in waiting:
         # A class whose lowest tok_e is over beta has no engine that qualifies.
-        for cls in (0, 1):
+        for cls in classes:
             best = cands.first(cls)
             if best is not None and best[0] <= beta:
                 break
@@ -87,7 +92,7 @@ def select_prefill_engines(waiting: Sequence[PendingRequest], state: ClusterStat
         staged = request.staged_node
         if staged >= 0 and staged in nodes and nodes[staged].role is Role.PREFILL:
             # prefetch: the node holding the staged copy, if one of its engines qualifies
-            scls = 0 if nodes[staged].read_q <= alpha else 1
+            scls = 0 if single or nodes[staged].read_q <= alpha else 1
             near = cands.first(scls, ok=lambda e, n=staged: engines[e[1]].node_id == n)
             # worth it while the extra compute queued there, (near - best) / (β/5 s), is at most
             # the read it saves, (read_q + hits) / (α/3 s): exact integers
