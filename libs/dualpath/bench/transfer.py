@@ -13,7 +13,7 @@ minimum), and the latency shown is that round's median. Each point also records 
 time both ends spent per batch (this process and the peer process, every thread): what a
 transport costs, which load on the machine moves far less than it moves time. Each point
 stops after ``point_seconds`` or ``point_bytes`` (at least 3 batches), and batches larger
-than ``max_batch_bytes`` are skipped, which keeps a run near a minute and a half. A
+than ``max_batch_bytes`` are skipped, which keeps a run near two minutes. A
 benchmark prints figures; the tests assert behaviour.
 """
 
