@@ -23,7 +23,7 @@ from dualpath.config import BusConfig, GatewayConfig, ModelConfigSpec
 from dualpath.ha.lease import KEY as LEASE_KEY
 from dualpath.kv import block_hashes, model_digest
 from dualpath.model import ModelConfig, Tokenizer
-from dualpath.protocol import RemoteError
+from dualpath.protocol import ProtocolError, RemoteError, decode
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.protocol.timeouts import TIMEOUTS
@@ -41,6 +41,7 @@ log = get_logger("gateway")
 tracer = get_tracer("dualpath.gateway")
 _FAILOVER_S = 6.0  # a standby scheduler takes over within its lease TTL (3 s) plus its poll (dualpath.ha.lease)
 _LEASE_TTL_S = 3.0  # the lease's default TTL, when its bucket does not say
+_KNOWN_SCHEDULERS = 64  # scheduler instances remembered (a late heartbeat of one of them is not a restart)
 _READ_PATHS = {"auto": m.ReadPath.AUTO, "pe": m.ReadPath.PE, "de": m.ReadPath.DE}
 
 
@@ -119,6 +120,7 @@ class Gateway:
         self.bus: Bus | None = None
         self._tasks: TaskGroup | None = None
         self._submitted: dict[str, m.SubmitRequest] = {}  # admitted and not finished: resubmitted after a failover
+        self._schedulers: dict[str, None] = {}  # scheduler instances heard from, oldest first (``_scheduler_seen``)
 
     @asynccontextmanager
     async def lifespan(self, _app):
@@ -128,6 +130,7 @@ class Gateway:
         ):
             self.bus, self._tasks = bus, tasks
             await bus.subscribe_raw(self.subjects.tokens_wildcard(self.cfg.gateway_id), self.streams.on_message)
+            await bus.subscribe_raw(self.subjects.sched_alive, self._on_scheduler_alive)
             tasks.start_soon(self._watch_leader, bus)
             try:  # the grammar vocabulary (~1 s per 100K tokens), built now rather than in the first structured request
                 await asyncio.to_thread(vocabulary, self.model_dir, self.model_config.vocab_size)
@@ -370,7 +373,8 @@ class Gateway:
         deadline = time.monotonic() + _FAILOVER_S
         while True:
             try:
-                await self._connected().request(self.subjects.submit, req, m.SubmitReply, timeout=TIMEOUTS.submit)
+                reply = await self._connected().request(self.subjects.submit, req, m.SubmitReply, timeout=TIMEOUTS.submit)
+                self._scheduler_seen(reply.instance)
                 return
             except BusTimeoutError as exc:
                 if not exc.no_responders or time.monotonic() >= deadline:
@@ -418,8 +422,33 @@ class Gateway:
                     except Exception:  # noqa: BLE001 - the connection may be gone
                         pass
 
+    async def _on_scheduler_alive(self, raw) -> None:
+        """The active scheduler's heartbeat (``Subjects.sched_alive``)."""
+        try:
+            beat = decode(raw.data, m.SubmitReply)
+        except ProtocolError as exc:
+            log.warning("bad_scheduler_heartbeat", error=exc.reason)
+            return
+        self._scheduler_seen(beat.instance)
+
+    def _scheduler_seen(self, instance: str) -> None:
+        """A scheduler instance answered a submit or sent its heartbeat. One never heard from
+        before, after another was, is a restarted scheduler (a single one under ``dualpath up``'s
+        supervisor, or a new leader): the requests the old one held died with it, so every
+        request that no run has started is resubmitted (409 from one that knows it, as after a
+        lease change). A late beat of an old instance changes nothing."""
+        if not instance or instance in self._schedulers:
+            return
+        restarted = bool(self._schedulers)
+        self._schedulers[instance] = None
+        while len(self._schedulers) > _KNOWN_SCHEDULERS:
+            del self._schedulers[next(iter(self._schedulers))]
+        if restarted and self._tasks is not None:
+            log.warning("scheduler_restarted", instance=instance)
+            self._resubmit_unstarted()
+
     def _resubmit_unstarted(self) -> None:
-        assert self._tasks is not None  # only the leader watch (in the lifespan's task group) calls this
+        assert self._tasks is not None  # only the leader watch and ``_scheduler_seen`` (in the lifespan) call this
         for rid, req in list(self._submitted.items()):
             if not self.streams.started(rid):
                 self._tasks.start_soon(self._resubmit, rid, req)

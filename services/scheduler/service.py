@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             await bus.serve(subjects.node_report, shell.on_node_report, m.NodeReport)
             await bus.serve(subjects.task_failed, shell.on_task_failed, m.TaskFailed)
             await bus.serve(subjects.sched_state, shell.on_state, m.StateRequest)
+            # once serving: gateways resubmit to a new instance what a dead one held
+            tasks.start_soon(shell.announce, stop, lambda: lease is None or lease.valid)
             await shell.run(stop)
             tasks.cancel_scope.deadline = anyio.current_time() + 5.0  # in-flight dispatches get a moment to end
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
 
 import anyio
 from anyio.abc import TaskGroup
@@ -52,6 +53,7 @@ from dualpath.telemetry.tracing import context_from, get_tracer
 __all__ = ["SchedulerShell"]
 
 _TICK_S = 0.05  # the longest the loop sleeps between passes
+_ALIVE_S = 1.0  # heartbeat period (a gateway that missed the first one learns of a restart this late)
 _FORCED = {m.ReadPath.PE: ReadSide.PE, m.ReadPath.DE: ReadSide.DE}
 _WIRE_PATH = {ReadSide.PE: m.ReadPath.PE, ReadSide.DE: m.ReadPath.DE, None: m.ReadPath.NONE}
 
@@ -62,8 +64,9 @@ tracer = get_tracer("dualpath.scheduler")
 class SchedulerShell:
     """Turns the scheduler's messages into core events and the core's commands into bus calls."""
 
-    def __init__(self, bus: Bus, subjects: Subjects, core: SchedulerCore, tasks: TaskGroup) -> None:
+    def __init__(self, bus: Bus, subjects: Subjects, core: SchedulerCore, tasks: TaskGroup, instance: str = "") -> None:
         self.bus, self.subjects, self.core, self.tasks = bus, subjects, core, tasks
+        self.instance = instance or uuid.uuid4().hex  # new at every start: gateways tell a restart by it
         self._wake = asyncio.Event()
         self._spans: dict[tuple[str, int], trace.Span] = {}  # open scheduler.decision span per (request, attempt)
 
@@ -88,7 +91,7 @@ class SchedulerShell:
                 raise HandlerError(c.code, c.reason)
         self.execute(cmds)
         self._wake.set()
-        return m.SubmitReply(queue_position=self.core.queued)
+        return m.SubmitReply(queue_position=self.core.queued, instance=self.instance)
 
     async def on_engine_report(self, r: m.EngineReport) -> None:
         if r.engine_id not in self.core.members.engines:
@@ -149,6 +152,20 @@ class SchedulerShell:
                 log.exception("schedule_pass_failed")
             with anyio.move_on_after(_TICK_S):
                 await self._wake.wait()
+
+    async def announce(self, stop: asyncio.Event, acting: Callable[[], bool] = lambda: True) -> None:
+        """Publish this scheduler's instance now and every ``_ALIVE_S`` while ``acting()``: a
+        gateway that hears a new one resubmits what the old one held (its state died with it)."""
+        log.info("scheduler_announced", instance=self.instance)
+        while not stop.is_set():
+            if acting():
+                beat = m.SubmitReply(queue_position=self.core.queued, instance=self.instance)
+                try:
+                    await self.bus.publish(self.subjects.sched_alive, beat)
+                except Exception as exc:  # noqa: BLE001 - NATS restarting: the next beat says it
+                    log.debug("heartbeat_failed", error=str(exc))
+            with anyio.move_on_after(_ALIVE_S):
+                await stop.wait()
 
     # ---- commands -> bus calls ---------------------------------------------------------------
     def execute(self, cmds: Sequence[Command]) -> None:

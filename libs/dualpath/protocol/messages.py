@@ -162,7 +162,10 @@ class SubmitRequest(Wire):
 @register(21)
 @dataclass(**_msg)
 class SubmitReply(Wire):
+    """The scheduler's answer to a submit; also its heartbeat on ``Subjects.sched_alive``."""
+
     queue_position: int
+    instance: str = ""  # the answering scheduler's instance (new at every start: a change means a restart)
 
 
 # --- scheduler <-> traffic manager ------------------------------------------------------------

@@ -79,6 +79,11 @@ class Subjects:
         return f"{self.ns}.sched.state"
 
     @property
+    def sched_alive(self) -> str:
+        """The active scheduler's heartbeat (its instance: gateways resubmit when it changes)."""
+        return f"{self.ns}.sched.alive"
+
+    @property
     def cancel(self) -> str:
         return f"{self.ns}.ctl.cancel"
 
