@@ -1,0 +1,69 @@
+"""The gateway's detection of a restarted scheduler without a lease: a scheduler instance it
+never heard of, after another, makes it resubmit the requests no run has started (the bus and
+the resubmission itself are faked here; the fault suite runs them for real)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from dualpath.config import BusConfig, GatewayConfig, ModelConfigSpec
+from dualpath.protocol import encode
+from dualpath.protocol import messages as m
+from services.gateway.core import Gateway
+
+
+@dataclass
+class Raw:
+    data: bytes
+    subject: str = ""
+
+
+class Tasks:
+    """Records what the gateway starts instead of running it."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+
+    def start_soon(self, fn, *args) -> None:
+        assert fn.__name__ == "_resubmit"
+        self.started.append(args[0])
+
+
+def _gateway(tiny_model, rids: list[str]) -> tuple[Gateway, Tasks]:
+    gw = Gateway(GatewayConfig(), BusConfig(), ModelConfigSpec(model=str(tiny_model)))
+    tasks = Tasks()
+    gw._tasks = tasks  # type: ignore[assignment]
+    for rid in rids:
+        gw.streams.open(rid)
+        gw._submitted[rid] = m.SubmitRequest(
+            request_id=rid, model="m", model_digest=1, prompt_tokens=[1, 2], block_hashes=[], hit_blocks=0, sampling={}, reply_subject="x"
+        )
+    return gw, tasks
+
+
+def _beat(gw: Gateway, instance: str) -> None:
+    asyncio.run(gw._on_scheduler_alive(Raw(encode(m.SubmitReply(queue_position=0, instance=instance)))))
+
+
+def test_a_new_scheduler_instance_after_another_resubmits_only_the_requests_no_run_started(tiny_model):
+    gw, tasks = _gateway(tiny_model, ["cmpl-a", "cmpl-b", "cmpl-c"])
+    started = m.TokenEvent(request_id="cmpl-b", index=0, token_ids=[5])
+    asyncio.run(gw.streams.on_message(Raw(encode(started), subject="dualpath.out.gw.cmpl-b")))
+    _beat(gw, "first")
+    gw._scheduler_seen("first")  # its submit answers name it too
+    assert tasks.started == []  # the first instance heard of is no restart
+    _beat(gw, "second")
+    assert sorted(tasks.started) == ["cmpl-a", "cmpl-c"]  # cmpl-b is running on an engine: left alone
+    _beat(gw, "second")
+    _beat(gw, "first")  # a late beat of the dead instance
+    assert sorted(tasks.started) == ["cmpl-a", "cmpl-c"]
+
+
+def test_heartbeats_without_an_instance_or_undecodable_change_nothing(tiny_model):
+    gw, tasks = _gateway(tiny_model, ["cmpl-a"])
+    _beat(gw, "first")
+    _beat(gw, "")  # a scheduler of an older version names none
+    asyncio.run(gw._on_scheduler_alive(Raw(b"\xc1 not msgpack")))
+    asyncio.run(gw._on_scheduler_alive(Raw(encode(m.Ok(detail="second")))))
+    assert tasks.started == []
