@@ -76,6 +76,7 @@ def select_prefill_engines(waiting: Sequence[PendingRequest], state: ClusterStat
 
     short = sum(1 for n in state.prefill_nodes if n.read_q <= alpha)
     single = short == 0 or short == len(state.prefill_nodes)
+    classes: tuple[int, ...]
     if single:  # every node in one class: one list (looking for the empty class would walk every engine)
         cands, classes = Candidates(state.prefill_index.walk()), (0,)
     else:
