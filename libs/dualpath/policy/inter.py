@@ -35,7 +35,7 @@ mutates the ``ClusterState``; tentative values live in per-pass heaps and dicts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from dualpath.policy.index import Candidates
@@ -94,7 +94,11 @@ def select_prefill_engines(waiting: Sequence[PendingRequest], state: ClusterStat
         if staged >= 0 and staged in nodes and nodes[staged].role is Role.PREFILL:
             # prefetch: the node holding the staged copy, if one of its engines qualifies
             scls = 0 if single or nodes[staged].read_q <= alpha else 1
-            near = cands.first(scls, ok=lambda e, n=staged: engines[e[1]].node_id == n)
+
+            def on_staged(e: tuple[int, int], n: int = staged) -> bool:
+                return engines[e[1]].node_id == n
+
+            near = cands.first(scls, ok=on_staged)
             # worth it while the extra compute queued there, (near - best) / (β/5 s), is at most
             # the read it saves, (read_q + hits) / (α/3 s): exact integers
             saved = nodes[engines[best[1]].node_id].read_q + request.hit_tokens
@@ -136,7 +140,11 @@ def select_decode_groups(waiting: Sequence[PendingRequest], count: int, state: C
         staged = waiting[i].staged_node
         if staged >= 0 and staged != best[1] and staged in nodes and nodes[staged].role is Role.DECODE:
             # prefetch: the group holding the staged copy, if it has room
-            near = cands.first(ok=lambda e, n=staged, f=fits: e[1] == n and f(e))
+
+            def staged_fits(e: tuple[int, int], n: int = staged, f: Callable[[tuple[int, int]], bool] = fits) -> bool:
+                return e[1] == n and f(e)
+
+            near = cands.first(ok=staged_fits)
             if near is not None and near[0] <= best[0] + 2 * need:  # within two such requests of the least loaded
                 best = near
         cands.take(0, best, best[0] + need)
