@@ -413,7 +413,9 @@ class Gateway:
                     holder, now = bytes(e.value or b"").decode(errors="replace"), time.monotonic()
                     if known and (holder != known or vacant or now - last_put > ttl):
                         log.warning("scheduler_leader_changed", previous=known, holder=holder)
-                        self._resubmit_unstarted()
+                        # the new leader names itself holder@revision of its acquisition: its
+                        # heartbeat then changes nothing more (one resubmission round)
+                        self._scheduler_seen(f"{holder}@{e.revision}", moved=True)
                     known, vacant, last_put = holder, False, now
             finally:
                 with anyio.CancelScope(shield=True):
@@ -431,15 +433,16 @@ class Gateway:
             return
         self._scheduler_seen(beat.instance)
 
-    def _scheduler_seen(self, instance: str) -> None:
+    def _scheduler_seen(self, instance: str, *, moved: bool = False) -> None:
         """A scheduler instance answered a submit or sent its heartbeat. One never heard from
         before, after another was, is a restarted scheduler (a single one under ``dualpath up``'s
         supervisor, or a new leader): the requests the old one held died with it, so every
         request that no run has started is resubmitted (409 from one that knows it, as after a
-        lease change). A late beat of an old instance changes nothing."""
+        lease change). A late beat of an old instance changes nothing. ``moved``: the lease
+        watch saw leadership move, a restart even if no instance was heard of before."""
         if not instance or instance in self._schedulers:
             return
-        restarted = bool(self._schedulers)
+        restarted = moved or bool(self._schedulers)
         self._schedulers[instance] = None
         while len(self._schedulers) > _KNOWN_SCHEDULERS:
             del self._schedulers[next(iter(self._schedulers))]
@@ -462,7 +465,9 @@ class Gateway:
         try:
             await self._submit(again)
         except RemoteError as exc:
-            if exc.code != 409:  # 409: the active scheduler has it already
+            if exc.code == 409:  # the active scheduler has it already
+                log.info("resubmission_known", request_id=rid, submission=n)
+            else:
                 self.streams.fail(rid, f"resubmission after a scheduler failover refused: {exc.message}", 429 if exc.code == 429 else 503)
             return
         except BusTimeoutError as exc:

@@ -109,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         register_metrics(core)
         async with anyio.create_task_group() as tasks:  # every dispatch and free the shell starts
-            shell = SchedulerShell(bus, subjects, core, tasks)
+            # under a lease the instance is the lease's acquisition (holder@revision), the name a
+            # gateway's lease watch sees too, so one failover is one resubmission round
+            instance = f"{lease.holder}@{lease.revision}" if lease is not None else ""
+            shell = SchedulerShell(bus, subjects, core, tasks, instance)
             tasks.start_soon(keep_leading, lease, stop)  # a lost lease sets stop: this scheduler steps down
             await bus.serve(subjects.submit, shell.on_submit, m.SubmitRequest)
             await bus.serve(subjects.engine_report, shell.on_engine_report, m.EngineReport)

@@ -100,6 +100,8 @@ def test_requests_queued_at_a_killed_scheduler_are_resubmitted_to_the_standby_an
     try:
         wait_until(lambda: health(stack).get("prefill_engines", 1) == 0, 20)  # expelled: nothing can be dispatched
         resubmitted_before = len(log_events(stack, "gateway", "request_resubmitted"))
+        rounds_before = len(log_events(stack, "gateway", "scheduler_restarted"))
+        known_before = len(log_events(stack, "gateway", "resubmission_known"))
         with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
             futures = [pool.submit(complete, stack, p, max_tokens=48, timeout=60) for p in PROMPTS]
             wait_until(lambda: health(stack).get("queued", 0) == len(PROMPTS), 20)  # every submit accepted and queued
@@ -115,6 +117,10 @@ def test_requests_queued_at_a_killed_scheduler_are_resubmitted_to_the_standby_an
     for p, a in zip(PROMPTS, answers):
         assert a.error is None and a.text == reference[p].text and a.tokens == 48, (p, a)
     assert len(log_events(stack, "gateway", "request_resubmitted")) - resubmitted_before == len(PROMPTS)
+    # one failover is one resubmission round: the lease watch and the new leader's heartbeat
+    # name the same instance (holder@revision)
+    assert len(log_events(stack, "gateway", "scheduler_restarted")) - rounds_before == 1
+    assert len(log_events(stack, "gateway", "resubmission_known")) == known_before
     record("scheduler killed with requests queued (every client answered)", settled, 20.0)
     wait_until(lambda: _whole(stack), 30)
 
