@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dualpath.runtime import PARENT_ENV
+
 __all__ = ["Child", "Supervisor", "SupervisorEvent"]
 
 
@@ -40,7 +42,8 @@ class Child:
     def spawn(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+            env = {**self.env, PARENT_ENV: str(os.getpid())}  # the child stops if this process dies
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.started_at = time.monotonic()
         self.restart_at = None
 
