@@ -368,8 +368,10 @@ class Gateway:
 
     async def _submit(self, req: m.SubmitRequest) -> None:
         """Submit, waiting out a scheduler failover: while no scheduler listens (the active one died
-        and a standby is taking the lease over) the submit, which nobody received, is sent again
-        for up to ``_FAILOVER_S``. Raises BusTimeoutError and RemoteError like ``Bus.request``."""
+        and a standby is taking the lease over), or the one that received it died before answering
+        (no reply), the submit is sent again for up to ``_FAILOVER_S`` after the first try. Sending
+        it again is safe: a scheduler that already has the request answers 409, which the callers
+        take as accepted. Raises BusTimeoutError and RemoteError like ``Bus.request``."""
         deadline = time.monotonic() + _FAILOVER_S
         while True:
             try:
@@ -377,8 +379,11 @@ class Gateway:
                 self._scheduler_seen(reply.instance)
                 return
             except BusTimeoutError as exc:
-                if not exc.no_responders or time.monotonic() >= deadline:
+                if time.monotonic() >= deadline:
                     raise
+                if not exc.no_responders:
+                    log.warning("submit_unanswered", request_id=req.request_id)
+                    continue  # its scheduler may have died holding it: ask the next one at once
             await asyncio.sleep(0.2)
 
     # ---- scheduler failover -----------------------------------------------------------------

@@ -67,3 +67,27 @@ def test_heartbeats_without_an_instance_or_undecodable_change_nothing(tiny_model
     asyncio.run(gw._on_scheduler_alive(Raw(b"\xc1 not msgpack")))
     asyncio.run(gw._on_scheduler_alive(Raw(encode(m.Ok(detail="second")))))
     assert tasks.started == []
+
+
+class DyingSchedulerBus:
+    """The first submit reaches a scheduler that dies before answering (no reply, not "no
+    responders"); the next one is answered by the new scheduler."""
+
+    def __init__(self) -> None:
+        self.sent: list[m.SubmitRequest] = []
+
+    async def request(self, subject, req, reply_type, timeout):
+        from dualpath.bus.errors import BusTimeoutError
+
+        self.sent.append(req)
+        if len(self.sent) == 1:
+            raise BusTimeoutError(subject, timeout)
+        return m.SubmitReply(queue_position=0, instance="new")
+
+
+def test_a_submit_its_scheduler_never_answered_is_sent_again_not_failed(tiny_model):
+    gw, _ = _gateway(tiny_model, ["cmpl-a"])
+    bus = DyingSchedulerBus()
+    gw._connected = lambda: bus  # type: ignore[method-assign]
+    asyncio.run(gw._submit(gw._submitted["cmpl-a"]))
+    assert [r.request_id for r in bus.sent] == ["cmpl-a", "cmpl-a"]  # sent again (a 409 would mean: already held)
