@@ -165,16 +165,7 @@ class KvPersistence:
             except Exception as exc:  # noqa: BLE001 - the connection is going; the client times out and retries
                 log.warning("reply_failed", error=str(exc))
 
-    # ---- the same operations as coroutines (the bus path, and tests) ----------------------------
-
-    async def lookup(self, req: m.LookupRequest) -> m.LookupReply:
-        with tracer.start_as_current_span("index.lookup") as span:
-            hit = self.index.longest_prefix(req.model_digest, req.hashes)
-            if span.is_recording():
-                span.set_attributes({"blocks": len(req.hashes), "hit_blocks": hit})
-        self.looked_up += len(req.hashes)
-        self.hits += hit
-        return m.LookupReply(hit_blocks=hit)
+    # ---- commits and removals as coroutines (the bus path, the raw path's slow commits, tests) ----
 
     async def commit(self, req: m.CommitRequest) -> m.Ok:
         with tracer.start_as_current_span("index.commit", attributes={"blocks": len(req.hashes) - req.start}):
@@ -205,9 +196,7 @@ class KvPersistence:
         if self.store is None:
             return self.index.commit(req.model_digest, req.hashes, start=req.start)
         with self._files:
-            end = req.start
-            while end < len(req.hashes) and self.store.exists(req.model_digest, req.hashes[end]):
-                end += 1
+            end = self._existing_end(req)
             gone = self.index.commit(req.model_digest, req.hashes[:end], start=req.start) if end > req.start else []
             return gone + list(req.hashes[end:])  # blocks after a missing file are unreachable: their files go too
 
