@@ -153,39 +153,35 @@ class PrefillEngine:
         start_logged(self.tasks, f"load:{task.request_id}", self._load, job)
 
     async def _supersede(self, old: Job) -> None:
-        """Drop ``old`` now if it only waits in a queue; else (loading, in the running batch, or
-        handing off) when that ends. Its successor starts once it is gone (``_drop``)."""
-        rid = old.task.request_id
-        old.superseded = old.cancelled = True
+        """Stop ``old`` silently (``_stop``); its successor starts once it is gone (``_drop``)."""
+        old.superseded = True
+        await self._stop(old)
+
+    async def _stop(self, job: Job) -> None:
+        """Drop ``job`` now if it only waits in a queue; else (loading, in the running batch, or
+        handing off) mark it cancelled: it is dropped when that ends (its KV may still be read)."""
+        rid = job.task.request_id
         running = self.batcher.in_flight
-        if running is not None and any(it.request_id == rid for it in running.items):
+        in_batch = running is not None and any(it.request_id == rid for it in running.items)
+        if job.loading or in_batch or not (job in self.loaded or rid in self.batcher):
+            job.cancelled = True
             return
-        if old in self.loaded or rid in self.batcher:
-            if old in self.loaded:
-                self.loaded.remove(old)
-            self.batcher.remove(rid)
-            await self._drop(old)
+        if job in self.loaded:
+            self.loaded.remove(job)
+        self.batcher.remove(rid)
+        await self._drop(job)
 
     async def on_cancel(self, req: m.CancelRequest) -> None:
-        """Drop a loaded task; one whose batch is running is dropped when the batch ends (its
-        KV may still be read meanwhile). A task still loading finishes loading first, then is dropped.
-        A scheduler's retry (``before_attempt``) supersedes older attempts only (see ``_supersede``)."""
+        """Stop the request's task (``_stop``): a queued one is dropped now, one loading or in the
+        running batch when that ends. A scheduler's retry (``before_attempt``) supersedes older attempts only (see ``_supersede``)."""
         job = self.jobs.get(req.request_id)
         if req.before_attempt >= 0:  # the scheduler retried the request: only older attempts stop, silently
             if job is not None and job.task.attempt < req.before_attempt:
                 await self._supersede(job)
             return
         self._successors.pop(req.request_id, None)
-        if job is None:
-            return
-        running = self.batcher.in_flight
-        if job.loading or (running is not None and any(it.request_id == req.request_id for it in running.items)):
-            job.cancelled = True
-        elif job in self.loaded or req.request_id in self.batcher:
-            if job in self.loaded:
-                self.loaded.remove(job)
-            self.batcher.remove(req.request_id)
-            await self._drop(job)
+        if job is not None:
+            await self._stop(job)
 
     async def _load_when_room(self, node: str, req: m.LoadRequest) -> m.LoadReply:
         """Ask ``node``'s traffic manager to read the hits; while its buffer is full (the PE
