@@ -11,8 +11,6 @@ from pathlib import Path
 
 import anyio
 from anyio.abc import TaskGroup
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.kv import KV_DEL, KV_PURGE
 from opentelemetry import trace
 
 from dualpath.bus import Bus, BusTimeoutError
@@ -20,7 +18,6 @@ from dualpath.chat.errors import ChatError
 from dualpath.chat.plan import plan_chat
 from dualpath.chat.tools import ToolFormat, format_for_template, tool_format
 from dualpath.config import BusConfig, GatewayConfig, ModelConfigSpec
-from dualpath.ha.lease import KEY as LEASE_KEY
 from dualpath.kv import block_hashes, model_digest
 from dualpath.model import ModelConfig, Tokenizer
 from dualpath.protocol import ProtocolError, RemoteError, decode
@@ -40,7 +37,6 @@ __all__ = ["ApiError", "Gateway", "Prepared", "StreamPart"]
 log = get_logger("gateway")
 tracer = get_tracer("dualpath.gateway")
 _FAILOVER_S = 6.0  # a standby scheduler takes over within its lease TTL (3 s) plus its poll (dualpath.ha.lease)
-_LEASE_TTL_S = 3.0  # the lease's default TTL, when its bucket does not say
 _KNOWN_SCHEDULERS = 64  # scheduler instances remembered (a late heartbeat of one of them is not a restart)
 _READ_PATHS = {"auto": m.ReadPath.AUTO, "pe": m.ReadPath.PE, "de": m.ReadPath.DE}
 
@@ -131,7 +127,6 @@ class Gateway:
             self.bus, self._tasks = bus, tasks
             await bus.subscribe_raw(self.subjects.tokens_wildcard(self.cfg.gateway_id), self.streams.on_message)
             await bus.subscribe_raw(self.subjects.sched_alive, self._on_scheduler_alive)
-            tasks.start_soon(self._watch_leader, bus)
             try:  # the grammar vocabulary (~1 s per 100K tokens), built now rather than in the first structured request
                 await asyncio.to_thread(vocabulary, self.model_dir, self.model_config.vocab_size)
             except Exception as exc:  # noqa: BLE001 - structured outputs then fail per request with a clear error
@@ -348,7 +343,7 @@ class Gateway:
                 trace=carrier(root),
                 session=prep.session,
             )
-            self._submitted[rid] = req  # from now on a scheduler failover resubmits it (``_watch_leader``)
+            self._submitted[rid] = req  # from now on a scheduler failover resubmits it (``_scheduler_seen``)
             try:
                 await self._submit(req)
             except BusTimeoutError as exc:
@@ -387,48 +382,6 @@ class Gateway:
             await asyncio.sleep(0.2)
 
     # ---- scheduler failover -----------------------------------------------------------------
-    async def _watch_leader(self, bus: Bus) -> None:
-        """Watch the schedulers' leader lease (``dualpath.ha.lease``); when leadership moved
-        (another holder, or the key was deleted or left to expire in between), resubmit every
-        request of this gateway that no run has started yet: the new leader's state is rebuilt
-        from reports and never held them. A resubmission of a request the active scheduler does
-        know is refused (409, nothing runs twice), so a false alarm costs one message per request.
-        Without a lease bucket (a single scheduler) this waits for one to appear."""
-        known, vacant, last_put = "", False, 0.0
-        while True:
-            try:
-                kv = await bus.nc.jetstream().key_value(self.subjects.sched_leader)
-                ttl = float((await kv.status()).ttl or _LEASE_TTL_S)
-                watcher = await kv.watch(LEASE_KEY)
-            except Exception as exc:  # noqa: BLE001 - no lease bucket (yet), JetStream off or restarting
-                log.debug("leader_watch_unavailable", error=str(exc))
-                await asyncio.sleep(2.0)
-                continue
-            try:
-                while True:
-                    try:  # the holder renews every ttl/3: silence this long means the watch broke
-                        e = await watcher.updates(timeout=3 * ttl)
-                    except NatsTimeoutError:
-                        break
-                    if e is None:
-                        continue  # "all history delivered" marker
-                    if e.operation in (KV_DEL, KV_PURGE):
-                        vacant = True
-                        continue
-                    holder, now = bytes(e.value or b"").decode(errors="replace"), time.monotonic()
-                    if known and (holder != known or vacant or now - last_put > ttl):
-                        log.warning("scheduler_leader_changed", previous=known, holder=holder)
-                        # the new leader names itself holder@revision of its acquisition: its
-                        # heartbeat then changes nothing more (one resubmission round)
-                        self._scheduler_seen(f"{holder}@{e.revision}", moved=True)
-                    known, vacant, last_put = holder, False, now
-            finally:
-                with anyio.CancelScope(shield=True):
-                    try:
-                        await watcher.stop()
-                    except Exception:  # noqa: BLE001 - the connection may be gone
-                        pass
-
     async def _on_scheduler_alive(self, raw) -> None:
         """The active scheduler's heartbeat (``Subjects.sched_alive``)."""
         try:
@@ -438,16 +391,16 @@ class Gateway:
             return
         self._scheduler_seen(beat.instance)
 
-    def _scheduler_seen(self, instance: str, *, moved: bool = False) -> None:
-        """A scheduler instance answered a submit or sent its heartbeat. One never heard from
-        before, after another was, is a restarted scheduler (a single one under ``dualpath up``'s
-        supervisor, or a new leader): the requests the old one held died with it, so every
-        request that no run has started is resubmitted (409 from one that knows it, as after a
-        lease change). A late beat of an old instance changes nothing. ``moved``: the lease
-        watch saw leadership move, a restart even if no instance was heard of before."""
+    def _scheduler_seen(self, instance: str) -> None:
+        """A scheduler instance answered a submit or sent its heartbeat (the active one only: a
+        standby is silent; under a lease the instance is ``holder@revision`` of its acquisition).
+        One never heard from before, after another was, is a new leader or a restarted
+        scheduler: the requests the old one held died with it, so every request that no run has
+        started is resubmitted (409 from one that knows it: nothing runs twice). A late beat of
+        an old instance changes nothing."""
         if not instance or instance in self._schedulers:
             return
-        restarted = moved or bool(self._schedulers)
+        restarted = bool(self._schedulers)
         self._schedulers[instance] = None
         while len(self._schedulers) > _KNOWN_SCHEDULERS:
             del self._schedulers[next(iter(self._schedulers))]
@@ -456,7 +409,7 @@ class Gateway:
             self._resubmit_unstarted()
 
     def _resubmit_unstarted(self) -> None:
-        assert self._tasks is not None  # only the leader watch and ``_scheduler_seen`` (in the lifespan) call this
+        assert self._tasks is not None  # only ``_scheduler_seen`` (in the lifespan) calls this
         for rid, req in list(self._submitted.items()):
             if not self.streams.started(rid):
                 self._tasks.start_soon(self._resubmit, rid, req)

@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         register_metrics(core)
         async with anyio.create_task_group() as tasks:  # every dispatch and free the shell starts
-            # under a lease the instance is the lease's acquisition (holder@revision), the name a
-            # gateway's lease watch sees too, so one failover is one resubmission round
+            # under a lease the instance is the lease's acquisition (holder@revision): the same
+            # holder acquiring again after losing it is a new instance too (gateways resubmit)
             instance = f"{lease.holder}@{lease.revision}" if lease is not None else ""
             shell = SchedulerShell(bus, subjects, core, tasks, instance)
             tasks.start_soon(keep_leading, lease, stop)  # a lost lease sets stop: this scheduler steps down
