@@ -28,8 +28,10 @@ __all__ = [
     "TestbedSpec",
     "add_cluster_arguments",
     "emulation_config",
+    "loadgen_command",
     "prepare",
     "run_mode",
+    "stack_config",
     "stack_cpu_seconds",
 ]
 
@@ -126,7 +128,8 @@ def decode_hbm_tokens(target: str, gpu: str = "h800") -> int:
     return cost_model(target, gpu).hbm_kv_capacity_tokens()
 
 
-def _stack_config(spec: TestbedSpec, m: Mode, emu: EmulationConfig, out: Path) -> StackConfig:
+def stack_config(spec: TestbedSpec, m: Mode, emu: EmulationConfig, out: Path) -> StackConfig:
+    """The testbed stack of ``spec`` in mode ``m``: storage and logs under ``out``."""
     buffer_mb = max(64, emu.profile().buffer_bytes(spec.topology.engines_per_node) >> 20)
     return StackConfig(
         model=spec.model,
@@ -152,7 +155,8 @@ def _stack_config(spec: TestbedSpec, m: Mode, emu: EmulationConfig, out: Path) -
     )
 
 
-def _loadgen(spec: TestbedSpec, url: str, turns: int, out: Path) -> list[str]:
+def loadgen_command(spec: TestbedSpec, url: str, turns: int, out: Path) -> list[str]:
+    """The ``loadgen.cli`` command line running ``turns`` turns of spec's agents against ``url``."""
     return [
         sys.executable,
         "-m",
@@ -188,10 +192,10 @@ def _warm_up(spec: TestbedSpec, mode: str, out: Path, say) -> None:
     m = MODES[mode]
     emu = _emulation(spec, False, spec.warmup_slowdown)
     say(f"[{mode}] warm-up: the first {spec.warmup_turns} turn(s) of every agent, untimed, at {1 / spec.warmup_slowdown:g}x speed")
-    stack = Stack(_stack_config(spec, m, emu, out)).start(timeout=300)
+    stack = Stack(stack_config(spec, m, emu, out)).start(timeout=300)
     try:
         t0 = time.monotonic()
-        cmd = [*_loadgen(spec, stack.url, spec.warmup_turns, out / "warmup"), "--offline"]
+        cmd = [*loadgen_command(spec, stack.url, spec.warmup_turns, out / "warmup"), "--offline"]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             say(f"[{mode}] warm-up load generator exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
@@ -251,10 +255,10 @@ def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
     say(f"[{mode}] starting {spec.topology} stack ({m.label or m.policy}){motion}")
     gateway_log = out / "run" / "logs" / "gateway.log"
     failed_before = _count_in_log(gateway_log, "kv_lookup_failed")  # the warm-up's, if it ran here
-    stack = Stack(_stack_config(spec, m, emu, out)).start(timeout=300)
+    stack = Stack(stack_config(spec, m, emu, out)).start(timeout=300)
     sampler = ClusterSampler(stack.nats_url, stack.namespace).start()
     try:
-        cmd = _loadgen(spec, stack.url, spec.turns, out / "loadgen")
+        cmd = loadgen_command(spec, stack.url, spec.turns, out / "loadgen")
         cmd += ["--offline"] if offline else ["--rate", str(spec.online_rate), "--duration", str(spec.duration)]
         how = " (all at once)" if offline else f" at {spec.online_rate} APS"
         say(f"[{mode}] {spec.agents} agents x {spec.turns} turns of the {spec.dataset} set{how}")
