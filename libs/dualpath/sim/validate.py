@@ -138,7 +138,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="dualpath sim validate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--topologies", default="1P1D,2P1D,1P2D")
     p.add_argument("--oracle", action="store_true", help="also compare the oracle mode")
-    p.add_argument("--quick", action="store_true", help="16 agents x 2 turns, slowdown 2 (testbed ~1-2 min per mode)")
+    p.add_argument("--quick", action="store_true", help="16 agents x 2 turns, slowdown 6 (testbed ~1 min per mode; the host's own cost a small share)")
     p.add_argument("--agents", type=int, default=64)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--slowdown", type=float, default=4.0, help="testbed slow motion (its default)")
@@ -148,7 +148,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default="runs/sim-validate")
     ns = p.parse_args(argv)
     modes = ["basic", "dualpath"] + (["oracle"] if ns.oracle else [])
-    agents, turns, slowdown = (16, 2, 2.0) if ns.quick else (ns.agents, ns.turns, ns.slowdown)
+    agents, turns, slowdown = (16, 2, 6.0) if ns.quick else (ns.agents, ns.turns, ns.slowdown)
     topologies = [t.strip() for t in ns.topologies.split(",") if t.strip()]
     for t in topologies:
         parse_topology(t)  # ValueError -> one line, exit 2
