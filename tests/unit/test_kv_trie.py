@@ -326,6 +326,24 @@ class IndexAgainstModel(RuleBasedStateMachine):
 
     @precondition(lambda self: self.parent)
     @rule(data=st.data())
+    def look_up_a_slice_of_a_path_then_new_blocks(self, data: st.DataObject) -> None:
+        """The bisecting lookup agrees with a block-by-block walk on what callers send: part of a
+        path (from any block, as a hash chain need not start at the root) followed by blocks
+        never committed."""
+        path = self.path_to(data.draw(st.sampled_from(sorted(self.parent))))
+        lo = data.draw(st.integers(0, len(path) - 1))
+        hi = data.draw(st.integers(lo, len(path)))
+        chain = path[lo:hi] + [self.fresh() for _ in range(data.draw(st.integers(0, 2)))]
+        walk = 1 if chain and chain[0] in self.parent else 0
+        while walk and walk < len(chain) and self.parent.get(chain[walk]) == chain[walk - 1]:
+            walk += 1
+        assert walk == hi - lo
+        assert self.index.longest_prefix(MD, chain) == walk
+        if walk:
+            self.touch(chain[walk - 1])
+
+    @precondition(lambda self: self.parent)
+    @rule(data=st.data())
     def remove_a_block(self, data: st.DataObject) -> None:
         h = data.draw(st.sampled_from(sorted(self.parent)))
         subtree = {h}
@@ -350,6 +368,13 @@ class IndexAgainstModel(RuleBasedStateMachine):
     @invariant()
     def same_blocks_as_the_model(self) -> None:
         assert len(self.index) == len(self.parent) <= self.CAPACITY
+
+    @invariant()
+    def closed_under_prefixes(self) -> None:
+        """Every indexed block's parent is indexed: what lets lookups bisect."""
+        for flat in self.index.snapshot().values():
+            indexed = set(flat[::2])
+            assert all(p == 0 or p in indexed for p in flat[1::2])
 
     def teardown(self) -> None:
         self.index.close()

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
+from typing import cast
 
 from dualpath.kv.errors import IndexCorruptError
 from dualpath.kv.hashing import U64_MAX, check_u64
@@ -47,28 +48,37 @@ def check_chain(chain: Sequence[int]) -> list[int]:
 
 
 class _Trie:
-    """The blocks of one model: ``nodes`` maps hash -> parent, least recently used first."""
+    """The blocks of one model: ``nodes`` maps hash -> parent (least recently used first when
+    ``ordered``); ``children`` maps a parent to its one child, or to the set of them when it
+    has several (most blocks have one: a set each would cost ~200 bytes and an allocation)."""
 
     __slots__ = ("children", "nodes")
 
-    def __init__(self) -> None:
-        self.nodes: OrderedDict[int, int] = OrderedDict()
-        self.children: dict[int, set[int]] = {}
+    def __init__(self, *, ordered: bool = True) -> None:
+        self.nodes: dict[int, int] = OrderedDict() if ordered else {}  # plain dicts keep insertion order too
+        self.children: dict[int, int | set[int]] = {}
 
     def add(self, h: int, parent: int) -> None:
         self.nodes[h] = parent
         if parent:
-            self.children.setdefault(parent, set()).add(h)
+            kids = self.children.get(parent)
+            if kids is None:
+                self.children[parent] = h
+            elif type(kids) is int:
+                if kids != h:
+                    self.children[parent] = {kids, h}
+            else:
+                kids.add(h)
 
     def touch(self, h: int) -> None:
         """Mark ``h`` and all its ancestors used, deepest first (keeps the LRU invariant)."""
-        nodes = self.nodes
+        nodes = cast("OrderedDict[int, int]", self.nodes)
         while h:
             nodes.move_to_end(h)
             h = nodes[h]
 
     def pop_lru_leaf(self) -> int:
-        h, parent = self.nodes.popitem(last=False)  # a leaf, by the LRU invariant
+        h, parent = cast("OrderedDict[int, int]", self.nodes).popitem(last=False)  # a leaf, by the LRU invariant
         self._unlink(h, parent)
         return h
 
@@ -79,17 +89,26 @@ class _Trie:
         while stack:
             h = stack.pop()
             removed.append(h)
-            stack.extend(self.children.pop(h, ()))
+            kids = self.children.pop(h, None)
+            if type(kids) is int:
+                stack.append(kids)
+            elif kids is not None:
+                stack.extend(kids)
         self._unlink(root, self.nodes[root])
         for h in removed:
             del self.nodes[h]
         return removed
 
     def _unlink(self, h: int, parent: int) -> None:
-        siblings = self.children.get(parent)
-        if siblings is not None:
-            siblings.discard(h)
-            if not siblings:
+        kids = self.children.get(parent)
+        if type(kids) is int:
+            if kids == h:
+                del self.children[parent]
+        elif kids is not None:
+            kids.discard(h)
+            if len(kids) == 1:
+                self.children[parent] = next(iter(kids))
+            elif not kids:
                 del self.children[parent]
 
 
@@ -170,7 +189,7 @@ class BlockIndex:
             if parent and (trie is None or parent not in trie.nodes):
                 return [h for h in chain[start:] if trie is None or h not in trie.nodes]
             if trie is None:
-                trie = self._tries[model_digest] = _Trie()
+                trie = self._tries[model_digest] = _Trie(ordered=self._touch)
             added: list[int] = []  # flat [hash, parent, hash, parent, ...]
             for h in chain[start:]:
                 known = trie.nodes.get(h)
@@ -191,32 +210,37 @@ class BlockIndex:
     def longest_prefix(self, model_digest: int, chain: Sequence[int]) -> int:
         """Number of leading ``chain`` hashes that are indexed and linked; touches them.
 
-        Linked means each one's parent is the previous hash of ``chain``, so a chain that
-        reaches an indexed block by a different path does not count. Never raises for
-        unknown digests or hashes (they are misses).
+        Linked means each one's parent is the previous hash of ``chain`` (the first block may
+        hang anywhere), so a chain that reaches an indexed block by a different path does not
+        count. Never raises for unknown digests or hashes (they are misses).
+
+        O(log n) dict probes, not n: the index is closed under prefixes (a block is indexed
+        only under an indexed parent, and eviction and removal take whole subtrees), so along
+        a hash chain "block i is indexed under block i-1" holds for every i below the hit and
+        for none from it on, and the hit is found by bisection. Each probe checks the link,
+        so a block reached by another path stops the hit where it is probed; a block whose
+        64-bit hash collides with one elsewhere in the index is caught only where probed (the
+        chain itself already equates equal hashes with equal prefixes, see ``hashing``).
         """
         with self._lock:
             self._check_open()
             trie = self._tries.get(model_digest)
-            if trie is None:
+            n = len(chain)
+            if trie is None or not n:
                 return 0
-            chain = list(chain)
-            parents = list(map(trie.nodes.get, chain))  # C-speed: one dict probe per block
-            if not chain or parents[0] is None:
+            get = trie.nodes.get
+            if get(chain[0]) is None:
                 return 0
-            expected = [parents[0], *chain[:-1]]  # the first block may hang anywhere; the rest must link
-            if parents == expected:
-                n = len(chain)
-            else:  # the hit is the longest prefix whose parents all match: bisect on slice equality
-                lo, hi = 0, len(chain) - 1  # parents[:lo] match; parents[:hi + 1] do not
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if parents[:mid] == expected[:mid]:
+            if n > 1 and get(chain[n - 1]) != chain[n - 2]:  # not a full hit: bisect for the first unlinked block
+                lo, hi = 0, n - 1  # chain[lo] is linked, chain[hi] is not
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if get(chain[mid]) == chain[mid - 1]:
                         lo = mid
                     else:
-                        hi = mid - 1
-                n = lo
-            if n and self._touch:
+                        hi = mid
+                n = hi
+            if self._touch:
                 trie.touch(chain[n - 1])
             return n
 
@@ -299,7 +323,7 @@ class BlockIndex:
         for digest, flat in snapshot.items():
             if len(flat) % 2:
                 raise ValueError(f"model {digest:x}: odd-length snapshot list")
-            trie = tries[digest] = _Trie()
+            trie = tries[digest] = _Trie(ordered=self._touch)
             for i in range(0, len(flat), 2):
                 trie.add(flat[i], flat[i + 1])
             for h, parent in trie.nodes.items():
@@ -391,7 +415,7 @@ class BlockIndex:
     def _apply(self, record: dict) -> None:
         """Apply one log record. Raises KeyError/TypeError/ValueError if it is malformed."""
         op, digest = record["op"], record["m"]
-        trie = self._tries.setdefault(digest, _Trie())
+        trie = self._tries.get(digest) or self._tries.setdefault(digest, _Trie(ordered=self._touch))
         if op == "s":  # snapshot: oldest first, descendants before ancestors; checked at the end
             flat = record["n"]
             for i in range(0, len(flat), 2):
