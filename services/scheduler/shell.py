@@ -115,7 +115,15 @@ class SchedulerShell:
         self._wake.set()
 
     async def on_node_report(self, r: m.NodeReport) -> None:
-        self.execute(self.core.handle(NodeReported(now=time.monotonic(), node=r.node_id, read_q_tokens=r.read_q_tokens)))
+        report = NodeReported(
+            now=time.monotonic(),
+            node=r.node_id,
+            read_q_tokens=r.read_q_tokens,
+            buffer_free_bytes=r.buffer_free_bytes,
+            buffer_bytes=r.buffer_bytes,
+        )
+        self.execute(self.core.handle(report))
+        self._wake.set()  # room in a decode node's buffer may let the queue move
 
     async def on_task_failed(self, f: m.TaskFailed) -> None:
         log.warning("task_failed", request_id=f.request_id, engine=f.engine_id, reason=f.reason)

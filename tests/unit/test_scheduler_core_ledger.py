@@ -30,8 +30,9 @@ step = st.one_of(
     st.tuples(st.just("tick")),
     st.tuples(st.just("answer"), st.integers(0, 50)),
     st.tuples(st.just("report"), st.sampled_from(sorted(ENGINES)), st.integers(0, 3), st.integers(0, 3000), st.booleans()),
-    st.tuples(st.just("node"), st.sampled_from(["P", "D"]), st.integers(0, 3000)),
+    st.tuples(st.just("node"), st.sampled_from(["P", "D"]), st.integers(0, 3000), st.integers(-1, 40 * 64)),
 )
+BUFFER = 40 * 64  # bytes of node D's buffer (block_bytes 64), when it reports one
 
 
 def _check(core: SchedulerCore) -> None:
@@ -40,7 +41,7 @@ def _check(core: SchedulerCore) -> None:
     assert state is not None
     live = {"eng": {}, "node": {}}
     for t in core.requests.values():
-        for c in (t.pe_charge, t.de_charge, t.read_charge, getattr(t, "split_charge", None)):
+        for c in (t.pe_charge, t.de_charge, t.read_charge, t.split_charge, t.slot_charge):
             if c is not None and c.state in (UNSEEN, ACKED):
                 kind = "node" if c.holder.name in core.members.nodes else "eng"
                 s = live[kind].setdefault(c.holder.name, [0, 0, 0])
@@ -55,8 +56,14 @@ def _check(core: SchedulerCore) -> None:
         if e.role == Role.DECODE:
             assert fig.free_hbm_tokens == max(0, min(HBM, e.free_hbm - hbm))
     for n in core.nodes():
-        tok = live["node"].get(n.name, [0, 0, 0])[1]
-        assert n.dtok == tok and state.nodes[n.num].read_q == max(0, n.read_q + tok)
+        _, tok, nbytes = live["node"].get(n.name, [0, 0, 0])
+        fig = state.nodes[n.num]
+        assert n.dtok == tok and fig.read_q == max(0, n.read_q + tok)
+        assert n.dhbm == nbytes
+        if n.buffer_free >= 0 and n.name == "D":  # free buffer, in 64-byte blocks
+            assert fig.buffer_free == max(0, (n.buffer_free - nbytes) // 64) and fig.buffer_blocks == BUFFER // 64
+        elif n.name == "D":
+            assert fig.buffer_free == -1
 
 
 @settings(max_examples=150, deadline=None)
@@ -121,5 +128,5 @@ def test_every_figure_is_the_last_report_plus_the_charges_it_could_not_see(steps
                 )
             )
         elif s[0] == "node":
-            core.handle(NodeReported(now=now, node=s[1], read_q_tokens=s[2]))
+            core.handle(NodeReported(now=now, node=s[1], read_q_tokens=s[2], buffer_free_bytes=s[3], buffer_bytes=BUFFER))
         _check(core)

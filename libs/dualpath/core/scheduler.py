@@ -16,9 +16,11 @@ A request's life: submitted -> queued (FIFO) -> placed by a pass on ``TimeAdvanc
 engine -> ``DispatchAnswered`` -> the prefill engine reports it finished (handed to the
 decode engine) -> the decode engine reports it finished: forgotten. A failure on the way
 puts it back at the head of the queue as a new attempt (its DE slot freed) up to
-``max_attempts``, then ``FailRequest`` (503). A full node buffer (``DispatchFailed`` with
-code 507) is back-pressure: the request goes back without using an attempt and passes
-pause for ``buffer_backoff_s``, for at most ``buffer_wait_s`` per request. An engine
+``max_attempts``, then ``FailRequest`` (503). The policy does not choose a decode node whose
+buffer has no room for the slot (its figure below); a reservation refused all the same (a
+race: ``DispatchFailed`` with code 507) is back-pressure: the request goes back without
+using an attempt and passes pause for ``buffer_backoff_s``, for at most ``buffer_wait_s``
+per request. An engine
 silent for ``engine_timeout`` seconds, or one a dispatch found unreachable, is expelled:
 its requests are re-queued (a prefill engine's only until their prefill is done). A node
 whose traffic manager stops reporting for ``node_timeout`` seconds, or does not answer a
@@ -26,23 +28,27 @@ whose traffic manager stops reporting for ``node_timeout`` seconds, or does not 
 the policy's state until the node's next ``NodeReported``.
 
 **Reports and charges** (how the policy's figures are kept). Every figure the policy
-reads (an engine's seq_e, tok_e, free HBM; a node's read_q) is
+reads (an engine's seq_e, tok_e, free HBM; a node's read_q and free DRAM buffer) is
 
     figure = the holder's last reported value + Σ the core's charges it has not reflected
 
 1. A placement charges its holders at once: the prefill engine (seq +1, tok + miss
-   tokens), the decode engine (seq +1, tok + prompt + max_tokens, free HBM − the same)
-   and the node that reads the hits (read_q + hit tokens). The charge is *unreflected*.
+   tokens), the decode engine (seq +1, tok + prompt + max_tokens, free HBM − the same),
+   the node that reads the hits (read_q + hit tokens) and the decode node (free buffer −
+   the slot's bytes, ``ReserveSlot``'s blocks × block bytes). The charge is *unreflected*.
 2. A charge is *acknowledged* once its holder is known to have it: the prefill engine's
    and the read node's when the prefill engine answers the dispatch (``DispatchAnswered``;
    it asks the read node for the hits right away), the decode engine's when the prefill
-   engine reports the prefill finished (it has handed the request over).
+   engine reports the prefill finished (it has handed the request over), the decode
+   node's slot when the node answers the reservation (``SlotReserved``).
 3. A report of a holder *reflects* every charge acknowledged at an earlier event (events
    are numbered in the order the core handles them): such charges leave the sums, and
    from then on only that holder's reports move them.
 4. When a request's part on a holder ends (finished, failed, re-queued), an unreflected
    charge is taken off the figure at once; a reflected one is left to the holder's next
-   report (which no longer counts it). So nothing is ever subtracted twice: the old
+   report (which no longer counts it). A slot's part ends when the request is re-queued or
+   failed (``FreeSlot``) or its decode finishes (the decode engine freed the slot once the
+   KV was in HBM, earlier; the node's reports show that). So nothing is ever subtracted twice: the old
    double subtraction (a node report overwrote read_q, then a prefill finish subtracted the
    same read again) cannot happen.
 
@@ -159,6 +165,7 @@ class _Request:
     __slots__ = (
         "attempt",
         "blocks",
+        "buffer_held",
         "buffer_waits",
         "de",
         "de_charge",
@@ -174,6 +181,7 @@ class _Request:
         "read_side",
         "rid",
         "session",
+        "slot_charge",
         "split_charge",
         "stage",
         "wait_start",
@@ -182,6 +190,7 @@ class _Request:
     def __init__(self, rid: str, num: int, pending: PendingRequest, blocks: int, payload: object, now: float) -> None:
         self.rid, self.num, self.pending, self.blocks, self.payload = rid, num, pending, blocks, payload
         self.attempt = self.buffer_waits = 0
+        self.buffer_held = False  # counted in SchedulerCore.buffer_waits while it heads the queue
         self.wait_start = -1.0  # now of the first back-pressure (-1: none yet)
         self.queued_since = now
         self.stage = _QUEUED
@@ -191,6 +200,7 @@ class _Request:
         self.de_charge: Charge | None = None
         self.read_charge: Charge | None = None
         self.split_charge: Charge | None = None  # a split read's DE share (policy.split)
+        self.slot_charge: Charge | None = None  # its slot in the decode node's buffer (bytes, as hbm)
         self.session = ""  # the agent session (prefetch)
         self.read_side: ReadSide | None = None
         self.prefill_done = False
@@ -206,7 +216,10 @@ class SchedulerCore:
         self.members = Membership()
         self.queue: deque[_Request] = deque()
         self.requests: dict[str, _Request] = {}  # queued and placed, by request id
-        self.buffer_waits = 0  # placements put back because a decode node's buffer was full
+        # Waits for room in a decode node's buffer: a request held at the head of the queue
+        # because no decode node's figure had room for its slot (counted once per stretch),
+        # or a placement put back because the node refused the slot all the same (507).
+        self.buffer_waits = 0
         self.now = 0.0
         self._state: ClusterState | None = None
         self._stale = True  # membership changed: rebuild the state before using it
@@ -332,8 +345,11 @@ class SchedulerCore:
             self._stale = True
         member.last_seen = ev.now
         seq, tok, free = member.seq, member.tok, member.free_hbm = ev.seq, ev.tok, ev.free_hbm_tokens
-        if ev.block_bytes:
+        if ev.block_bytes and ev.block_bytes != member.block_bytes:
             member.block_bytes = ev.block_bytes
+            if member.role is _DECODE:
+                self.members.nodes[member.node].block_bytes = ev.block_bytes
+                self._stale = True  # the policy's buffer figures are in its blocks
         cmds: list[Command] = []
         if ev.finished:
             for rid in ev.finished:
@@ -353,11 +369,15 @@ class SchedulerCore:
             node.down = False
             self._stale = True
         node.read_q = ev.read_q_tokens
+        if ev.buffer_free_bytes >= 0:
+            node.buffer_free, node.buffer_bytes = ev.buffer_free_bytes, ev.buffer_bytes
         if node.acked:
             reflect(node, self._k)
         state = self._state
         if not self._stale and state is not None and node.num in state.nodes:
             state.report_node(node.num, read_q=ev.read_q_tokens + node.dtok)
+            free, total = node.buffer_blocks()
+            state.report_buffer(node.num, free_blocks=free, total_blocks=total)
         return []
 
     def _finished_event(self, ev: RequestFinished) -> list[Command]:
@@ -402,6 +422,8 @@ class SchedulerCore:
         assert t.pe is not None and t.de is not None and t.decision is not None
         self._reserving.pop((t.rid, t.attempt), None)
         t.stage = _DISPATCHING
+        if t.slot_charge is not None:
+            t.slot_charge.acknowledge(self._k)  # the decode node holds the slot
         return [
             Dispatch(
                 request_id=t.rid,
@@ -506,6 +528,12 @@ class SchedulerCore:
             t = queue.popleft()
             assert t.num == a.request_id, "the policy places a FIFO prefix"
             self._place(t, a, state, cmds)
+        if queue and not queue[0].buffer_held:
+            head = queue[0]
+            blocks = head.blocks
+            if not any(n.buffer_room(blocks, n.buffer_free) for n in state.decode_nodes):
+                head.buffer_held = True
+                self.buffer_waits += 1
 
     def _place(self, t: _Request, a: Assignment, state: ClusterState, cmds: list[Command]) -> None:
         m = self.members
@@ -513,6 +541,7 @@ class SchedulerCore:
         read_node = m.node_by_num[a.read_node]
         seen = self._seen(a, state) if self.cfg.trace_inputs else {}
         t.pe, t.de, t.stage, t.prefill_done = pe, de, _RESERVING, False
+        t.buffer_held = False
         t.read_side = a.read_side if a.read_tokens else None
         t.pe_charge = Charge(pe, 1, a.prefill_tokens, 0)
         state.adjust_engine(pe.num, 1, a.prefill_tokens)
@@ -522,10 +551,14 @@ class SchedulerCore:
             own = a.read_tokens - a.de_split_tokens  # all of it unless the read is split
             t.read_charge = Charge(read_node, 0, own, 0)
             state.adjust_read_q(read_node.num, own)
+        de_node = m.nodes[de.node]
         if a.de_split_tokens:
-            de_node = m.node_by_num[state.engines[a.decode_engine].node_id]
             t.split_charge = Charge(de_node, 0, a.de_split_tokens, 0)
             state.adjust_read_q(de_node.num, a.de_split_tokens)
+        t.slot_charge = Charge(de_node, 0, 0, t.blocks * de.block_bytes)
+        if de_node.buffer_free >= 0:
+            free, total = de_node.buffer_blocks()
+            state.report_buffer(de_node.num, free_blocks=free, total_blocks=total)
         state.assigned_total += 1
         t.decision = Decision(
             policy=self.policy.name,
@@ -568,6 +601,7 @@ class SchedulerCore:
             "tok_e_decode": de.tok,
             "seq_e_decode": de.seq,
             "free_hbm_decode": de.free_hbm_tokens,
+            "buffer_free_blocks_decode": st.nodes[de.node_id].buffer_free,
         }
         if len(st.engines) <= 32:  # the whole field the policy chose from, while it stays readable
             names = self.members.engine_by_num
@@ -586,7 +620,7 @@ class SchedulerCore:
         if not counted:
             t.buffer_waits += 1
         t.pe = t.de = None
-        t.pe_charge = t.de_charge = t.read_charge = t.split_charge = None
+        t.pe_charge = t.de_charge = t.read_charge = t.split_charge = t.slot_charge = None
         t.decision = None
         t.prefill_done = False
         t.stage = _QUEUED
@@ -649,7 +683,11 @@ class SchedulerCore:
             return  # the next rebuild starts from the holders' sums
         if isinstance(h, NodeMember):
             if h.num in state.nodes:
-                state.adjust_read_q(h.num, -c.tok)
+                if c.tok:
+                    state.adjust_read_q(h.num, -c.tok)
+                if c.hbm and h.buffer_free >= 0:
+                    free, total = h.buffer_blocks()
+                    state.report_buffer(h.num, free_blocks=free, total_blocks=total)
         elif h.num in state.engines:
             state.adjust_engine(h.num, -c.seq, -c.tok, c.hbm)
 
@@ -658,6 +696,7 @@ class SchedulerCore:
         self._release(t.de_charge)
         self._release(t.read_charge)
         self._release(t.split_charge)
+        self._release(t.slot_charge)
 
     def _cluster(self) -> ClusterState | None:
         if self._stale:

@@ -8,7 +8,7 @@ Events (driver -> core)::
 
     RequestSubmitted   a request enters the queue (gateway submit)
     EngineReported     an engine's periodic report: seq_e, tok_e, free HBM, finished requests
-    NodeReported       a traffic manager's periodic report: read_q
+    NodeReported       a traffic manager's periodic report: read_q, free DRAM buffer
     SlotReserved       the decode node answered ReserveSlot: the DE buffer slot exists
     DispatchAnswered   the prefill engine accepted a Dispatch
     DispatchFailed     ReserveSlot or Dispatch failed (code 507 = buffer full: back-pressure;
@@ -130,11 +130,15 @@ class EngineReported:
 
 @dataclass(**_ev)
 class NodeReported:
-    """A traffic manager's periodic report: hit tokens queued on its storage NIC."""
+    """A traffic manager's periodic report: hit tokens queued on its storage NIC, and the
+    free bytes of its DRAM buffer out of ``buffer_bytes`` (-1: not reported; the policy then
+    does not check that node's buffer and a full one is found by back-pressure only)."""
 
     now: float
     node: str
     read_q_tokens: int
+    buffer_free_bytes: int = -1
+    buffer_bytes: int = 0
 
 
 @dataclass(**_ev)

@@ -20,7 +20,8 @@ UNSEEN, ACKED, REFLECTED, RELEASED = 0, 1, 2, 3  # Charge.state
 
 
 class Holder:
-    """Something the core charges: an engine (seq, tok, HBM) or a node (read_q in ``dtok``)."""
+    """Something the core charges: an engine (seq, tok, HBM) or a node (read_q tokens in
+    ``dtok``, bytes of its DRAM buffer in ``dhbm``)."""
 
     __slots__ = ("acked", "dhbm", "dseq", "dtok", "last_seen", "live", "name", "num")
 
@@ -44,21 +45,32 @@ class EngineMember(Holder):
 
 
 class NodeMember(Holder):
-    """One node's traffic manager: its last reported storage read queue (tokens), and whether
-    it is down (its engines leave scheduling until its next report)."""
+    """One node's traffic manager: its last reported storage read queue (tokens) and free
+    DRAM buffer (bytes, of ``buffer_bytes``; -1: never reported), and whether it is down
+    (its engines leave scheduling until its next report)."""
 
-    __slots__ = ("down", "read_q", "reported")
+    __slots__ = ("block_bytes", "buffer_bytes", "buffer_free", "down", "read_q", "reported")
 
     def __init__(self, name: str, num: int, now: float) -> None:
         super().__init__(name, num, now)
         self.read_q = 0
+        self.buffer_free = -1
+        self.buffer_bytes = 0
+        self.block_bytes = 0  # a Full Block of its decode engines: the policy counts the buffer in blocks
         self.reported = False  # a node that never reported (known from its engines) never expires
         self.down = False  # its traffic manager stopped reporting or did not answer: not used
+
+    def buffer_blocks(self) -> tuple[int, int]:
+        """(free, total) Full Blocks of its buffer for the policy: the last report less the
+        unreflected slot charges; (-1, -1) while unknown (no report, or no block size)."""
+        if self.buffer_free < 0 or self.block_bytes <= 0:
+            return -1, -1
+        return (self.buffer_free - self.dhbm) // self.block_bytes, self.buffer_bytes // self.block_bytes
 
 
 class Charge:
     """One decision's charge on one holder (``seq``/``tok``/``hbm`` tokens; a node's
-    read charge uses ``tok``). ``state``: UNSEEN (the holder cannot know it yet), ACKED at
+    read charge uses ``tok``, its buffer slot charge ``hbm``, in bytes). ``state``: UNSEEN (the holder cannot know it yet), ACKED at
     event ``ack`` (the holder has it; its next report counts it), REFLECTED (a report
     counted it; only reports move it now), RELEASED (its part of the request ended)."""
 
@@ -128,7 +140,9 @@ class Membership:
     def join(self, name: str, now: float, *, node: str, role: Role, capacity_tokens: int, block_bytes: int) -> EngineMember:
         """Add an engine (its first report, or its first after it was removed)."""
         num = self._engine_nums.setdefault(name, len(self._engine_nums))
-        self.node(node, now)
+        host = self.node(node, now)
+        if role == Role.DECODE and block_bytes:
+            host.block_bytes = block_bytes
         member = EngineMember(name, num, now, node=node, role=role, capacity_tokens=capacity_tokens, block_bytes=block_bytes)
         self.engines[name] = self.engine_by_num[num] = member
         return member
@@ -181,4 +195,6 @@ class Membership:
         for n in self.nodes.values():
             if n.num in state.nodes:
                 state.report_node(n.num, read_q=n.read_q + n.dtok)
+                free, total = n.buffer_blocks()
+                state.report_buffer(n.num, free_blocks=free, total_blocks=total)
         return state

@@ -2,8 +2,8 @@
 
 Both keep DualPath's admission rules, so a comparison isolates the *selection* rule:
 a prefill engine with ``tok_e > β`` is skipped, a decode engine without HBM room for the
-request is never chosen, and a pass stops at the first request that cannot be placed
-(FIFO). Neither looks at ``read_q`` or at decode groups.
+request, or on a node whose DRAM buffer has no room for its slot, is never chosen, and a
+pass stops at the first request that cannot be placed (FIFO). Neither looks at ``read_q`` or at decode groups.
 
 - ``round_robin``: the n-th decision ever (n = ``state.assigned_total`` + its index in the
   pass) starts at prefill engine ``n mod |PE|`` and decode engine ``n mod |DE|`` and takes
@@ -50,21 +50,25 @@ def schedule_round_robin(
     read_path: ReadPath = ReadPath.AUTO,
 ) -> list[Assignment]:
     """One round-robin pass (see the module docstring). Does not mutate ``state``."""
-    pes, des = state.prefill_engines, state.decode_engines
+    pes, des, nodes = state.prefill_engines, state.decode_engines, state.nodes
     beta = thresholds.beta_tokens
     tok: dict[int, int] = {}  # tentative PE tok_e
     free: dict[int, int] = {}  # tentative DE free HBM
+    buffer_left: dict[int, int] = {}  # tentative free buffer blocks per decode node
     prefill: list[int] = []
     decode: list[int] = []
     for i, r in enumerate(waiting):
         n = state.assigned_total + i
-        need = r.total_len
+        need, blocks = r.total_len, r.slot_blocks
 
         def pe_ok(e: EngineState) -> bool:
             return tok.get(e.engine_id, e.tok) <= beta
 
-        def de_ok(e: EngineState, need: int = need) -> bool:
-            return free.get(e.engine_id, e.free_hbm_tokens) >= need
+        def de_ok(e: EngineState, need: int = need, blocks: int = blocks) -> bool:
+            if free.get(e.engine_id, e.free_hbm_tokens) < need:
+                return False
+            node = nodes[e.node_id]
+            return node.buffer_room(blocks, buffer_left.get(e.node_id, node.buffer_free))
 
         k = _next_fit(pes, n % len(pes), pe_ok)
         j = _next_fit(des, n % len(des), de_ok)
@@ -73,6 +77,7 @@ def schedule_round_robin(
         pe, de = pes[k], des[j]
         tok[pe.engine_id] = tok.get(pe.engine_id, pe.tok) + r.miss_tokens
         free[de.engine_id] = free.get(de.engine_id, de.free_hbm_tokens) - need
+        buffer_left[de.node_id] = buffer_left.get(de.node_id, nodes[de.node_id].buffer_free) - blocks
         prefill.append(pe.engine_id)
         decode.append(de.engine_id)
     if read_path is ReadPath.AUTO:
@@ -105,8 +110,9 @@ def schedule_least_tokens(
     read_path: ReadPath = ReadPath.AUTO,
 ) -> list[Assignment]:
     """One least-tokens pass (see the module docstring). Does not mutate ``state``."""
-    engines = state.engines
+    engines, nodes = state.engines, state.nodes
     free: dict[int, int] = {}  # tentative DE free HBM
+    buffer_left: dict[int, int] = {}  # tentative free buffer blocks per decode node
     pe_cands = Candidates(state.prefill_index.walk())
     de_cands = Candidates(state.decode_index.walk())
     prefill: list[int] = []
@@ -115,10 +121,13 @@ def schedule_least_tokens(
         pe = pe_cands.first()
         if pe is None or pe[0] > thresholds.beta_tokens:
             break
-        need = r.total_len
+        need, blocks = r.total_len, r.slot_blocks
 
-        def room(e: tuple[int, int], need: int = need) -> bool:
-            return free.get(e[1], engines[e[1]].free_hbm_tokens) >= need
+        def room(e: tuple[int, int], need: int = need, blocks: int = blocks) -> bool:
+            if free.get(e[1], engines[e[1]].free_hbm_tokens) < need:
+                return False
+            node = nodes[engines[e[1]].node_id]
+            return node.buffer_room(blocks, buffer_left.get(node.node_id, node.buffer_free))
 
         de = de_cands.first(ok=room)
         if de is None:
@@ -126,6 +135,8 @@ def schedule_least_tokens(
         pe_cands.take(0, pe, pe[0] + r.miss_tokens)
         de_cands.take(0, de, de[0] + need)
         free[de[1]] = free.get(de[1], engines[de[1]].free_hbm_tokens) - need
+        de_node = engines[de[1]].node_id
+        buffer_left[de_node] = buffer_left.get(de_node, nodes[de_node].buffer_free) - blocks
         prefill.append(pe[1])
         decode.append(de[1])
     sides = choose_read_sides(waiting, prefill, decode, state, read_path)

@@ -10,7 +10,10 @@ request stops there, and the pass keeps only the prefix every stage placed (the 
    ``tok_e``; ``tok_e`` grows after each assignment. ``read_q`` is the snapshot the pass
    started from (the paper updates only ``tok_e`` within a pass).
 2. ``select_decode_groups`` (phase 1): the DE group with the smallest Σ``tok_e`` among
-   groups whose total free HBM holds the request and that have a DE big enough for it.
+   groups whose total free HBM holds the request, that have a DE big enough for it and
+   whose node's DRAM buffer has room for its slot (beyond the paper, which does not say
+   what happens when the DE buffer is full: a group without room is skipped rather than
+   chosen and refused by its traffic manager; ``NodeState.buffer_room``).
 3. ``place_in_groups`` (phase 2): inside the group, with R = the requests phase 1 gave it,
    ``Z = 1.05 × (Σ_{r∈R} len_r + Σ_e tok_e) / |E|``; among DEs with HBM room prefer
    ``tok_e + len ≤ Z`` by smallest ``seq_e``, else smallest ``tok_e``.
@@ -114,8 +117,9 @@ def select_decode_groups(waiting: Sequence[PendingRequest], count: int, state: C
     nodes = state.nodes
     free_total: dict[int, int] = {}  # tentative Σ free HBM per group looked at this pass
     max_free: dict[int, int] = {}  # largest single-DE free HBM at pass start
+    buffer_left: dict[int, int] = {}  # tentative free buffer blocks per group given requests this pass
 
-    def room(node_id: int, need: int) -> bool:
+    def room(node_id: int, need: int, blocks: int) -> bool:
         biggest = max_free.get(node_id)
         if biggest is None:
             biggest = total = 0
@@ -124,15 +128,18 @@ def select_decode_groups(waiting: Sequence[PendingRequest], count: int, state: C
                 total += free
                 biggest = max(biggest, free)
             max_free[node_id], free_total[node_id] = biggest, total
-        return biggest >= need and free_total[node_id] >= need
+        if biggest < need or free_total[node_id] < need:
+            return False
+        node = nodes[node_id]
+        return node.buffer_room(blocks, buffer_left.get(node_id, node.buffer_free))
 
     cands = Candidates(state.decode_group_index.walk())
     chosen: list[NodeState] = []
     for i in range(count):
-        need = waiting[i].total_len
+        need, blocks = waiting[i].total_len, waiting[i].slot_blocks
 
-        def fits(entry: tuple[int, int], need: int = need) -> bool:
-            return room(entry[1], need)
+        def fits(entry: tuple[int, int], need: int = need, blocks: int = blocks) -> bool:
+            return room(entry[1], need, blocks)
 
         best = cands.first(ok=fits)
         if best is None:
@@ -149,7 +156,9 @@ def select_decode_groups(waiting: Sequence[PendingRequest], count: int, state: C
                 best = near
         cands.take(0, best, best[0] + need)
         free_total[best[1]] -= need
-        chosen.append(nodes[best[1]])
+        node = nodes[best[1]]
+        buffer_left[best[1]] = buffer_left.get(best[1], node.buffer_free) - blocks
+        chosen.append(node)
     return chosen
 
 

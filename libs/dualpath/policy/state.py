@@ -59,9 +59,12 @@ class EngineState:
 
 class NodeState:
     """One node and its engine group: ``read_q`` hit tokens queued on its storage NIC,
-    ``tok_sum`` = Σ ``tok`` of its engines. Read-only for callers, like ``EngineState``."""
+    ``tok_sum`` = Σ ``tok`` of its engines, ``buffer_free`` of ``buffer_blocks`` Full Blocks
+    of its DRAM buffer (a decode node's buffer holds each placed request's slot until its KV
+    is in HBM; -1: not reported, the policies do not check it). Read-only for callers, like
+    ``EngineState``."""
 
-    __slots__ = ("engines", "leader", "node_id", "read_q", "role", "tok_sum")
+    __slots__ = ("buffer_blocks", "buffer_free", "engines", "leader", "node_id", "read_q", "role", "tok_sum")
 
     def __init__(self, spec: NodeSpec) -> None:
         self.node_id = spec.node_id
@@ -70,9 +73,19 @@ class NodeState:
         self.leader = self.engines[0].engine_id
         self.read_q = 0
         self.tok_sum = 0
+        self.buffer_free = self.buffer_blocks = -1
 
     def __repr__(self) -> str:
-        return f"NodeState(id={self.node_id}, role={self.role.name}, read_q={self.read_q}, tok_sum={self.tok_sum})"
+        return (
+            f"NodeState(id={self.node_id}, role={self.role.name}, read_q={self.read_q}, tok_sum={self.tok_sum}, "
+            f"buffer={self.buffer_free}/{self.buffer_blocks})"
+        )
+
+    def buffer_room(self, blocks: int, free: int) -> bool:
+        """Whether a slot of ``blocks`` Full Blocks fits when ``free`` blocks are free: always
+        when the buffer is not reported, and in an empty buffer even when it is larger than
+        the whole buffer (the node takes it alone rather than never)."""
+        return self.buffer_blocks < 0 or blocks <= free or free >= self.buffer_blocks
 
 
 @dataclass(slots=True)
@@ -260,6 +273,21 @@ class ClusterState:
         if node is None:
             raise UnknownNodeError(node_id)
         node.read_q = max(0, read_q)
+
+    def report_buffer(self, node_id: int, *, free_blocks: int, total_blocks: int) -> None:
+        """Set a node's DRAM buffer figures in Full Blocks (free, clamped at zero, and total;
+        a negative total: unknown, never checked).
+
+        Raises:
+            UnknownNodeError: no such node.
+        """
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise UnknownNodeError(node_id)
+        if total_blocks < 0:
+            node.buffer_free = node.buffer_blocks = -1
+        else:
+            node.buffer_free, node.buffer_blocks = (free_blocks if free_blocks > 0 else 0), total_blocks
 
     # -- direct adjustments (the scheduler core's ledger) ------------------------------
     def adjust_engine(self, engine_id: int, seq: int, tok: int, free_hbm_tokens: int = 0) -> None:

@@ -13,6 +13,8 @@ Token accounting (the unit of every ``tok``/``read_q`` figure in this package is
   decode engine holds the whole context and grows it up to that length.
 - a node's ``read_q`` is the number of hit tokens queued for reading from storage
   through that node's storage NIC.
+- a node's DRAM buffer figures (``NodeState.buffer_free``) count FULL BLOCKS: a request
+  takes ``slot_blocks`` of its decode node's buffer from placement until its KV is in HBM.
 """
 
 from __future__ import annotations
@@ -93,6 +95,11 @@ class PendingRequest:
     def miss_tokens(self) -> int:
         """Tokens the prefill engine computes: the charge to its ``tok_e``."""
         return self.prompt_tokens - self.hit_tokens
+
+    @property
+    def slot_blocks(self) -> int:
+        """Full Blocks of the prompt's KV: the slot it takes in the decode node's DRAM buffer."""
+        return -(-self.prompt_tokens // self.block_tokens)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

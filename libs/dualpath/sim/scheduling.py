@@ -9,8 +9,9 @@ library's passes); this driver does in virtual time what the service does over N
   ``DispatchFailed(BUFFER_FULL)`` for each ``ReserveSlot`` (the decode node's DRAM buffer has
   room for the prompt's KV or not: back-pressure, as the traffic manager answers);
   ``DispatchAnswered`` for each ``Dispatch``; ``RequestFinished`` from the prefill engine and
-  from the decode engine; ``NodeReported`` with each node's storage read queue, every
-  ``report_interval_s`` for the nodes whose queue changed (the traffic managers' reports);
+  from the decode engine; ``NodeReported`` with each node's storage read queue and free
+  buffer, at start and then every ``report_interval_s`` for the nodes whose queue or slots
+  changed (the traffic managers' reports; the policy skips decode nodes without room);
 - commands out: ``ReserveSlot``, ``Dispatch`` (handed to the cluster), ``FreeSlot``,
   ``FailRequest`` and ``RejectRequest`` (counted; a failed turn ends its agent).
 
@@ -52,6 +53,7 @@ from dualpath.core.scheduler_events import (
 from dualpath.policy import Policy, Role
 from dualpath.sim.clock import EventLoop
 from dualpath.sim.request import SimRequest
+from dualpath.sim.storage import NodeStorage
 
 __all__ = ["SimScheduler"]
 
@@ -92,7 +94,7 @@ class SimScheduler:
         self._reserve, self._free, self._dispatch, self._failed = reserve, free, dispatch, failed
         self._scheduled = False
         self._last_pass = -1.0
-        self._dirty: dict[str, Callable[[], int]] = {}  # node -> its read queue (tokens), changed since the last report
+        self._dirty: dict[str, NodeStorage] = {}  # nodes whose read queue or slots changed since the last report
         self._report_scheduled = False
         self.passes = 0
         self.back_pressure = 0
@@ -201,17 +203,23 @@ class SimScheduler:
             self._apply(cmds)
         self.kick()
 
-    def read_queue_changed(self, node: str, read_q: Callable[[], int]) -> None:
-        """A node's storage read queue changed; it is reported at the next report tick."""
-        self._dirty[node] = read_q
+    def node_changed(self, node: NodeStorage) -> None:
+        """A node's storage read queue or buffer slots changed; it reports at the next report tick."""
+        self._dirty[node.name] = node
         if not self._report_scheduled:
             self._report_scheduled = True
             self.loop.at(self.loop.now + self.report_interval, self._report)
 
+    def report(self, node: NodeStorage) -> None:
+        """The node's traffic manager reports now (its first report: the buffer's size)."""
+        free, total = node.buffer_report()
+        self.core.handle(
+            NodeReported(now=self.loop.now, node=node.name, read_q_tokens=node.read_q, buffer_free_bytes=free, buffer_bytes=total)
+        )
+
     def _report(self, _: object = None) -> None:
         self._report_scheduled = False
         dirty, self._dirty = self._dirty, {}
-        now = self.loop.now
-        for node, read_q in dirty.items():
-            self.core.handle(NodeReported(now=now, node=node, read_q_tokens=read_q()))
+        for node in dirty.values():
+            self.report(node)
         self.kick()

@@ -111,8 +111,10 @@ class Simulation:
                 buffer_bytes=cfg.buffer_bytes(),
                 parallel=cfg.storage_parallel,
                 on_read=self._read_done,
-                changed=self._read_q_changed,
+                changed=self.scheduler.node_changed,
             )
+            if not self.mode.oracle:  # oracle has no buffers (every slot is granted): no buffer figure to report
+                self.scheduler.report(self.storage[name])
             for k in range(cfg.engines):
                 ename = f"{name}e{k}"
                 lin, lout = Link(f"{ename}.cnic.in", cnic), Link(f"{ename}.cnic.out", cnic)
@@ -173,9 +175,6 @@ class Simulation:
     def _prefetch_hint(self, req: SimRequest, node: str) -> None:
         if self.prefetch is not None:
             self.prefetch.hint(req, node)
-
-    def _read_q_changed(self, storage: NodeStorage) -> None:
-        self.scheduler.read_queue_changed(storage.name, lambda: storage.read_q)
 
     def _read_done(self, req: SimRequest) -> None:
         req.reads_left -= 1

@@ -13,6 +13,10 @@ has room (back-pressure holds the queue; a request larger than the whole buffer 
 alone rather than never) and its bytes are released at the end of the request's prefill.
 Writes (block persistence) are flows on the SNIC's write direction, which a full-duplex NIC
 does not share with reads.
+
+The node reports (``changed``, then the scheduler's report tick) when its read queue or its
+slots change: ``read_q`` and ``buffer_report()``, the free bytes a slot could take (staged
+prefetch copies count as free: they are dropped for a slot), as a traffic manager does.
 """
 
 from __future__ import annotations
@@ -93,12 +97,20 @@ class NodeStorage:
             return False
         self.slots[rid] = nbytes
         self.buffer_used += nbytes
+        self._changed(self)
         return True
 
     def free_slot(self, rid: str) -> None:
         nbytes = self.slots.pop(rid, None)
         if nbytes is not None:
             self.release(nbytes)
+            self._changed(self)
+
+    def buffer_report(self) -> tuple[int, int]:
+        """(free, total) bytes of the buffer as the node reports them: staged prefetch copies
+        are free room (a slot drops them)."""
+        staged = self.prefetch.bytes if self.prefetch is not None else 0.0
+        return int(self.buffer_bytes - self.buffer_used + staged), int(self.buffer_bytes)
 
     # -- reads ---------------------------------------------------------------------------
     def read(self, req: SimRequest, nbytes: float, *, into_buffer: bool, tokens: int = -1) -> None:
