@@ -14,13 +14,13 @@ JetStream stream (``dualpath.ha.replicated_index``), every replica answers looku
 own copy, and a replica that restarts replays the stream before it serves.
 
 Lookups and commits are the index's hot paths (at 1,152 GPUs about 1,400 lookups and 5,200
-commit messages a second, see ``dualpath bench index``), so they are served from plain NATS
-subscriptions in their delivery tasks, not as one bus task per message: a lookup is answered
-from memory inline; a replicated commit is queued for the next group-committed stream record
-(``ReplicatedIndex.submit_commit``) and its reply is published when that record is durable and
-applied here. Garbage gets an ``ErrorReply`` (400) as on every other subject, a full queue a
-``BUSY`` one. Commits that need the storage (``--capacity-blocks``) or an fsync'ed local log run
-in a task of the service's task group.
+commit messages a second, see ``dualpath bench index``), so they are served ``inline``
+(``Bus.serve``): in the subscription's delivery task, not as one task per message. A lookup is
+answered from memory at once; a replicated commit is queued for the next group-committed stream
+record (``ReplicatedIndex.submit_commit``) and answered when that record is durable and applied
+here. Garbage gets an ``ErrorReply`` (400) as on every other subject, a full queue a ``BUSY`` one.
+Commits that need the storage (``--capacity-blocks``) or an fsync'ed local log run as bus tasks
+(bounded, ``BUSY`` past the bound).
 """
 
 from __future__ import annotations
@@ -29,18 +29,12 @@ import argparse
 import asyncio
 import os
 import threading
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import cast
 
 from anyio.abc import TaskGroup
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from opentelemetry import context as otel_context
-from opentelemetry import propagate
-from opentelemetry.context import Context
 
-from dualpath.bus import BUSY, DEFAULT_MAX_IN_FLIGHT, Bus
+from dualpath.bus import BUSY, Bus, HandlerError, Respond
 from dualpath.config import (
     BusConfig,
     KvPersistenceConfig,
@@ -50,7 +44,7 @@ from dualpath.config import (
 )
 from dualpath.ha.replicated_index import IndexBusyError, ReplicatedIndex, ReplicationError
 from dualpath.kv import BlockIndex, BlockStore
-from dualpath.protocol import ProtocolError, decode, encode
+from dualpath.protocol import encode
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.runtime import periodic, run_service
@@ -60,7 +54,6 @@ from dualpath.telemetry.tracing import get_tracer, tracing_enabled
 
 log = get_logger("kv-persistence")
 tracer = get_tracer("dualpath.kv_persistence")
-Publish = Callable[[str, bytes], Awaitable[None]]
 _OK = encode(m.Ok())
 
 
@@ -75,104 +68,89 @@ class KvPersistence:
         self.looked_up = 0  # blocks asked about (the hit rate's denominator)
         self.hits = 0  # of which persisted
         self._hit_replies: dict[int, bytes] = {}  # encoded LookupReply by hit length (few distinct values)
-        self._publish: Publish | None = None  # set by ``attach``: how raw handlers reply
-        self._tasks: TaskGroup | None = None  # where raw commits that touch storage run
-        self._slow = 0  # such commits running now (bounded like a bus subscription)
 
-    def attach(self, publish: Publish, tasks: TaskGroup) -> None:
-        """Give the raw handlers (``on_lookup``, ``on_commit``) their reply path and task group."""
-        self._publish, self._tasks = publish, tasks
+    @property
+    def commits_inline(self) -> bool:
+        """Whether commits can be served inline: replicated, and no files to check or delete."""
+        return self.store is None and isinstance(self.index, ReplicatedIndex)
 
-    # ---- hot paths: raw NATS messages, handled in the subscription's delivery task ----------
-    async def on_lookup(self, msg: Msg) -> None:
-        """Answer a ``LookupRequest`` from memory (no task, no await but the reply's publish)."""
+    async def serve(self, bus: Bus, subjects: Subjects) -> None:
+        """Subscribe the handlers (one NATS queue group for every replica); returns once served."""
+        await bus.serve(subjects.kv_lookup, self.lookup, m.LookupRequest, queue="kvp", inline=True)
+        if self.commits_inline:
+            await bus.serve(subjects.kv_commit, self.commit_inline, m.CommitRequest, queue="kvp", inline=True)
+        else:
+            await bus.serve(subjects.kv_commit, self.commit, m.CommitRequest, queue="kvp")
+        await bus.serve(subjects.kv_remove, self.remove, m.RemoveRequest, queue="kvp")
+
+    # ---- hot paths: inline handlers, run in the subscription's delivery task ----------------
+    async def lookup(self, req: m.LookupRequest, _respond: Respond) -> bytes:
+        """The persisted prefix of ``req.hashes``, answered from memory (no await).
+
+        Raises:
+            HandlerError: 400 when a hash is not an int.
+        """
         try:
-            req = decode(msg.data, m.LookupRequest)
             if tracing_enabled():
-                with tracer.start_as_current_span("index.lookup", context=_parent(msg)) as span:
+                with tracer.start_as_current_span("index.lookup") as span:
                     hit = self.index.longest_prefix(req.model_digest, req.hashes)
                     span.set_attributes({"blocks": len(req.hashes), "hit_blocks": hit})
             else:  # no span at all: even a no-op one costs a few microseconds per lookup
                 hit = self.index.longest_prefix(req.model_digest, req.hashes)
-            self.looked_up += len(req.hashes)
-            self.hits += hit
-            answer = self._hit_replies.get(hit)
-            if answer is None:
-                answer = encode(m.LookupReply(hit_blocks=hit))
-                if len(self._hit_replies) < 65_536:
-                    self._hit_replies[hit] = answer
-        except (ProtocolError, TypeError, ValueError) as exc:  # garbage, or hashes that are not ints
-            answer = _error(400, exc.reason if isinstance(exc, ProtocolError) else str(exc), msg.subject)
-        await self._reply(msg, answer)
+        except (TypeError, ValueError) as exc:  # a hash that is not an int (unhashable)
+            raise HandlerError(400, str(exc)) from None
+        self.looked_up += len(req.hashes)
+        self.hits += hit
+        answer = self._hit_replies.get(hit)
+        if answer is None:
+            answer = encode(m.LookupReply(hit_blocks=hit))
+            if len(self._hit_replies) < 65_536:
+                self._hit_replies[hit] = answer
+        return answer
 
-    async def on_commit(self, msg: Msg) -> None:
-        """Queue a ``CommitRequest`` for the next stream record; the reply goes out once it is
-        durable and applied (``ReplicatedIndex.submit_commit``). Commits that must check files
-        (a capacity) or append to the local log run in a task instead."""
-        try:
-            req = decode(msg.data, m.CommitRequest)
-        except ProtocolError as exc:
-            await self._reply(msg, _error(400, exc.reason, msg.subject))
-            return
-        if self.store is not None or not isinstance(self.index, ReplicatedIndex):
-            assert self._tasks is not None, "attach() first"
-            if self._slow >= DEFAULT_MAX_IN_FLIGHT:
-                await self._reply(msg, _error(BUSY, f"{self._slow} commits already in flight", msg.subject))
-                return
-            self._slow += 1
-            self._tasks.start_soon(self._commit_and_reply, msg, req, name="kvp:commit")
-            return
-        span = (
-            tracer.start_span("index.commit", context=_parent(msg), attributes={"blocks": len(req.hashes) - req.start})
-            if tracing_enabled()
-            else None
-        )
+    async def commit_inline(self, req: m.CommitRequest, respond: Respond) -> None:
+        """Queue a commit for the next stream record; ``respond`` gets ``Ok`` once it is durable
+        and applied here (``ReplicatedIndex.submit_commit``), ``BUSY`` if it was not stored.
+
+        Raises:
+            HandlerError: 400 for bad hashes or ``start``; ``BUSY`` when the queue is full.
+        """
+        assert isinstance(self.index, ReplicatedIndex)
+        span = tracer.start_span("index.commit", attributes={"blocks": len(req.hashes) - req.start}) if tracing_enabled() else None
 
         async def done(error: BaseException | None) -> None:
             if span is not None:
                 span.end()
-            await self._reply(msg, _OK if error is None else _error(BUSY, str(error), msg.subject))
+            await respond(_OK if error is None else m.ErrorReply(code=BUSY, message=str(error)))
 
         try:
             self.index.submit_commit(req.model_digest, req.hashes, done, start=req.start)  # no store: evictions leave files
         except (TypeError, ValueError, IndexBusyError) as exc:
             if span is not None:
                 span.end()
-            await self._reply(msg, _error(BUSY if isinstance(exc, IndexBusyError) else 400, str(exc), msg.subject))
-
-    async def _commit_and_reply(self, msg: Msg, req: m.CommitRequest) -> None:
-        try:
-            token = otel_context.attach(propagate.extract(msg.headers)) if msg.headers else None
-            try:
-                await self.commit(req)
-                answer = _OK
-            except (TypeError, ValueError) as exc:
-                answer = _error(400, str(exc), msg.subject)
-            except Exception as exc:  # noqa: BLE001 - the client is told; the service goes on
-                code = BUSY if isinstance(exc, ReplicationError) else 500  # not stored (or queue full): the client may retry
-                answer = _error(code, f"{type(exc).__name__}: {exc}", msg.subject)
-            finally:
-                if token is not None:
-                    otel_context.detach(token)
-            await self._reply(msg, answer)
-        finally:
-            self._slow -= 1
-
-    async def _reply(self, msg: Msg, data: bytes) -> None:
-        if msg.reply and self._publish is not None:
-            try:
-                await self._publish(msg.reply, data)
-            except Exception as exc:  # noqa: BLE001 - the connection is going; the client times out and retries
-                log.warning("reply_failed", error=str(exc))
+            raise HandlerError(BUSY if isinstance(exc, IndexBusyError) else 400, str(exc)) from None
 
     # ---- commits and removals as coroutines (the bus path, the raw path's slow commits, tests) ----
 
     async def commit(self, req: m.CommitRequest) -> m.Ok:
-        with tracer.start_as_current_span("index.commit", attributes={"blocks": len(req.hashes) - req.start}):
-            if isinstance(self.index, ReplicatedIndex):
-                gone = await self._commit_replicated(req)
-            else:  # the log append is fsync'ed: run it off the event loop
-                gone = await asyncio.to_thread(self._commit, req)
+        """Index the blocks (checking their files first when there is a store); durable when it returns.
+
+        Raises:
+            HandlerError: 400 for bad hashes or ``start``; ``BUSY`` when the change was not
+                replicated (the client may retry); 500 when the local log could not be written.
+        """
+        try:
+            with tracer.start_as_current_span("index.commit", attributes={"blocks": len(req.hashes) - req.start}):
+                if isinstance(self.index, ReplicatedIndex):
+                    gone = await self._commit_replicated(req)
+                else:  # the log append is fsync'ed: run it off the event loop
+                    gone = await asyncio.to_thread(self._commit, req)
+        except (TypeError, ValueError) as exc:
+            raise HandlerError(400, str(exc)) from None
+        except ReplicationError as exc:  # not stored (or queue full): the client may retry
+            raise HandlerError(BUSY, f"{type(exc).__name__}: {exc}") from None
+        except OSError as exc:
+            raise HandlerError(500, f"{type(exc).__name__}: {exc}") from None
         await self._delete(req.model_digest, gone)
         return m.Ok()
 
@@ -221,17 +199,6 @@ class KvPersistence:
             self.deleted += await asyncio.to_thread(delete)
         except OSError as exc:  # the index is right either way; a left-over file only costs space
             log.warning("block_delete_failed", error=str(exc), blocks=len(hashes))
-
-
-def _parent(msg: Msg) -> Context | None:
-    """The caller's trace context, carried in the message's headers."""
-    return propagate.extract(msg.headers) if msg.headers else None
-
-
-def _error(code: int, message: str, subject: str) -> bytes:
-    if code == 400:
-        log.warning("bad_message", subject=subject, error=message)
-    return encode(m.ErrorReply(code=code, message=message))
 
 
 async def _compact(index: ReplicatedIndex, holder: str) -> None:
@@ -285,35 +252,25 @@ def main(argv: list[str] | None = None) -> int:
             return index
         return BlockIndex(index_path, capacity_blocks=cfg.capacity_blocks or None)
 
-    async def serve(bus: Bus, stop: asyncio.Event, tasks: TaskGroup) -> None:
+    async def serve(bus: Bus, stop: asyncio.Event, _tasks: TaskGroup) -> None:
         index = await open_index(bus)
         svc = KvPersistence(index, BlockStore(storage) if cfg.capacity_blocks else None)
-        svc.attach(bus.nc.publish, tasks)
         register_metrics(svc)
-        log.info(
+        await svc.serve(bus, subjects)
+        log.info(  # serving from here on: the bench and the fault tests wait for this line
             "index_loaded",
             blocks=len(index),
             replication=cfg.replication,
             replica=cfg.replica_id,
             path=index_path if cfg.replication == "none" else subjects.kv_log,
         )
-        raw: list[Subscription] = [
-            await bus.nc.subscribe(subjects.kv_lookup, queue="kvp", cb=svc.on_lookup),
-            await bus.nc.subscribe(subjects.kv_commit, queue="kvp", cb=svc.on_commit),
-        ]
-        await bus.serve(subjects.kv_remove, svc.remove, m.RemoveRequest, queue="kvp")
-        await bus.nc.flush()  # the server has every subscription before anyone is told we serve
         try:
             if isinstance(index, ReplicatedIndex):  # keep the stream short: snapshot and purge (one replica at a time)
                 await periodic(stop, 30.0, lambda: _compact(index, f"{bus_cfg.namespace}-kvp{cfg.replica_id}-{os.getpid()}"))
             else:
                 await stop.wait()
         finally:
-            for sub in raw:  # no new requests; those queued for the stream still get their answer
-                try:
-                    await sub.unsubscribe()
-                except Exception as exc:  # noqa: BLE001 - the connection may be gone
-                    log.debug("unsubscribe_failed", error=str(exc))
+            await bus.stop_serving()  # no new requests; those queued for the stream still get their answer
             if isinstance(index, ReplicatedIndex):
                 await index.drain(5.0)
                 await index.close()

@@ -8,9 +8,9 @@ import time
 import anyio
 import pytest
 
-from dualpath.bus import BUSY, Bus, BusOverflowError, BusTimeoutError, HandlerError
+from dualpath.bus import BUSY, Bus, BusOverflowError, BusTimeoutError, HandlerError, Respond
 from dualpath.config import BusConfig
-from dualpath.protocol import RemoteError, decode
+from dualpath.protocol import RemoteError, decode, encode
 from dualpath.protocol import messages as m
 from dualpath.protocol.messages import ErrorReply
 from dualpath.runtime import run_service
@@ -45,6 +45,41 @@ async def test_a_handler_error_becomes_an_error_reply_with_its_code(nats_server)
         with pytest.raises(RemoteError) as err:
             await bus.request("t.free", m.FreeRequest(request_id="r"), m.Ok, timeout=2.0)
         assert (err.value.code, err.value.message) == (409, "already there")
+
+
+async def test_an_inline_handler_answers_now_or_later_in_order_and_garbage_gets_a_400(nats_server) -> None:
+    """Inline: no task per message, messages handled in arrival order, a reply returned or
+    published later through ``respond``; errors become error replies as in task mode."""
+    seen: list[int] = []
+    later: list[Respond] = []
+    async with Bus.open(nats_server.url, "t") as bus:
+
+        async def handle(req: m.LookupRequest, respond: Respond) -> m.LookupReply | bytes | None:
+            seen.append(req.model_digest)
+            if req.model_digest == 0:
+                later.append(respond)  # answered once the third request arrived
+                return None
+            if req.model_digest == 2:
+                raise HandlerError(BUSY, "full")
+            for r in later:
+                await r(m.LookupReply(hit_blocks=99))
+            return encode(m.LookupReply(hit_blocks=len(req.hashes)))  # an encoded reply goes out as it is
+
+        await bus.serve("t.inline", handle, m.LookupRequest, inline=True)
+        ask = [bus.request("t.inline", m.LookupRequest(model_digest=d, hashes=[1, 2]), m.LookupReply, timeout=5.0) for d in (0, 2, 1)]
+        first = asyncio.ensure_future(ask[0])
+        await asyncio.sleep(0.2)  # the first is held before the others are sent
+        with pytest.raises(RemoteError) as err:
+            await ask[1]
+        assert err.value.code == BUSY
+        assert (await ask[2]).hit_blocks == 2
+        assert (await first).hit_blocks == 99
+        assert seen == [0, 2, 1]
+        raw = await bus.nc.request("t.inline", b"\xc1 not msgpack", timeout=2.0)
+        assert decode(raw.data, ErrorReply).code == 400
+        await bus.stop_serving()
+        with pytest.raises(BusTimeoutError):
+            await bus.request("t.inline", m.LookupRequest(model_digest=1, hashes=[1]), m.LookupReply, timeout=1.0)
 
 
 async def test_a_request_to_a_subject_nobody_serves_is_a_bus_timeout_error_at_once(nats_server) -> None:

@@ -1,21 +1,22 @@
 """The block index replicated through JetStream: every replica sees every commit, a new replica
 replays the stream, evictions are the same everywhere, concurrent commits share records, queued
-changes are bounded, a commit JetStream did not store is refused; the service's raw NATS paths
+changes are bounded, a commit JetStream did not store is refused; the service's inline bus paths
 answer lookups, commits and garbage."""
 
 from __future__ import annotations
 
 import asyncio
 
-import anyio
 import msgpack
 import nats
 import pytest
 
+from dualpath.bus import Bus
 from dualpath.bus.embedded import EmbeddedNats
 from dualpath.ha.replicated_index import IndexBusyError, ReplicatedIndex, ReplicationError
 from dualpath.protocol import decode, encode
 from dualpath.protocol import messages as m
+from dualpath.protocol.subjects import Subjects
 from services.kv_persistence.service import KvPersistence
 
 pytestmark = pytest.mark.anyio
@@ -167,36 +168,37 @@ async def test_a_commit_whose_record_cannot_be_stored_is_refused_not_acknowledge
         await nc.close()
 
 
-async def _service(url: str) -> tuple[nats.NATS, ReplicatedIndex, KvPersistence]:
-    nc, index = await _replica(url)
+async def test_the_service_answers_inline_lookups_and_commits_and_garbage_with_an_error_reply(js_server):
+    nc, index = await _replica(js_server.url)
     svc = KvPersistence(index)
-    async with anyio.create_task_group() as tasks:  # the raw paths of a replicated index without storage start no task
-        svc.attach(nc.publish, tasks)
-    await nc.subscribe("t.lookup", cb=svc.on_lookup)
-    await nc.subscribe("t.commit", cb=svc.on_commit)
-    await nc.flush()
-    return nc, index, svc
-
-
-async def test_the_service_answers_raw_lookups_and_commits_and_garbage_with_an_error_reply(js_server):
-    nc, index, svc = await _service(js_server.url)
+    subj = Subjects("t")
     try:
+        async with Bus.open(js_server.url, "kvp") as bus:
+            await svc.serve(bus, subj)
 
-        async def ask(subject: str, data: bytes) -> object:
-            return decode((await nc.request(subject, data, timeout=10)).data, m.Ok, m.LookupReply, m.ErrorReply)
+            async def ask(subject: str, data: bytes) -> object:
+                return decode((await nc.request(subject, data, timeout=10)).data, m.Ok, m.LookupReply, m.ErrorReply)
 
-        assert await ask("t.commit", encode(m.CommitRequest(model_digest=9, hashes=[1, 2, 3]))) == m.Ok()
-        assert len(index) == 3  # answered only once applied here
-        assert await ask("t.commit", encode(m.CommitRequest(model_digest=9, hashes=[3, 4], start=1))) == m.Ok()  # parent + new
-        assert await ask("t.lookup", encode(m.LookupRequest(model_digest=9, hashes=[1, 2, 3, 4, 5]))) == m.LookupReply(hit_blocks=4)
-        for subject in ("t.lookup", "t.commit"):
-            for junk in (b"\x00garbage", msgpack.packb({"v": 1, "t": 10, "model_digest": "x", "hashes": []})):
-                answer = await ask(subject, junk)
-                assert isinstance(answer, m.ErrorReply) and answer.code == 400
-        bad = await ask("t.commit", encode(m.CommitRequest(model_digest=9, hashes=[0, 7])))  # hash 0 is the root's
-        assert isinstance(bad, m.ErrorReply) and bad.code == 400
-        assert await ask("t.lookup", encode(m.LookupRequest(model_digest=9, hashes=[1, 2]))) == m.LookupReply(hit_blocks=2)
-        assert svc.looked_up == 7 and svc.hits == 6
+            assert svc.commits_inline
+            assert await ask(subj.kv_commit, encode(m.CommitRequest(model_digest=9, hashes=[1, 2, 3]))) == m.Ok()
+            assert len(index) == 3  # answered only once applied here
+            assert await ask(subj.kv_commit, encode(m.CommitRequest(model_digest=9, hashes=[3, 4], start=1))) == m.Ok()  # parent + new
+            lookup = encode(m.LookupRequest(model_digest=9, hashes=[1, 2, 3, 4, 5]))
+            assert await ask(subj.kv_lookup, lookup) == m.LookupReply(hit_blocks=4)
+            for subject in (subj.kv_lookup, subj.kv_commit):
+                for junk in (b"\x00garbage", msgpack.packb({"v": 1, "t": 10, "model_digest": "x", "hashes": []})):
+                    answer = await ask(subject, junk)
+                    assert isinstance(answer, m.ErrorReply) and answer.code == 400
+            bad = await ask(subj.kv_commit, encode(m.CommitRequest(model_digest=9, hashes=[0, 7])))  # hash 0 is the root's
+            assert isinstance(bad, m.ErrorReply) and bad.code == 400
+            unhashable = msgpack.packb({"v": 1, "t": m.LookupRequest.TYPE_CODE, "model_digest": 9, "hashes": [[1], [2]]})
+            bad = await ask(subj.kv_lookup, unhashable)
+            assert isinstance(bad, m.ErrorReply) and bad.code == 400
+            assert await ask(subj.kv_lookup, encode(m.LookupRequest(model_digest=9, hashes=[1, 2]))) == m.LookupReply(hit_blocks=2)
+            assert svc.looked_up == 7 and svc.hits == 6
+            await bus.stop_serving()
+            with pytest.raises(nats.errors.NoRespondersError):
+                await nc.request(subj.kv_lookup, lookup, timeout=5)
     finally:
         await index.close()
         await nc.close()

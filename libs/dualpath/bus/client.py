@@ -6,7 +6,12 @@ task group the bus was given (``Bus.open`` makes one; the service runner opens i
 return value is the reply. Each subscription runs at most ``max_in_flight`` handlers at once:
 past that a request is answered at once with a ``BUSY`` error reply and a publish is dropped,
 and the overflow is reported as a ``BusOverflowError`` (nats.py reports a slow consumer the same
-way), so nothing queues without bound. ``request`` raises ``RemoteError`` when the other side
+way), so nothing queues without bound. A hot subject can be served ``inline`` instead: its
+handler runs in the subscription's own delivery task, one message after the other, with no task
+per message (a few microseconds each that a subject carrying thousands of messages a second
+notices); such a handler must not block, and it may answer later through the ``respond``
+callable it is given (the kv-persistence replica answers a commit once its stream record is
+stored). Decoding, error replies and trace context are the same in both modes. ``request`` raises ``RemoteError`` when the other side
 answered with an error and ``BusTimeoutError`` when nobody answered; its timeout comes from
 ``dualpath.protocol.timeouts.TIMEOUTS``.
 """
@@ -33,11 +38,12 @@ from dualpath.protocol import ProtocolError, RemoteError, decode, encode
 from dualpath.protocol.messages import ErrorReply
 from dualpath.telemetry.logs import get_logger
 
-__all__ = ["BUSY", "DEFAULT_MAX_IN_FLIGHT", "Bus", "BusOverflowError", "BusTimeoutError", "HandlerError"]
+__all__ = ["BUSY", "DEFAULT_MAX_IN_FLIGHT", "Bus", "BusOverflowError", "BusTimeoutError", "HandlerError", "Respond"]
 
 log = get_logger("bus")
 T = TypeVar("T")
-Handler = Callable[[Any], Awaitable[Any]]
+Handler = Callable[..., Awaitable[Any]]  # (message) -> reply, or inline: (message, respond) -> reply
+Respond = Callable[[Any], Awaitable[None]]  # publishes a reply (a message, or its encoding as bytes)
 ErrorCallback = Callable[[Exception], Awaitable[None]]
 
 DEFAULT_MAX_IN_FLIGHT = 1024  # handlers one subscription runs at once (nats.py buffers 512 Ki messages per subscription)
@@ -143,13 +149,28 @@ class Bus:
 
     # ---- serving ---------------------------------------------------------------------------
     async def serve(
-        self, subject: str, handler: Handler, *accepts: type, queue: str = "", max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+        self,
+        subject: str,
+        handler: Handler,
+        *accepts: type,
+        queue: str = "",
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        inline: bool = False,
     ) -> None:
         """Run ``handler(message)`` for every message of the ``accepts`` types on ``subject``.
 
-        Returns once the server has the subscription. The handler's return value (a message or
-        None) is the reply when the sender waits for one. Each message runs in its own task, so a slow handler does not block others;
-        at most ``max_in_flight`` run at once (see the module docstring for what happens past it).
+        Returns once the server has the subscription. The handler's return value (a message, its
+        encoding as bytes, or None) is the reply when the sender waits for one. Each message runs
+        in its own task, so a slow handler does not block others; at most ``max_in_flight`` run at
+        once (see the module docstring for what happens past it).
+
+        ``inline``: ``handler(message, respond)`` runs in the subscription's delivery task instead
+        (messages in order, no task each, no in-flight bound: the handler must not block, and it
+        bounds whatever it leaves pending itself, e.g. by raising ``HandlerError(BUSY, ...)``). It
+        returns the reply, or None and calls ``respond(reply)`` once when the answer is ready.
+
+        Raises:
+            ValueError: ``max_in_flight`` < 1.
         """
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
@@ -164,8 +185,12 @@ class Bus:
             served.in_flight += 1
             self._tasks.start_soon(self._run_handler, served, raw, handler, accepts, name=f"bus:{subject}")
 
+        async def on_inline(raw: Msg) -> None:
+            if not self._closing:
+                await self._handle(raw, handler, accepts, inline=True)
+
         self._served.append(served)
-        self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_msg))
+        self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_inline if inline else on_msg))
         await self.nc.flush()  # the server knows the subscription before anyone is told we serve
 
     async def subscribe_raw(self, subject: str, cb: Callable[[Msg], Awaitable[None]]) -> Subscription:
@@ -196,12 +221,14 @@ class Bus:
             if self._idle is not None and not self._scopes:
                 self._idle.set()
 
-    async def _handle(self, raw: Msg, handler: Handler, accepts: tuple[type, ...]) -> None:
-        token = otel_context.attach(propagate.extract(raw.headers or {}))
+    async def _handle(self, raw: Msg, handler: Handler, accepts: tuple[type, ...], *, inline: bool = False) -> None:
+        # W3C trace context from the headers; a message without headers (tracing off) skips it:
+        # extracting an empty carrier still costs microseconds on an inline hot path.
+        token = otel_context.attach(propagate.extract(raw.headers)) if raw.headers else None
         try:
             try:
                 msg: Any = decode(raw.data, *accepts)
-                answer = await handler(msg)
+                answer = await (handler(msg, self._responder(raw.reply)) if inline else handler(msg))
             except ProtocolError as exc:
                 log.warning("bad_message", subject=raw.subject, error=exc.reason)
                 answer = ErrorReply(code=400, message=exc.reason)
@@ -213,9 +240,33 @@ class Bus:
                 log.exception("handler_failed", subject=raw.subject)
                 answer = ErrorReply(code=500, message=f"{type(exc).__name__}: {exc}")
             if raw.reply and answer is not None:
-                await self.nc.publish(raw.reply, encode(answer))
+                await self.nc.publish(raw.reply, answer if isinstance(answer, bytes) else encode(answer))
         finally:
-            otel_context.detach(token)
+            if token is not None:
+                otel_context.detach(token)
+
+    def _responder(self, reply: str) -> Respond:
+        """What an inline handler calls to answer later: publishes to ``reply`` (nothing without one)."""
+
+        async def respond(answer: Any) -> None:
+            if not reply:
+                return
+            try:
+                await self.nc.publish(reply, answer if isinstance(answer, bytes) else encode(answer))
+            except Exception as exc:  # noqa: BLE001 - the connection is going: the requester times out and retries
+                log.warning("reply_failed", error=str(exc))
+
+        return respond
+
+    async def stop_serving(self) -> None:
+        """Unsubscribe every subject served so far: no new messages, the connection stays open
+        (so answers still owed, e.g. by inline handlers, can be published). Idempotent."""
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:  # noqa: BLE001 - the connection may already be gone
+                log.debug("unsubscribe_failed", error=str(exc))
 
     async def close(self, grace: float = _CLOSE_GRACE_S) -> None:
         """Unsubscribe, let in-flight handlers finish for ``grace`` seconds, cancel the rest, drain."""
