@@ -12,6 +12,14 @@ running request; whenever a request's KV fills a block, the block goes to storag
 way (through a small staging slot). When a request ends on a token that completes a block,
 one more forward computes that token's KV so every full block of the context is persisted.
 
+Attempts: the scheduler may place a request again (a retry after a failure, or a new
+scheduler's placement after a failover: ``DecodeTask.attempt`` orders them). A newer attempt
+of a request held here replaces the old run, which stops silently (no more token events, no
+final event, not reported finished: the scheduler's current attempt is the new one); an
+older attempt arriving late (its hand-off crossed the retry) is refused, and so is one the
+scheduler's retry cancel (``CancelRequest.before_attempt``) already retired. Either way the
+refused or replaced attempt's buffer slot is given back (slots are per attempt).
+
 Tracing: each request has a ``decode.request`` span (child of the request's root, from the
 task's ``trace`` carrier) from arrival to its final event, with ``decode.admit`` and one
 ``kv.persist`` per persist request under it; no span per step or token.
@@ -21,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -53,6 +63,7 @@ __all__ = ["DecodeEngine"]
 
 log = get_logger("decode-engine")
 tracer = get_tracer("dualpath.decode")
+_MAX_RETIRED = 4096  # requests whose older attempts are remembered as over (the oldest is forgotten first)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -69,6 +80,7 @@ class Running:
     span: trace.Span = trace.INVALID_SPAN  # decode.request
     unsent: list = field(default_factory=list)  # (token, logprob, top) not yet streamed (stream interval)
     constraint: TokenConstraint | None = None  # the request's grammar state (structured outputs), the first token replayed
+    superseded: bool = False  # a newer attempt replaced it: it leaves without events or a report
 
 
 class DecodeEngine:
@@ -93,19 +105,41 @@ class DecodeEngine:
         self.finished: list[str] = []
         self._regions: dict[str, MemoryRegion] = {}
         self._wake = asyncio.Event()
-        self._loading: set[str] = set()  # arrived, prompt KV still crossing the emulated CNIC (testbed)
+        self._loading: dict[str, m.DecodeTask] = {}  # arrived, prompt KV still crossing the emulated CNIC (testbed)
+        self._successors: dict[str, m.DecodeTask] = {}  # newer attempts waiting for the run they replace to leave
+        self._admitting: dict[str, m.DecodeTask] = {}  # prompt KV moving into KV memory (neither waiting nor running)
+        self._stop_admitted: set[str] = set()  # replaced during admission: stopped as soon as admitted
+        self._retired: OrderedDict[str, int] = OrderedDict()  # request -> attempts below this one are over
+        self.incarnation = uuid.uuid4().hex[:12]  # this process (reports and token events name it)
+        self.served_by = f"{cfg.engine_id}@{self.incarnation}"
         self._arrived_ns: dict[str, int] = {}  # task arrival, where decode.request spans start
         self.busy_s = 0.0  # wall time inside decode steps
 
     # ---- intake ----------------------------------------------------------------------------
     async def on_task(self, task: m.DecodeTask) -> m.Ok:
-        if task.request_id in self.batcher or task.request_id in self.running or task.request_id in self._loading:
-            return m.Ok(detail="duplicate")
+        """Take a hand-off: a new request, a newer attempt of one held here (it replaces the old
+        run), or an older / retired attempt (refused: ``superseded``)."""
+        rid = task.request_id
+        held = self._held(rid)
+        if task.attempt < self._retired.get(rid, 0) or (held is not None and task.attempt < held.attempt):
+            log.info("decode_task_refused_older_attempt", request_id=rid, attempt=task.attempt)
+            self._free_slot(task)
+            return m.Ok(detail="superseded")
+        if held is not None:
+            if task.attempt == held.attempt:
+                return m.Ok(detail="duplicate")
+            log.info("decode_task_superseded", request_id=rid, attempt=held.attempt, by=task.attempt)
+            self._retire(rid, task.attempt)
+            await self._stop_run(rid, successor=task)
+            return m.Ok()
+        return await self._intake(task)
+
+    async def _intake(self, task: m.DecodeTask) -> m.Ok:
         nic = self.setup.nic
         if nic is not None and not self.setup.oracle:
             # Testbed: the prompt KV's H2D goes through the GPU's CNIC (both directions: a
             # loopback) while the running batch keeps decoding; the request joins once it landed.
-            self._loading.add(task.request_id)
+            self._loading[task.request_id] = task
             start_logged(self.tasks, f"h2d:{task.request_id}", self._h2d_then_add, task, nic)
             return m.Ok()
         return await self._add(task)
@@ -115,8 +149,67 @@ class DecodeEngine:
         try:
             await nic.copy(lay.blocks_for(len(task.prompt_tokens)) * lay.block_bytes)
         finally:
-            self._loading.discard(task.request_id)
-        await self._add(task)
+            current = self._loading.get(task.request_id) is task
+            if current:
+                del self._loading[task.request_id]
+        if current:  # else a newer attempt replaced it while it loaded
+            await self._add(task)
+
+    def _held(self, rid: str) -> m.DecodeTask | None:
+        """The newest attempt of ``rid`` held here (waiting to replace a run, running, waiting or loading)."""
+        successor = self._successors.get(rid)
+        if successor is not None:
+            return successor
+        r = self.running.get(rid)
+        return r.task if r is not None else self.waiting.get(rid) or self._admitting.get(rid) or self._loading.get(rid)
+
+    def _retire(self, rid: str, before: int) -> None:
+        """Remember that attempts of ``rid`` below ``before`` are over (a late hand-off is refused)."""
+        self._retired[rid] = max(before, self._retired.pop(rid, 0))
+        while len(self._retired) > _MAX_RETIRED:
+            self._retired.popitem(last=False)
+
+    async def _stop_run(self, rid: str, successor: m.DecodeTask | None) -> None:
+        """Stop the run of ``rid`` held here silently: no more token events, no final event, not
+        reported finished. A running one leaves at the loop's next pass (its step may be under
+        way) and ``successor`` starts then; one not running yet goes now and ``successor`` starts now."""
+        r = self.running.get(rid)
+        if r is None and rid in self._admitting:  # stopped once admitted (``_receive``); leaves like a running one
+            self._stop_admitted.add(rid)
+        if r is not None or rid in self._admitting:
+            replaced = self._successors.pop(rid, None)
+            if replaced is not None:  # a successor that never started, replaced in turn
+                self._free_slot(replaced)
+            if r is not None and not r.superseded:
+                self._supersede(r)
+            if successor is not None:
+                self._successors[rid] = successor
+            return
+        for old in (self.waiting.pop(rid, None), self._loading.pop(rid, None)):
+            if old is not None:
+                self.batcher.evict(rid)
+                self._arrived_ns.pop(rid, None)
+                self._free_slot(old)
+        if successor is not None:
+            await self._intake(successor)
+
+    def _supersede(self, r: Running) -> None:
+        r.superseded, r.finish = True, CANCELLED
+        r.unsent.clear()
+        self.batcher.finish(r.task.request_id, CANCELLED)
+        self._wake.set()
+
+    def _free_slot(self, task: m.DecodeTask) -> None:
+        """Give back the DE buffer slot of an attempt that will never be admitted (this node's)."""
+
+        async def free() -> None:
+            req = m.FreeRequest(request_id=task.request_id, attempt=task.attempt)
+            try:
+                await self.bus.request(self.subjects.tm(self.node_id, "free"), req, m.Ok, timeout=TIMEOUTS.tm_free)
+            except Exception as exc:  # noqa: BLE001 - a reservation nobody claims is given back by the traffic manager
+                log.warning("slot_free_failed", request_id=task.request_id, attempt=task.attempt, error=str(exc))
+
+        start_logged(self.tasks, f"free:{task.request_id}", free)
 
     async def _add(self, task: m.DecodeTask) -> m.Ok:
         try:
@@ -131,10 +224,23 @@ class DecodeEngine:
         return m.Ok()
 
     async def on_cancel(self, req: m.CancelRequest) -> None:
-        r = self.running.get(req.request_id)
+        """A client's cancel stops the request (reported finished); the scheduler's retry cancel
+        (``before_attempt``) stops older attempts only, silently (see the module docstring)."""
+        rid = req.request_id
+        if req.before_attempt >= 0:
+            self._retire(rid, req.before_attempt)
+            held = self._held(rid)
+            if held is not None and held.attempt < req.before_attempt:
+                await self._stop_run(rid, successor=None)
+            return
+        successor = self._successors.pop(rid, None)
+        if successor is not None:  # it never starts: reported finished so the scheduler forgets the request
+            self._free_slot(successor)
+            self.finished.append(rid)
+        r = self.running.get(rid)
         if r is not None and r.finish is None:
             r.finish = CANCELLED
-        self.batcher.finish(req.request_id, CANCELLED)  # a waiting one leaves as soon as it is admitted
+        self.batcher.finish(rid, CANCELLED)  # a waiting one leaves as soon as it is admitted
         self._wake.set()
 
     def _region(self, region_id: str) -> MemoryRegion:
@@ -187,6 +293,7 @@ class DecodeEngine:
             dtype=self.setup.dtype,
             block_tokens=lay.block_tokens,
             free_after=True,
+            attempt=t.attempt,
         )
         self._spawn_persist(r, req)
 
@@ -201,7 +308,7 @@ class DecodeEngine:
         owner = f"{t.request_id}-g{b}"
         reply = await self.bus.request(
             self.subjects.tm(self.node_id, "alloc"),
-            m.AllocRequest(request_id=owner, blocks=1, block_bytes=lay.block_bytes),
+            m.AllocRequest(request_id=owner, blocks=1, block_bytes=lay.block_bytes, attempt=t.attempt),
             m.AllocReply,
             timeout=TIMEOUTS.tm_alloc,
         )
@@ -222,6 +329,7 @@ class DecodeEngine:
                 dtype=self.setup.dtype,
                 block_tokens=bt,
                 free_after=True,
+                attempt=t.attempt,
             ),
         )
 
@@ -276,9 +384,15 @@ class DecodeEngine:
             except Exception as exc:
                 log.exception("decode_step_failed", requests=len(self.running))
                 for r in list(self.running.values()):
-                    self.running.pop(r.task.request_id, None)
-                    self.batcher.evict(r.task.request_id)
+                    rid = r.task.request_id
+                    self.running.pop(rid, None)
+                    self.batcher.evict(rid)
                     self.memory.release(r.seq.kv)
+                    if r.superseded:  # not the scheduler's current attempt: its successor starts instead
+                        successor = self._successors.pop(rid, None)
+                        if successor is not None:
+                            await self._intake(successor)
+                        continue
                     await self._fail_task(r.task, f"decode failed: {type(exc).__name__}: {exc}")
             self.busy_s += time.perf_counter() - t0
         # Persists and final events still running end in the service's task group (the runner's grace).
@@ -291,20 +405,32 @@ class DecodeEngine:
     async def _receive(self) -> None:
         """Admission: the batcher picks who fits the KV memory; their prompt KV moves in."""
         for rid in self.batcher.admit():
-            task = self.waiting.pop(rid)
+            task = self._admitting[rid] = self.waiting.pop(rid)
             span = self._request_span(task)
             try:
                 with tracer.start_as_current_span("decode.admit", context=trace.set_span_in_context(span)):
                     r = await asyncio.to_thread(self._admit, task)  # its H2D time was paid on arrival (on_task)
             except MemoryError as exc:  # the batcher's reservation should make this impossible
+                del self._admitting[rid]
                 span.set_status(Status(StatusCode.ERROR, str(exc)))
                 span.end()
                 self.batcher.evict(rid)
+                if rid in self._stop_admitted:  # replaced meanwhile: its successor runs instead
+                    self._stop_admitted.discard(rid)
+                    successor = self._successors.pop(rid, None)
+                    if successor is not None:
+                        await self._intake(successor)
+                    continue
                 await self._fail_task(task, str(exc))
                 continue
             r.span = span
+            del self._admitting[rid]
             self.running[rid] = r
             self._persist_prompt(r)
+            if rid in self._stop_admitted:  # a newer attempt came while its KV moved in
+                self._stop_admitted.discard(rid)
+                self._supersede(r)
+                continue
             r.finish = self.batcher.finish_reason(rid)  # cancelled while it waited
             reason = r.finish or self._finish_reason(r, task.first_token)
             if reason:
@@ -382,6 +508,9 @@ class DecodeEngine:
 
     async def _emit(self, r: Running) -> None:
         """Stream the request's unsent tokens as one event (``stream_interval`` tokens at a time)."""
+        if r.superseded:  # its client follows the newer attempt
+            r.unsent.clear()
+            return
         ids, lps, tops = (list(x) for x in zip(*r.unsent))
         r.unsent.clear()
         await self.bus.publish(
@@ -394,6 +523,7 @@ class DecodeEngine:
                 top_logprobs=tops,
                 ts=time.time(),
                 attempt=r.task.attempt,
+                decode_engine=self.served_by,
             ),
         )
 
@@ -403,6 +533,12 @@ class DecodeEngine:
         self.running.pop(t.request_id, None)
         self.memory.release(r.seq.kv)
         r.decode_s = time.perf_counter() - r.t_start
+        if r.superseded:
+            self._end_span(r)
+            successor = self._successors.pop(t.request_id, None)
+            if successor is not None:
+                await self._intake(successor)
+            return
         if r.finish == CANCELLED:
             self.finished.append(t.request_id)
             self._end_span(r)
@@ -434,6 +570,7 @@ class DecodeEngine:
                 info=info,
                 ts=time.time(),
                 attempt=t.attempt,
+                decode_engine=self.served_by,
             ),
         )
         self.finished.append(t.request_id)
@@ -472,6 +609,7 @@ class DecodeEngine:
             role=m.Role.DECODE,
             node_id=self.node_id,
             seq=len(self.running) + len(self.waiting),
+            incarnation=self.incarnation,
             tok=self.batcher.committed_tokens(),
             free_hbm_tokens=self.batcher.unreserved_tokens,
             capacity_tokens=self.batcher.capacity_tokens,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -37,6 +37,10 @@ __all__ = ["ApiError", "Gateway", "Prepared", "StreamPart"]
 log = get_logger("gateway")
 tracer = get_tracer("dualpath.gateway")
 _FAILOVER_S = 6.0  # a standby scheduler takes over within its lease TTL (3 s) plus its poll (dualpath.ha.lease)
+# After a failover, when the new scheduler has heard every live engine (they report every
+# 0.2 s): the started requests whose decode engine it does not list died with their engine
+# before it took over, and are resubmitted (``_resubmit_orphans``).
+_ORPHAN_CHECK_S = 2.0
 _KNOWN_SCHEDULERS = 64  # scheduler instances remembered (a late heartbeat of one of them is not a restart)
 _READ_PATHS = {"auto": m.ReadPath.AUTO, "pe": m.ReadPath.PE, "de": m.ReadPath.DE}
 
@@ -127,6 +131,7 @@ class Gateway:
             self.bus, self._tasks = bus, tasks
             await bus.subscribe_raw(self.subjects.tokens_wildcard(self.cfg.gateway_id), self.streams.on_message)
             await bus.subscribe_raw(self.subjects.sched_alive, self._on_scheduler_alive)
+            await bus.subscribe_raw(self.subjects.engine_lost, self._on_engine_lost)
             try:  # the grammar vocabulary (~1 s per 100K tokens), built now rather than in the first structured request
                 await asyncio.to_thread(vocabulary, self.model_dir, self.model_config.vocab_size)
             except Exception as exc:  # noqa: BLE001 - structured outputs then fail per request with a clear error
@@ -407,6 +412,7 @@ class Gateway:
         if restarted and self._tasks is not None:
             log.warning("scheduler_restarted", instance=instance)
             self._resubmit_unstarted()
+            self._tasks.start_soon(self._resubmit_orphans)
 
     def _resubmit_unstarted(self) -> None:
         assert self._tasks is not None  # only ``_scheduler_seen`` (in the lifespan) calls this
@@ -414,12 +420,55 @@ class Gateway:
             if not self.streams.started(rid):
                 self._tasks.start_soon(self._resubmit, rid, req)
 
+    # ---- started requests whose decode engine was lost ------------------------------------------
+    # The scheduler that placed a started request retries it when its engine dies; one that took
+    # over after a failover never heard of it (only unstarted requests are resubmitted at once),
+    # so the gateway resubmits it when its engine is lost. A scheduler that knows it answers 409;
+    # the new run's tokens resume the answer exactly where it stopped (``TokenStreams``).
+    async def _on_engine_lost(self, raw) -> None:
+        """The active scheduler stopped using an engine (``Subjects.engine_lost``)."""
+        try:
+            lost = decode(raw.data, m.EngineLost)
+        except ProtocolError as exc:
+            log.warning("bad_engine_lost", error=exc.reason)
+            return
+
+        def served_by_lost(name: str, incarnation: str) -> bool:
+            return name == lost.engine_id and (not incarnation or not lost.incarnation or incarnation == lost.incarnation)
+
+        self._resubmit_served_by(served_by_lost)
+
+    async def _resubmit_orphans(self) -> None:
+        """After a failover: resubmit the started requests whose decode engine the new scheduler
+        does not list (dead before it took over, or restarted since: another incarnation)."""
+        await asyncio.sleep(_ORPHAN_CHECK_S)
+        state = await self.cluster_state()
+        if state is None:
+            log.warning("orphan_check_skipped", reason="no scheduler answered")
+            return
+        live = {e.get("engine_id", ""): e.get("incarnation", "") for e in state.engines}
+
+        def not_live(name: str, incarnation: str) -> bool:
+            return name not in live or bool(incarnation and live[name] and live[name] != incarnation)
+
+        self._resubmit_served_by(not_live)
+
+    def _resubmit_served_by(self, lost: Callable[[str, str], bool]) -> None:
+        """Resubmit every started, unfinished request whose decode engine ``lost(name, incarnation)``."""
+        if self._tasks is None:
+            return
+        for rid, req in list(self._submitted.items()):
+            name, _, incarnation = self.streams.serving(rid).partition("@")
+            if name and lost(name, incarnation):
+                log.warning("request_engine_lost", request_id=rid, engine=name)
+                self._tasks.start_soon(self._resubmit, rid, req)
+
     async def _resubmit(self, rid: str, req: m.SubmitRequest) -> None:
         """Submit ``rid`` again under a new reply subject (its runs are told apart by it)."""
         n = self.streams.next_submission(rid)
         if not n:
             return  # finished meanwhile
-        again = replace(req, reply_subject=self.subjects.tokens(self.cfg.gateway_id, stream_key(rid, n)))
+        again = replace(req, reply_subject=self.subjects.tokens(self.cfg.gateway_id, stream_key(rid, n)), submission=n)
         try:
             await self._submit(again)
         except RemoteError as exc:

@@ -15,13 +15,16 @@ time, the newest ``(submission, attempt)`` it has heard from:
   stopped;
 - an older run's event is used only when it continues the answer right now (it covers
   ``next_index``), never held: a run that was superseded but keeps going (an engine that was
-  expelled while paused and resumed, or a decode engine that answered a retry's hand-off as a
-  duplicate of what it still runs) cannot leave a gap or stale tokens behind, nor a hang;
+  expelled while paused and resumed) cannot leave a gap or stale tokens behind, nor a hang;
 - when a replay differs from what was delivered (sampling without a seed), a streamed answer
   ends with an explicit error rather than splicing two answers; a *restartable* stream (the
   gateway showed the client nothing yet: non-streamed answers) starts over instead: the
   consumer gets ``Restarted`` and then the followed run from index 0;
 - an error event of the scheduler ends the stream whatever its index.
+
+A stream also remembers which decode engine serves the run it follows
+(``TokenEvent.decode_engine``): when that engine is lost, the gateway resubmits the request
+(``Gateway``), since the scheduler that placed it may have died meanwhile.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class _Stream:
     __slots__ = (
         "delivered",
         "done",
+        "engine",
         "held",
         "next_index",
         "overflow",
@@ -107,6 +111,7 @@ class _Stream:
         self.submissions = 0  # the newest submission of the request (see stream_key)
         self.overflow = False  # the consumer fell too far behind: the stream is broken
         self.done = False  # the final event is queued
+        self.engine = ""  # the decode engine serving the followed run ("name@incarnation", or "name" from the first token)
 
 
 class TokenStreams:
@@ -124,6 +129,12 @@ class TokenStreams:
         """Whether any run of the request has sent an event (True for unknown requests)."""
         st = self._streams.get(request_id)
         return st is None or st.run is not None or st.done
+
+    def serving(self, request_id: str) -> str:
+        """The decode engine serving the run followed, for a request whose answer has started
+        and not ended ("" otherwise, or when no event named one)."""
+        st = self._streams.get(request_id)
+        return st.engine if st is not None and st.run is not None and not st.done else ""
 
     def next_submission(self, request_id: str) -> int:
         """Number a new submission of the request (its events come on ``stream_key(rid, n)``);
@@ -167,6 +178,9 @@ class TokenStreams:
             log.info("token_stream_new_run", request_id=st.request_id, run=list(run), previous=list(st.run), next_index=st.next_index)
             st.run = run
             st.held.clear()  # only the followed run's events are ever held
+            st.engine = ""
+        if run == st.run and ev.decode_engine:
+            st.engine = ev.decode_engine
         elif run < st.run and (st.restarted or not ev.index <= st.next_index < ev.index + max(1, len(ev.token_ids))):
             return  # an older run's event that does not continue the answer right now
         self._accept(st, ev, held=run == st.run)

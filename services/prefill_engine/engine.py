@@ -224,6 +224,7 @@ class PrefillEngine:
                     block_tokens=lay.block_tokens,
                     allocate=t.read_path == m.ReadPath.PE,
                     total_blocks=want,
+                    attempt=t.attempt,
                 )
                 with tracer.start_as_current_span("prefill.load", context=trace.set_span_in_context(job.span)) as span:
                     reply = await self._load_when_room(node, req)
@@ -447,6 +448,7 @@ class PrefillEngine:
                     top_logprobs=[top],
                     ts=time.time(),
                     attempt=t.attempt,
+                    decode_engine=t.decode_engine,
                 ),
             )
             task = m.DecodeTask(
@@ -502,7 +504,10 @@ class PrefillEngine:
             job.pe_slot = False
             try:
                 await self.bus.request(
-                    self.subjects.tm(self.node_id, "free"), m.FreeRequest(request_id=job.task.request_id), m.Ok, timeout=TIMEOUTS.tm_free
+                    self.subjects.tm(self.node_id, "free"),
+                    m.FreeRequest(request_id=job.task.request_id, attempt=job.task.attempt),
+                    m.Ok,
+                    timeout=TIMEOUTS.tm_free,
                 )
             except Exception as exc:  # noqa: BLE001
                 log.warning("pe_slot_free_failed", request_id=job.task.request_id, error=str(exc))

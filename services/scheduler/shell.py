@@ -6,6 +6,16 @@ answer becomes the next event. The loop ticks the core (``TimeAdvanced``) whenev
 arrived, and at least every 50 ms. The decision data a command carries becomes the
 ``scheduler.queue`` and ``scheduler.decision`` spans (the latter stays current across the
 slot reservation and the prefill dispatch, so their bus calls hang under it).
+
+Attempts on the wire are the core's attempts offset by the gateway's submission
+(``m.SUBMISSION_ATTEMPTS``), so a scheduler that took over after a failover (its core counts
+from 0 again) never reuses an attempt number of the one that died: engines and traffic
+managers tell an older placement from a newer one by the number alone.
+
+An engine the core stops using is announced on ``Subjects.engine_lost`` (gateways resubmit
+the started requests it served that no scheduler may know), and so is an engine whose
+reports name a new incarnation (it restarted under the same name, losing what it held,
+possibly before the core found it silent): the core is told it was lost first.
 """
 
 from __future__ import annotations
@@ -69,6 +79,7 @@ class SchedulerShell:
         self.instance = instance or uuid.uuid4().hex  # new at every start: gateways tell a restart by it
         self._wake = asyncio.Event()
         self._spans: dict[tuple[str, int], trace.Span] = {}  # open scheduler.decision span per (request, attempt)
+        self._incarnations: dict[str, str] = {}  # engine -> the process its reports came from (EngineReport.incarnation)
 
     # ---- messages -> events ------------------------------------------------------------------
     async def on_submit(self, req: m.SubmitRequest) -> m.SubmitReply:
@@ -94,6 +105,23 @@ class SchedulerShell:
         return m.SubmitReply(queue_position=self.core.queued, instance=self.instance)
 
     async def on_engine_report(self, r: m.EngineReport) -> None:
+        known = self._incarnations.get(r.engine_id, "")
+        if known and r.incarnation and r.incarnation != known and r.engine_id in self.core.members.engines:
+            # Restarted under its name before the core found it silent: what it held is gone.
+            # A dispatch failure naming it unreachable is the core's "lost" event (its requests go back).
+            log.warning("engine_restarted", engine=r.engine_id, incarnation=r.incarnation, previous=known)
+            self._feed(
+                DispatchFailed(
+                    now=time.monotonic(),
+                    request_id="",
+                    attempt=-1,
+                    stage=Stage.DISPATCH,
+                    reason=f"engine {r.engine_id} restarted",
+                    unreachable=r.engine_id,
+                )
+            )
+        if r.incarnation:
+            self._incarnations[r.engine_id] = r.incarnation
         if r.engine_id not in self.core.members.engines:
             log.info("engine_joined", engine=r.engine_id, node=r.node_id, role=Role(r.role).name.lower())
         self.execute(
@@ -136,7 +164,10 @@ class SchedulerShell:
 
     async def on_state(self, _req: m.StateRequest) -> m.StateReply:
         core = self.core
-        engines = [{"engine_id": e.name, "node": e.node, "role": int(e.role)} for e in core.engines()]
+        engines = [
+            {"engine_id": e.name, "node": e.node, "role": int(e.role), "incarnation": self._incarnations.get(e.name, "")}
+            for e in core.engines()
+        ]
         nodes = [{"node_id": n.name, "read_q_tokens": n.read_q} for n in core.nodes()]
         return m.StateReply(
             prefill_engines=core.engine_count(Role.PREFILL),
@@ -185,7 +216,10 @@ class SchedulerShell:
             elif isinstance(c, Dispatch):
                 self.tasks.start_soon(self._dispatch, c)
             elif isinstance(c, FreeSlot):
-                self.tasks.start_soon(self._free, c)
+                # the slots of every attempt before the current one (all of them once the request is gone)
+                t = self.core.requests.get(c.request_id)
+                before = self._wire_attempt(t.payload, t.attempt) if t is not None else m.ALL_ATTEMPTS
+                self.tasks.start_soon(self._free, c.node, m.FreeRequest(request_id=c.request_id, before_attempt=before))
             elif isinstance(c, FailRequest):
                 self._end_spans(c.request_id)
                 self.tasks.start_soon(self._fail, c)
@@ -194,14 +228,29 @@ class SchedulerShell:
                     log.warning("request_retried", request_id=c.request_id, attempt=c.attempt, reason=c.reason)
                     # A live prefill engine may still hold the old attempt: stop it before it writes into the
                     # decode slot just given up (published before the new attempt's dispatch, so it lands first).
-                    self.tasks.start_soon(self._stop_attempts_before, c)
+                    t = self.core.requests.get(c.request_id)
+                    if t is not None:
+                        self.tasks.start_soon(self._stop_attempts_before, c, self._wire_attempt(t.payload, c.attempt))
             elif isinstance(c, ExpelEngine):
                 log.warning("engine_lost", engine=c.engine, reason=c.reason)
+                lost = m.EngineLost(engine_id=c.engine, incarnation=self._incarnations.get(c.engine, ""), reason=c.reason)
+                self.tasks.start_soon(self._announce_lost, lost)
             elif isinstance(c, Prefetch):
                 self.tasks.start_soon(self._prefetch, c)
 
-    async def _stop_attempts_before(self, c: Requeued) -> None:
-        cancel = m.CancelRequest(request_id=c.request_id, reason=f"retried: {c.reason}", before_attempt=c.attempt)
+    @staticmethod
+    def _wire_attempt(payload: m.SubmitRequest, attempt: int) -> int:
+        """The core's ``attempt`` of a request as engines and traffic managers see it (see the module docstring)."""
+        return payload.submission * m.SUBMISSION_ATTEMPTS + attempt
+
+    async def _announce_lost(self, lost: m.EngineLost) -> None:
+        try:
+            await self.bus.publish(self.subjects.engine_lost, lost)
+        except Exception as exc:  # noqa: BLE001 - gateways then wait for the request's timeout, as before
+            log.warning("engine_lost_announce_failed", engine=lost.engine_id, error=str(exc))
+
+    async def _stop_attempts_before(self, c: Requeued, before: int) -> None:
+        cancel = m.CancelRequest(request_id=c.request_id, reason=f"retried: {c.reason}", before_attempt=before)
         try:
             await self.bus.publish(self.subjects.cancel, cancel)
         except Exception as exc:  # noqa: BLE001 - best effort: the old attempt then fails on its own
@@ -229,11 +278,14 @@ class SchedulerShell:
     async def _reserve(self, c: ReserveSlot) -> None:
         key = (c.request_id, c.attempt)
         span = self._spans.get(key, trace.INVALID_SPAN)
+        attempt = self._wire_attempt(c.payload, c.attempt)
         with trace.use_span(span, end_on_exit=False):
             try:
                 slot = await self.bus.request(
                     self.subjects.tm(c.node, "alloc"),
-                    m.AllocRequest(request_id=c.request_id, blocks=c.blocks, block_bytes=c.block_bytes),
+                    m.AllocRequest(
+                        request_id=c.request_id, blocks=c.blocks, block_bytes=c.block_bytes, attempt=attempt, instance=self.instance
+                    ),
                     m.AllocReply,
                     timeout=TIMEOUTS.tm_alloc,
                 )
@@ -258,6 +310,8 @@ class SchedulerShell:
         self._feed(event)
         if not (isinstance(event, SlotReserved) and self.core.is_current(*key)):
             self._end_span(key, error=getattr(event, "reason", ""))  # no Dispatch follows under this span
+            if isinstance(event, SlotReserved):  # reserved for an attempt that is over: nothing will use it
+                await self._free(c.node, m.FreeRequest(request_id=c.request_id, attempt=attempt))
 
     async def _dispatch(self, c: Dispatch) -> None:
         key = (c.request_id, c.attempt)
@@ -278,7 +332,7 @@ class SchedulerShell:
             decode_node=c.decode_node,
             de_region=c.region,
             de_offset=c.offset,
-            attempt=c.attempt,
+            attempt=self._wire_attempt(r, c.attempt),
             policy=c.decision.policy,
             trace=r.trace,
             arrival_ts=r.arrival_ts,
@@ -303,11 +357,11 @@ class SchedulerShell:
         self._end_span(key, error=getattr(event, "reason", ""))
         self._feed(event)
 
-    async def _free(self, c: FreeSlot) -> None:
+    async def _free(self, node: str, req: m.FreeRequest) -> None:
         try:
-            await self.bus.request(self.subjects.tm(c.node, "free"), m.FreeRequest(request_id=c.request_id), m.Ok, timeout=TIMEOUTS.tm_free)
+            await self.bus.request(self.subjects.tm(node, "free"), req, m.Ok, timeout=TIMEOUTS.tm_free)
         except Exception as exc:  # noqa: BLE001 - the node may be the one that died
-            log.debug("free_failed", request_id=c.request_id, node=c.node, error=str(exc))
+            log.debug("free_failed", request_id=req.request_id, node=node, error=str(exc))
 
     async def _fail(self, c: FailRequest) -> None:
         r: m.SubmitRequest = c.payload

@@ -2,14 +2,22 @@
 
 Handlers (subjects ``{ns}.tm.{node}.*``):
 
-- ``alloc``/``free``: slots of the buffer, one per request (the DE buffer slot is reserved by
-  the scheduler before dispatch, so prefill never waits for room on the decode side);
+- ``alloc``/``free``: slots of the buffer, one per request attempt (the DE buffer slot is
+  reserved by the scheduler before dispatch, so prefill never waits for room on the decode
+  side); an older attempt of a request can never read, write or free a newer one's slot;
 - ``load``: Full Blocks storage -> buffer (PE read path into the PE buffer, DE read path into
   the DE buffer slot); its queue is the node's ``read_q`` the scheduler balances;
 - ``persist``: Full Blocks buffer -> storage (atomic files), then commit to kv-persistence;
 - ``describe``: the buffer's region descriptor (connection set-up; bytes never cross NATS).
 
 Every ``report_interval`` it publishes a ``NodeReport`` (read queue, buffer room).
+
+Reservations of a dead scheduler: a DE slot is reserved by a scheduler instance (its heartbeat
+name, ``AllocRequest.instance``) and *claimed* by the first load into it or persist from it.
+When the heartbeat names another instance, the old one's state died with it: nobody would
+free its reservations that were never claimed (a dispatch that never happened, a prefill
+superseded by the resubmission). They are given back ``reclaim_after_s`` after the change
+(long enough for an in-flight prefill of the old scheduler's to hand off and be claimed).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from dualpath.node import BufferFullError, BufferPool, StorageIO
 from dualpath.node.buffer import Slot
 from dualpath.node.prefetch import PrefetchCache
 from dualpath.node.storage_io import BlockFormat
+from dualpath.protocol import ProtocolError, decode
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.protocol.timeouts import TIMEOUTS
@@ -49,10 +58,25 @@ from services.traffic_manager.prefetcher import Prefetcher
 
 log = get_logger("traffic-manager")
 tracer = get_tracer("dualpath.traffic_manager")
+RECLAIM_AFTER_S = 30.0  # unclaimed reservations of a scheduler that is no longer active are given back this long after the change
+
+
+def slot_key(request_id: str, attempt: int) -> str:
+    """The buffer pool's owner name of a request attempt's slot (ids are subject-safe: no ``#``)."""
+    return f"{request_id}#{attempt}"
 
 
 class TrafficManager:
-    def __init__(self, bus: Bus, cfg: NodeConfig, subjects: Subjects, region: MemoryRegion, descriptor, storage: StorageIO) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        cfg: NodeConfig,
+        subjects: Subjects,
+        region: MemoryRegion,
+        descriptor,
+        storage: StorageIO,
+        reclaim_after_s: float = RECLAIM_AFTER_S,
+    ) -> None:
         self.bus, self.cfg, self.subjects = bus, cfg, subjects
         self.region = region
         self.descriptor = descriptor
@@ -61,40 +85,81 @@ class TrafficManager:
         # A slot is not given back while a storage read or write still uses it: a free that
         # comes meanwhile (a retried request, a lost engine) takes effect when the last ends,
         # so no late bytes land in a slot already handed to another request.
-        self._busy: dict[str, int] = {}  # request id -> storage transfers using its slot
+        self._busy: dict[str, int] = {}  # slot key -> storage transfers using its slot
         self._free_later: set[str] = set()
+        self._attempts: dict[str, set[int]] = {}  # request id -> attempts holding a slot here
+        # Reservations not claimed yet: slot key -> (scheduler instance, monotonic time reserved).
+        self._reserved: dict[str, tuple[str, float]] = {}
+        self._scheduler = ""  # the active scheduler's instance, as its heartbeat names it
+        self._scheduler_since = 0.0  # when it became the one heard
+        self.reclaim_after_s = reclaim_after_s
+        self.clock = time.monotonic  # of reservations and scheduler changes
+        self.reclaimed = 0  # reservations given back after a scheduler change
         # Agent-aware prefetch (a hint): staged runs are slots of this same buffer, given up
         # first whenever a request needs the room (_alloc).
         cache = PrefetchCache(self.pool, region.buf, cfg.prefetch_mb << 20, cfg.prefetch_ttl_s) if cfg.prefetch_mb > 0 else None
         self.prefetcher = Prefetcher(storage, cache) if cache is not None else None
 
     @contextlib.contextmanager
-    def _using(self, request_id: str):
-        self._busy[request_id] = self._busy.get(request_id, 0) + 1
+    def _using(self, key: str):
+        self._busy[key] = self._busy.get(key, 0) + 1
         try:
             yield
         finally:
-            left = self._busy.pop(request_id) - 1
+            left = self._busy.pop(key) - 1
             if left:
-                self._busy[request_id] = left
-            elif request_id in self._free_later:
-                self._free_later.discard(request_id)
-                self.pool.free(request_id)
+                self._busy[key] = left
+            elif key in self._free_later:
+                self._free_later.discard(key)
+                self._pool_free(key)
 
-    def _release(self, request_id: str) -> str:
-        """Free the request's slot now, or once the transfers using it end."""
-        if request_id in self._busy:
-            self._free_later.add(request_id)
+    def _release(self, key: str) -> str:
+        """Free the slot ``key`` now, or once the transfers using it end."""
+        self._reserved.pop(key, None)
+        if key in self._busy:
+            self._free_later.add(key)
             return "deferred"
-        return "freed" if self.pool.free(request_id) else "no slot"
+        return "freed" if self._pool_free(key) else "no slot"
 
-    def _alloc(self, owner: str, nbytes: int) -> Slot:
-        """A request's slot; staged prefetch runs are dropped, oldest first, before it waits.
+    def _pool_free(self, key: str) -> bool:
+        rid, _, attempt = key.rpartition("#")
+        held = self._attempts.get(rid)
+        if held is not None:
+            held.discard(int(attempt))
+            if not held:
+                del self._attempts[rid]
+        return self.pool.free(key)
+
+    def _alloc(self, request_id: str, attempt: int, nbytes: int) -> Slot:
+        """A request attempt's slot; staged prefetch runs are dropped, oldest first, before it waits.
 
         Raises:
             BufferFullError: no room even without any staged run.
         """
-        return self.pool.alloc(owner, nbytes) if self.prefetcher is None else self.prefetcher.cache.alloc(owner, nbytes)
+        key = slot_key(request_id, attempt)
+        slot = self.pool.alloc(key, nbytes) if self.prefetcher is None else self.prefetcher.cache.alloc(key, nbytes)
+        self._attempts.setdefault(request_id, set()).add(attempt)
+        self._free_later.discard(key)  # allocated again: a pending free of an earlier use no longer applies
+        return slot
+
+    # ---- reservations of a scheduler that is gone ---------------------------------------------
+    def on_scheduler(self, instance: str) -> None:
+        """The active scheduler's heartbeat named ``instance`` (``Subjects.sched_alive``)."""
+        if instance and instance != self._scheduler:
+            self._scheduler, self._scheduler_since = instance, self.clock()
+
+    def reclaim(self) -> list[str]:
+        """Give back the reservations of inactive scheduler instances that nothing claimed within
+        ``reclaim_after_s`` of the change (or of their reservation, if later); returns their keys."""
+        now = self.clock()
+        if not self._scheduler or now - self._scheduler_since < self.reclaim_after_s:
+            return []
+        gone = [k for k, (inst, t) in self._reserved.items() if inst != self._scheduler and now - t >= self.reclaim_after_s]
+        for key in gone:
+            instance = self._reserved[key][0]
+            log.warning("reservation_reclaimed", slot=key, instance=instance, active=self._scheduler, outcome=self._release(key))
+        self.reclaimed += len(gone)
+        return gone
 
     def _slot_view(self, offset: int, nbytes: int) -> memoryview:
         self.region.check_range(offset, nbytes)
@@ -108,14 +173,20 @@ class TrafficManager:
                 f"{self.cfg.node_id}'s whole {self.region.size}-byte buffer",
             )
         try:
-            slot = self._alloc(req.request_id, req.blocks * req.block_bytes)
+            slot = self._alloc(req.request_id, req.attempt, req.blocks * req.block_bytes)
         except BufferFullError as exc:
             raise HandlerError(m.BUFFER_FULL, str(exc)) from None
-        self._free_later.discard(req.request_id)  # a new attempt holds the slot again
+        if req.instance:  # a scheduler's reservation: claimed by its load or persist (see the module docstring)
+            self._reserved[slot_key(req.request_id, req.attempt)] = (req.instance, self.clock())
         return m.AllocReply(region=self.descriptor.to_wire(), offset=slot.offset, nbytes=slot.nbytes)
 
     async def free(self, req: m.FreeRequest) -> m.Ok:
-        return m.Ok(detail=self._release(req.request_id))
+        """The slot of ``(request_id, attempt)``, or of every attempt below ``before_attempt``."""
+        if req.before_attempt < 0:
+            return m.Ok(detail=self._release(slot_key(req.request_id, req.attempt)))
+        older = sorted(a for a in self._attempts.get(req.request_id, ()) if a < req.before_attempt)
+        outcomes = [self._release(slot_key(req.request_id, a)) for a in older]
+        return m.Ok(detail=", ".join(outcomes) or "no slot")
 
     async def load(self, req: m.LoadRequest) -> m.LoadReply:
         fmt = BlockFormat(
@@ -123,17 +194,18 @@ class TrafficManager:
         )
         if self.prefetcher is not None:
             self.prefetcher.fmt = fmt
-        slot = self.pool.get(req.request_id)
+        key = slot_key(req.request_id, req.attempt)
+        slot = self.pool.get(key)
+        self._reserved.pop(key, None)  # claimed: a prefill of this attempt uses it
         if slot is None:
             if not req.allocate:
                 raise HandlerError(404, f"request {req.request_id} has no buffer slot on node {self.cfg.node_id}")
             if max(req.total_blocks, len(req.hashes)) * fmt.block_bytes > self.region.size:
                 raise HandlerError(400, f"request {req.request_id}'s KV is larger than node {self.cfg.node_id}'s whole buffer")
             try:
-                slot = self._alloc(req.request_id, max(req.total_blocks, len(req.hashes)) * fmt.block_bytes)
+                slot = self._alloc(req.request_id, req.attempt, max(req.total_blocks, len(req.hashes)) * fmt.block_bytes)
             except BufferFullError as exc:
                 raise HandlerError(m.BUFFER_FULL, str(exc)) from None
-            self._free_later.discard(req.request_id)
         need = len(req.hashes) * fmt.block_bytes
         skip = max(req.first_block, 0) * fmt.block_bytes  # a split read's DE share starts past the PE share's blocks
         if skip + need > slot.nbytes:
@@ -145,7 +217,7 @@ class TrafficManager:
             view = self._slot_view(slot.offset + skip, max(need, 0))
             cache = self.prefetcher.cache if self.prefetcher is not None else None
             staged = cache.take_prefix(req.model_digest, req.hashes, fmt.block_bytes, view) if cache is not None else 0
-            with self._using(req.request_id):
+            with self._using(key):
                 res = await self.io.read_blocks(req.model_digest, req.hashes[staged:], fmt, view[staged * fmt.block_bytes :])
             if staged:  # the leading blocks came from the prefetch cache (a memory copy, no storage read)
                 res = dataclasses.replace(res, loaded=staged + res.loaded)
@@ -188,6 +260,8 @@ class TrafficManager:
             raise HandlerError(404, f"region {req.region_id} is not this node's buffer")
         if self.prefetcher is not None:
             self.prefetcher.fmt = fmt
+        key = slot_key(req.request_id, req.attempt)
+        self._reserved.pop(key, None)  # claimed: the decode engine took its KV in
         try:
             if req.hashes:
                 src = self._slot_view(req.offset, len(req.hashes) * fmt.block_bytes)
@@ -197,7 +271,7 @@ class TrafficManager:
                     "bytes": len(req.hashes) * fmt.block_bytes,
                     "request_id": req.request_id,
                 }
-                with tracer.start_as_current_span("storage.write", attributes=attrs), self._using(req.request_id):
+                with tracer.start_as_current_span("storage.write", attributes=attrs), self._using(key):
                     await self.io.write_blocks(req.model_digest, req.hashes, fmt, src)
                 # the index needs only the parent of the new blocks, not the whole chain (which grows with the context)
                 chain = [*req.parent_chain[-1:], *req.hashes]
@@ -206,8 +280,17 @@ class TrafficManager:
                     await self.bus.request(self.subjects.kv_commit, commit, m.Ok, timeout=TIMEOUTS.kv_commit)
         finally:
             if req.free_after:
-                self._release(req.request_id)
+                self._release(key)
         return m.Ok(detail=f"persisted {len(req.hashes)}")
+
+    async def on_scheduler_alive(self, raw) -> None:
+        """NATS callback of the scheduler's heartbeat (``SubmitReply`` naming its instance)."""
+        try:
+            beat = decode(raw.data, m.SubmitReply)
+        except ProtocolError as exc:
+            log.warning("bad_scheduler_heartbeat", error=exc.reason)
+            return
+        self.on_scheduler(beat.instance)
 
     async def describe(self, _req: m.DescribeRequest) -> m.DescribeReply:
         return m.DescribeReply(node_id=self.cfg.node_id, regions=[self.descriptor.to_wire()])
@@ -318,12 +401,14 @@ def main(argv: list[str] | None = None) -> int:
             ("describe", tm.describe, m.DescribeRequest),
         ):
             await bus.serve(subjects.tm(cfg.node_id, topic), handler, msg)
+        await bus.subscribe_raw(subjects.sched_alive, tm.on_scheduler_alive)
         if tm.prefetcher is not None:
             await bus.serve(subjects.tm(cfg.node_id, "prefetch"), tm.prefetch, m.PrefetchRequest)
             start_logged(tasks, "prefetch", tm.prefetcher.run, stop)  # in the service's task group; ends with stop
         log.info("traffic_manager_ready", node=cfg.node_id, buffer_mb=cfg.buffer_mb, transport=cfg.transport)
         try:
             while not stop.is_set():
+                tm.reclaim()
                 await bus.publish(subjects.node_report, tm.report())
                 try:
                     await asyncio.wait_for(stop.wait(), cfg.report_interval)

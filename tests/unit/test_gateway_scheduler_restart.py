@@ -24,8 +24,12 @@ class Tasks:
 
     def __init__(self) -> None:
         self.started: list[str] = []
+        self.orphan_checks = 0
 
     def start_soon(self, fn, *args) -> None:
+        if fn.__name__ == "_resubmit_orphans":  # the later look for started requests whose engine is gone
+            self.orphan_checks += 1
+            return
         assert fn.__name__ == "_resubmit"
         self.started.append(args[0])
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
+import uuid
 from collections.abc import Callable
 
 from anyio.abc import TaskGroup
@@ -67,8 +69,11 @@ def run_engine(ns: argparse.Namespace, role: str, engine_cls, task_type: type, r
         await bus.serve(task_subject(cfg.engine_id), engine.on_task, task_type)
         await bus.serve(subjects.cancel, engine.on_cancel, m.CancelRequest)
 
+        incarnation = uuid.uuid4().hex[:12]  # this process: the scheduler tells a restart under the same name by it
+
         async def report() -> None:
-            await bus.publish(subjects.engine_report, engine.report())
+            r = engine.report()
+            await bus.publish(subjects.engine_report, r if r.incarnation else dataclasses.replace(r, incarnation=incarnation))
 
         try:
             tasks.start_soon(periodic, stop, node.report_interval, report, name="engine-report")

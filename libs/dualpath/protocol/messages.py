@@ -52,12 +52,21 @@ __all__ = [
     "DescribeReply",
     "TaskFailed",
     "CancelRequest",
+    "EngineLost",
     "StateRequest",
     "StateReply",
     "BUFFER_FULL",
+    "ALL_ATTEMPTS",
+    "SUBMISSION_ATTEMPTS",
 ]
 
 BUFFER_FULL = 507  # ErrorReply code: a node DRAM buffer has no room now (back-pressure, not a failure)
+# A request's placements are numbered on the wire from ``submission * SUBMISSION_ATTEMPTS``
+# (``SubmitRequest.submission``): a scheduler that took over numbers its attempts from 0, and
+# its attempts must still order after (and never equal) those of the scheduler that died, so
+# engines and traffic managers tell an older run from a newer one by the attempt alone.
+SUBMISSION_ATTEMPTS = 1 << 20
+ALL_ATTEMPTS = 1 << 62  # FreeRequest.before_attempt that frees every attempt's slot
 
 
 class Role(IntEnum):
@@ -157,6 +166,7 @@ class SubmitRequest(Wire):
     arrival_ts: float = 0.0
     trace: dict = field(default_factory=dict)  # W3C trace context of the request (traceparent/tracestate)
     session: str = ""  # agent session id (X-Session-ID, the OpenAI user field or dualpath_session); "" unknown
+    submission: int = 0  # the gateway's n-th submission of the request (a resubmission after a failover; see SUBMISSION_ATTEMPTS)
 
 
 @register(21)
@@ -174,11 +184,18 @@ class SubmitReply(Wire):
 @register(30)
 @dataclass(**_msg)
 class AllocRequest(Wire):
-    """Reserve room in a node's DRAM buffer for ``blocks`` Full Blocks of a request."""
+    """Reserve room in a node's DRAM buffer for ``blocks`` Full Blocks of a request.
+
+    Slots are per ``(request_id, attempt)``: an older attempt can never read, write or free a
+    newer one's. ``instance`` names the scheduler that reserved it (its heartbeat instance):
+    once another instance is active, a reservation no load or persist has claimed is given
+    back after a grace period (the dead scheduler can no longer free it)."""
 
     request_id: str
     blocks: int
     block_bytes: int
+    attempt: int = 0
+    instance: str = ""
 
 
 @register(31)
@@ -192,7 +209,12 @@ class AllocReply(Wire):
 @register(32)
 @dataclass(**_msg)
 class FreeRequest(Wire):
+    """Give back the slot of ``(request_id, attempt)``, or with ``before_attempt >= 0`` the
+    slots of every attempt of the request below it (``ALL_ATTEMPTS``: all of them)."""
+
     request_id: str
+    attempt: int = 0
+    before_attempt: int = -1
 
 
 @register(33)
@@ -214,6 +236,7 @@ class LoadRequest(Wire):
     allocate: bool = False
     total_blocks: int = 0  # slot size when allocating
     first_block: int = 0  # hashes[0] is block ``first_block`` of the slot (a split read's DE share: the last blocks)
+    attempt: int = 0  # the slot is the one of (request_id, attempt)
 
 
 @register(38)
@@ -263,6 +286,7 @@ class PersistRequest(Wire):
     dtype: str
     block_tokens: int
     free_after: bool = False
+    attempt: int = 0  # the slot is the one of (request_id, attempt)
 
 
 @register(36)
@@ -376,6 +400,7 @@ class EngineReport(Wire):
     block_bytes: int = 0  # bytes of one Full Block in this engine's KV format
     stats: dict = field(default_factory=dict)  # cumulative seconds: busy, modeled, attention, kv_wait
     ts: float = 0.0
+    incarnation: str = ""  # new at every start of the engine process: a change means it restarted (and lost its work)
 
 
 @register(44)
@@ -419,6 +444,7 @@ class TokenEvent(Wire):
     info: dict = field(default_factory=dict)
     ts: float = 0.0
     attempt: int = 0  # the scheduler's placement that produced it (PrefillTask.attempt): a retry's events supersede
+    decode_engine: str = ""  # the decode engine serving this run: "name@incarnation" (the prefill engine's first token: "name")
 
 
 # --- control ---------------------------------------------------------------------------------
@@ -432,6 +458,19 @@ class CancelRequest(Wire):
     request_id: str
     reason: str = ""
     before_attempt: int = -1  # the scheduler retried it: only attempts before this one stop (-1: every attempt)
+
+
+@register(63)
+@dataclass(**_msg)
+class EngineLost(Wire):
+    """The active scheduler stopped using an engine (silent, unreachable or restarted), published
+    on ``Subjects.engine_lost``: a gateway resubmits the started requests that engine served,
+    which a scheduler that knows them refuses (409) and one that took over after a failover
+    (it never heard of them) places again."""
+
+    engine_id: str
+    incarnation: str = ""  # the engine process that was lost ("" unknown: any)
+    reason: str = ""
 
 
 @register(61)

@@ -84,6 +84,11 @@ class Subjects:
         return f"{self.ns}.sched.alive"
 
     @property
+    def engine_lost(self) -> str:
+        """The active scheduler's notice that it stopped using an engine (``EngineLost``)."""
+        return f"{self.ns}.sched.engine_lost"
+
+    @property
     def cancel(self) -> str:
         return f"{self.ns}.ctl.cancel"
 

@@ -1,0 +1,182 @@
+"""A decode engine holds one run per request, the newest attempt's: a retry's hand-off replaces
+the run it still holds (the old one stops silently: no more token events, no final event, not
+reported finished), and an older attempt's late hand-off, or one the scheduler's retry cancel
+already retired, is refused and its buffer slot given back. The engine's loop runs for real
+over a fake decoder (one step = a few ms, always token 7) and a fake bus."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import anyio
+import torch
+
+from dualpath.protocol import messages as m
+from dualpath.protocol.subjects import Subjects
+from services.decode_engine.engine import DecodeEngine
+
+VOCAB = 32
+TOKEN = 7
+
+
+class FakeDecoder:
+    num_layers, kv_heads, head_dim = 1, 1, 2
+    dtype, device = torch.float32, torch.device("cpu")
+
+    async def decode_step_async(self, lens: list[int], inputs: list[int]) -> torch.Tensor:
+        await asyncio.sleep(0.005)
+        logits = torch.zeros(len(inputs), VOCAB)
+        logits[:, TOKEN] = 5.0
+        return logits
+
+
+class FakeBus:
+    def __init__(self) -> None:
+        self.published: list[tuple[str, object]] = []
+        self.requested: list[object] = []
+
+    async def publish(self, subject: str, msg) -> None:
+        self.published.append((subject, msg))
+
+    async def request(self, subject: str, msg, _reply, timeout: float = 0.0):
+        self.requested.append(msg)
+        return m.Ok()
+
+    def events(self, rid: str) -> list[m.TokenEvent]:
+        return [e for _, e in self.published if isinstance(e, m.TokenEvent) and e.request_id == rid]
+
+    def freed(self) -> list[tuple[str, int]]:
+        return [(r.request_id, r.attempt) for r in self.requested if isinstance(r, m.FreeRequest)]
+
+
+def _engine(bus: FakeBus, tasks) -> DecodeEngine:
+    setup = SimpleNamespace(
+        decoder=FakeDecoder(),
+        layout=SimpleNamespace(block_tokens=64, layers=1, block_bytes=64, bytes_per_token_layer=1, blocks_for=lambda n: -(-n // 64)),
+        nic=None,
+        oracle=True,  # no buffer slot to read the prompt KV from
+        eos_ids=[0],
+        model_dir="",
+        dtype="float32",
+    )
+    cfg = SimpleNamespace(engine_id="d0", kv_capacity_tokens=4096, max_running=8, stream_interval=1)
+    return DecodeEngine(bus, Subjects("t"), cfg, "D", setup, tasks)  # type: ignore[arg-type]
+
+
+def _task(attempt: int, max_tokens: int = 400) -> m.DecodeTask:
+    return m.DecodeTask(
+        request_id="r",
+        model="m",
+        model_digest=1,
+        prompt_tokens=[1] * 10,
+        block_hashes=[],
+        cached_blocks=0,
+        first_token=TOKEN,
+        first_logprob=0.0,
+        first_top_logprobs=[],
+        sampling={"temperature": 0.0, "max_tokens": max_tokens},
+        reply_subject="t.out.gw.r",
+        de_region_id="region",
+        de_offset=0,
+        read_path=int(m.ReadPath.NONE),
+        prefill_engine="p0",
+        attempt=attempt,
+    )
+
+
+async def _until(pred, timeout: float = 5.0) -> None:
+    with anyio.fail_after(timeout):
+        while not pred():
+            await asyncio.sleep(0.002)
+
+
+def _with_engine(body) -> FakeBus:
+    bus = FakeBus()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        async with anyio.create_task_group() as tasks:
+            engine = _engine(bus, tasks)
+            tasks.start_soon(engine.run, stop)
+            try:
+                await body(engine, bus)
+            finally:
+                stop.set()
+
+    asyncio.run(main())
+    return bus
+
+
+def test_a_retry_replaces_the_run_it_still_holds_and_the_old_runs_events_stop():
+    seen: dict = {}
+
+    async def body(engine: DecodeEngine, bus: FakeBus) -> None:
+        assert (await engine.on_task(_task(0))).detail == ""
+        await _until(lambda: len(bus.events("r")) >= 3)  # the first attempt is decoding
+        seen["retry"] = (await engine.on_task(_task(1, max_tokens=20))).detail
+        seen["old_events_at_retry"] = len([e for e in bus.events("r") if e.attempt == 0])
+        await _until(lambda: any(e.finish_reason for e in bus.events("r")))
+        await asyncio.sleep(0.05)  # a straggling event of the old run would show now
+        seen["late_old"] = (await engine.on_task(_task(0))).detail
+        seen["same_again"] = (await engine.on_task(_task(1))).detail
+        seen["finished"] = engine.report().finished
+
+    bus = _with_engine(body)
+    events = bus.events("r")
+    assert seen["retry"] == ""  # not "duplicate": the newer attempt runs
+    old = [e for e in events if e.attempt == 0]
+    assert len(old) == seen["old_events_at_retry"] and not any(e.finish_reason for e in old)  # nothing after the retry came
+    new = [e for e in events if e.attempt == 1]
+    assert [e.finish_reason for e in new if e.finish_reason] == ["length"]
+    assert sum(len(e.token_ids) for e in new) == 19  # its whole answer after the first token (max_tokens 20)
+    assert all(e.decode_engine == engine_name(e) for e in events)
+    assert seen["late_old"] == "superseded" and ("r", 0) in bus.freed()  # its slot is given back
+    assert seen["finished"] == ["r"]  # once: the old run is never reported finished
+
+
+def engine_name(e: m.TokenEvent) -> str:
+    name, _, incarnation = e.decode_engine.partition("@")
+    return f"d0@{incarnation}" if name == "d0" and incarnation else "?"
+
+
+def test_the_schedulers_retry_cancel_stops_older_runs_silently_and_refuses_their_late_hand_off():
+    seen: dict = {}
+
+    async def body(engine: DecodeEngine, bus: FakeBus) -> None:
+        await engine.on_task(_task(1))
+        await _until(lambda: len(bus.events("r")) >= 2)
+        await engine.on_cancel(m.CancelRequest(request_id="r", reason="retried", before_attempt=1))
+        seen["kept"] = "r" in engine.running  # attempt 1 is not older than 1
+        await engine.on_cancel(m.CancelRequest(request_id="r", reason="retried", before_attempt=2))
+        n = len(bus.events("r"))
+        await _until(lambda: "r" not in engine.running)
+        await asyncio.sleep(0.05)
+        seen["events_after_cancel"] = len(bus.events("r")) - n
+        seen["late"] = (await engine.on_task(_task(1))).detail  # its hand-off crossed the retry
+        seen["finished"] = engine.report().finished
+        seen["retry"] = (await engine.on_task(_task(2, max_tokens=5))).detail
+        await _until(lambda: any(e.finish_reason for e in bus.events("r")))
+
+    bus = _with_engine(body)
+    assert seen["kept"] and seen["events_after_cancel"] <= 1  # at most the token of the step under way
+    assert seen["late"] == "superseded" and seen["finished"] == []
+    assert seen["retry"] == "" and [e.attempt for e in bus.events("r") if e.finish_reason] == [2]
+
+
+def test_a_retry_of_a_request_waiting_for_admission_replaces_it_at_once():
+    seen: dict = {}
+
+    async def body(engine: DecodeEngine, bus: FakeBus) -> None:
+        engine.batcher.max_running = 1
+        await engine.on_task(m.DecodeTask(**{**_task(0).to_wire(), "request_id": "other"}))  # holds the only running place
+        await _until(lambda: "other" in engine.running)
+        await engine.on_task(_task(0))
+        seen["waiting"] = "r" in engine.waiting
+        seen["retry"] = (await engine.on_task(_task(1))).detail
+        seen["held"] = engine.waiting["r"].attempt
+        await asyncio.sleep(0.01)
+
+    bus = _with_engine(body)
+    assert seen == {"waiting": True, "retry": "", "held": 1}
+    assert ("r", 0) in bus.freed()

@@ -1,0 +1,100 @@
+"""The scheduler service's wiring of attempts and lost engines (the real core, a fake bus):
+attempts on the wire are offset by the gateway's submission (a scheduler that took over never
+reuses the dead one's numbers), slots are reserved per attempt in the scheduler's name, and an
+engine that restarted under its name (a new incarnation in its reports) is treated as lost at
+once: its requests go back to the queue, older attempts are cancelled and their slots freed,
+and gateways hear ``EngineLost``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import anyio
+
+from dualpath.core import CoreConfig, SchedulerCore
+from dualpath.policy import Thresholds, get_policy
+from dualpath.protocol import messages as m
+from dualpath.protocol.subjects import Subjects
+from services.scheduler.shell import SchedulerShell
+
+S = m.SUBMISSION_ATTEMPTS
+
+
+class FakeBus:
+    def __init__(self) -> None:
+        self.published: list[object] = []
+        self.requested: list[object] = []
+
+    async def publish(self, subject: str, msg) -> None:
+        self.published.append(msg)
+
+    async def request(self, subject: str, msg, reply_type, timeout: float = 0.0):
+        self.requested.append(msg)
+        if isinstance(msg, m.AllocRequest):
+            return m.AllocReply(region={"region_id": "D-buf"}, offset=0, nbytes=msg.blocks * msg.block_bytes)
+        return m.Ok()
+
+    def sent(self, kind: type) -> list:
+        return [x for x in (*self.requested, *self.published) if isinstance(x, kind)]
+
+
+def _report(engine: str, node: str, role: m.Role, incarnation: str) -> m.EngineReport:
+    decode = role == m.Role.DECODE
+    return m.EngineReport(
+        engine_id=engine,
+        role=int(role),
+        node_id=node,
+        seq=0,
+        tok=0,
+        free_hbm_tokens=100_000 if decode else 0,
+        capacity_tokens=100_000 if decode else 0,
+        block_bytes=4096,
+        incarnation=incarnation,
+    )
+
+
+def test_a_resubmitted_request_is_placed_with_attempts_after_the_dead_schedulers_and_a_restarted_engine_is_lost_at_once():
+    bus = FakeBus()
+
+    async def main() -> None:
+        policy = get_policy("dualpath", Thresholds(alpha_tokens=1 << 22, beta_tokens=1 << 22))
+        core = SchedulerCore(policy, CoreConfig(engine_timeout=60.0))
+        async with anyio.create_task_group() as tasks:
+            shell = SchedulerShell(bus, Subjects("t"), core, tasks, instance="lead@7")  # type: ignore[arg-type]
+            await shell.on_engine_report(_report("p0", "P", m.Role.PREFILL, "p-1"))
+            await shell.on_engine_report(_report("d0", "D", m.Role.DECODE, "d-1"))
+            await shell.on_engine_report(_report("d1", "D", m.Role.DECODE, "d-1b"))
+            submit = m.SubmitRequest(
+                request_id="r",
+                model="m",
+                model_digest=1,
+                prompt_tokens=[1] * 100,
+                block_hashes=[],
+                hit_blocks=0,
+                sampling={"max_tokens": 8},
+                reply_subject="t.out.gw.r-s2",
+                submission=2,  # the gateway's second resubmission (two failovers)
+            )
+            stop = asyncio.Event()
+            tasks.start_soon(shell.run, stop)  # its passes place the queue
+            await shell.on_submit(submit)
+            with anyio.fail_after(5):
+                while not bus.sent(m.PrefillTask):
+                    await asyncio.sleep(0.01)
+            task = bus.sent(m.PrefillTask)[0]
+            # its decode engine restarts under its name before the core found it silent
+            await shell.on_engine_report(_report(task.decode_engine, "D", m.Role.DECODE, "restarted"))
+            with anyio.fail_after(5):
+                while len(bus.sent(m.PrefillTask)) < 2 or not bus.sent(m.FreeRequest):
+                    await asyncio.sleep(0.01)
+            stop.set()
+
+    asyncio.run(main())
+    alloc = bus.sent(m.AllocRequest)
+    assert [(a.attempt, a.instance) for a in alloc[:2]] == [(2 * S, "lead@7"), (2 * S + 1, "lead@7")]
+    first, second = bus.sent(m.PrefillTask)[:2]
+    assert (first.attempt, second.attempt) == (2 * S, 2 * S + 1)
+    lost = bus.sent(m.EngineLost)
+    assert [(x.engine_id, x.incarnation) for x in lost] == [(first.decode_engine, "d-1" if first.decode_engine == "d0" else "d-1b")]
+    assert [c.before_attempt for c in bus.sent(m.CancelRequest)] == [2 * S + 1]  # the old attempt stops
+    assert [f.before_attempt for f in bus.sent(m.FreeRequest)] == [2 * S + 1]  # and its slot goes back
