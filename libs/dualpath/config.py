@@ -93,6 +93,12 @@ class NodeConfig:
     report_interval: float = opt(0.2, "seconds between state reports to the scheduler", "DUALPATH_REPORT_INTERVAL")
     prefetch_mb: int = opt(0, "agent-aware prefetch cache per node, MiB (0: off; a hint cache outside the buffer)", "DUALPATH_PREFETCH_MB")
     prefetch_ttl_s: float = opt(60.0, "seconds a prefetched block is kept for the session's next turn", "DUALPATH_PREFETCH_TTL")
+    reclaim_after_s: float = opt(
+        30.0,
+        "seconds after another scheduler instance became active before the buffer slots the old one "
+        "reserved, and nothing has used, are given back (its in-flight prefills hand off before that)",
+        "DUALPATH_RECLAIM_AFTER_S",
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

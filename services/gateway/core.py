@@ -436,7 +436,7 @@ class Gateway:
         def served_by_lost(name: str, incarnation: str) -> bool:
             return name == lost.engine_id and (not incarnation or not lost.incarnation or incarnation == lost.incarnation)
 
-        self._resubmit_served_by(served_by_lost)
+        self._resubmit_served_by(served_by_lost, why=f"engine lost: {lost.reason}")
 
     async def _resubmit_orphans(self) -> None:
         """After a failover: resubmit the started requests whose decode engine the new scheduler
@@ -451,16 +451,16 @@ class Gateway:
         def not_live(name: str, incarnation: str) -> bool:
             return name not in live or bool(incarnation and live[name] and live[name] != incarnation)
 
-        self._resubmit_served_by(not_live)
+        self._resubmit_served_by(not_live, why="engine not listed after the failover")
 
-    def _resubmit_served_by(self, lost: Callable[[str, str], bool]) -> None:
+    def _resubmit_served_by(self, lost: Callable[[str, str], bool], why: str) -> None:
         """Resubmit every started, unfinished request whose decode engine ``lost(name, incarnation)``."""
         if self._tasks is None:
             return
         for rid, req in list(self._submitted.items()):
             name, _, incarnation = self.streams.serving(rid).partition("@")
             if name and lost(name, incarnation):
-                log.warning("request_engine_lost", request_id=rid, engine=name)
+                log.warning("request_engine_lost", request_id=rid, engine=name, why=why)
                 self._tasks.start_soon(self._resubmit, rid, req)
 
     async def _resubmit(self, rid: str, req: m.SubmitRequest) -> None:

@@ -58,7 +58,7 @@ from services.traffic_manager.prefetcher import Prefetcher
 
 log = get_logger("traffic-manager")
 tracer = get_tracer("dualpath.traffic_manager")
-RECLAIM_AFTER_S = 30.0  # unclaimed reservations of a scheduler that is no longer active are given back this long after the change
+RECLAIM_AFTER_S = 30.0  # NodeConfig.reclaim_after_s's default (an inactive scheduler's unclaimed slots go back this long after)
 
 
 def slot_key(request_id: str, attempt: int) -> str:
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         transport = create_transport(cfg.transport, node_id=cfg.node_id, host=cfg.data_host)
         await transport.start()
         descriptor = transport.register(region)
-        tm = TrafficManager(bus, cfg, subjects, region, descriptor, storage_io(cfg, emu))
+        tm = TrafficManager(bus, cfg, subjects, region, descriptor, storage_io(cfg, emu), reclaim_after_s=cfg.reclaim_after_s)
         register_metrics(tm)
         for topic, handler, msg in (
             ("alloc", tm.alloc, m.AllocRequest),

@@ -53,7 +53,7 @@ class FakeBus:
 def _engine(bus: FakeBus, tasks) -> DecodeEngine:
     setup = SimpleNamespace(
         decoder=FakeDecoder(),
-        layout=SimpleNamespace(block_tokens=64, layers=1, block_bytes=64, bytes_per_token_layer=1, blocks_for=lambda n: -(-n // 64)),
+        layout=SimpleNamespace(block_tokens=512, layers=1, block_bytes=64, bytes_per_token_layer=1, blocks_for=lambda n: -(-n // 512)),
         nic=None,
         oracle=True,  # no buffer slot to read the prompt KV from
         eos_ids=[0],
