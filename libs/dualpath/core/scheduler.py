@@ -528,12 +528,9 @@ class SchedulerCore:
             t = queue.popleft()
             assert t.num == a.request_id, "the policy places a FIFO prefix"
             self._place(t, a, state, cmds)
-        if queue and not queue[0].buffer_held:
-            head = queue[0]
-            blocks = head.blocks
-            if not any(n.buffer_room(blocks, n.buffer_free) for n in state.decode_nodes):
-                head.buffer_held = True
-                self.buffer_waits += 1
+        if queue and not queue[0].buffer_held and not state.buffer_room_anywhere(queue[0].blocks):
+            queue[0].buffer_held = True
+            self.buffer_waits += 1
 
     def _place(self, t: _Request, a: Assignment, state: ClusterState, cmds: list[Command]) -> None:
         m = self.members
