@@ -239,9 +239,11 @@ class SchedulerShell:
                 self.tasks.start_soon(self._prefetch, c)
 
     @staticmethod
-    def _wire_attempt(payload: m.SubmitRequest, attempt: int) -> int:
-        """The core's ``attempt`` of a request as engines and traffic managers see it (see the module docstring)."""
-        return payload.submission * m.SUBMISSION_ATTEMPTS + attempt
+    def _wire_attempt(payload: object, attempt: int) -> int:
+        """The core's ``attempt`` of a request (its payload: the ``SubmitRequest``) as engines and
+        traffic managers see it (see the module docstring)."""
+        submission = payload.submission if isinstance(payload, m.SubmitRequest) else 0
+        return submission * m.SUBMISSION_ATTEMPTS + attempt
 
     async def _announce_lost(self, lost: m.EngineLost) -> None:
         try:
