@@ -230,7 +230,8 @@ class SchedulerShell:
                     # decode slot just given up (published before the new attempt's dispatch, so it lands first).
                     t = self.core.requests.get(c.request_id)
                     if t is not None:
-                        self.tasks.start_soon(self._stop_attempts_before, c, self._wire_attempt(t.payload, c.attempt))
+                        before = self._wire_attempt(t.payload, c.attempt)
+                        self.tasks.start_soon(self._stop_attempts_before, c.request_id, f"retried: {c.reason}", before)
             elif isinstance(c, ExpelEngine):
                 log.warning("engine_lost", engine=c.engine, reason=c.reason)
                 lost = m.EngineLost(engine_id=c.engine, incarnation=self._incarnations.get(c.engine, ""), reason=c.reason)
@@ -251,12 +252,12 @@ class SchedulerShell:
         except Exception as exc:  # noqa: BLE001 - gateways then wait for the request's timeout, as before
             log.warning("engine_lost_announce_failed", engine=lost.engine_id, error=str(exc))
 
-    async def _stop_attempts_before(self, c: Requeued, before: int) -> None:
-        cancel = m.CancelRequest(request_id=c.request_id, reason=f"retried: {c.reason}", before_attempt=before)
+    async def _stop_attempts_before(self, request_id: str, reason: str, before: int) -> None:
+        cancel = m.CancelRequest(request_id=request_id, reason=reason, before_attempt=before)
         try:
             await self.bus.publish(self.subjects.cancel, cancel)
         except Exception as exc:  # noqa: BLE001 - best effort: the old attempt then fails on its own
-            log.warning("retry_cancel_failed", request_id=c.request_id, error=str(exc))
+            log.warning("retry_cancel_failed", request_id=request_id, error=str(exc))
 
     async def _prefetch(self, c: Prefetch) -> None:
         """Hint the session's prompt blocks to the node (published: a lost hint costs nothing)."""
@@ -281,6 +282,11 @@ class SchedulerShell:
         key = (c.request_id, c.attempt)
         span = self._spans.get(key, trace.INVALID_SPAN)
         attempt = self._wire_attempt(c.payload, c.attempt)
+        if c.attempt == 0 and attempt > 0:
+            # The first placement of a resubmission (the scheduler that held the request died): a
+            # run of it that engines may still hold stops before this one is dispatched, so it can
+            # neither hand off nor keep writing into a slot nobody will free but the reclaim.
+            await self._stop_attempts_before(c.request_id, "resubmitted after a scheduler failover", attempt)
         with trace.use_span(span, end_on_exit=False):
             try:
                 slot = await self.bus.request(

@@ -16,8 +16,11 @@ Reservations of a dead scheduler: a DE slot is reserved by a scheduler instance 
 name, ``AllocRequest.instance``) and *claimed* by the first load into it or persist from it.
 When the heartbeat names another instance, the old one's state died with it: nobody would
 free its reservations that were never claimed (a dispatch that never happened, a prefill
-superseded by the resubmission). They are given back ``reclaim_after_s`` after the change
-(long enough for an in-flight prefill of the old scheduler's to hand off and be claimed).
+superseded by the resubmission). They are given back ``reclaim_after_s`` after the change:
+long enough for a hand-off in flight to be claimed (the new scheduler cancels the old runs of
+every request it is resubmitted, so none keeps writing into its old slot that long; what stays
+at risk is a prefill the old scheduler placed that waits longer than that for admission on
+its decode engine).
 """
 
 from __future__ import annotations
