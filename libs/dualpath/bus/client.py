@@ -267,6 +267,10 @@ class Bus:
                 await sub.unsubscribe()
             except Exception as exc:  # noqa: BLE001 - the connection may already be gone
                 log.debug("unsubscribe_failed", error=str(exc))
+        try:
+            await self.nc.flush()  # a round trip: the server routes nothing more here once this returns
+        except Exception as exc:  # noqa: BLE001 - as above
+            log.debug("unsubscribe_flush_failed", error=str(exc))
 
     async def close(self, grace: float = _CLOSE_GRACE_S) -> None:
         """Unsubscribe, let in-flight handlers finish for ``grace`` seconds, cancel the rest, drain."""

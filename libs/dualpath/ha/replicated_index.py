@@ -53,7 +53,7 @@ from nats.js.errors import APIError, BucketNotFoundError, NotFoundError, ObjectN
 
 from dualpath.ha.lease import LeaderLease
 from dualpath.kv import BlockIndex
-from dualpath.kv.hashing import check_u64
+from dualpath.kv.hashing import U64_MAX, check_u64
 from dualpath.kv.trie import check_chain
 from dualpath.telemetry.logs import get_logger
 
@@ -310,12 +310,18 @@ class ReplicatedIndex:
         self._wake()
 
     def _apply(self, op: list[Any]) -> None:
+        """Apply one op of a record (checked where it was submitted; checked again cheaply here,
+        since anything that can publish on the subject can write a record). Raises ValueError,
+        TypeError, KeyError or IndexError for a malformed op."""
         kind, digest = op[0], op[1]
+        if type(digest) is not int:
+            raise TypeError(f"model digest {digest!r}")
         if kind == "c":
             parent, new, evicted = op[2], op[3], op[4]
-            chain = [parent, *new] if parent else list(new)
             if new:
-                self.index.commit(digest, chain, start=1 if parent else 0)
+                if type(parent) is not int or not 0 <= parent <= U64_MAX:
+                    raise ValueError(f"parent {parent!r}")
+                self.index.extend(digest, parent, check_chain(new))
             if evicted:
                 self.index.remove(digest, evicted)
         elif kind == "r":

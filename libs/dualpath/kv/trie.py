@@ -64,7 +64,7 @@ class _Trie:
             kids = self.children.get(parent)
             if kids is None:
                 self.children[parent] = h
-            elif type(kids) is int:
+            elif isinstance(kids, int):
                 if kids != h:
                     self.children[parent] = {kids, h}
             else:
@@ -90,7 +90,7 @@ class _Trie:
             h = stack.pop()
             removed.append(h)
             kids = self.children.pop(h, None)
-            if type(kids) is int:
+            if isinstance(kids, int):
                 stack.append(kids)
             elif kids is not None:
                 stack.extend(kids)
@@ -101,7 +101,7 @@ class _Trie:
 
     def _unlink(self, h: int, parent: int) -> None:
         kids = self.children.get(parent)
-        if type(kids) is int:
+        if isinstance(kids, int):
             if kids == h:
                 del self.children[parent]
         elif kids is not None:
@@ -206,6 +206,37 @@ class BlockIndex:
                 self._log.append({"op": "c", "m": model_digest, "a": added, "e": evicted})
                 self._maybe_compact()
             return evicted
+
+    def extend(self, model_digest: int, parent: int, new: list[int]) -> None:
+        """Index ``new`` as a chain under ``parent`` (0: the root) like ``commit``, for replicas
+        applying changes already checked and decided elsewhere: ``new`` must be plain ints in
+        ``(0, 2**64)`` (``check_chain``), nothing is evicted (a replicated record names its
+        evictions) and nothing is returned. When ``parent`` is not indexed nothing changes.
+
+        Raises:
+            ValueError: the index has a log (its changes go through ``commit``), or is closed.
+        """
+        if self._log is not None:
+            raise ValueError("extend is for in-memory indexes; a logged index commits")
+        with self._lock:
+            self._check_open()
+            trie = self._tries.get(model_digest)
+            if trie is None:
+                if parent:
+                    return
+                trie = self._tries[model_digest] = _Trie(ordered=self._touch)
+            nodes = trie.nodes
+            if parent and parent not in nodes:
+                return
+            for h in new:
+                known = nodes.get(h)
+                if known is None:
+                    trie.add(h, parent)
+                elif known != parent:
+                    break  # a 64-bit hash collision: keep the indexed block, link no further
+                parent = h
+            if parent and self._touch:
+                trie.touch(parent)
 
     def longest_prefix(self, model_digest: int, chain: Sequence[int]) -> int:
         """Number of leading ``chain`` hashes that are indexed and linked; touches them.
