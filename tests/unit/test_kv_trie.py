@@ -394,3 +394,15 @@ def test_unindexed_names_the_evicted_blocks_that_were_not_committed_again():
     index.commit(7, [evicted[0]])  # committed again (a new turn re-persisted it): keep its file
     assert evicted[0] not in index.unindexed(7, evicted)
     assert index.unindexed(99, [5]) == [5]  # unknown model: nothing indexed
+
+
+def test_extend_links_under_an_indexed_parent_only_and_refuses_a_logged_index(tmp_path: Path) -> None:
+    index = BlockIndex(None)
+    index.extend(MD, 0, [1, 2])
+    index.extend(MD, 2, [3])
+    index.extend(MD, 99, [4, 5])  # the parent is gone: nothing is indexed
+    index.extend(MD, 1, [3, 6])  # 3 is indexed under 2: linked no further
+    assert index.longest_prefix(MD, [1, 2, 3]) == 3
+    assert len(index) == 3
+    with BlockIndex(tmp_path / "log") as logged, pytest.raises(ValueError):
+        logged.extend(MD, 0, [1])
