@@ -37,10 +37,11 @@ __all__ = ["ApiError", "Gateway", "Prepared", "StreamPart"]
 log = get_logger("gateway")
 tracer = get_tracer("dualpath.gateway")
 _FAILOVER_S = 6.0  # a standby scheduler takes over within its lease TTL (3 s) plus its poll (dualpath.ha.lease)
-# After a failover, when the new scheduler has heard every live engine (they report every
-# 0.2 s): the started requests whose decode engine it does not list died with their engine
-# before it took over, and are resubmitted (``_resubmit_orphans``).
-_ORPHAN_CHECK_S = 2.0
+# After a failover, once the new scheduler has heard every live engine (they report every
+# 0.2 s; one silent this long would be expelled): the started requests whose decode engine it
+# does not list, and that sent no token for as long, died with their engine before it took
+# over, and are resubmitted (``_resubmit_orphans``).
+_ORPHAN_CHECK_S = 3.0
 _KNOWN_SCHEDULERS = 64  # scheduler instances remembered (a late heartbeat of one of them is not a restart)
 _READ_PATHS = {"auto": m.ReadPath.AUTO, "pe": m.ReadPath.PE, "de": m.ReadPath.DE}
 
@@ -451,14 +452,15 @@ class Gateway:
         def not_live(name: str, incarnation: str) -> bool:
             return name not in live or bool(incarnation and live[name] and live[name] != incarnation)
 
-        self._resubmit_served_by(not_live, why="engine not listed after the failover")
+        self._resubmit_served_by(not_live, why="engine not listed after the failover", idle_s=_ORPHAN_CHECK_S)
 
-    def _resubmit_served_by(self, lost: Callable[[str, str], bool], why: str) -> None:
-        """Resubmit every started, unfinished request whose decode engine ``lost(name, incarnation)``."""
+    def _resubmit_served_by(self, lost: Callable[[str, str], bool], why: str, idle_s: float = 0.0) -> None:
+        """Resubmit every started, unfinished request whose decode engine ``lost(name, incarnation)``
+        (and that sent no token for ``idle_s``)."""
         if self._tasks is None:
             return
         for rid, req in list(self._submitted.items()):
-            name, _, incarnation = self.streams.serving(rid).partition("@")
+            name, _, incarnation = self.streams.serving(rid, idle_s).partition("@")
             if name and lost(name, incarnation):
                 log.warning("request_engine_lost", request_id=rid, engine=name, why=why)
                 self._tasks.start_soon(self._resubmit, rid, req)

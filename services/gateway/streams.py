@@ -30,6 +30,7 @@ A stream also remembers which decode engine serves the run it follows
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -89,6 +90,7 @@ class _Stream:
         "done",
         "engine",
         "held",
+        "last_event",
         "next_index",
         "overflow",
         "queue",
@@ -112,6 +114,7 @@ class _Stream:
         self.overflow = False  # the consumer fell too far behind: the stream is broken
         self.done = False  # the final event is queued
         self.engine = ""  # the decode engine serving the followed run ("name@incarnation", or "name" from the first token)
+        self.last_event = 0.0  # monotonic time of the last event of the followed run
 
 
 class TokenStreams:
@@ -130,11 +133,14 @@ class TokenStreams:
         st = self._streams.get(request_id)
         return st is None or st.run is not None or st.done
 
-    def serving(self, request_id: str) -> str:
+    def serving(self, request_id: str, idle_s: float = 0.0) -> str:
         """The decode engine serving the run followed, for a request whose answer has started
-        and not ended ("" otherwise, or when no event named one)."""
+        and not ended ("" otherwise, or when no event named one); with ``idle_s``, "" too when
+        the run sent an event within the last ``idle_s`` seconds (its engine is alive)."""
         st = self._streams.get(request_id)
-        return st.engine if st is not None and st.run is not None and not st.done else ""
+        if st is None or st.run is None or st.done or time.monotonic() - st.last_event < idle_s:
+            return ""
+        return st.engine
 
     def next_submission(self, request_id: str) -> int:
         """Number a new submission of the request (its events come on ``stream_key(rid, n)``);
@@ -179,8 +185,10 @@ class TokenStreams:
             st.run = run
             st.held.clear()  # only the followed run's events are ever held
             st.engine = ""
-        if run == st.run and ev.decode_engine:
-            st.engine = ev.decode_engine
+        if run == st.run:
+            st.last_event = time.monotonic()
+            if ev.decode_engine:
+                st.engine = ev.decode_engine
         elif run < st.run and (st.restarted or not ev.index <= st.next_index < ev.index + max(1, len(ev.token_ids))):
             return  # an older run's event that does not continue the answer right now
         self._accept(st, ev, held=run == st.run)

@@ -95,3 +95,63 @@ def test_a_submit_its_scheduler_never_answered_is_sent_again_not_failed(tiny_mod
     gw._connected = lambda: bus  # type: ignore[method-assign]
     asyncio.run(gw._submit(gw._submitted["cmpl-a"]))
     assert [r.request_id for r in bus.sent] == ["cmpl-a", "cmpl-a"]  # sent again (a 409 would mean: already held)
+
+
+def _started(gw: Gateway, rid: str, *engines: str) -> None:
+    """``rid``'s answer has started: one event per engine named (the first one the prefill engine's)."""
+    for i, engine in enumerate(engines):
+        ev = m.TokenEvent(request_id=rid, index=i, token_ids=[5], decode_engine=engine)
+        asyncio.run(gw.streams.on_message(Raw(encode(ev), subject=f"dualpath.out.gw.{rid}")))
+
+
+def _lost(gw: Gateway, engine: str, incarnation: str = "") -> None:
+    asyncio.run(gw._on_engine_lost(Raw(encode(m.EngineLost(engine_id=engine, incarnation=incarnation)))))
+
+
+def test_started_requests_whose_decode_engine_is_lost_are_resubmitted_and_no_others(tiny_model):
+    """A scheduler that took over never heard of a request whose answer had started: when its
+    engine dies, the gateway resubmits it (a scheduler that knows it answers 409)."""
+    gw, tasks = _gateway(tiny_model, ["cmpl-a", "cmpl-b", "cmpl-c", "cmpl-d", "cmpl-e"])
+    _started(gw, "cmpl-a", "d0", "d0@one")
+    _started(gw, "cmpl-b", "d1", "d1@two")
+    _started(gw, "cmpl-d", "d0")  # only its first token yet (the prefill engine names the decode engine)
+    _started(gw, "cmpl-e", "d0", "d0@one", "d0@one")
+    done = m.TokenEvent(request_id="cmpl-e", index=3, token_ids=[], finish_reason="stop")
+    asyncio.run(gw.streams.on_message(Raw(encode(done), subject="dualpath.out.gw.cmpl-e")))
+    _lost(gw, "d0", "zero")  # an older process of d0: not the one serving cmpl-a
+    assert tasks.started == ["cmpl-d"]
+    _lost(gw, "d0", "one")
+    assert sorted(tasks.started) == ["cmpl-a", "cmpl-d", "cmpl-d"]  # not b (another engine), c (unstarted: the failover's), e (done)
+    asyncio.run(gw._on_engine_lost(Raw(b"\xc1")))  # garbage changes nothing
+    assert len(tasks.started) == 3
+
+
+def test_after_a_failover_started_requests_whose_engine_the_new_scheduler_does_not_list_are_resubmitted(tiny_model, monkeypatch):
+    """The engine died before the new scheduler took over (it never heard of it), or restarted
+    since (another incarnation): nobody will ever expel it for these requests."""
+    import services.gateway.core as gateway_core
+
+    monkeypatch.setattr(gateway_core, "_ORPHAN_CHECK_S", 0.2)
+    gw, tasks = _gateway(tiny_model, ["cmpl-a", "cmpl-b", "cmpl-c", "cmpl-d", "cmpl-e"])
+    _started(gw, "cmpl-a", "d0", "d0@one")  # d0 restarted since: now d0@new
+    _started(gw, "cmpl-b", "d1", "d1@two")  # alive
+    _started(gw, "cmpl-c", "d2", "d2@three")  # gone
+    _started(gw, "cmpl-e", "d3", "d3@four")  # not listed yet, but its tokens keep coming: alive
+    for rid in ("cmpl-a", "cmpl-b", "cmpl-c"):
+        gw.streams._streams[rid].last_event -= 10.0  # no token since the failover
+    live = [{"engine_id": "d0", "incarnation": "new"}, {"engine_id": "d1", "incarnation": "two"}, {"engine_id": "p0", "incarnation": "x"}]
+
+    async def state():
+        return m.StateReply(prefill_engines=1, decode_engines=2, nodes=2, queued=0, running=0, policy="dualpath", engines=live)
+
+    gw.cluster_state = state  # type: ignore[method-assign]
+
+    async def check() -> None:
+        orphans = asyncio.create_task(gw._resubmit_orphans())
+        await asyncio.sleep(0.15)
+        ev = m.TokenEvent(request_id="cmpl-e", index=3, token_ids=[5], decode_engine="d3@four")
+        await gw.streams.on_message(Raw(encode(ev), subject="dualpath.out.gw.cmpl-e"))
+        await orphans
+
+    asyncio.run(check())
+    assert sorted(tasks.started) == ["cmpl-a", "cmpl-c"]  # d is unstarted (resubmitted at the failover itself)
