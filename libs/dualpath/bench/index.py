@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -221,10 +223,37 @@ def run_bench(
         cpu0, driver0 = _cpu_seconds(sup), time.process_time()
         measured = asyncio.run(_drive(specs[0].url, namespace, clients=clients, seconds=seconds, chain_blocks=chain_blocks, seed=seed))
         cpu1, driver1 = _cpu_seconds(sup), time.process_time()
+    except BaseException:
+        print(f"dualpath bench index: failed; logs kept in {run_dir / 'logs'}", file=sys.stderr)
+        raise
     finally:
         sup.stop([n for n in sup.children if n.startswith("kv-")], 10.0)
         sup.stop(list(sup.children), 5.0)
-    return _report(measured, {k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1}, driver1 - driver0, replicas, nats_cluster, clients)
+    grouping = _grouping(run_dir / "logs", replicas)
+    shutil.rmtree(run_dir, ignore_errors=True)  # the stream's files: nothing to keep after a run that worked
+    report = _report(measured, {k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1}, driver1 - driver0, replicas, nats_cluster, clients)
+    report["stream_records"] = grouping
+    return report
+
+
+def _grouping(logs: Path, replicas: int) -> dict[str, float | int | None]:
+    """Stream records the replicas published over the whole run (warm-up included) and the
+    commits they carried, from each replica's ``index_closed`` log line."""
+    records = ops = 0
+    for i in range(replicas):
+        try:
+            lines = (logs / f"kv-persistence-{i}.log").read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in reversed(lines):
+            if '"index_closed"' in line:
+                try:
+                    event = json.loads(line)
+                    records, ops = records + int(event["records"]), ops + int(event["ops"])
+                except (ValueError, KeyError, TypeError):
+                    pass
+                break
+    return {"records": records, "ops": ops, "ops_per_record": ops / records if records else None}
 
 
 def _report(measured: dict, cpu: dict[str, float], driver_cpu: float, replicas: int, nats_cluster: int, clients: int) -> dict:
@@ -334,13 +363,15 @@ def format_report(r: dict) -> str:
             f"{pc['block_commits_per_s']:,.0f} block commits/s); {r['replicas']} replicas with a core each: "
             f"{r['projected_headroom']:.2f}x (nats-server: {r['nats_cores_for_load']:.2f} cores per load)"
         )
+    g = r.get("stream_records") or {}
+    if g.get("records"):
+        lines.append(f"stream records: {g['records']:,} carrying {g['ops']:,} commits ({g['ops_per_record']:.1f} per record)")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``dualpath bench index [--replicas 2] [--clients 256] [--seconds 10] [--nats-cluster 1|3] [--json]``."""
     import argparse
-    import json
 
     p = argparse.ArgumentParser(prog="dualpath bench index", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, default=2, help="kv-persistence replicas (default 2)")

@@ -111,6 +111,7 @@ class ReplicatedIndex:
         self.index = BlockIndex(None, track_recency=capacity_blocks is not None)
         self.applied = 0  # stream sequence of the last record applied
         self.records = 0  # stream messages published by this replica
+        self.ops = 0  # changes those records carried (ops / records: how well commits are grouped)
         self._max_batch = max_batch_ops
         self._max_pending = max_pending_ops
         self._ack_timeout = ack_timeout
@@ -273,6 +274,7 @@ class ReplicatedIndex:
 
         Ops already published may still be applied by the other replicas: a client told
         "failed" retries, and a commit is idempotent."""
+        log.info("index_closed", records=self.records, ops=self.ops, applied=self.applied, blocks=len(self.index))
         await self._unfollow()
         tasks = [t for t in self._tasks if t is not asyncio.current_task()]
         for task in tasks:
@@ -434,6 +436,7 @@ class ReplicatedIndex:
                 payload = msgpack.packb({"v": RECORD_VERSION, "ops": [op for op, _ in batch]}, use_bin_type=True)
                 ack = await self.js.publish(self.subject, payload, stream=self.stream, timeout=self._ack_timeout)
                 self.records += 1
+                self.ops += len(batch)
             finally:
                 self._window.release()
             await asyncio.wait_for(self.wait_applied(ack.seq), self._ack_timeout)
