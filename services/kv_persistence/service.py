@@ -88,7 +88,7 @@ class KvPersistence:
         """The persisted prefix of ``req.hashes``, answered from memory (no await).
 
         Raises:
-            HandlerError: 400 when a hash is not an int.
+            HandlerError: 400 when a hash the bisection probes cannot be one (e.g. a list).
         """
         try:
             if tracing_enabled():
@@ -97,7 +97,7 @@ class KvPersistence:
                     span.set_attributes({"blocks": len(req.hashes), "hit_blocks": hit})
             else:  # no span at all: even a no-op one costs a few microseconds per lookup
                 hit = self.index.longest_prefix(req.model_digest, req.hashes)
-        except (TypeError, ValueError) as exc:  # a hash that is not an int (unhashable)
+        except (TypeError, ValueError) as exc:  # an unhashable element
             raise HandlerError(400, str(exc)) from None
         self.looked_up += len(req.hashes)
         self.hits += hit
@@ -130,7 +130,7 @@ class KvPersistence:
                 span.end()
             raise HandlerError(BUSY if isinstance(exc, IndexBusyError) else 400, str(exc)) from None
 
-    # ---- commits and removals as coroutines (the bus path, the raw path's slow commits, tests) ----
+    # ---- bus tasks: commits that check files or append to the local log, removals ----------
 
     async def commit(self, req: m.CommitRequest) -> m.Ok:
         """Index the blocks (checking their files first when there is a store); durable when it returns.
