@@ -108,9 +108,9 @@ def _stacks(ns: argparse.Namespace, out: Path, say):
 
 
 def _agents(ns: argparse.Namespace) -> int:
-    """Agents that may arrive: half again the expected arrivals over the soak, plus a margin."""
+    """Agents that may arrive: the expected arrivals over the soak, a fifth more and a margin (Poisson spread)."""
     k = ns.slowdown if ns.compute == "modeled" else 1.0
-    return math.ceil(1.5 * ns.rate * 60 * ns.minutes / k) + 8
+    return math.ceil(1.2 * ns.rate * 60 * ns.minutes / k) + 8
 
 
 def _start(cfg, say, label: str):
@@ -200,23 +200,33 @@ def run_soak(ns: argparse.Namespace, say=lambda _m: None) -> dict:
         load.t0 = time.monotonic()
         anyio.run(run_load, load, stack, say)
         events = list(stack.events)
+        if ns.replay_on == "same":
+            replayed = _replay(ns, load, stack.url, say)
     finally:
         stack.stop()
-    ref = _start(fast, say, "undisturbed replay")
-    try:
-        from loadgen.client import Endpoint
-
-        endpoint = Endpoint.parse(ref.url, chat=False, model=load.spec.endpoint.model, timeout_s=ns.client_timeout)
-        n = sum(o.status == "completed" for o in load.outcomes)
-        say(f"replay: asking the {n} completed turns again on an undisturbed stack")
-        t0 = time.monotonic()
-        mismatched, unanswered, examples = anyio.run(replay, load, endpoint)
-        say(f"replay: {mismatched} differ, {unanswered} not answered, in {time.monotonic() - t0:.0f} s")
-    finally:
-        ref.stop()
+    if ns.replay_on == "fresh":
+        ref = _start(fast, say, "undisturbed replay")
+        try:
+            replayed = _replay(ns, load, ref.url, say)
+        finally:
+            ref.stop()
+    mismatched, unanswered, examples = replayed
     report = _report(ns, load, events, mismatched, unanswered)
     report["mismatch_examples"] = examples
     return report
+
+
+def _replay(ns: argparse.Namespace, load: Load, url: str, say) -> tuple[int, int, list[dict]]:
+    """Every completed turn asked again at ``url``, no kills meanwhile (``soak_load.replay``)."""
+    from loadgen.client import Endpoint
+
+    endpoint = Endpoint.parse(url, chat=False, model=load.spec.endpoint.model, timeout_s=ns.client_timeout)
+    n = sum(o.status == "completed" for o in load.outcomes)
+    say(f"replay: asking the {n} completed turns again ({ns.replay_on} stack, no kills)")
+    t0 = time.monotonic()
+    result = anyio.run(replay, load, endpoint)
+    say(f"replay: {result[0]} differ, {result[1]} not answered, in {time.monotonic() - t0:.0f} s")
+    return result
 
 
 def _report(ns: argparse.Namespace, load: Load, events: list, mismatched: int, unanswered: int) -> dict:
@@ -253,6 +263,7 @@ def _report(ns: argparse.Namespace, load: Load, events: list, mismatched: int, u
             "requests_outside_faults": len(calm),
             "attainment_outside_faults": round(len(met) / len(calm), 4) if calm else None,
         },
+        "hit_rate": round(sum(o.cached_tokens for o in outs) / prompt, 4) if (prompt := sum(o.prompt_tokens for o in outs)) else None,
         "errors": _error_counts(outs),
         "lost_examples": [asdict(o) | {"text": o.text[:40]} for o in outs if o.status == "lost"][:3],
         "loadavg": [round(x, 2) for x in os.getloadavg()],
@@ -307,6 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slowdown", type=float, default=4.0, help="slow motion of the modeled cluster (as the online experiment)")
     p.add_argument("--fast-slowdown", type=float, default=0.1, help="the warm-up's and the undisturbed replay's (fast-forward)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True, help="untimed first turn of every agent (modeled)")
+    p.add_argument(
+        "--replay-on",
+        choices=("fresh", "same"),
+        default="fresh",
+        help="fresh: on a new fast-forwarded stack over the same storage and index (default); same: on the soak's stack, kills over",
+    )
     p.add_argument("--replicas", type=int, default=2, help="schedulers and kv-persistence replicas")
     p.add_argument("--nats-cluster", type=int, default=1, choices=(1, 3))
     p.add_argument("--fault-window", type=float, default=15.0, help="host seconds after a kill left out of the SLO figure")

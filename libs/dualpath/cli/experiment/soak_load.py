@@ -59,6 +59,8 @@ class Outcome:
     error: str = ""
     ttft_s: float | None = None  # host seconds, as the client measured them
     tpot_s: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server found in storage
 
 
 @dataclass(slots=True, kw_only=True)
@@ -120,6 +122,7 @@ async def _agent(load: Load, index: int) -> None:
                 out.error = f"answer ended after {n} of {gen} tokens without an error"
                 return
             out.status, out.text, out.ttft_s, out.tpot_s = "completed", r.text, r.ttft, r.tpot
+            out.prompt_tokens, out.cached_tokens = r.prompt_tokens or 0, r.cached_tokens or 0
             conversation.add_answer(r.text)
     finally:
         with anyio.CancelScope(shield=True):
@@ -139,8 +142,9 @@ async def _killer(load: Load, stack) -> None:
     n = 0
     while True:
         n += 1
-        await anyio.sleep(max(0.0, n * load.kill_every - load.now()))
-        if load.now() >= load.seconds:
+        due = n * load.kill_every
+        await anyio.sleep(max(0.0, min(due, load.seconds) - load.now()))
+        if due >= load.seconds:
             return
         kind = load.rng.choice(load.kinds)
         names = sorted(name for name, p in stack.procs if name.startswith(KINDS[kind]) and p.poll() is None)
@@ -170,12 +174,13 @@ async def _progress(load: Load, stack, say: Callable[[str], None]) -> None:
 
 
 async def run_load(load: Load, stack, say: Callable[[str], None]) -> None:
-    """Run the agents, the killer and the progress line; returns when every agent has finished."""
+    """Run the agents, the killer and the progress line; returns when every agent has finished
+    and the kills are over (at ``seconds``, even if the agents ran out before)."""
     async with anyio.create_task_group() as outer:
-        outer.start_soon(_killer, load, stack)
         outer.start_soon(_progress, load, stack, say)
-        async with anyio.create_task_group() as agents:
-            await _launch(load, agents)
+        async with anyio.create_task_group() as work:
+            work.start_soon(_killer, load, stack)
+            await _launch(load, work)
         outer.cancel_scope.cancel()
 
 
