@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dualpath.bench.index import LOAD, _report
+from dualpath.bench.index import LOAD, _grouping, _report
 
 
 def test_the_load_model_has_the_paper_s_per_turn_message_pattern() -> None:
@@ -30,3 +30,17 @@ def test_headroom_is_the_smallest_ratio_and_the_projection_scales_one_replica_co
     assert r["per_replica_core"]["headroom"] == pytest.approx(2.5)
     assert r["projected_headroom"] == pytest.approx(5.0)
     assert r["cores_used"]["driver"] == pytest.approx(0.2)
+
+
+def test_stream_grouping_is_summed_from_each_replica_s_last_index_closed_line(tmp_path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    lines = [
+        '{"event": "index_closed", "records": 1, "ops": 1}',  # an earlier run of the replica
+        '{"event": "index_loaded"}',
+        '{"event": "index_closed", "records": 10, "ops": 300}',
+    ]
+    (logs / "kv-persistence-0.log").write_text("\n".join(lines) + "\n")
+    (logs / "kv-persistence-1.log").write_text('{"event": "index_closed", "records": 5, "ops": 100}\n')
+    assert _grouping(logs, 3) == {"records": 15, "ops": 400, "ops_per_record": pytest.approx(400 / 15)}  # replica 2 left no log
+    assert _grouping(tmp_path / "none", 1) == {"records": 0, "ops": 0, "ops_per_record": None}

@@ -21,7 +21,8 @@ cluster, the stream on all three) and ``--replicas`` kv-persistence processes
 message a NATS request answered by whichever replica the queue group picks, a commit
 answered once its stream record is stored and applied. It reports the rates sustained,
 ``headroom`` = the smallest of sustained / required over lookups, block commits and commit
-messages, and the CPU each process used. Everything shares this host's cores with the load
+messages, the CPU each process used while the agents ran (the warm-up left out), and how many
+commits each stream record carried. Everything shares this host's cores with the load
 driver (and on a shared machine with whatever else runs), so ``headroom`` is what this host
 gave; ``per_replica_core`` turns the replicas' CPU time into the load one replica core
 carries, and ``projected_headroom`` is the headroom of ``--replicas`` replicas with a core
@@ -40,6 +41,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +123,12 @@ class _Requests:
         return len(left)
 
 
-async def _drive(url: str, namespace: str, *, clients: int, seconds: float, chain_blocks: int, seed: int) -> dict:
+async def _drive(
+    url: str, namespace: str, *, clients: int, seconds: float, chain_blocks: int, seed: int, cpu: Callable[[], dict[str, float]]
+) -> dict:
+    """Index every agent's context (warm-up), then run the agents for ``seconds``; ``cpu()`` (CPU
+    seconds per process) is read when the agents start and when the last one ended, so the
+    figures leave out the warm-up and the connection set-up."""
     import nats
 
     from dualpath.protocol import decode, encode
@@ -173,10 +180,10 @@ async def _drive(url: str, namespace: str, *, clients: int, seconds: float, chai
             except Exception:  # noqa: BLE001 - an error reply or a bad answer: counted, the run goes on
                 counts["errors"] += 1
 
-    t0 = time.perf_counter()
+    cpu0, t0 = cpu(), time.perf_counter()
     tasks = [asyncio.create_task(run(a)) for a in agents]  # awaited (or cancelled) right below
     done, late = await asyncio.wait(tasks, timeout=seconds + _GRACE_S)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu1 = time.perf_counter() - t0, cpu()
     unanswered = req.abandon()
     for task in late:
         task.cancel()
@@ -185,6 +192,7 @@ async def _drive(url: str, namespace: str, *, clients: int, seconds: float, chai
     latencies.sort()
     return {
         "elapsed_s": elapsed,
+        "cpu_s": {k: v - cpu0.get(k, 0.0) for k, v in cpu1.items()},
         **counts,
         "unanswered": unanswered,
         "lookup_p50_ms": 1000 * latencies[len(latencies) // 2] if latencies else None,
@@ -220,9 +228,13 @@ def run_bench(
             cmd += ["--storage", str(run_dir / "storage"), "--replication", "jetstream", "--replica-id", str(i)]
             sup.add(f"kv-persistence-{i}", cmd, env)
         _wait_for_replicas(run_dir / "logs", replicas, sup)
-        cpu0, driver0 = _cpu_seconds(sup), time.process_time()
-        measured = asyncio.run(_drive(specs[0].url, namespace, clients=clients, seconds=seconds, chain_blocks=chain_blocks, seed=seed))
-        cpu1, driver1 = _cpu_seconds(sup), time.process_time()
+
+        def cpu() -> dict[str, float]:
+            return {**_cpu_seconds(sup), "driver": time.process_time()}
+
+        measured = asyncio.run(
+            _drive(specs[0].url, namespace, clients=clients, seconds=seconds, chain_blocks=chain_blocks, seed=seed, cpu=cpu)
+        )
     except BaseException:
         print(f"dualpath bench index: failed; logs kept in {run_dir / 'logs'}", file=sys.stderr)
         raise
@@ -231,7 +243,9 @@ def run_bench(
         sup.stop(list(sup.children), 5.0)
     grouping = _grouping(run_dir / "logs", replicas)
     shutil.rmtree(run_dir, ignore_errors=True)  # the stream's files: nothing to keep after a run that worked
-    report = _report(measured, {k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1}, driver1 - driver0, replicas, nats_cluster, clients)
+    cpu_s = measured.pop("cpu_s")
+    driver_cpu = cpu_s.pop("driver")
+    report = _report(measured, cpu_s, driver_cpu, replicas, nats_cluster, clients)
     report["stream_records"] = grouping
     return report
 
