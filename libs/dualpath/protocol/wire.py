@@ -40,6 +40,12 @@ def _field_checks(cls: type) -> tuple[tuple[str, tuple[type, ...], bool], ...]:
     return tuple(checks)
 
 
+@cache
+def _required(cls: type) -> tuple[str, ...]:
+    """Names of the fields without a default (computed once per class: decoding is a hot path)."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+
+
 class Wire:
     """Mixin for message dataclasses: ``to_wire()`` -> dict, ``from_wire(dict)`` -> message."""
 
@@ -68,11 +74,7 @@ class Wire:
             if accepted and not isinstance(value, accepted):
                 raise TypeError(f"field {name!r} has type {type(value).__name__}")
             kwargs[name] = value
-        missing = [
-            f.name
-            for f in dataclasses.fields(fields_of)
-            if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        ]
+        missing = [name for name in _required(fields_of) if name not in kwargs]
         if missing:
             raise TypeError(f"missing field(s) {', '.join(map(repr, missing))}")
         return cls(**kwargs)
