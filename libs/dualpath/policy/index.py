@@ -60,7 +60,7 @@ class LazyIndex:
         # Stale entries at the top would be walked past by every pass: drop them now.
         while key_of(heap[0][1]) != heap[0][0]:
             heappop(heap)
-        if len(heap) > 2 * len(self._members) + 64:
+        if len(heap) > 2 * len(self._members) + 8:
             self.rebuild()
 
     def walk(self) -> Iterator[Entry]:

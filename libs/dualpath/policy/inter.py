@@ -38,7 +38,8 @@ mutates the ``ClusterState``; tentative values live in per-pass heaps and dicts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from itertools import islice
 from typing import NamedTuple
 
 from dualpath.policy.index import Candidates
@@ -71,6 +72,11 @@ class ReadChoice(NamedTuple):
 
 def select_prefill_engines(waiting: Sequence[PendingRequest], state: ClusterState, th: Thresholds) -> list[int]:
     """Prefill engine ids for the longest placeable prefix of ``waiting`` (stage 1)."""
+    return list(_prefill_engines(waiting, state, th))
+
+
+def _prefill_engines(waiting: Sequence[PendingRequest], state: ClusterState, th: Thresholds) -> Iterator[int]:
+    """Stage 1, one request at a time (a pass stops pulling where another stage stops)."""
     alpha, beta = th.alpha_tokens, th.beta_tokens
     engines, nodes = state.engines, state.nodes
 
@@ -84,7 +90,6 @@ def select_prefill_engines(waiting: Sequence[PendingRequest], state: ClusterStat
         cands, classes = Candidates(state.prefill_index.walk()), (0,)
     else:
         cands, classes = Candidates(state.prefill_index.walk(), queue_class, classes=2), (0, 1)
-    chosen: list[int] = []
     for request in waiting:
         # A class whose lowest tok_e is over beta has no engine that qualifies.
         for cls in classes:
@@ -108,18 +113,25 @@ def select_prefill_engines(waiting: Sequence[PendingRequest], state: ClusterStat
             if near is not None and near[0] <= beta and 5 * alpha * (near[0] - best[0]) <= 3 * beta * saved:
                 cls, best = scls, near
         cands.take(cls, best, best[0] + request.miss_tokens)
-        chosen.append(best[1])
-    return chosen
+        yield best[1]
 
 
 def select_decode_groups(waiting: Sequence[PendingRequest], count: int, state: ClusterState) -> list[NodeState]:
     """Decode groups (nodes) for the first ``count`` requests, phase 1; may return fewer."""
+    return list(islice(_decode_groups(waiting, state), count))
+
+
+def _decode_groups(waiting: Sequence[PendingRequest], state: ClusterState) -> Iterator[NodeState]:
+    """Stage 2 (phase 1), one request at a time."""
     nodes = state.nodes
     free_total: dict[int, int] = {}  # tentative Σ free HBM per group looked at this pass
     max_free: dict[int, int] = {}  # largest single-DE free HBM at pass start
     buffer_left: dict[int, int] = {}  # tentative free buffer blocks per group given requests this pass
 
     def room(node_id: int, need: int, blocks: int) -> bool:
+        node = nodes[node_id]
+        if not node.buffer_room(blocks, buffer_left.get(node_id, node.buffer_free)):
+            return False
         biggest = max_free.get(node_id)
         if biggest is None:
             biggest = total = 0
@@ -128,15 +140,11 @@ def select_decode_groups(waiting: Sequence[PendingRequest], count: int, state: C
                 total += free
                 biggest = max(biggest, free)
             max_free[node_id], free_total[node_id] = biggest, total
-        if biggest < need or free_total[node_id] < need:
-            return False
-        node = nodes[node_id]
-        return node.buffer_room(blocks, buffer_left.get(node_id, node.buffer_free))
+        return biggest >= need and free_total[node_id] >= need
 
     cands = Candidates(state.decode_group_index.walk())
-    chosen: list[NodeState] = []
-    for i in range(count):
-        need, blocks = waiting[i].total_len, waiting[i].slot_blocks
+    for request in waiting:
+        need, blocks = request.total_len, request.slot_blocks
 
         def fits(entry: tuple[int, int], need: int = need, blocks: int = blocks) -> bool:
             return room(entry[1], need, blocks)
@@ -144,7 +152,7 @@ def select_decode_groups(waiting: Sequence[PendingRequest], count: int, state: C
         best = cands.first(ok=fits)
         if best is None:
             break
-        staged = waiting[i].staged_node
+        staged = request.staged_node
         if staged >= 0 and staged != best[1] and staged in nodes and nodes[staged].role is Role.DECODE:
             # prefetch: the group holding the staged copy, if it has room
 
@@ -158,8 +166,7 @@ def select_decode_groups(waiting: Sequence[PendingRequest], count: int, state: C
         free_total[best[1]] -= need
         node = nodes[best[1]]
         buffer_left[best[1]] = buffer_left.get(best[1], node.buffer_free) - blocks
-        chosen.append(node)
-    return chosen
+        yield node
 
 
 def place_in_groups(waiting: Sequence[PendingRequest], groups: Sequence[NodeState], slack_percent: int = Z_SLACK_PERCENT) -> list[int]:
@@ -297,8 +304,13 @@ def schedule_dualpath(
 ) -> list[Assignment]:
     """One DualPath scheduling pass: assignments for the longest FIFO prefix of
     ``waiting`` that every stage could place. Does not mutate ``state``."""
-    prefill = select_prefill_engines(waiting, state, thresholds)
-    groups = select_decode_groups(waiting, len(prefill), state)
+    # Stages 1 and 2 advance together and stop where either stops (neither depends on the
+    # other; each request's choice depends only on those before it).
+    prefill: list[int] = []
+    groups: list[NodeState] = []
+    for pe, group in zip(_prefill_engines(waiting, state, thresholds), _decode_groups(waiting, state)):
+        prefill.append(pe)
+        groups.append(group)
     decode = place_in_groups(waiting, groups, slack_percent)
     sides = choose_read_sides(waiting, prefill, decode, state, read_path)
     return assemble(waiting, prefill, decode, sides, state)
