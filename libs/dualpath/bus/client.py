@@ -268,7 +268,7 @@ class Bus:
             except Exception as exc:  # noqa: BLE001 - the connection may already be gone
                 log.debug("unsubscribe_failed", error=str(exc))
         try:
-            await self.nc.flush()  # a round trip: the server routes nothing more here once this returns
+            await self.nc.flush()  # a round trip: the server has the unsubscriptions (its routing caches may lag a moment)
         except Exception as exc:  # noqa: BLE001 - as above
             log.debug("unsubscribe_flush_failed", error=str(exc))
 
