@@ -78,6 +78,7 @@ def _stacks(ns: argparse.Namespace, out: Path, say):
     from dualpath.cli.launcher.up import ensure_model
 
     env = {"DUALPATH_REQUEST_TIMEOUT": str(ns.client_timeout / 2)}  # the gateway answers 504 before the client gives up
+    env_fast = {"DUALPATH_REQUEST_TIMEOUT": "3600"}
     namespace = f"soak{os.getpid()}"  # shared by the three stacks: the JetStream index survives them
     if ns.compute == "torch":
         cfg = StackConfig(
@@ -103,7 +104,8 @@ def _stacks(ns: argparse.Namespace, out: Path, say):
     spec, mode = prepared[0], prepared[1][-1]  # dualpath, or split / prefetch when asked for
     cfg = stack_config(spec, MODES[mode], emulation_config(spec, False, ns.slowdown), out)
     cfg = dataclasses.replace(cfg, replicas=ns.replicas, nats_cluster=ns.nats_cluster, namespace=namespace, extra_env=cfg.extra_env | env)
-    fast = dataclasses.replace(cfg, emulation=emulation_config(spec, False, ns.fast_slowdown))
+    # The warm-up starts every agent at once: its gateway keeps the default request timeout.
+    fast = dataclasses.replace(cfg, emulation=emulation_config(spec, False, ns.fast_slowdown), extra_env=cfg.extra_env | env_fast)
     return cfg, fast, spec
 
 
@@ -123,7 +125,7 @@ def _start(cfg, say, label: str):
     return Stack(replace(cfg, port=free_port())).start(timeout=300, progress=say)
 
 
-def _warm_up(spec, fast, out: Path, say, every: float) -> None:
+def _warm_up(spec, fast, out: Path, say, every: float) -> dict:
     """Every agent's first turn, untimed, on the fast-forwarded redundant stack (as the online
     experiment's warm-up, but its index is the soak's JetStream index)."""
     from dualpath.cli.experiment.runner import loadgen_command
@@ -140,9 +142,14 @@ def _warm_up(spec, fast, out: Path, say, every: float) -> None:
                     break
                 except subprocess.TimeoutExpired:
                     say(f"warm-up: {time.monotonic() - t0:.0f} s; load average {os.getloadavg()[0]:.1f}")
+        try:
+            done = json.loads((out / "warmup" / "report.json").read_text())["run"]["turns"]["completed"]
+        except (OSError, ValueError, KeyError, TypeError):
+            done = 0
         if code != 0:
             say(f"warm-up load generator exited {code}; see {out / 'warmup.log'}")
-        say(f"warm-up: {spec.agents} agents' first turns in {time.monotonic() - t0:.0f} s")
+        say(f"warm-up: {done} of {spec.agents} agents' first turns in {time.monotonic() - t0:.0f} s")
+        return {"agents": spec.agents, "completed": done, "seconds": round(time.monotonic() - t0, 1)}
     finally:
         stack.stop()
 
@@ -188,8 +195,7 @@ def run_soak(ns: argparse.Namespace, say=lambda _m: None) -> dict:
         shutil.rmtree(out / stale, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     cfg, fast, spec = _stacks(ns, out, say)
-    if spec is not None and ns.warmup:
-        _warm_up(spec, fast, out, say, ns.progress_every)
+    warmup = _warm_up(spec, fast, out, say, ns.progress_every) if spec is not None and ns.warmup else None
     stack = _start(cfg, say, "soak")
     try:
         load = _load(ns, cfg.model, stack.url, ns.client_timeout)
@@ -213,6 +219,7 @@ def run_soak(ns: argparse.Namespace, say=lambda _m: None) -> dict:
     mismatched, unanswered, examples = replayed
     report = _report(ns, load, events, mismatched, unanswered)
     report["mismatch_examples"] = examples
+    report["warmup"] = warmup
     return report
 
 
@@ -224,7 +231,7 @@ def _replay(ns: argparse.Namespace, load: Load, url: str, say) -> tuple[int, int
     n = sum(o.status == "completed" for o in load.outcomes)
     say(f"replay: asking the {n} completed turns again ({ns.replay_on} stack, no kills)")
     t0 = time.monotonic()
-    result = anyio.run(replay, load, endpoint)
+    result = anyio.run(replay, load, endpoint, 16, say)
     say(f"replay: {result[0]} differ, {result[1]} not answered, in {time.monotonic() - t0:.0f} s")
     return result
 

@@ -184,15 +184,19 @@ async def run_load(load: Load, stack, say: Callable[[str], None]) -> None:
         outer.cancel_scope.cancel()
 
 
-async def replay(load: Load, endpoint: Endpoint, concurrency: int = 16) -> tuple[int, int, list[dict]]:
+async def replay(
+    load: Load, endpoint: Endpoint, concurrency: int = 16, say: Callable[[str], None] = lambda _m: None
+) -> tuple[int, int, list[dict]]:
     """Ask every completed turn again at ``endpoint`` (an undisturbed stack), each agent's turns in
-    order with the soak's history as prompt. Returns (answers that differ, turns not answered
-    again, up to three examples of differing answers)."""
+    order with the soak's history as prompt; ``say`` gets a progress line every ``progress_every``
+    seconds. Returns (answers that differ, turns not answered again, up to three examples of
+    differing answers)."""
     done: dict[int, dict[int, Outcome]] = {}
     for o in load.outcomes:
         if o.status == "completed":
             done.setdefault(o.agent, {})[o.turn] = o
-    result = {"differ": 0, "unanswered": 0}
+    result = {"asked": 0, "differ": 0, "unanswered": 0}
+    total = sum(len(kept) for kept in done.values())
     examples: list[dict] = []
     limit = anyio.CapacityLimiter(concurrency)
 
@@ -207,6 +211,7 @@ async def replay(load: Load, endpoint: Endpoint, concurrency: int = 16) -> tuple
                     if turn not in kept:
                         return
                     conversation.add_user(text)
+                    result["asked"] += 1
                     try:
                         again = (await conn.request(conversation.body(gen))).text
                     except ServerError:
@@ -221,7 +226,19 @@ async def replay(load: Load, endpoint: Endpoint, concurrency: int = 16) -> tuple
                 with anyio.CancelScope(shield=True):
                     await conn.aclose()
 
-    async with anyio.create_task_group() as group:
-        for index, kept in sorted(done.items()):
-            group.start_soon(agent, index, kept)
+    async def progress() -> None:
+        t0 = time.monotonic()
+        while True:
+            await anyio.sleep(load.progress_every)
+            say(
+                f"replay {time.monotonic() - t0:.0f} s: asked {result['asked']} of {total}, {result['differ']} differ, "
+                f"{result['unanswered']} not answered; load average {os.getloadavg()[0]:.1f}"
+            )
+
+    async with anyio.create_task_group() as outer:
+        outer.start_soon(progress)
+        async with anyio.create_task_group() as group:
+            for index, kept in sorted(done.items()):
+                group.start_soon(agent, index, kept)
+        outer.cancel_scope.cancel()
     return result["differ"], result["unanswered"], examples
