@@ -128,26 +128,31 @@ def _decode_groups(waiting: Sequence[PendingRequest], state: ClusterState) -> It
     max_free: dict[int, int] = {}  # largest single-DE free HBM at pass start
     buffer_left: dict[int, int] = {}  # tentative free buffer blocks per group given requests this pass
 
-    def room(node_id: int, need: int, blocks: int) -> bool:
-        node = nodes[node_id]
-        if not node.buffer_room(blocks, buffer_left.get(node_id, node.buffer_free)):
-            return False
-        biggest = max_free.get(node_id)
-        if biggest is None:
-            biggest = total = 0
-            for engine in nodes[node_id].engines:
-                free = engine.free_hbm_tokens
-                total += free
-                biggest = max(biggest, free)
-            max_free[node_id], free_total[node_id] = biggest, total
-        return biggest >= need and free_total[node_id] >= need
+    def hbm_sums(node_id: int) -> int:
+        """The group's largest single-DE free HBM, filling ``max_free``/``free_total`` on first sight."""
+        biggest = total = 0
+        for engine in nodes[node_id].engines:
+            free = engine.free_hbm_tokens
+            total += free
+            biggest = max(biggest, free)
+        max_free[node_id], free_total[node_id] = biggest, total
+        return biggest
 
     cands = Candidates(state.decode_group_index.walk())
     for request in waiting:
         need, blocks = request.total_len, request.slot_blocks
 
         def fits(entry: tuple[int, int], need: int = need, blocks: int = blocks) -> bool:
-            return room(entry[1], need, blocks)
+            node_id = entry[1]
+            node = nodes[node_id]
+            if node.buffer_blocks >= 0:  # NodeState.buffer_room, inlined: every pass calls this per group it looks at
+                free = buffer_left.get(node_id, node.buffer_free)
+                if blocks > free and free < node.buffer_blocks:
+                    return False
+            biggest = max_free.get(node_id)
+            if biggest is None:
+                biggest = hbm_sums(node_id)
+            return biggest >= need and free_total[node_id] >= need
 
         best = cands.first(ok=fits)
         if best is None:
