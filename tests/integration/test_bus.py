@@ -82,6 +82,24 @@ async def test_an_inline_handler_answers_now_or_later_in_order_and_garbage_gets_
             await bus.request("t.inline", m.LookupRequest(model_digest=1, hashes=[1]), m.LookupReply, timeout=1.0)
 
 
+async def test_an_inline_handler_runs_in_the_caller_s_trace_context_from_the_headers(nats_server) -> None:
+    from opentelemetry import trace
+
+    trace_id, span_id = 0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331
+    seen: list[int] = []
+    async with Bus.open(nats_server.url, "t") as bus:
+
+        async def handle(_req: m.LookupRequest, _respond: Respond) -> m.LookupReply:
+            seen.append(trace.get_current_span().get_span_context().trace_id)
+            return m.LookupReply(hit_blocks=0)
+
+        await bus.serve("t.traced", handle, m.LookupRequest, inline=True)
+        data = encode(m.LookupRequest(model_digest=1, hashes=[1]))
+        await bus.nc.request("t.traced", data, timeout=2.0, headers={"traceparent": f"00-{trace_id:032x}-{span_id:016x}-01"})
+        await bus.nc.request("t.traced", data, timeout=2.0)  # no headers: no context, and none left over from the first
+    assert seen == [trace_id, 0]
+
+
 async def test_a_request_to_a_subject_nobody_serves_is_a_bus_timeout_error_at_once(nats_server) -> None:
     async with Bus.open(nats_server.url, "t") as bus:
         t0 = time.monotonic()
