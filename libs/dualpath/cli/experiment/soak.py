@@ -285,13 +285,14 @@ def _kill_entry(kill: dict, events: list) -> dict:
 
 
 def _error_counts(outs: list[Outcome]) -> dict[str, int]:
-    """How many requests ended with each kind of error (message cut before ids and numbers)."""
+    """How many requests ended with each kind of error (the server's message, cut to 70 characters)."""
     counts: dict[str, int] = {}
     for o in outs:
         if o.error:
             key = o.error.replace("'", '"')
-            key = key.split('"message": "', 1)[-1][:70]
-            counts[key] = counts.get(key, 0) + 1
+            if '"message": "' in key:  # an error body or SSE error event: its message alone
+                key = key.split('"message": "', 1)[1].split('"', 1)[0]
+            counts[key[:70]] = counts.get(key[:70], 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:8])
 
 
