@@ -42,7 +42,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import anyio
@@ -116,13 +115,12 @@ def _agents(ns: argparse.Namespace) -> int:
 
 
 def _start(cfg, say, label: str):
-    from dataclasses import replace
-
+    """A stack of ``cfg`` on a fresh gateway port, started (StackError if it does not come up)."""
     from dualpath.bus.embedded import free_port
     from dualpath.cli.launcher.stack import Stack
 
     say(f"{label}: starting the stack")
-    return Stack(replace(cfg, port=free_port())).start(timeout=300, progress=say)
+    return Stack(dataclasses.replace(cfg, port=free_port())).start(timeout=300, progress=say)
 
 
 def _warm_up(spec, fast, out: Path, say, every: float) -> dict:
@@ -172,13 +170,12 @@ def _load(ns: argparse.Namespace, model_dir: str, url: str, timeout: float) -> L
         offline=False,
         text_seed=ns.seed,  # as the warm-up's loadgen: same texts, so the agents' history is in storage
     )
-    kinds = ns.kinds
     return Load(
         spec=spec,
         prompts=PromptText(model_dir),
         seconds=60 * ns.minutes,
         kill_every=ns.kill_every,
-        kinds=kinds,
+        kinds=ns.kinds,
         rng=random.Random(ns.seed),
         progress_every=ns.progress_every,
     )
@@ -272,7 +269,7 @@ def _report(ns: argparse.Namespace, load: Load, events: list, mismatched: int, u
         },
         "hit_rate": round(sum(o.cached_tokens for o in outs) / prompt, 4) if (prompt := sum(o.prompt_tokens for o in outs)) else None,
         "errors": _error_counts(outs),
-        "lost_examples": [asdict(o) | {"text": o.text[:40]} for o in outs if o.status == "lost"][:3],
+        "lost_examples": [dataclasses.asdict(o) | {"text": o.text[:40]} for o in outs if o.status == "lost"][:3],
         "loadavg": [round(x, 2) for x in os.getloadavg()],
     }
 
