@@ -135,6 +135,10 @@ class DecodeEngine:
         return await self._intake(task)
 
     async def _intake(self, task: m.DecodeTask) -> m.Ok:
+        try:  # the slot is in use now, whichever scheduler reserved it (the traffic manager's reclaim)
+            await self.bus.publish(self.subjects.tm(self.node_id, "claim"), m.SlotClaimed(request_id=task.request_id, attempt=task.attempt))
+        except Exception as exc:  # noqa: BLE001 - only matters if its scheduler died meanwhile
+            log.warning("slot_claim_failed", request_id=task.request_id, error=str(exc))
         nic = self.setup.nic
         if nic is not None and not self.setup.oracle:
             # Testbed: the prompt KV's H2D goes through the GPU's CNIC (both directions: a
@@ -539,6 +543,7 @@ class DecodeEngine:
             if successor is not None:
                 await self._intake(successor)
             return
+        self._retire(t.request_id, t.attempt + 1)  # a late copy of this hand-off must not run it again
         if r.finish == CANCELLED:
             self.finished.append(t.request_id)
             self._end_span(r)

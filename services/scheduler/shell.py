@@ -100,6 +100,11 @@ class SchedulerShell:
         for c in cmds:
             if isinstance(c, RejectRequest):
                 raise HandlerError(c.code, c.reason)
+        if req.submission > 0:
+            # A resubmission: the scheduler that held the request died. A run of it that engines
+            # may still hold stops now (before this scheduler places it), so it neither hands off
+            # later nor keeps writing into a slot that only the traffic manager's reclaim frees.
+            await self._stop_attempts_before(req.request_id, "resubmitted after a scheduler failover", self._wire_attempt(req, 0))
         self.execute(cmds)
         self._wake.set()
         return m.SubmitReply(queue_position=self.core.queued, instance=self.instance)
@@ -282,11 +287,6 @@ class SchedulerShell:
         key = (c.request_id, c.attempt)
         span = self._spans.get(key, trace.INVALID_SPAN)
         attempt = self._wire_attempt(c.payload, c.attempt)
-        if c.attempt == 0 and attempt > 0:
-            # The first placement of a resubmission (the scheduler that held the request died): a
-            # run of it that engines may still hold stops before this one is dispatched, so it can
-            # neither hand off nor keep writing into a slot nobody will free but the reclaim.
-            await self._stop_attempts_before(c.request_id, "resubmitted after a scheduler failover", attempt)
         with trace.use_span(span, end_on_exit=False):
             try:
                 slot = await self.bus.request(

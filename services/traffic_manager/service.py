@@ -13,14 +13,16 @@ Handlers (subjects ``{ns}.tm.{node}.*``):
 Every ``report_interval`` it publishes a ``NodeReport`` (read queue, buffer room).
 
 Reservations of a dead scheduler: a DE slot is reserved by a scheduler instance (its heartbeat
-name, ``AllocRequest.instance``) and *claimed* by the first load into it or persist from it.
+name, ``AllocRequest.instance``) and *claimed* when the decode engine takes the hand-off
+(``claim``: ``SlotClaimed``) or persists from it; a read into it does not claim it (a read in
+progress holds the slot anyway, and the prefill that asked may be superseded right after).
 When the heartbeat names another instance, the old one's state died with it: nobody would
 free its reservations that were never claimed (a dispatch that never happened, a prefill
 superseded by the resubmission). They are given back ``reclaim_after_s`` after the change:
-long enough for a hand-off in flight to be claimed (the new scheduler cancels the old runs of
-every request it is resubmitted, so none keeps writing into its old slot that long; what stays
-at risk is a prefill the old scheduler placed that waits longer than that for admission on
-its decode engine).
+long enough for a hand-off in flight to be claimed. A scheduler that accepts a resubmission
+cancels the old runs of the request at once, so none keeps writing into its old slot that
+long; what stays at risk is a run of a request nobody resubmitted (its gateway died too) whose
+prefill is still going ``reclaim_after_s`` after the failover.
 """
 
 from __future__ import annotations
@@ -199,7 +201,6 @@ class TrafficManager:
             self.prefetcher.fmt = fmt
         key = slot_key(req.request_id, req.attempt)
         slot = self.pool.get(key)
-        self._reserved.pop(key, None)  # claimed: a prefill of this attempt uses it
         if slot is None:
             if not req.allocate:
                 raise HandlerError(404, f"request {req.request_id} has no buffer slot on node {self.cfg.node_id}")
@@ -285,6 +286,10 @@ class TrafficManager:
             if req.free_after:
                 self._release(key)
         return m.Ok(detail=f"persisted {len(req.hashes)}")
+
+    async def claim(self, req: m.SlotClaimed) -> None:
+        """A decode engine took the hand-off of this slot: it is in use (see the module docstring)."""
+        self._reserved.pop(slot_key(req.request_id, req.attempt), None)
 
     async def on_scheduler_alive(self, raw) -> None:
         """NATS callback of the scheduler's heartbeat (``SubmitReply`` naming its instance)."""
@@ -402,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             ("load", tm.load, m.LoadRequest),
             ("persist", tm.persist, m.PersistRequest),
             ("describe", tm.describe, m.DescribeRequest),
+            ("claim", tm.claim, m.SlotClaimed),
         ):
             await bus.serve(subjects.tm(cfg.node_id, topic), handler, msg)
         await bus.subscribe_raw(subjects.sched_alive, tm.on_scheduler_alive)

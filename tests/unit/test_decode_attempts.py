@@ -49,6 +49,9 @@ class FakeBus:
     def freed(self) -> list[tuple[str, int]]:
         return [(r.request_id, r.attempt) for r in self.requested if isinstance(r, m.FreeRequest)]
 
+    def claimed(self) -> list[tuple[str, int]]:
+        return [(c.request_id, c.attempt) for _, c in self.published if isinstance(c, m.SlotClaimed)]
+
 
 def _engine(bus: FakeBus, tasks) -> DecodeEngine:
     setup = SimpleNamespace(
@@ -133,6 +136,8 @@ def test_a_retry_replaces_the_run_it_still_holds_and_the_old_runs_events_stop():
     assert all(e.decode_engine == engine_name(e) for e in events)
     assert seen["late_old"] == "superseded" and ("r", 0) in bus.freed()  # its slot is given back
     assert seen["finished"] == ["r"]  # once: the old run is never reported finished
+    assert seen["same_again"] == "superseded"  # a late copy of the finished attempt's hand-off does not run it again
+    assert bus.claimed() == [("r", 0), ("r", 1)]  # each hand-off taken told its traffic manager (the refused one did not)
 
 
 def engine_name(e: m.TokenEvent) -> str:

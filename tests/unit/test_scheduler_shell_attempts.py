@@ -3,8 +3,8 @@ attempts on the wire are offset by the gateway's submission (a scheduler that to
 reuses the dead one's numbers), slots are reserved per attempt in the scheduler's name, and an
 engine that restarted under its name (a new incarnation in its reports) is treated as lost at
 once: its requests go back to the queue, older attempts are cancelled and their slots freed,
-and gateways hear ``EngineLost``. A resubmission's first placement first stops the runs of the
-dead scheduler's placements (a cancel of every older attempt)."""
+and gateways hear ``EngineLost``. Accepting a resubmission stops the runs of the dead scheduler's
+placements (a cancel of every older attempt)."""
 
 from __future__ import annotations
 
@@ -97,6 +97,6 @@ def test_a_resubmitted_request_is_placed_with_attempts_after_the_dead_schedulers
     assert (first.attempt, second.attempt) == (2 * S, 2 * S + 1)
     lost = bus.sent(m.EngineLost)
     assert [(x.engine_id, x.incarnation) for x in lost] == [(first.decode_engine, "d-1" if first.decode_engine == "d0" else "d-1b")]
-    # the dead scheduler's runs stop before the first placement, then the restarted engine's attempt
+    # the dead scheduler's runs stop when the resubmission is accepted, then the restarted engine's attempt
     assert [c.before_attempt for c in bus.sent(m.CancelRequest)] == [2 * S, 2 * S + 1]
     assert [f.before_attempt for f in bus.sent(m.FreeRequest)] == [2 * S + 1]  # and its slot goes back

@@ -139,9 +139,10 @@ def test_a_dead_schedulers_unclaimed_reservations_are_given_back_after_the_grace
 
     async def run():
         at(0.0, "old")
-        for rid in ("never-dispatched", "handed-off", "superseded"):
+        for rid in ("never-dispatched", "handed-off", "admitted", "superseded"):
             await tm.alloc(_alloc(rid, 0, instance="old"))
-        await tm.persist(_persist(tm, "handed-off", 0, free_after=False))  # its decode engine claimed it
+        await tm.claim(m.SlotClaimed(request_id="handed-off", attempt=0))  # its decode engine took the hand-off
+        await tm.persist(_persist(tm, "admitted", 0, free_after=False))  # its decode engine took the KV in
         at(100.0, "new")
         await tm.alloc(_alloc("placed-by-new", 0, instance="new"))
 
@@ -153,9 +154,9 @@ def test_a_dead_schedulers_unclaimed_reservations_are_given_back_after_the_grace
         asyncio.run(run())
         assert reclaim_at(100.0 + grace - 1) == []  # in-flight hand-offs still have time to land
         assert reclaim_at(100.0 + grace) == [slot_key("never-dispatched", 0), slot_key("superseded", 0)]
-        assert tm.pool.get(slot_key("handed-off", 0)) is not None and tm.pool.get(slot_key("placed-by-new", 0)) is not None
+        assert all(tm.pool.get(slot_key(rid, 0)) is not None for rid in ("handed-off", "admitted", "placed-by-new"))
         assert reclaim_at(1e9) == [] and tm.reclaimed == 2
-        assert tm.pool.free_bytes == region.size - 2 * 4096
+        assert tm.pool.free_bytes == region.size - 3 * 4096
     finally:
         region.close()
         region.unlink()

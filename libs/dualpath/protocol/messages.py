@@ -48,6 +48,7 @@ __all__ = [
     "SubmitRequest",
     "TokenEvent",
     "RemoveRequest",
+    "SlotClaimed",
     "DescribeRequest",
     "DescribeReply",
     "TaskFailed",
@@ -114,10 +115,13 @@ class Ok(Wire):
 @register(10)
 @dataclass(**_msg)
 class LookupRequest(Wire):
-    """How many leading blocks of this hash chain are persisted?"""
+    """How many leading blocks of this hash chain are persisted?
+
+    ``hashes``: the chain, or (what the gateway sends) the same hashes packed as little-endian
+    u64s (``dualpath.kv.pack_hashes``), which the index reads only where it probes."""
 
     model_digest: int
-    hashes: list[int]
+    hashes: list[int] | bytes
 
 
 @register(11)
@@ -287,6 +291,17 @@ class PersistRequest(Wire):
     block_tokens: int
     free_after: bool = False
     attempt: int = 0  # the slot is the one of (request_id, attempt)
+
+
+@register(39)
+@dataclass(**_msg)
+class SlotClaimed(Wire):
+    """A decode engine took a hand-off whose KV lies in its node's slot of ``(request_id,
+    attempt)`` (published to that traffic manager, no reply): the reservation is in use even if
+    the scheduler that made it is gone; the decode engine frees it once the KV moved in."""
+
+    request_id: str
+    attempt: int = 0
 
 
 @register(36)
