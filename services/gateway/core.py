@@ -18,7 +18,7 @@ from dualpath.chat.errors import ChatError
 from dualpath.chat.plan import plan_chat
 from dualpath.chat.tools import ToolFormat, format_for_template, tool_format
 from dualpath.config import BusConfig, GatewayConfig, ModelConfigSpec
-from dualpath.kv import block_hashes, model_digest
+from dualpath.kv import block_hashes, model_digest, pack_hashes
 from dualpath.model import ModelConfig, Tokenizer
 from dualpath.protocol import ProtocolError, RemoteError, decode
 from dualpath.protocol import messages as m
@@ -290,7 +290,7 @@ class Gateway:
         try:
             reply = await self._connected().request(
                 self.subjects.kv_lookup,
-                m.LookupRequest(model_digest=self.model_digest, hashes=hashes),
+                m.LookupRequest(model_digest=self.model_digest, hashes=pack_hashes(hashes)),  # the index decodes only what it probes
                 m.LookupReply,
                 timeout=TIMEOUTS.kv_lookup,
             )

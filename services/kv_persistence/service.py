@@ -43,7 +43,7 @@ from dualpath.config import (
     from_args,
 )
 from dualpath.ha.replicated_index import IndexBusyError, ReplicatedIndex, ReplicationError
-from dualpath.kv import BlockIndex, BlockStore
+from dualpath.kv import BlockIndex, BlockStore, unpack_hashes
 from dualpath.protocol import encode
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
@@ -88,18 +88,20 @@ class KvPersistence:
         """The persisted prefix of ``req.hashes``, answered from memory (no await).
 
         Raises:
-            HandlerError: 400 when a hash the bisection probes cannot be one (e.g. a list).
+            HandlerError: 400 when a hash the bisection probes cannot be one (e.g. a list), or
+                packed hashes are not a whole number of u64s.
         """
         try:
+            chain = unpack_hashes(req.hashes) if isinstance(req.hashes, bytes) else req.hashes
             if tracing_enabled():
                 with tracer.start_as_current_span("index.lookup") as span:
-                    hit = self.index.longest_prefix(req.model_digest, req.hashes)
-                    span.set_attributes({"blocks": len(req.hashes), "hit_blocks": hit})
+                    hit = self.index.longest_prefix(req.model_digest, chain)
+                    span.set_attributes({"blocks": len(chain), "hit_blocks": hit})
             else:  # no span at all: even a no-op one costs a few microseconds per lookup
-                hit = self.index.longest_prefix(req.model_digest, req.hashes)
-        except (TypeError, ValueError) as exc:  # an unhashable element
+                hit = self.index.longest_prefix(req.model_digest, chain)
+        except (TypeError, ValueError) as exc:  # an unhashable element, or packed bytes cut mid-hash
             raise HandlerError(400, str(exc)) from None
-        self.looked_up += len(req.hashes)
+        self.looked_up += len(chain)
         self.hits += hit
         answer = self._hit_replies.get(hit)
         if answer is None:

@@ -10,7 +10,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dualpath.kv import BLOCK_TOKENS, block_hashes, hash_hex, model_digest
+from dualpath.kv import BLOCK_TOKENS, block_hashes, hash_hex, model_digest, pack_hashes, unpack_hashes
 
 MODEL = "Qwen/Qwen2.5-0.5B"
 token_lists = st.lists(st.integers(0, 2**32 - 1), max_size=40)
@@ -117,3 +117,20 @@ def test_hash_hex_is_sixteen_lowercase_hex_digits() -> None:
     assert hash_hex(2**64 - 1) == "f" * 16
     with pytest.raises(ValueError):
         hash_hex(2**64)
+
+
+@given(st.lists(st.integers(0, 2**64 - 1), max_size=600))
+def test_packed_hashes_are_little_endian_u64s_and_unpack_to_the_same_chain(hashes: list[int]) -> None:
+    packed = pack_hashes(hashes)
+    assert packed == struct.pack(f"<{len(hashes)}Q", *hashes)
+    assert list(unpack_hashes(packed)) == hashes
+
+
+def test_packing_refuses_what_is_not_a_u64_and_unpacking_a_cut_buffer() -> None:
+    for bad in ([-1], [2**64]):
+        with pytest.raises(ValueError):
+            pack_hashes(bad)
+    with pytest.raises(TypeError):
+        pack_hashes(["1"])  # type: ignore[list-item]
+    with pytest.raises(ValueError):
+        unpack_hashes(pack_hashes([1, 2])[:-1])

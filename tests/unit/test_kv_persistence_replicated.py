@@ -14,6 +14,7 @@ import pytest
 from dualpath.bus import Bus
 from dualpath.bus.embedded import EmbeddedNats
 from dualpath.ha.replicated_index import IndexBusyError, ReplicatedIndex, ReplicationError
+from dualpath.kv import pack_hashes
 from dualpath.protocol import decode, encode
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
@@ -200,7 +201,12 @@ async def test_the_service_answers_inline_lookups_and_commits_and_garbage_with_a
             bad = await ask(subj.kv_lookup, unhashable)
             assert isinstance(bad, m.ErrorReply) and bad.code == 400
             assert await ask(subj.kv_lookup, encode(m.LookupRequest(model_digest=9, hashes=[1, 2]))) == m.LookupReply(hit_blocks=2)
-            assert svc.looked_up == 7 and svc.hits == 6
+            packed = encode(m.LookupRequest(model_digest=9, hashes=pack_hashes([1, 2, 3, 9])))  # what the gateway sends
+            assert await ask(subj.kv_lookup, packed) == m.LookupReply(hit_blocks=3)
+            cut = msgpack.packb({"v": 1, "t": m.LookupRequest.TYPE_CODE, "model_digest": 9, "hashes": pack_hashes([1, 2])[:-1]})
+            bad = await ask(subj.kv_lookup, cut)
+            assert isinstance(bad, m.ErrorReply) and bad.code == 400
+            assert svc.looked_up == 11 and svc.hits == 9
             await bus.stop_serving()  # not answered any more (told "no responders", or routed to the gone subscription for a moment)
             with pytest.raises((nats.errors.NoRespondersError, nats.errors.TimeoutError)):
                 await nc.request(subj.kv_lookup, lookup, timeout=1)

@@ -5,7 +5,8 @@ per second, 157 turns per agent, 429 tokens appended and 176 generated per turn,
 context 32,721 tokens, 64-token blocks), as the services send it:
 
 - lookups: one ``LookupRequest`` per turn (the gateway's, before it submits), carrying the
-  whole context's chain, 32,721 / 64 = 511 hashes: 8.8 x 157 = 1,382 messages per second;
+  whole context's chain, 32,721 / 64 = 511 hashes packed as u64s: 8.8 x 157 = 1,382 messages
+  per second;
 - block commits: every block that fills, (429 + 176) / 64 = 9.45 per turn, 13,060 per second.
   They arrive as ``CommitRequest`` messages from the traffic managers, each carrying the
   parent hash and the new blocks: one for the prompt's new blocks when decoding starts
@@ -131,6 +132,7 @@ async def _drive(
     figures leave out the warm-up and the connection set-up."""
     import nats
 
+    from dualpath.kv import pack_hashes
     from dualpath.protocol import decode, encode
     from dualpath.protocol import messages as m
     from dualpath.protocol.subjects import Subjects
@@ -157,7 +159,8 @@ async def _drive(
 
     async def turn(a: _Agent) -> None:
         t0 = time.perf_counter()
-        raw = await req.request(subj.kv_lookup, encode(m.LookupRequest(model_digest=digest, hashes=a.chain[-chain_blocks:])))
+        lookup = m.LookupRequest(model_digest=digest, hashes=pack_hashes(a.chain[-chain_blocks:]))  # packed, as the gateway sends
+        raw = await req.request(subj.kv_lookup, encode(lookup))
         latencies.append(time.perf_counter() - t0)
         counts["lookups"] += 1
         counts["hit_blocks"] += decode(raw, m.LookupReply).hit_blocks

@@ -21,7 +21,7 @@ from dualpath.kv.errors import (
     IndexLockedError,
     KVError,
 )
-from dualpath.kv.hashing import BLOCK_TOKENS, block_hashes, hash_hex, model_digest
+from dualpath.kv.hashing import BLOCK_TOKENS, block_hashes, hash_hex, model_digest, pack_hashes, unpack_hashes
 from dualpath.kv.storage import BlockStore
 from dualpath.kv.trie import BlockIndex
 
@@ -42,4 +42,6 @@ __all__ = [
     "encode_header",
     "hash_hex",
     "model_digest",
+    "pack_hashes",
+    "unpack_hashes",
 ]

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-__all__ = ["BLOCK_TOKENS", "U64_MAX", "block_hashes", "check_u64", "hash_hex", "model_digest"]
+__all__ = ["BLOCK_TOKENS", "U64_MAX", "block_hashes", "check_u64", "hash_hex", "model_digest", "pack_hashes", "unpack_hashes"]
 
 BLOCK_TOKENS = 64
 U64_MAX = (1 << 64) - 1
@@ -61,6 +61,37 @@ def hash_hex(h: int) -> str:
         TypeError, ValueError: ``h`` is not a u64.
     """
     return f"{check_u64('hash', h):016x}"
+
+
+def pack_hashes(hashes: Sequence[int]) -> bytes:
+    """``hashes`` as little-endian u64s, 8 bytes each: how a lookup carries a chain, so that the
+    index decodes only the hashes it probes (about 10 of 511) instead of building 511 ints.
+
+    Raises:
+        ValueError: a hash is negative or not below 2**64 (TypeError: not an int).
+    """
+    try:
+        packed = array.array("Q", hashes)
+    except OverflowError as exc:
+        raise ValueError(f"block hashes must be u64s: {exc}") from None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_hashes(packed: bytes) -> Sequence[int]:
+    """The hashes of ``pack_hashes`` output as a read-only sequence; indexing decodes one.
+
+    Raises:
+        ValueError: the length is not a multiple of 8.
+    """
+    if len(packed) % 8:
+        raise ValueError(f"packed hashes: {len(packed)} bytes is not a whole number of u64s")
+    if sys.byteorder == "big":
+        swapped = array.array("Q", packed)
+        swapped.byteswap()
+        return swapped
+    return memoryview(packed).cast("Q")
 
 
 def _pack_tokens(tokens: Sequence[int], count: int) -> bytes:
