@@ -4,7 +4,10 @@ Handlers (subjects ``{ns}.tm.{node}.*``):
 
 - ``alloc``/``free``: slots of the buffer, one per request attempt (the DE buffer slot is
   reserved by the scheduler before dispatch, so prefill never waits for room on the decode
-  side); an older attempt of a request can never read, write or free a newer one's slot;
+  side); an older attempt of a request can never read, write or free a newer one's slot. The
+  slots of attempts a retry gave up are kept out of reuse for ``QUARANTINE_S`` (a cancelled
+  prefill batch may still be writing into one), and a persist from a slot that is gone writes
+  nothing (its bytes may be another request's by now);
 - ``load``: Full Blocks storage -> buffer (PE read path into the PE buffer, DE read path into
   the DE buffer slot); its queue is the node's ``read_q`` the scheduler balances;
 - ``persist``: Full Blocks buffer -> storage (atomic files), then commit to kv-persistence;
@@ -63,6 +66,7 @@ from services.traffic_manager.prefetcher import Prefetcher
 
 log = get_logger("traffic-manager")
 tracer = get_tracer("dualpath.traffic_manager")
+QUARANTINE_S = 5.0  # a given-up attempt's slot is not reused this long (its prefill's last batch may still write)
 RECLAIM_AFTER_S = 30.0  # NodeConfig.reclaim_after_s's default (an inactive scheduler's unclaimed slots go back this long after)
 
 
@@ -100,6 +104,7 @@ class TrafficManager:
         self.reclaim_after_s = reclaim_after_s
         self.clock = time.monotonic  # of reservations and scheduler changes
         self.reclaimed = 0  # reservations given back after a scheduler change
+        self._quarantine: dict[str, float] = {}  # slot key -> when a given-up attempt's slot may be reused
         # Agent-aware prefetch (a hint): staged runs are slots of this same buffer, given up
         # first whenever a request needs the room (_alloc).
         cache = PrefetchCache(self.pool, region.buf, cfg.prefetch_mb << 20, cfg.prefetch_ttl_s) if cfg.prefetch_mb > 0 else None
@@ -147,6 +152,14 @@ class TrafficManager:
         self._free_later.discard(key)  # allocated again: a pending free of an earlier use no longer applies
         return slot
 
+    def sweep(self) -> None:
+        """Periodic upkeep (every report): quarantined slots whose time is up, and ``reclaim``."""
+        now = self.clock()
+        for key in [k for k, t in self._quarantine.items() if now >= t]:
+            del self._quarantine[key]
+            self._release(key)
+        self.reclaim()
+
     # ---- reservations of a scheduler that is gone ---------------------------------------------
     def on_scheduler(self, instance: str) -> None:
         """The active scheduler's heartbeat named ``instance`` (``Subjects.sched_alive``)."""
@@ -190,8 +203,12 @@ class TrafficManager:
         if req.before_attempt < 0:
             return m.Ok(detail=self._release(slot_key(req.request_id, req.attempt)))
         older = sorted(a for a in self._attempts.get(req.request_id, ()) if a < req.before_attempt)
-        outcomes = [self._release(slot_key(req.request_id, a)) for a in older]
-        return m.Ok(detail=", ".join(outcomes) or "no slot")
+        until = self.clock() + QUARANTINE_S
+        for a in older:  # given up by a retry: out of reuse for a while (see the module docstring)
+            key = slot_key(req.request_id, a)
+            self._reserved.pop(key, None)
+            self._quarantine.setdefault(key, until)
+        return m.Ok(detail=f"quarantined {len(older)}" if older else "no slot")
 
     async def load(self, req: m.LoadRequest) -> m.LoadReply:
         fmt = BlockFormat(
@@ -266,6 +283,14 @@ class TrafficManager:
             self.prefetcher.fmt = fmt
         key = slot_key(req.request_id, req.attempt)
         self._reserved.pop(key, None)  # claimed: the decode engine took its KV in
+        slot = self.pool.get(key)
+        nbytes = len(req.hashes) * fmt.block_bytes
+        if req.hashes and (slot is None or not slot.offset <= req.offset <= req.offset + nbytes <= slot.offset + slot.nbytes):
+            # its slot was given back (a retry, a reclaim): the bytes there may be another request's
+            log.warning("persist_without_slot", request_id=req.request_id, attempt=req.attempt, blocks=len(req.hashes))
+            if req.free_after:
+                self._release(key)
+            return m.Ok(detail="no slot")
         try:
             if req.hashes:
                 src = self._slot_view(req.offset, len(req.hashes) * fmt.block_bytes)
@@ -417,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("traffic_manager_ready", node=cfg.node_id, buffer_mb=cfg.buffer_mb, transport=cfg.transport)
         try:
             while not stop.is_set():
-                tm.reclaim()
+                tm.sweep()
                 await bus.publish(subjects.node_report, tm.report())
                 try:
                     await asyncio.wait_for(stop.wait(), cfg.report_interval)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import replace
 
 from dualpath.config import NodeConfig
 from dualpath.kv import BlockStore
@@ -14,7 +15,7 @@ from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.transfer import MemoryRegion, RegionDescriptor
 from dualpath.transfer.nic import EmulatedNic
-from services.traffic_manager.service import TrafficManager, slot_key
+from services.traffic_manager.service import QUARANTINE_S, TrafficManager, slot_key
 
 LAYERS, TOKENS, BPT = 2, 4, 8  # 64 B blocks
 DIGEST = 3
@@ -106,9 +107,8 @@ def test_an_older_attempt_can_neither_share_free_nor_load_into_a_newer_attempts_
         new = await tm.alloc(_alloc("r", 1))  # reserved before the old slot was given back
         assert new.offset != old.offset  # its own slot: the old prefill's writes cannot land in it
         await tm.free(m.FreeRequest(request_id="r", before_attempt=1))  # the scheduler's retry frees older attempts
-        assert tm.pool.get(slot_key("r", 0)) is None and tm.pool.get(slot_key("r", 1)) is not None
         await tm.persist(_persist(tm, "r", 0, free_after=True))  # the old run's decode engine frees its slot
-        assert tm.pool.get(slot_key("r", 1)) is not None
+        assert tm.pool.get(slot_key("r", 0)) is None and tm.pool.get(slot_key("r", 1)) is not None
         late_read = m.LoadRequest(
             request_id="r", model_digest=DIGEST, hashes=[1], layers=LAYERS, bytes_per_token_layer=BPT, dtype="uint8", block_tokens=TOKENS
         )
@@ -157,6 +157,52 @@ def test_a_dead_schedulers_unclaimed_reservations_are_given_back_after_the_grace
         assert all(tm.pool.get(slot_key(rid, 0)) is not None for rid in ("handed-off", "admitted", "placed-by-new"))
         assert reclaim_at(1e9) == [] and tm.reclaimed == 2
         assert tm.pool.free_bytes == region.size - 3 * 4096
+    finally:
+        region.close()
+        region.unlink()
+
+
+def test_a_slot_a_retry_gave_up_is_not_reused_until_its_quarantine_ends(tmp_path):
+    """The old attempt's prefill batch may still write into it after the retry's free."""
+    tm, region = _tm(tmp_path)
+    clock = [0.0]
+    tm.clock = lambda: clock[0]
+
+    async def run() -> tuple[int, int, str]:
+        old = await tm.alloc(_alloc("r", 0))
+        freed = await tm.free(m.FreeRequest(request_id="r", before_attempt=1))
+        other = await tm.alloc(_alloc("other", 0))
+        return old.offset, other.offset, freed.detail
+
+    try:
+        old, other, detail = asyncio.run(run())
+        assert detail == "quarantined 1" and other != old
+        clock[0] = QUARANTINE_S - 0.1
+        tm.sweep()
+        assert tm.pool.get(slot_key("r", 0)) is not None
+        clock[0] = QUARANTINE_S
+        tm.sweep()
+        assert tm.pool.get(slot_key("r", 0)) is None and tm.pool.free_bytes == region.size - 4096
+    finally:
+        region.close()
+        region.unlink()
+
+
+def test_a_persist_from_a_slot_that_was_given_back_writes_nothing(tmp_path):
+    """Its bytes may belong to another request by now: persisting them would commit wrong KV."""
+    tm, region = _tm(tmp_path)
+
+    async def run() -> str:
+        slot = await tm.alloc(_alloc("r", 0))
+        await tm.free(m.FreeRequest(request_id="r", attempt=0))
+        await tm.alloc(_alloc("someone-else", 0))  # first fit: the same bytes
+        late = replace(_persist(tm, "r", 0, free_after=True), hashes=[11], offset=slot.offset)
+        return (await tm.persist(late)).detail
+
+    try:
+        assert asyncio.run(run()) == "no slot"
+        assert not list(tmp_path.rglob("*.blk")) and not [p for p in tmp_path.rglob("*") if p.is_file()]
+        assert tm.pool.get(slot_key("someone-else", 0)) is not None
     finally:
         region.close()
         region.unlink()
