@@ -20,12 +20,11 @@ puts it back at the head of the queue as a new attempt (its DE slot freed) up to
 buffer has no room for the slot (its figure below); a reservation refused all the same (a
 race: ``DispatchFailed`` with code 507) is back-pressure: the request goes back without
 using an attempt and passes pause for ``buffer_backoff_s``, for at most ``buffer_wait_s``
-per request. An engine
-silent for ``engine_timeout`` seconds, or one a dispatch found unreachable, is expelled:
-its requests are re-queued (a prefill engine's only until their prefill is done). A node
-whose traffic manager stops reporting for ``node_timeout`` seconds, or does not answer a
-``ReserveSlot`` at all (``DispatchFailed.node_unreachable``), is *down*: its engines leave
-the policy's state until the node's next ``NodeReported``.
+per request. An engine silent for ``engine_timeout`` seconds, or one a dispatch found
+unreachable, is expelled: its requests are re-queued (a prefill engine's only until their
+prefill is done). A node whose traffic manager stops reporting for ``node_timeout``
+seconds, or does not answer a ``ReserveSlot`` at all (``DispatchFailed.node_unreachable``),
+is *down*: its engines leave the policy's state until the node's next ``NodeReported``.
 
 **Reports and charges** (how the policy's figures are kept). Every figure the policy
 reads (an engine's seq_e, tok_e, free HBM; a node's read_q and free DRAM buffer) is
@@ -48,9 +47,9 @@ reads (an engine's seq_e, tok_e, free HBM; a node's read_q and free DRAM buffer)
    charge is taken off the figure at once; a reflected one is left to the holder's next
    report (which no longer counts it). A slot's part ends when the request is re-queued or
    failed (``FreeSlot``) or its decode finishes (the decode engine freed the slot once the
-   KV was in HBM, earlier; the node's reports show that). So nothing is ever subtracted twice: the old
-   double subtraction (a node report overwrote read_q, then a prefill finish subtracted the
-   same read again) cannot happen.
+   KV was in HBM, earlier; the node's reports show that). So nothing is ever subtracted
+   twice: the old double subtraction (a node report overwrote read_q, then a prefill
+   finish subtracted the same read again) cannot happen.
 
 The rule errs on the safe side in the races it cannot see: a report generated just before
 an acknowledgement but handled after it makes the core undercount that charge until the
