@@ -138,7 +138,9 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="dualpath sim validate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--topologies", default="1P1D,2P1D,1P2D")
     p.add_argument("--oracle", action="store_true", help="also compare the oracle mode")
-    p.add_argument("--quick", action="store_true", help="16 agents x 2 turns, slowdown 6 (testbed ~1 min per mode; the host's own cost a small share)")
+    p.add_argument(
+        "--quick", action="store_true", help="16 agents x 2 turns, slowdown 6 (testbed ~1 min per mode; the host's own cost a small share)"
+    )
     p.add_argument("--agents", type=int, default=64)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--slowdown", type=float, default=4.0, help="testbed slow motion (its default)")
