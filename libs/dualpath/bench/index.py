@@ -289,6 +289,7 @@ def _report(measured: dict, cpu: dict[str, float], driver_cpu: float, replicas: 
     replica_cpu = sum(v for k, v in cpu.items() if k.startswith("kv-"))
     nats_cpu = sum(v for k, v in cpu.items() if k.startswith("nats"))
     replica_cores = replica_cpu / load_seconds if load_seconds else None
+    requests = measured["lookups"] + measured["commit_requests"]
     per_core = 1 / replica_cores if replica_cores else None
     return {
         "load": LOAD,
@@ -319,6 +320,9 @@ def _report(measured: dict, cpu: dict[str, float], driver_cpu: float, replicas: 
             "commit_requests_per_s": per_core * LOAD["commit_requests_per_s"] if per_core else None,
         },
         "projected_headroom": replicas * per_core if per_core else None,
+        # all replicas' CPU over every request they answered (lookups and commit messages alike,
+        # stream records applied on every replica included): what one request costs the index
+        "replica_cpu_us_per_request": 1e6 * replica_cpu / requests if requests else None,
     }
 
 
@@ -378,7 +382,8 @@ def format_report(r: dict) -> str:
         lines.append(
             f"one replica core carries {pc['headroom']:.2f}x the load ({pc['lookups_per_s']:,.0f} lookups/s with "
             f"{pc['block_commits_per_s']:,.0f} block commits/s); {r['replicas']} replicas with a core each: "
-            f"{r['projected_headroom']:.2f}x (nats-server: {r['nats_cores_for_load']:.2f} cores per load)"
+            f"{r['projected_headroom']:.2f}x (nats-server: {r['nats_cores_for_load']:.2f} cores per load); "
+            f"{r['replica_cpu_us_per_request']:.0f} us of replica CPU per request"
         )
     g = r.get("stream_records") or {}
     if g.get("records"):
