@@ -102,7 +102,7 @@ def render_metrics(figures: ClusterFigures, state) -> str:
             "# TYPE dualpath_engines gauge",
             f'dualpath_engines{{role="prefill"}} {state.prefill_engines}',
             f'dualpath_engines{{role="decode"}} {state.decode_engines}',
-            "# HELP dualpath_buffer_waits_total waits for room in a decode node buffer (held in the queue or put back)",
+            "# HELP dualpath_buffer_waits_total dispatches put back because a node buffer was full",
             "# TYPE dualpath_buffer_waits_total counter",
             f"dualpath_buffer_waits_total {state.buffer_waits}",
         ]

@@ -16,15 +16,16 @@ A request's life: submitted -> queued (FIFO) -> placed by a pass on ``TimeAdvanc
 engine -> ``DispatchAnswered`` -> the prefill engine reports it finished (handed to the
 decode engine) -> the decode engine reports it finished: forgotten. A failure on the way
 puts it back at the head of the queue as a new attempt (its DE slot freed) up to
-``max_attempts``, then ``FailRequest`` (503). The policy does not choose a decode node whose
-buffer has no room for the slot (its figure below); a reservation refused all the same (a
-race: ``DispatchFailed`` with code 507) is back-pressure: the request goes back without
-using an attempt and passes pause for ``buffer_backoff_s``, for at most ``buffer_wait_s``
-per request. An engine silent for ``engine_timeout`` seconds, or one a dispatch found
-unreachable, is expelled: its requests are re-queued (a prefill engine's only until their
-prefill is done). A node whose traffic manager stops reporting for ``node_timeout``
-seconds, or does not answer a ``ReserveSlot`` at all (``DispatchFailed.node_unreachable``),
-is *down*: its engines leave the policy's state until the node's next ``NodeReported``.
+``max_attempts``, then ``FailRequest`` (503). The policy ranks a decode node whose buffer
+has no room for the slot last (its figure below; chosen only when no node has room, as a
+report may lag a freed slot, once per pass); a reservation refused (``DispatchFailed`` with
+code 507) is back-pressure: the request goes back without using an attempt and passes
+pause for ``buffer_backoff_s``, for at most ``buffer_wait_s`` per request. An engine
+silent for ``engine_timeout`` seconds, or one a dispatch found unreachable, is expelled:
+its requests are re-queued (a prefill engine's only until their prefill is done). A node
+whose traffic manager stops reporting for ``node_timeout`` seconds, or does not answer a
+``ReserveSlot`` at all (``DispatchFailed.node_unreachable``), is *down*: its engines leave
+the policy's state until the node's next ``NodeReported``.
 
 **Reports and charges** (how the policy's figures are kept). Every figure the policy
 reads (an engine's seq_e, tok_e, free HBM; a node's read_q and free DRAM buffer) is
@@ -164,7 +165,6 @@ class _Request:
     __slots__ = (
         "attempt",
         "blocks",
-        "buffer_held",
         "buffer_waits",
         "de",
         "de_charge",
@@ -189,7 +189,6 @@ class _Request:
     def __init__(self, rid: str, num: int, pending: PendingRequest, blocks: int, payload: object, now: float) -> None:
         self.rid, self.num, self.pending, self.blocks, self.payload = rid, num, pending, blocks, payload
         self.attempt = self.buffer_waits = 0
-        self.buffer_held = False  # counted in SchedulerCore.buffer_waits while it heads the queue
         self.wait_start = -1.0  # now of the first back-pressure (-1: none yet)
         self.queued_since = now
         self.stage = _QUEUED
@@ -215,10 +214,7 @@ class SchedulerCore:
         self.members = Membership()
         self.queue: deque[_Request] = deque()
         self.requests: dict[str, _Request] = {}  # queued and placed, by request id
-        # Waits for room in a decode node's buffer: a request held at the head of the queue
-        # because no decode node's figure had room for its slot (counted once per stretch),
-        # or a placement put back because the node refused the slot all the same (507).
-        self.buffer_waits = 0
+        self.buffer_waits = 0  # placements put back because a decode node's buffer was full
         self.now = 0.0
         self._state: ClusterState | None = None
         self._stale = True  # membership changed: rebuild the state before using it
@@ -527,9 +523,6 @@ class SchedulerCore:
             t = queue.popleft()
             assert t.num == a.request_id, "the policy places a FIFO prefix"
             self._place(t, a, state, cmds)
-        if queue and not queue[0].buffer_held and not state.buffer_room_anywhere(queue[0].blocks):
-            queue[0].buffer_held = True
-            self.buffer_waits += 1
 
     def _place(self, t: _Request, a: Assignment, state: ClusterState, cmds: list[Command]) -> None:
         m = self.members
@@ -537,7 +530,6 @@ class SchedulerCore:
         read_node = m.node_by_num[a.read_node]
         seen = self._seen(a, state) if self.cfg.trace_inputs else {}
         t.pe, t.de, t.stage, t.prefill_done = pe, de, _RESERVING, False
-        t.buffer_held = False
         t.read_side = a.read_side if a.read_tokens else None
         t.pe_charge = Charge(pe, 1, a.prefill_tokens, 0)
         state.adjust_engine(pe.num, 1, a.prefill_tokens)

@@ -2,8 +2,10 @@
 
 Both keep DualPath's admission rules, so a comparison isolates the *selection* rule:
 a prefill engine with ``tok_e > β`` is skipped, a decode engine without HBM room for the
-request, or on a node whose DRAM buffer has no room for its slot, is never chosen, and a
-pass stops at the first request that cannot be placed (FIFO). Neither looks at ``read_q`` or at decode groups.
+request is never chosen, one on a node whose DRAM buffer has no room for its slot ranks
+last (chosen only when no node has room, and the pass stops after it, as in
+``inter.select_decode_groups``), and a pass stops at the first request that cannot be
+placed (FIFO). Neither looks at ``read_q`` or at decode groups.
 
 - ``round_robin``: the n-th decision ever (n = ``state.assigned_total`` + its index in the
   pass) starts at prefill engine ``n mod |PE|`` and decode engine ``n mod |DE|`` and takes
@@ -64,22 +66,30 @@ def schedule_round_robin(
         def pe_ok(e: EngineState) -> bool:
             return tok.get(e.engine_id, e.tok) <= beta
 
-        def de_ok(e: EngineState, need: int = need, blocks: int = blocks) -> bool:
-            if free.get(e.engine_id, e.free_hbm_tokens) < need:
-                return False
+        def de_hbm(e: EngineState, need: int = need) -> bool:
+            return free.get(e.engine_id, e.free_hbm_tokens) >= need
+
+        def de_ok(e: EngineState, blocks: int = blocks, hbm: Callable[[EngineState], bool] = de_hbm) -> bool:
             node = nodes[e.node_id]
-            return node.buffer_room(blocks, buffer_left.get(e.node_id, node.buffer_free))
+            return hbm(e) and node.buffer_room(blocks, buffer_left.get(e.node_id, node.buffer_free))
 
         k = _next_fit(pes, n % len(pes), pe_ok)
-        j = _next_fit(des, n % len(des), de_ok)
-        if k is None or j is None:
+        if k is None:
             break
+        j = _next_fit(des, n % len(des), de_ok)
+        overflow = j is None
+        if overflow:  # every buffer looks full: ranked last, then the pass stops
+            j = _next_fit(des, n % len(des), de_hbm)
+            if j is None:
+                break
         pe, de = pes[k], des[j]
         tok[pe.engine_id] = tok.get(pe.engine_id, pe.tok) + r.miss_tokens
         free[de.engine_id] = free.get(de.engine_id, de.free_hbm_tokens) - need
         buffer_left[de.node_id] = buffer_left.get(de.node_id, nodes[de.node_id].buffer_free) - blocks
         prefill.append(pe.engine_id)
         decode.append(de.engine_id)
+        if overflow:
+            break
     if read_path is ReadPath.AUTO:
         sides = _round_robin_sides(waiting, len(decode), state.assigned_total)
     else:
@@ -123,15 +133,19 @@ def schedule_least_tokens(
             break
         need, blocks = r.total_len, r.slot_blocks
 
-        def room(e: tuple[int, int], need: int = need, blocks: int = blocks) -> bool:
-            if free.get(e[1], engines[e[1]].free_hbm_tokens) < need:
-                return False
+        def hbm(e: tuple[int, int], need: int = need) -> bool:
+            return free.get(e[1], engines[e[1]].free_hbm_tokens) >= need
+
+        def room(e: tuple[int, int], blocks: int = blocks, hbm: Callable[[tuple[int, int]], bool] = hbm) -> bool:
             node = nodes[engines[e[1]].node_id]
-            return node.buffer_room(blocks, buffer_left.get(node.node_id, node.buffer_free))
+            return hbm(e) and node.buffer_room(blocks, buffer_left.get(node.node_id, node.buffer_free))
 
         de = de_cands.first(ok=room)
-        if de is None:
-            break
+        overflow = de is None
+        if overflow:  # every buffer looks full: ranked last, then the pass stops
+            de = de_cands.first(ok=hbm)
+            if de is None:
+                break
         pe_cands.take(0, pe, pe[0] + r.miss_tokens)
         de_cands.take(0, de, de[0] + need)
         free[de[1]] = free.get(de[1], engines[de[1]].free_hbm_tokens) - need
@@ -139,5 +153,7 @@ def schedule_least_tokens(
         buffer_left[de_node] = buffer_left.get(de_node, nodes[de_node].buffer_free) - blocks
         prefill.append(pe[1])
         decode.append(de[1])
+        if overflow:
+            break
     sides = choose_read_sides(waiting, prefill, decode, state, read_path)
     return assemble(waiting, prefill, decode, sides, state)

@@ -12,8 +12,11 @@ request stops there, and the pass keeps only the prefix every stage placed (the 
 2. ``select_decode_groups`` (phase 1): the DE group with the smallest Σ``tok_e`` among
    groups whose total free HBM holds the request, that have a DE big enough for it and
    whose node's DRAM buffer has room for its slot (beyond the paper, which does not say
-   what happens when the DE buffer is full: a group without room is skipped rather than
-   chosen and refused by its traffic manager; ``NodeState.buffer_room``).
+   what happens when the DE buffer is full; ``NodeState.buffer_room``). A group without
+   room ranks last: when no group has room by the figures, the request takes the group
+   it would have without that rule, and the pass stops after it (a node's report lags a
+   slot it freed by up to one report interval; a slot refused all the same is the
+   scheduler's back-pressure). The baselines follow the same rule.
 3. ``place_in_groups`` (phase 2): inside the group, with R = the requests phase 1 gave it,
    ``Z = 1.05 × (Σ_{r∈R} len_r + Σ_e tok_e) / |E|``; among DEs with HBM room prefer
    ``tok_e + len ≤ Z`` by smallest ``seq_e``, else smallest ``tok_e``.
@@ -155,8 +158,18 @@ def _decode_groups(waiting: Sequence[PendingRequest], state: ClusterState) -> It
             return biggest >= need and free_total[node_id] >= need
 
         best = cands.first(ok=fits)
-        if best is None:
-            break
+        overflow = best is None
+        if overflow:  # every buffer looks full: the least loaded group with HBM room, then stop
+
+            def hbm_fits(entry: tuple[int, int], need: int = need) -> bool:
+                biggest = max_free.get(entry[1])
+                if biggest is None:
+                    biggest = hbm_sums(entry[1])
+                return biggest >= need and free_total[entry[1]] >= need
+
+            best = cands.first(ok=hbm_fits)
+            if best is None:
+                break
         staged = request.staged_node
         if staged >= 0 and staged != best[1] and staged in nodes and nodes[staged].role is Role.DECODE:
             # prefetch: the group holding the staged copy, if it has room
@@ -172,6 +185,8 @@ def _decode_groups(waiting: Sequence[PendingRequest], state: ClusterState) -> It
         node = nodes[best[1]]
         buffer_left[best[1]] = buffer_left.get(best[1], node.buffer_free) - blocks
         yield node
+        if overflow:
+            return
 
 
 def place_in_groups(waiting: Sequence[PendingRequest], groups: Sequence[NodeState], slack_percent: int = Z_SLACK_PERCENT) -> list[int]:

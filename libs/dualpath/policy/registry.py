@@ -58,8 +58,6 @@ class Policy:
         Returns one ``Assignment`` per placed request, in queue order. ``state`` is not
         modified: apply each assignment with ``state.on_assigned`` before the next pass.
         """
-        if waiting and not state.buffer_room_anywhere(waiting[0].slot_blocks):
-            return []  # no decode buffer takes the head's slot: no policy places it, nor (FIFO) anything behind it
         return self._schedule(waiting, state, self.thresholds, self.read_path)
 
 

@@ -289,14 +289,6 @@ class ClusterState:
         else:
             node.buffer_free, node.buffer_blocks = (free_blocks if free_blocks > 0 else 0), total_blocks
 
-    def buffer_room_anywhere(self, blocks: int) -> bool:
-        """Whether some decode node's buffer can take a slot of ``blocks`` Full Blocks (every
-        policy requires one for a placement, so without it a pass places nothing)."""
-        for node in self.decode_nodes:
-            if node.buffer_blocks < 0 or blocks <= node.buffer_free or node.buffer_free >= node.buffer_blocks:
-                return True
-        return False
-
     # -- direct adjustments (the scheduler core's ledger) ------------------------------
     def adjust_engine(self, engine_id: int, seq: int, tok: int, free_hbm_tokens: int = 0) -> None:
         """Add to an engine's figures (clamped like completions: ``seq``/``tok`` at zero, free
