@@ -41,6 +41,12 @@ def _field_checks(cls: type) -> tuple[tuple[str, tuple[type, ...], bool], ...]:
 
 
 @cache
+def _names(cls: type) -> tuple[str, ...]:
+    """Field names in declaration order (computed once per class: encoding is a hot path)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+@cache
 def _required(cls: type) -> tuple[str, ...]:
     """Names of the fields without a default (computed once per class: decoding is a hot path)."""
     return tuple(f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
@@ -53,7 +59,7 @@ class Wire:
 
     def to_wire(self) -> dict[str, Any]:
         """Fields as a plain dict (shallow: nested values must already be plain data)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        return {name: getattr(self, name) for name in _names(type(self))}  # type: ignore[arg-type]
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]):
