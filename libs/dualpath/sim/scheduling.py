@@ -11,7 +11,7 @@ library's passes); this driver does in virtual time what the service does over N
   ``DispatchAnswered`` for each ``Dispatch``; ``RequestFinished`` from the prefill engine and
   from the decode engine; ``NodeReported`` with each node's storage read queue and free
   buffer, at start and then every ``report_interval_s`` for the nodes whose queue or slots
-  changed (the traffic managers' reports; the policy skips decode nodes without room);
+  changed (the traffic managers' reports; the policy ranks decode nodes without room last);
 - commands out: ``ReserveSlot``, ``Dispatch`` (handed to the cluster), ``FreeSlot``,
   ``FailRequest`` and ``RejectRequest`` (counted; a failed turn ends its agent).
 
