@@ -215,9 +215,19 @@ def run_soak(ns: argparse.Namespace, say=lambda _m: None) -> dict:
             ref.stop()
     mismatched, unanswered, examples = replayed
     report = _report(ns, load, events, mismatched, unanswered)
+    report["requests_file"] = str(_save_requests(out, load))
     report["mismatch_examples"] = examples
     report["warmup"] = warmup
     return report
+
+
+def _save_requests(out: Path, load: Load) -> Path:
+    """Every request's outcome (answer text left out) as JSON lines, for looking into failures."""
+    path = out / "requests.jsonl"
+    with path.open("w") as f:
+        for o in load.outcomes:
+            f.write(json.dumps(dataclasses.asdict(o) | {"text": len(o.text)}) + "\n")
+    return path
 
 
 def _replay(ns: argparse.Namespace, load: Load, url: str, say) -> tuple[int, int, list[dict]]:

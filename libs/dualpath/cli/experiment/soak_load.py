@@ -13,7 +13,8 @@ outcome is kept with its answer:
 
 No agent starts a turn after ``seconds``; turns in flight then finish (bounded by the client
 timeout). The killer sends SIGKILL to one process of a random kind every ``every`` seconds until
-``seconds``; the stack's supervisor restarts it. ``replay`` asks every completed turn again, with
+``seconds`` (the kinds come in shuffled rounds, so a short soak still hits each of them); the
+stack's supervisor restarts it. ``replay`` asks every completed turn again, with
 the soak's own history as its prompt, on an undisturbed stack, and counts differing answers.
 """
 
@@ -139,14 +140,16 @@ async def _launch(load: Load, group: anyio.abc.TaskGroup) -> None:
 
 async def _killer(load: Load, stack) -> None:
     """SIGKILL one live process of a random kind every ``kill_every`` seconds until ``seconds``."""
-    n = 0
+    n, bag = 0, []  # type: tuple[int, list[str]]
     while True:
         n += 1
         due = n * load.kill_every
         await anyio.sleep(max(0.0, min(due, load.seconds) - load.now()))
         if due >= load.seconds:
             return
-        kind = load.rng.choice(load.kinds)
+        if not bag:  # kinds in shuffled rounds: random order, yet every kind is hit within len(kinds) kills
+            bag = load.rng.sample(load.kinds, len(load.kinds))
+        kind = bag.pop()
         names = sorted(name for name, p in stack.procs if name.startswith(KINDS[kind]) and p.poll() is None)
         if not names:
             continue
