@@ -69,9 +69,11 @@ def schedule_round_robin(
         def de_hbm(e: EngineState, need: int = need) -> bool:
             return free.get(e.engine_id, e.free_hbm_tokens) >= need
 
-        def de_ok(e: EngineState, blocks: int = blocks, hbm: Callable[[EngineState], bool] = de_hbm) -> bool:
+        def de_ok(e: EngineState, need: int = need, blocks: int = blocks) -> bool:  # de_hbm and buffer room, in one call
+            if free.get(e.engine_id, e.free_hbm_tokens) < need:
+                return False
             node = nodes[e.node_id]
-            return hbm(e) and node.buffer_room(blocks, buffer_left.get(e.node_id, node.buffer_free))
+            return node.buffer_room(blocks, buffer_left.get(e.node_id, node.buffer_free))
 
         k = _next_fit(pes, n % len(pes), pe_ok)
         if k is None:
@@ -136,9 +138,11 @@ def schedule_least_tokens(
         def hbm(e: tuple[int, int], need: int = need) -> bool:
             return free.get(e[1], engines[e[1]].free_hbm_tokens) >= need
 
-        def room(e: tuple[int, int], blocks: int = blocks, hbm: Callable[[tuple[int, int]], bool] = hbm) -> bool:
+        def room(e: tuple[int, int], need: int = need, blocks: int = blocks) -> bool:  # hbm and buffer room, in one call
+            if free.get(e[1], engines[e[1]].free_hbm_tokens) < need:
+                return False
             node = nodes[engines[e[1]].node_id]
-            return hbm(e) and node.buffer_room(blocks, buffer_left.get(node.node_id, node.buffer_free))
+            return node.buffer_room(blocks, buffer_left.get(node.node_id, node.buffer_free))
 
         de = de_cands.first(ok=room)
         overflow = de is None
