@@ -34,8 +34,8 @@ from dualpath.sim.workload import Workload
 __all__ = ["RECORDED", "main", "sim_jcts"]
 
 TESTBED_SCALE = 1000.0  # the testbed's default byte scale
-TESTBED_BUFFER_MIB = 64  # the stack's buffer floor (runner._stack_config): what one-engine nodes get
-TESTBED_KV_TOKENS = 1 << 22  # runner._stack_config's kv_capacity_tokens
+TESTBED_BUFFER_MIB = 64  # the stack's buffer floor (runner.stack_config): what one-engine nodes get
+TESTBED_KV_TOKENS = 1 << 22  # runner.stack_config's kv_capacity_tokens
 
 # Testbed runs recorded in the README (ds27b, 64K set, 64 agents x 3 turns, start-at 0.5, one
 # warm-up turn, one engine per node, slowdown 4, on the 2-core VM): modeled seconds.
