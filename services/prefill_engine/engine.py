@@ -2,7 +2,9 @@
 
 Life of a task here:
 1. ``on_task`` acknowledges at once and starts the storage load on the read side's traffic
-   manager (PE read path: into this node's buffer; DE read path: into the DE buffer slot);
+   manager (PE read path: into this node's buffer; DE read path: into the DE buffer slot),
+   checking on that traffic manager while it waits (``tm_watch``: a load lost with a dead or
+   restarted traffic manager fails in seconds, naming the node, not after ``TIMEOUTS.tm_load``);
 2. ``run`` is the engine loop, in SGLang's phases: *receive* (loaded tasks join the
    ``PrefillBatcher``, the engine's core), *next batch* (the batcher packs FIFO under the
    compute quota, the paper's §6.2 rule, cutting the request that would exceed it to a
@@ -55,6 +57,7 @@ from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.tracing import context_from, get_tracer
 from dualpath.transfer import RegionDescriptor
 from services.prefill_engine.split import is_split, load_split
+from services.prefill_engine.tm_watch import await_load, lost_load
 
 __all__ = ["PrefillEngine"]
 
@@ -191,13 +194,16 @@ class PrefillEngine:
         delay = 0.01
         while True:
             try:
-                return await self.bus.request(self.subjects.tm(node, "load"), req, m.LoadReply, timeout=TIMEOUTS.tm_load)
+                return await await_load(self.bus, self.subjects, node, req, lambda: self._request_load(node, req))
             except RemoteError as exc:
                 if exc.code != m.BUFFER_FULL or time.monotonic() + delay > deadline:
                     raise
             self.buffer_waits += 1
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
+
+    async def _request_load(self, node: str, req: m.LoadRequest) -> m.LoadReply:
+        return await self.bus.request(self.subjects.tm(node, "load"), req, m.LoadReply, timeout=TIMEOUTS.tm_load)
 
     async def _load(self, job: Job) -> None:
         t = job.task
@@ -245,7 +251,8 @@ class PrefillEngine:
                 job.source, job.source_offset = RegionDescriptor.from_wire(reply.region), reply.offset
                 job.read_split = [reply.loaded, 0] if job.pe_slot else [0, reply.loaded]
         except Exception as exc:  # noqa: BLE001 - any load failure fails this task only
-            await self._fail(job, f"KV load failed: {exc}")
+            lost = lost_load(exc)  # a dead traffic manager: the scheduler leaves its node out until it reports again
+            await self._fail(job, f"KV load failed: {lost or exc}", node_unreachable=lost.node if lost else "")
             return
         job.loading = False
         if job.cancelled:
@@ -515,7 +522,7 @@ class PrefillEngine:
         if successor is not None:
             self._start(successor)
 
-    async def _fail(self, job: Job, reason: str, unreachable: str = "") -> None:
+    async def _fail(self, job: Job, reason: str, unreachable: str = "", node_unreachable: str = "") -> None:
         log.warning("task_failed", request_id=job.task.request_id, reason=reason)
         job.span.set_status(Status(StatusCode.ERROR, reason))
         await self._drop(job)
@@ -523,7 +530,13 @@ class PrefillEngine:
             return  # a TaskFailed would make the scheduler retry the attempt that superseded it
         await self.bus.publish(
             self.subjects.task_failed,
-            m.TaskFailed(request_id=job.task.request_id, engine_id=self.cfg.engine_id, reason=reason, unreachable=unreachable),
+            m.TaskFailed(
+                request_id=job.task.request_id,
+                engine_id=self.cfg.engine_id,
+                reason=reason,
+                unreachable=unreachable,
+                node_unreachable=node_unreachable,
+            ),
         )
 
     # ---- reporting -------------------------------------------------------------------------

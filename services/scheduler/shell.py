@@ -12,6 +12,10 @@ Attempts on the wire are the core's attempts offset by the gateway's submission
 from 0 again) never reuses an attempt number of the one that died: engines and traffic
 managers tell an older placement from a newer one by the number alone.
 
+A ``TaskFailed`` naming a node whose traffic manager died under the task (``node_unreachable``)
+first marks the node down, as a reservation the node did not answer does (the same core
+event); the task's retry then counts as an attempt, as that one does.
+
 An engine the core stops using is announced on ``Subjects.engine_lost`` (gateways resubmit
 the started requests it served that no scheduler may know), and so is an engine whose
 reports name a new incarnation (it restarted under the same name, losing what it held,
@@ -159,7 +163,21 @@ class SchedulerShell:
         self._wake.set()  # room in a decode node's buffer may let the queue move
 
     async def on_task_failed(self, f: m.TaskFailed) -> None:
-        log.warning("task_failed", request_id=f.request_id, engine=f.engine_id, reason=f.reason)
+        log.warning("task_failed", request_id=f.request_id, engine=f.engine_id, reason=f.reason, node_unreachable=f.node_unreachable)
+        if f.node_unreachable:
+            # The task's traffic manager died under it: the core's "node down" event (its engines
+            # leave scheduling until the node reports again), before the retry, so the retry is
+            # not placed on the same node while it restarts.
+            self._feed(
+                DispatchFailed(
+                    now=time.monotonic(),
+                    request_id="",
+                    attempt=-1,
+                    stage=Stage.DISPATCH,
+                    reason=f"traffic manager of node {f.node_unreachable} lost: {f.reason}",
+                    node_unreachable=f.node_unreachable,
+                )
+            )
         self.execute(
             self.core.handle(
                 TaskFailed(now=time.monotonic(), request_id=f.request_id, engine=f.engine_id, reason=f.reason, unreachable=f.unreachable)

@@ -11,7 +11,9 @@ Handlers (subjects ``{ns}.tm.{node}.*``):
 - ``load``: Full Blocks storage -> buffer (PE read path into the PE buffer, DE read path into
   the DE buffer slot); its queue is the node's ``read_q`` the scheduler balances;
 - ``persist``: Full Blocks buffer -> storage (atomic files), then commit to kv-persistence;
-- ``describe``: the buffer's region descriptor (connection set-up; bytes never cross NATS).
+- ``describe``: the buffer's region descriptor (connection set-up; bytes never cross NATS);
+- ``probe``: whether a load is still running here (``LoadProbe``): the engine awaiting it asks
+  every second, so a load lost with this process (killed, restarted) fails fast.
 
 Every ``report_interval`` it publishes a ``NodeReport`` (read queue, buffer room).
 
@@ -95,6 +97,7 @@ class TrafficManager:
         # comes meanwhile (a retried request, a lost engine) takes effect when the last ends,
         # so no late bytes land in a slot already handed to another request.
         self._busy: dict[str, int] = {}  # slot key -> storage transfers using its slot
+        self._loads: dict[str, int] = {}  # slot key -> load handlers running (``probe``'s answer)
         self._free_later: set[str] = set()
         self._attempts: dict[str, set[int]] = {}  # request id -> attempts holding a slot here
         # Reservations not claimed yet: slot key -> (scheduler instance, monotonic time reserved).
@@ -211,6 +214,20 @@ class TrafficManager:
         return m.Ok(detail=f"quarantined {len(older)}" if older else "no slot")
 
     async def load(self, req: m.LoadRequest) -> m.LoadReply:
+        key = slot_key(req.request_id, req.attempt)
+        self._loads[key] = self._loads.get(key, 0) + 1
+        try:
+            return await self._load(req)
+        finally:
+            left = self._loads.pop(key) - 1
+            if left:
+                self._loads[key] = left
+
+    async def probe(self, req: m.LoadProbe) -> m.LoadProbeReply:
+        """Whether the load of ``(request_id, attempt)`` runs here (a new process never has it)."""
+        return m.LoadProbeReply(running=slot_key(req.request_id, req.attempt) in self._loads)
+
+    async def _load(self, req: m.LoadRequest) -> m.LoadReply:
         fmt = BlockFormat(
             layers=req.layers, block_tokens=req.block_tokens, bytes_per_token_layer=req.bytes_per_token_layer, dtype=req.dtype
         )
@@ -433,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             ("persist", tm.persist, m.PersistRequest),
             ("describe", tm.describe, m.DescribeRequest),
             ("claim", tm.claim, m.SlotClaimed),
+            ("probe", tm.probe, m.LoadProbe),
         ):
             await bus.serve(subjects.tm(cfg.node_id, topic), handler, msg)
         await bus.subscribe_raw(subjects.sched_alive, tm.on_scheduler_alive)

@@ -51,6 +51,8 @@ __all__ = [
     "SlotClaimed",
     "DescribeRequest",
     "DescribeReply",
+    "LoadProbe",
+    "LoadProbeReply",
     "TaskFailed",
     "CancelRequest",
     "EngineLost",
@@ -319,6 +321,25 @@ class DescribeReply(Wire):
     regions: list[dict]
 
 
+@register(64)
+@dataclass(**_msg)
+class LoadProbe(Wire):
+    """Ask a traffic manager whether it still runs the load of ``(request_id, attempt)``: an engine
+    awaiting a long load asks every second, so a load lost with its traffic manager (killed, or
+    restarted under the same node) fails in seconds instead of after ``TIMEOUTS.tm_load``."""
+
+    request_id: str
+    attempt: int = 0
+
+
+@register(65)
+@dataclass(**_msg)
+class LoadProbeReply(Wire):
+    """``running``: the load is queued or reading here (its answer is still to come)."""
+
+    running: bool
+
+
 # --- scheduler -> engines ---------------------------------------------------------------------
 
 
@@ -384,6 +405,7 @@ class TaskFailed(Wire):
     reason: str
     retryable: bool = True
     unreachable: str = ""  # an engine that did not answer (the scheduler stops using it until it reports)
+    node_unreachable: str = ""  # a node whose traffic manager died under the task (the scheduler stops using the node until it reports)
 
 
 @register(43)

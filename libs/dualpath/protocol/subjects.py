@@ -94,7 +94,7 @@ class Subjects:
 
     # traffic manager of one node
     def tm(self, node_id: str, topic: str) -> str:
-        """``alloc``, ``free``, ``load``, ``persist``, ``describe``, ``claim``, ``prefetch`` of one node's traffic manager."""
+        """``alloc``, ``free``, ``load``, ``persist``, ``describe``, ``claim``, ``prefetch``, ``probe`` of one node's traffic manager."""
         return f"{self.ns}.tm.{check_id(node_id, 'node id')}.{topic}"
 
     # engines

@@ -30,6 +30,7 @@ class BusTimeouts:
     tm_alloc: float = 5.0
     tm_free: float = 2.0  # a free is instant; the scheduler frees slots on nodes that may have died
     tm_load: float = 120.0  # a whole prompt's hit KV read from storage, behind the node's read queue (read_q)
+    tm_probe: float = 2.0  # "do you still run this load?" (in memory); unanswered for 3 probes in a row, the load is given up
     tm_persist: float = 60.0  # blocks written to storage (fsync'ed files), then committed to the index
     # engines: a dispatch is acknowledged once the engine has queued the task.
     prefill_dispatch: float = 5.0
