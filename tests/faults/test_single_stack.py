@@ -6,6 +6,7 @@ and "read-only" a real EROFS from the kernel, not a simulation.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import signal
 import subprocess
@@ -121,3 +122,25 @@ def test_storage_read_only_is_served_from_recompute(stack, reference):
     t0 = time.monotonic()
     wait_until(lambda: chat_cached(stack, messages) > 0, 20, step=0.3)
     record("storage read-only (persistence back after remount)", time.monotonic() - t0, 10.0)
+
+
+def test_prefill_nodes_traffic_manager_killed_during_a_kv_load_the_request_is_answered_once_it_is_back(stack, reference):
+    """Bound: kill -9 of the PE node's traffic manager while it holds a request's KV load (it is
+    SIGSTOPped first, so the load is surely in flight there): the load fails within seconds, the
+    node leaves scheduling until the supervisor has restarted its traffic manager, and the request
+    is answered exactly within 20 s (it used to wait for the 120 s load timeout, and a retry then
+    used up every attempt on the restarting node)."""
+    assert complete(stack, PROMPT, max_tokens=32, read_path="pe").text == reference.text  # PROMPT's blocks are hits
+    pid = stack.pid("traffic-manager-p0")
+    os.kill(pid, signal.SIGSTOP)
+    with cf.ThreadPoolExecutor(1) as pool:
+        t0 = time.monotonic()
+        pending = pool.submit(complete, stack, PROMPT, max_tokens=32, read_path="pe", timeout=60)
+        time.sleep(1.5)  # placed, dispatched, its load sent to the stopped traffic manager (node timeout: 3 s)
+        os.kill(pid, signal.SIGKILL)
+        answer = pending.result(timeout=70)
+    took = time.monotonic() - t0
+    print("answer with the PE node's traffic manager killed:", answer.error or "ok", f"in {took:.1f}s")
+    assert answer.text == reference.text, answer.error
+    assert any(e.name == "traffic-manager-p0" and e.kind == "restarted" for e in stack.events)
+    record("PE node's traffic manager killed during a KV load (request answered)", took, 20.0)
