@@ -55,7 +55,7 @@ from dualpath.protocol.timeouts import TIMEOUTS
 from dualpath.runtime import start_logged, wait_any
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.tracing import context_from, get_tracer
-from dualpath.transfer import RegionDescriptor
+from dualpath.transfer import RegionDescriptor, UnknownRegionError
 from services.prefill_engine.split import is_split, load_split
 from services.prefill_engine.tm_watch import await_load, lost_load
 
@@ -94,6 +94,19 @@ class Job:
     t_submit: float = field(default_factory=time.perf_counter)
     t_first_batch: float = 0.0  # wall time its first prefill batch started (TTFT: queueing before, execution after)
     span: trace.Span = trace.INVALID_SPAN  # prefill.request: open from arrival to hand-off (or failure)
+
+
+def vanished_node(exc: Exception, jobs: list[Job]) -> str:
+    """The node whose DRAM buffer a failed batch found gone (``UnknownRegionError`` naming the
+    DE slot's or the loaded hits' region of one of its requests: the node's traffic manager died,
+    its buffer with it), else ""."""
+    if not isinstance(exc, UnknownRegionError):
+        return ""
+    for job in jobs:
+        for region in (job.dest, job.source):
+            if region is not None and region.region_id == exc.region_id:
+                return region.node_id
+    return ""
 
 
 class PrefillEngine:
@@ -275,10 +288,10 @@ class PrefillEngine:
                 result = await self._run_batch(batch)
             except Exception as exc:  # noqa: BLE001 - a failed batch fails its tasks, not the engine
                 log.warning("prefill_batch_failed", error=f"{type(exc).__name__}: {exc}", requests=len(batch.items))
-                for rid in self.batcher.fail_batch():
-                    job = self.jobs.get(rid)
-                    if job is not None:
-                        await self._fail(job, f"prefill failed: {type(exc).__name__}: {exc}")
+                jobs = [job for rid in self.batcher.fail_batch() if (job := self.jobs.get(rid)) is not None]
+                gone = vanished_node(exc, jobs)  # a buffer gone with its traffic manager: that node leaves scheduling
+                for job in jobs:
+                    await self._fail(job, f"prefill failed: {type(exc).__name__}: {exc}", node_unreachable=gone)
             else:
                 await self._process_result(batch, result)
             self.busy_s += time.perf_counter() - t0

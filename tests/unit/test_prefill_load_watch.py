@@ -197,3 +197,53 @@ def test_a_prefill_task_whose_kv_load_died_with_its_traffic_manager_fails_within
     node = "P" if path == m.ReadPath.PE else "D"
     assert [(f.request_id, f.node_unreachable) for f in failed] == [("r", node)]
     assert f"node {node}" in failed[0].reason and took < 3.0
+
+
+def test_a_batch_that_finds_a_nodes_buffer_gone_fails_its_tasks_naming_that_node():
+    """The DE node's traffic manager died mid-batch (its shared-memory buffer with it): every task
+    of the batch fails, and each ``TaskFailed`` names the node so the scheduler leaves it out."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from dualpath.core.prefill_batcher import PrefillBatcher
+    from dualpath.transfer import RegionDescriptor, UnknownRegionError
+    from services.prefill_engine.engine import Job, PrefillEngine
+
+    bus = DeadTmBus()
+    engine = PrefillEngine.__new__(PrefillEngine)
+    engine.bus, engine.subjects, engine.node_id = bus, Subjects("t"), "P"
+    engine.cfg = SimpleNamespace(engine_id="pe0")
+    engine.batcher = PrefillBatcher(lambda _items: 0.001, block_tokens=4)
+    engine.jobs, engine.finished, engine._successors, engine.loaded = {}, [], {}, deque()
+    engine.busy_s = 0.0
+    slot = RegionDescriptor(region_id="t-D-buf", node_id="D", size=1 << 20, transport="tcp")
+    for rid in ("a", "b"):
+        task = m.PrefillTask(
+            request_id=rid,
+            model="m",
+            model_digest=1,
+            prompt_tokens=[1] * 10,
+            block_hashes=[],
+            hit_blocks=0,
+            sampling={},
+            reply_subject=f"out.{rid}",
+            read_path=int(m.ReadPath.NONE),
+            prefill_engine="pe0",
+            prefill_node="P",
+            decode_engine="de0",
+            decode_node="D",
+            de_region=slot.to_wire(),
+            de_offset=0,
+        )
+        engine.jobs[rid] = Job(task=task, dest=slot, loading=False)
+        engine.batcher.add(rid, cached=0, total=10)
+    stop = asyncio.Event()
+
+    async def gone(_batch):
+        stop.set()
+        raise UnknownRegionError("t-D-buf", "no shared memory")
+
+    engine._run_batch = gone  # type: ignore[method-assign]
+    asyncio.run(engine.run(stop))
+    failed = [(x.request_id, x.node_unreachable) for x in bus.published if isinstance(x, m.TaskFailed)]
+    assert sorted(failed) == [("a", "D"), ("b", "D")]
