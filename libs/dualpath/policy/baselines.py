@@ -79,8 +79,9 @@ def schedule_round_robin(
         if k is None:
             break
         j = _next_fit(des, n % len(des), de_ok)
-        overflow = j is None
-        if overflow:  # every buffer looks full: ranked last, then the pass stops
+        overflow = False
+        if j is None:  # every buffer looks full: ranked last, then the pass stops
+            overflow = True
             j = _next_fit(des, n % len(des), de_hbm)
             if j is None:
                 break
@@ -145,8 +146,9 @@ def schedule_least_tokens(
             return node.buffer_room(blocks, buffer_left.get(node.node_id, node.buffer_free))
 
         de = de_cands.first(ok=room)
-        overflow = de is None
-        if overflow:  # every buffer looks full: ranked last, then the pass stops
+        overflow = False
+        if de is None:  # every buffer looks full: ranked last, then the pass stops
+            overflow = True
             de = de_cands.first(ok=hbm)
             if de is None:
                 break

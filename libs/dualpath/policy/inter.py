@@ -158,8 +158,9 @@ def _decode_groups(waiting: Sequence[PendingRequest], state: ClusterState) -> It
             return biggest >= need and free_total[node_id] >= need
 
         best = cands.first(ok=fits)
-        overflow = best is None
-        if overflow:  # every buffer looks full: the least loaded group with HBM room, then stop
+        overflow = False
+        if best is None:  # every buffer looks full: the least loaded group with HBM room, then stop
+            overflow = True
 
             def hbm_fits(entry: tuple[int, int], need: int = need) -> bool:
                 biggest = max_free.get(entry[1])
