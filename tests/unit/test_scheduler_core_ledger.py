@@ -57,13 +57,13 @@ def _check(core: SchedulerCore) -> None:
             assert fig.free_hbm_tokens == max(0, min(HBM, e.free_hbm - hbm))
     for n in core.nodes():
         _, tok, nbytes = live["node"].get(n.name, [0, 0, 0])
-        fig = state.nodes[n.num]
-        assert n.dtok == tok and fig.read_q == max(0, n.read_q + tok)
+        nfig = state.nodes[n.num]
+        assert n.dtok == tok and nfig.read_q == max(0, n.read_q + tok)
         assert n.dhbm == nbytes
         if n.buffer_free >= 0 and n.name == "D":  # free buffer, in 64-byte blocks
-            assert fig.buffer_free == max(0, (n.buffer_free - nbytes) // 64) and fig.buffer_blocks == BUFFER // 64
+            assert nfig.buffer_free == max(0, (n.buffer_free - nbytes) // 64) and nfig.buffer_blocks == BUFFER // 64
         elif n.name == "D":
-            assert fig.buffer_free == -1
+            assert nfig.buffer_free == -1
 
 
 @settings(max_examples=150, deadline=None)
