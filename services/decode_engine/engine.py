@@ -81,6 +81,7 @@ class Running:
     unsent: list = field(default_factory=list)  # (token, logprob, top) not yet streamed (stream interval)
     constraint: TokenConstraint | None = None  # the request's grammar state (structured outputs), the first token replayed
     superseded: bool = False  # a newer attempt replaced it: it leaves without events or a report
+    persist_off: bool = False  # a generated block could not be staged: its later blocks are not persisted either
 
 
 class DecodeEngine:
@@ -302,20 +303,31 @@ class DecodeEngine:
         self._spawn_persist(r, req)
 
     async def _persist_block(self, r: Running, b: int) -> None:
-        """Stage block ``b`` of a running sequence in the node buffer and persist it."""
+        """Stage block ``b`` of a running sequence in the node buffer and persist it.
+
+        Persistence is best effort: when the traffic manager cannot stage the block (its buffer
+        is full, it is restarting, it does not answer) the request keeps decoding and its later
+        blocks are not persisted either (the index only links a block after its parent)."""
+        if r.persist_off:
+            return
         lay, d, t = self.setup.layout, self.setup.decoder, r.task
         bt = lay.block_tokens
         parent = r.chain[-1] if r.chain else 0
         h = block_hashes(t.model, r.seq.tokens[b * bt : (b + 1) * bt], block_tokens=bt, parent=parent)[0]
         parents = list(r.chain)
-        r.chain.append(h)
         owner = f"{t.request_id}-g{b}"
-        reply = await self.bus.request(
-            self.subjects.tm(self.node_id, "alloc"),
-            m.AllocRequest(request_id=owner, blocks=1, block_bytes=lay.block_bytes, attempt=t.attempt),
-            m.AllocReply,
-            timeout=TIMEOUTS.tm_alloc,
-        )
+        try:
+            reply = await self.bus.request(
+                self.subjects.tm(self.node_id, "alloc"),
+                m.AllocRequest(request_id=owner, blocks=1, block_bytes=lay.block_bytes, attempt=t.attempt),
+                m.AllocReply,
+                timeout=TIMEOUTS.tm_alloc,
+            )
+        except Exception as exc:  # noqa: BLE001 - any refusal or loss of the traffic manager: decoding goes on
+            r.persist_off = True
+            log.warning("persist_skipped", request_id=t.request_id, block=b, error=f"{type(exc).__name__}: {exc}")
+            return
+        r.chain.append(h)
         region = self._region(reply.region["region_id"])
         dst = region.as_tensor(reply.offset, lay.block_bytes, d.dtype).view(lay.layers, bt, 2, d.kv_heads, d.head_dim)
         dst.copy_(r.seq.kv[:, b * bt : (b + 1) * bt])

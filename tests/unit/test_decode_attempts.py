@@ -53,10 +53,11 @@ class FakeBus:
         return [(c.request_id, c.attempt) for _, c in self.published if isinstance(c, m.SlotClaimed)]
 
 
-def _engine(bus: FakeBus, tasks) -> DecodeEngine:
+def _engine(bus: FakeBus, tasks, block_tokens: int = 512) -> DecodeEngine:
+    bt = block_tokens
     setup = SimpleNamespace(
         decoder=FakeDecoder(),
-        layout=SimpleNamespace(block_tokens=512, layers=1, block_bytes=64, bytes_per_token_layer=1, blocks_for=lambda n: -(-n // 512)),
+        layout=SimpleNamespace(block_tokens=bt, layers=1, block_bytes=64, bytes_per_token_layer=1, blocks_for=lambda n: -(-n // bt)),
         nic=None,
         oracle=True,  # no buffer slot to read the prompt KV from
         eos_ids=[0],
@@ -185,3 +186,37 @@ def test_a_retry_of_a_request_waiting_for_admission_replaces_it_at_once():
     bus = _with_engine(body)
     assert seen == {"waiting": True, "retry": "", "held": 1}
     assert ("r", 0) in bus.freed()
+
+
+class RefusingAllocBus(FakeBus):
+    """The node's traffic manager refuses to stage generated blocks (buffer full, or gone)."""
+
+    async def request(self, subject: str, msg, _reply, timeout: float = 0.0):
+        if isinstance(msg, m.AllocRequest):
+            self.requested.append(msg)
+            raise TimeoutError(f"{subject}: no service listens")
+        return await super().request(subject, msg, _reply, timeout)
+
+
+def test_a_generated_block_the_traffic_manager_cannot_stage_is_not_persisted_and_decoding_goes_on():
+    bus = RefusingAllocBus()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        async with anyio.create_task_group() as tasks:
+            engine = _engine(bus, tasks, block_tokens=4)  # blocks fill every few tokens
+            tasks.start_soon(engine.run, stop)
+            try:
+                await engine.on_task(_task(0, max_tokens=20))
+                await _until(lambda: any(e.finish_reason for e in bus.events("r")))
+            finally:
+                stop.set()
+
+    asyncio.run(main())
+    failed = [msg for _, msg in bus.published if isinstance(msg, m.TaskFailed)]
+    assert failed == []  # persistence is best effort: the answer is not failed
+    new = bus.events("r")
+    assert [e.finish_reason for e in new if e.finish_reason] == ["length"]
+    assert sum(len(e.token_ids) for e in new) == 19
+    allocs = [r for r in bus.requested if isinstance(r, m.AllocRequest)]
+    assert len(allocs) == 1  # after the first refusal the request's later blocks are not staged either
