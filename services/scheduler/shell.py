@@ -119,16 +119,7 @@ class SchedulerShell:
             # Restarted under its name before the core found it silent: what it held is gone.
             # A dispatch failure naming it unreachable is the core's "lost" event (its requests go back).
             log.warning("engine_restarted", engine=r.engine_id, incarnation=r.incarnation, previous=known)
-            self._feed(
-                DispatchFailed(
-                    now=time.monotonic(),
-                    request_id="",
-                    attempt=-1,
-                    stage=Stage.DISPATCH,
-                    reason=f"engine {r.engine_id} restarted",
-                    unreachable=r.engine_id,
-                )
-            )
+            self._holder_lost(f"engine {r.engine_id} restarted", engine=r.engine_id)
         if r.incarnation:
             self._incarnations[r.engine_id] = r.incarnation
         if r.engine_id not in self.core.members.engines:
@@ -168,16 +159,7 @@ class SchedulerShell:
             # The task's traffic manager died under it: the core's "node down" event (its engines
             # leave scheduling until the node reports again), before the retry, so the retry is
             # not placed on the same node while it restarts.
-            self._feed(
-                DispatchFailed(
-                    now=time.monotonic(),
-                    request_id="",
-                    attempt=-1,
-                    stage=Stage.DISPATCH,
-                    reason=f"traffic manager of node {f.node_unreachable} lost: {f.reason}",
-                    node_unreachable=f.node_unreachable,
-                )
-            )
+            self._holder_lost(f"traffic manager of node {f.node_unreachable} lost: {f.reason}", node=f.node_unreachable)
         self.execute(
             self.core.handle(
                 TaskFailed(now=time.monotonic(), request_id=f.request_id, engine=f.engine_id, reason=f.reason, unreachable=f.unreachable)
@@ -293,6 +275,22 @@ class SchedulerShell:
             )
         except Exception as exc:  # noqa: BLE001 - only a hint
             log.warning("prefetch_hint_failed", node=c.node, error=str(exc))
+
+    def _holder_lost(self, reason: str, *, engine: str = "", node: str = "") -> None:
+        """Tell the core an engine or a node's traffic manager is gone, outside any one request:
+        a dispatch failure of no request naming it unreachable is the core's "lost" event (an
+        engine's requests go back; a node leaves scheduling until it reports again)."""
+        self._feed(
+            DispatchFailed(
+                now=time.monotonic(),
+                request_id="",
+                attempt=-1,
+                stage=Stage.DISPATCH,
+                reason=reason,
+                unreachable=engine,
+                node_unreachable=node,
+            )
+        )
 
     def _feed(self, event) -> None:
         try:
