@@ -68,3 +68,44 @@ def test_a_supervised_service_stops_when_its_supervisor_is_killed(tmp_path, nats
         parent.wait()
         if parent.stdout is not None:
             parent.stdout.close()
+
+
+NATS_PARENT = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from dualpath.bus.embedded import EmbeddedNats, nats_server_binary
+    from dualpath.cli.launcher.supervisor import Supervisor
+
+    if sys.argv[1] == "embedded":
+        server = EmbeddedNats().start()
+        print(server._proc.pid, flush=True)
+    else:  # the stack's way: a supervised child that cannot read PARENT_ENV
+        sup = Supervisor(logs=Path(sys.argv[2]))
+        sup.add("nats-0", [nats_server_binary(), "-a", "127.0.0.1", "-p", "0"], dict(os.environ), watches_parent=False)
+        print(sup.children["nats-0"].proc.pid, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["embedded", "supervised"])
+def test_a_nats_server_stops_when_the_process_that_started_it_is_killed(tmp_path, how):
+    parent = subprocess.Popen([sys.executable, "-c", NATS_PARENT, how, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    server = 0
+    try:
+        assert parent.stdout is not None
+        server = int(parent.stdout.readline())
+        assert _alive(server)
+        parent.kill()  # SIGKILL: no clean-up runs (EmbeddedNats.__del__, Supervisor.stop)
+        parent.wait()
+        took = _wait(lambda: not _alive(server), 10)
+        print(f"{how} nats-server stopped {took:.2f}s after its parent was killed")
+    finally:
+        if server and _alive(server):
+            os.kill(server, signal.SIGKILL)
+        if parent.poll() is None:
+            parent.kill()
+        parent.wait()
+        if parent.stdout is not None:
+            parent.stdout.close()

@@ -12,6 +12,8 @@ import uuid
 from pathlib import Path
 from typing import IO
 
+from dualpath.childproc import die_with_parent
+
 __all__ = ["EmbeddedNats", "free_port", "nats_server_binary"]
 
 
@@ -90,9 +92,11 @@ class EmbeddedNats:
             cmd += ["-js", "-sd", self._jetstream_dir]
         if self._log_file:
             with open(self._log_file, "ab") as out:
-                self._proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True)
+                self._proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True, preexec_fn=die_with_parent())
         else:
-            self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            self._proc = subprocess.Popen(
+                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent()
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

@@ -127,7 +127,7 @@ class Stack:
 
         specs = nats_servers(self.cfg.nats_cluster, self.cfg.run_dir, host="127.0.0.1")
         for spec in specs:
-            self.supervisor.add(spec.name, spec.cmd, dict(os.environ))
+            self.supervisor.add(spec.name, spec.cmd, dict(os.environ), watches_parent=False)
         self.nats_urls = [s.url for s in specs]
         deadline = time.monotonic() + 15.0
         for spec in specs:

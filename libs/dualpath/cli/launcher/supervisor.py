@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dualpath.childproc import die_with_parent
 from dualpath.runtime import PARENT_ENV
 
 __all__ = ["Child", "Supervisor", "SupervisorEvent"]
@@ -38,12 +39,15 @@ class Child:
     restarts: int = 0
     quick_deaths: int = 0  # deaths in a row before ``stable_after``: sets the back-off
     restart_at: float | None = None  # a pending restart
+    watches_parent: bool = True  # reads PARENT_ENV (our services); False: a foreign binary such as nats-server
 
     def spawn(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             env = {**self.env, PARENT_ENV: str(os.getpid())}  # the child stops if this process dies
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            # A foreign binary cannot watch PARENT_ENV: the kernel's parent-death signal stops it instead.
+            hook = None if self.watches_parent else die_with_parent()
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=hook)
         self.started_at = time.monotonic()
         self.restart_at = None
 
@@ -90,9 +94,10 @@ class Supervisor:
     _lock: threading.RLock = field(default_factory=threading.RLock)
     _thread: threading.Thread | None = None
 
-    def add(self, name: str, cmd: list[str], env: dict[str, str]) -> Child:
-        """Start a child now. Raises OSError if it cannot be started."""
-        child = Child(name=name, cmd=cmd, env=env, log=self.logs / f"{name}.log")
+    def add(self, name: str, cmd: list[str], env: dict[str, str], *, watches_parent: bool = True) -> Child:
+        """Start a child now; ``watches_parent=False`` for a program that does not read
+        ``PARENT_ENV`` (see ``dualpath.childproc``). Raises OSError if it cannot be started."""
+        child = Child(name=name, cmd=cmd, env=env, log=self.logs / f"{name}.log", watches_parent=watches_parent)
         child.spawn()
         with self._lock:
             self.children[name] = child
