@@ -10,6 +10,12 @@ well-tuned serving kernel sustains on Hopper:
 - ``HBM_EFFICIENCY`` 0.85: FlashMLA's memory-bound decode reaches ~3,000 of 3,350 GB/s.
 - ``LAYER_OVERHEAD_S`` 10 us: launch gaps, norms, RoPE and routing per layer that no
   roofline term covers (small; CUDA graphs hide most of it in decode).
+- ``DEEPEP_LOW_LATENCY_US``: a decode step's expert-parallel all-to-all once the EP group
+  spans nodes (more GPUs than ``NVLINK_DOMAIN``): DeepEP's low-latency dispatch + combine
+  over RDMA, per MoE layer, as its README measures them on H800 with CX7 400 Gb/s NICs
+  (128 tokens per rank, hidden 7168, top-8, FP8 dispatch, BF16 combine). It is latency,
+  not bandwidth: at decode batch sizes it barely changes with the batch, and it is what
+  puts the paper's 660B TPOT at 36-39 ms where the roofline alone gives ~15-20 ms.
 
 HBM capacity is 80 GiB (nvidia-smi reports 81,559 MiB on an H100/H800 SXM "80 GB").
 H800 and H100 SXM differ only in NVLink/NIC bandwidth, which this model does not use.
@@ -17,16 +23,20 @@ H800 and H100 SXM differ only in NVLink/NIC bandwidth, which this model does not
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from dualpath.cost.errors import UnknownGpuError
 
-__all__ = ["GPUS", "GpuProfile", "get_gpu"]
+__all__ = ["DEEPEP_LOW_LATENCY_US", "GPUS", "NVLINK_DOMAIN", "GpuProfile", "get_gpu"]
 
 MFU_DENSE = 0.65
 MFU_ATTENTION = 0.55
 HBM_EFFICIENCY = 0.85
 LAYER_OVERHEAD_S = 10e-6
+NVLINK_DOMAIN = 8  # GPUs per node joined by NVLink (HGX H800/H100)
+# (EP size, dispatch us, combine us): DeepEP README, low-latency kernels with pure RDMA, H800 + CX7 400G.
+DEEPEP_LOW_LATENCY_US = ((8, 77, 114), (16, 118, 195), (32, 155, 273), (64, 173, 314), (128, 192, 369), (256, 194, 360))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,6 +52,24 @@ class GpuProfile:
     mfu_attention: float = MFU_ATTENTION
     hbm_efficiency: float = HBM_EFFICIENCY
     layer_overhead_s: float = LAYER_OVERHEAD_S
+    nvlink_domain: int = NVLINK_DOMAIN
+    ep_all_to_all_us: tuple[tuple[int, int, int], ...] = DEEPEP_LOW_LATENCY_US
+
+    def decode_all_to_all_s(self, ep: int) -> float:
+        """Seconds of one MoE layer's dispatch + combine in a decode step with expert
+        parallelism over ``ep`` GPUs: 0 within one NVLink domain (overlapped, as the rest of
+        the model's communication), else ``ep_all_to_all_us`` interpolated in log2(ep) (the
+        table's last row beyond its end)."""
+        if ep <= self.nvlink_domain:
+            return 0.0
+        table = self.ep_all_to_all_us
+        x = math.log2(ep)
+        for (e0, d0, c0), (e1, d1, c1) in zip(table, table[1:], strict=False):
+            if ep <= e1:
+                f = (x - math.log2(e0)) / (math.log2(e1) - math.log2(e0)) if ep > e0 else 0.0
+                return ((d0 + c0) + f * ((d1 + c1) - (d0 + c0))) * 1e-6
+        _, d, c = table[-1]
+        return (d + c) * 1e-6
 
 
 def _hopper_sxm(name: str) -> GpuProfile:

@@ -4,8 +4,12 @@ Deployment assumed (the paper's): each engine is one GPU running data-parallel a
 so attention, dense-MLP, shared-expert and embedding weights are replicated on every GPU.
 Routed experts are expert-parallel over ``ep`` GPUs: each holds ``ceil(E / ep)`` of them
 and, with balanced routing, computes as many expert-token products as its own tokens
-need (``tokens * top_k``). All-to-all and other communication is assumed overlapped and
-is not modelled; neither are activation bytes (small next to weights and KV).
+need (``tokens * top_k``). Communication is assumed overlapped and is not modelled, with
+one exception: a decode step whose expert-parallel group spans nodes pays each MoE layer's
+all-to-all latency (DeepEP's low-latency dispatch + combine, ``GpuProfile.decode_all_to_all_s``;
+e.g. 58 x 428 us = 24.8 ms per step at EP 32), which two-micro-batch overlap cannot hide at
+decode batch sizes and without which the paper's 660B TPOT (36-39 ms) is not reached.
+Activation bytes are not modelled either (small next to weights and KV).
 
 FLOPs (one multiply-add = 2 FLOPs), per layer, for ``n`` new tokens:
 
@@ -86,7 +90,7 @@ def _span_sum(cached: int, new: int, cap: int) -> int:
 class CostModel:
     """Predicted FLOPs, times and HBM capacity of one engine (one GPU) for a target model."""
 
-    __slots__ = ("_c", "_gemm_rate", "_hbm_rate", "_local_experts", "_pairs", "_replicated", "ep", "gpu", "target")
+    __slots__ = ("_c", "_decode_a2a_s", "_gemm_rate", "_hbm_rate", "_local_experts", "_pairs", "_replicated", "ep", "gpu", "target")
 
     def __init__(self, target: ModelTarget, gpu: GpuProfile, *, ep: int | None = None) -> None:
         """Build the model; ``ep`` (default ``target.default_ep``) is the expert-parallel size.
@@ -99,6 +103,8 @@ class CostModel:
             raise InvalidWorkloadError("expert-parallel size ep", ep)
         self.target, self.gpu, self.ep = target, gpu, ep
         self._local_experts = math.ceil(target.routed_experts / ep)
+        # a decode step's all-to-all latency over every MoE layer (0 within one node)
+        self._decode_a2a_s = target.moe_layers * gpu.decode_all_to_all_s(ep) if target.routed_experts else 0.0
         peak = gpu.fp8_flops if target.weight_bytes == 1 else gpu.bf16_flops
         self._gemm_rate = peak * gpu.mfu_dense
         self._hbm_rate = gpu.hbm_bytes_per_s * gpu.hbm_efficiency
@@ -292,12 +298,13 @@ class CostModel:
         return self.target.layers * self._attention_layer_time(self._prefill_work(batch))
 
     def decode_step_time(self, context_lens: Sequence[int]) -> float:
-        """Seconds for one decode step (one token per request) of a batch, all layers.
+        """Seconds for one decode step (one token per request) of a batch, all layers, with
+        the expert-parallel all-to-all when the EP group spans nodes (module docstring).
 
         Raises:
             InvalidWorkloadError: a context length is smaller than 1.
         """
-        return self._total_time(self._decode_work(context_lens)) if context_lens else 0.0
+        return self._total_time(self._decode_work(context_lens)) + self._decode_a2a_s if context_lens else 0.0
 
     def decode_step_time_totals(self, requests: int, keys: int, attended: int) -> float:
         """``decode_step_time`` from the batch's totals instead of its context lengths:
@@ -313,7 +320,7 @@ class CostModel:
         if keys < requests or attended < 0:
             raise InvalidWorkloadError("decode totals (requests, keys, attended)", (requests, keys, attended))
         index = keys * self._c[22]
-        return self._total_time(_Work(requests, requests, attended, attended, index, index))
+        return self._total_time(_Work(requests, requests, attended, attended, index, index)) + self._decode_a2a_s
 
     def kv_bytes(self, tokens: int) -> int:
         """KV-cache bytes of ``tokens`` tokens over all layers (what storage moves).
