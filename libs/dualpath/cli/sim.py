@@ -52,7 +52,8 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--decode-ep",
         default="auto",
-        help="decode expert parallelism: auto (every decode GPU), target (the cost model's default, as the testbed), or N",
+        help="decode expert parallelism: auto (every decode GPU when the target's group spans nodes, else its default), "
+        "target (the cost model's default, as the testbed), or N",
     )
     g.add_argument("--hbm-tokens", type=int, default=0, help="decode KV capacity per engine in tokens (0: the cost model's)")
     g.add_argument("--max-running", type=int, default=1024, help="decode: most requests batched together")

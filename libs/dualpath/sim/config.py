@@ -85,7 +85,7 @@ class SimConfig:
     storage_parallel: int = 4  # concurrent block reads per node (the traffic manager's StorageIO default)
     max_running: int = 1024  # decode: most requests batched together (the paper: "batch everything")
     hbm_tokens: int = 0  # decode KV capacity per engine in tokens; 0 = the cost model's
-    decode_ep: int = -1  # decode expert parallelism: -1 = the target's default (the testbed's), 0 = every decode GPU
+    decode_ep: int = -1  # decode expert parallelism: -1 = the target's default (the testbed's), 0 = auto (decode_ep_size)
     pass_interval_s: float = 0.002  # the scheduler's loop period: passes at most this often
     report_interval_s: float = 0.2  # traffic managers report read_q this often (the services' default)
     collective_share: float = 0.0  # prefill: CNIC time model collectives (high priority) take per second of compute
@@ -107,11 +107,16 @@ class SimConfig:
             raise ValueError("engines_per_node must be between 0 (all GPUs) and gpus_per_node")
 
     def decode_ep_size(self, default_ep: int, routed_experts: int) -> int:
-        """The decode side's expert-parallel group: the target's default, every decode GPU
-        (capped at one routed expert per GPU), or the given size."""
+        """The decode side's expert-parallel group: the target's default (``decode_ep`` -1),
+        the given size, or ``auto`` (0): every decode GPU (capped at one routed expert per GPU)
+        for a target whose default group already spans nodes (its KV room grows with the group,
+        and the cross-node all-to-all is paid either way), else the target's default, which
+        keeps a model that fits in one node off the cross-node all-to-all."""
         if self.decode_ep < 0:
             return default_ep
         if self.decode_ep == 0:
+            if default_ep <= self.gpus_per_node:
+                return default_ep
             return max(1, min(self.decode_nodes * self.engines, routed_experts or 1))
         return self.decode_ep
 

@@ -11,9 +11,11 @@ storage, a few turns per agent: minutes) and ``full`` (every agent's whole traje
 the 48P96D / 44P88D scale runs: hours on one core).
 
 Calibration: absolute seconds come from the roofline cost model (``dualpath.cost``: H800,
-MFU 0.65 GEMM / 0.55 attention, HBM 85%) and the paper's hardware (400 Gbps SNIC per node
-and CNIC per GPU, 80 GB buffer per node); the decode side runs expert parallelism over all
-its GPUs (``SimConfig.decode_ep`` = 0), which sets its KV capacity. Ratios are what must match.
+MFU 0.65 GEMM / 0.55 attention, HBM 85%; a decode step whose EP group spans nodes pays
+DeepEP's low-latency all-to-all per MoE layer, which puts the 660B TPOT near the paper's
+39 ms) and the paper's hardware (400 Gbps SNIC per node and CNIC per GPU, 80 GB buffer per
+node); the 660B decode side runs expert parallelism over all its GPUs, the 27B one within a
+node (``SimConfig.decode_ep`` = 0, auto), which sets its KV capacity. Ratios are what must match.
 """
 
 from __future__ import annotations
