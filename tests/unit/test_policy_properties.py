@@ -3,7 +3,8 @@
 Two kinds of check on random clusters and queues:
 - invariants read straight off the paper, replayed decision by decision (FIFO prefix, no
   PE over β, no DE without HBM room, read side = shorter queue, head placed when there
-  is room, the state untouched);
+  is room, the state untouched), and of DualPath's read admission (no read on a node whose
+  open reads are at the hold);
 - equality with a deliberately naive reference of the DualPath rules (linear scans, exact
   fractions for Z), also after random histories of assignments and completions, which
   exercises the incremental indices the fast policy relies on.
@@ -50,7 +51,10 @@ def scenarios(draw) -> tuple[ClusterState, Thresholds, list[PendingRequest]]:
         state.report_engine(engine.engine_id, seq=draw(st.integers(0, 3)), tok=draw(st.integers(0, 20_000)), free_hbm_tokens=free)
     for node in state.nodes.values():
         state.report_node(node.node_id, read_q=draw(st.integers(0, 5000)))
-    th = Thresholds(alpha_tokens=draw(st.integers(0, 5000)), beta_tokens=draw(st.integers(0, 20_000)))
+        state.adjust_reads_open(node.node_id, draw(st.integers(0, 5000)))
+    # read admission off (0), the default, or holds from a fraction of α to many times it
+    hold_percent = draw(st.sampled_from([0, 5, 50, 100, 1000]))
+    th = Thresholds(alpha_tokens=draw(st.integers(0, 5000)), beta_tokens=draw(st.integers(0, 20_000)), read_hold_percent=hold_percent)
     waiting = []
     for rid in range(draw(st.integers(0, 12))):
         prompt = draw(st.integers(2, 4000))
@@ -63,7 +67,12 @@ def reference_dualpath(waiting, state, th):
     """The paper's rules as literally as possible; returns (request, PE, DE, side) tuples."""
     pe_tok = {e.engine_id: e.tok for e in state.prefill_engines}
     node_of = {e.engine_id: e.node_id for e in state.engines.values()}
-    short = {e for e in pe_tok if state.nodes[node_of[e]].read_q <= th.alpha_tokens}
+    hold = th.hold_tokens
+
+    def has_room(n):  # read admission: the node's open reads (or its queue, if shorter) are below the hold
+        return not hold or min(n.read_q, n.reads_open) < hold
+
+    short = {e for e in pe_tok if state.nodes[node_of[e]].read_q <= th.alpha_tokens and has_room(state.nodes[node_of[e]])}
     pes = []
     for r in waiting:
         ok = [e for e in pe_tok if pe_tok[e] <= th.beta_tokens]
@@ -103,10 +112,20 @@ def reference_dualpath(waiting, state, th):
         de[e][2] -= r.total_len
         des.append(e)
     queue = {n.node_id: n.read_q for n in state.nodes.values()}
+    opened = {n.node_id: n.reads_open for n in state.nodes.values()}
     out = []
     for r, p, d in zip(waiting, pes, des):
-        side = ReadSide.PE if queue[node_of[p]] <= queue[node_of[d]] else ReadSide.DE
-        queue[node_of[p] if side is ReadSide.PE else node_of[d]] += r.hit_tokens
+        pn, dn = node_of[p], node_of[d]
+        room = {n: not hold or not r.hit_tokens or min(queue[n], opened[n]) < hold for n in (pn, dn)}
+        if not (room[pn] or room[dn]):
+            break
+        if room[pn] and room[dn]:
+            side = ReadSide.PE if queue[pn] <= queue[dn] else ReadSide.DE
+        else:
+            side = ReadSide.PE if room[pn] else ReadSide.DE
+        node = pn if side is ReadSide.PE else dn
+        queue[node] += r.hit_tokens
+        opened[node] += r.hit_tokens
         out.append((r.request_id, p, d, side))
     return out
 
@@ -117,6 +136,12 @@ def check_invariants(name, waiting, state, th, out):
     tok = {e.engine_id: e.tok for e in state.engines.values()}
     free = {e.engine_id: e.free_hbm_tokens for e in state.engines.values()}
     queue = {n.node_id: n.read_q for n in state.nodes.values()}
+    opened = {n.node_id: n.reads_open for n in state.nodes.values()}
+    hold = th.hold_tokens if name == "dualpath" else 0  # read admission is DualPath's
+
+    def room(node_id, r):
+        return not hold or not r.hit_tokens or min(queue[node_id], opened[node_id]) < hold
+
     for i, (r, a) in enumerate(zip(waiting, out)):
         pe, de = state.engines[a.prefill_engine], state.engines[a.decode_engine]
         assert pe.role is Role.PREFILL and de.role is Role.DECODE
@@ -128,17 +153,24 @@ def check_invariants(name, waiting, state, th, out):
             assert a.read_side is ReadSide.PE
         elif name == "round_robin":  # the read side round robin too: PE on even decisions
             assert a.read_side is (ReadSide.DE if (state.assigned_total + i) % 2 else ReadSide.PE)
-        else:  # the shorter queue, ties to the PE side
+        elif room(pe.node_id, r) and room(de.node_id, r):  # the shorter queue, ties to the PE side
             assert a.read_side is (ReadSide.PE if q_pe <= q_de else ReadSide.DE)
+        else:  # read admission: the side with room; never a node at the hold
+            assert room(pe.node_id if a.read_side is ReadSide.PE else de.node_id, r)
         assert a.read_node == (pe.node_id if a.read_side is ReadSide.PE else de.node_id)
         tok[pe.engine_id] += r.miss_tokens
         free[de.engine_id] -= r.total_len
         queue[a.read_node] += r.hit_tokens
-    if waiting:  # liveness: the head is placed whenever some PE and some DE can take it
+        opened[a.read_node] += r.hit_tokens
+    if waiting:  # liveness: the head is placed whenever some PE and some DE can take it (and every node its read)
         head = waiting[0]
         pe_ok = any(e.tok <= th.beta_tokens for e in state.prefill_engines)
         de_ok = any(e.free_hbm_tokens >= head.total_len for e in state.decode_engines)
-        assert bool(out) == (pe_ok and de_ok)
+        every_room = all(not hold or not head.hit_tokens or min(n.read_q, n.reads_open) < hold for n in state.nodes.values())
+        if every_room:
+            assert bool(out) == (pe_ok and de_ok)
+        else:
+            assert not out or (pe_ok and de_ok)
 
 
 def snapshot(state):

@@ -11,7 +11,10 @@ Events in: ``RequestSubmitted``, ``EngineReported``, ``NodeReported``, ``SlotRes
 ``TimeAdvanced``. Commands out: ``RejectRequest``, ``ReserveSlot``, ``Dispatch``,
 ``FreeSlot``, ``FailRequest``, ``ExpelEngine``, ``Requeued``.
 
-A request's life: submitted -> queued (FIFO) -> placed by a pass on ``TimeAdvanced``
+A request's life: submitted -> queued (by rank: its submission time less
+``decode_credit_s`` per token it may generate, so among requests submitted close together
+the longest decode goes first; one queued ``urgent_wait_s`` goes ahead of every fresher one;
+a retry at the head) -> placed by a pass on ``TimeAdvanced``
 (``ReserveSlot`` on the decode node) -> ``SlotReserved`` -> ``Dispatch`` to the prefill
 engine -> ``DispatchAnswered`` -> the prefill engine reports it finished (handed to the
 decode engine) -> the decode engine reports it finished: forgotten. A failure on the way
@@ -129,6 +132,7 @@ def tune_gc() -> tuple[int, int, int]:
 
 
 _QUEUED, _RESERVING, _DISPATCHING, _RUNNING = 0, 1, 2, 3  # _Request.stage
+_URGENT = -1e18  # ranks at or below: queued urgent_wait_s or longer (rank = this + queued since), or re-queued (-inf)
 
 
 def _split_blocks(a: Assignment, block_tokens: int) -> tuple[int, int] | None:
@@ -155,6 +159,8 @@ class CoreConfig:
     buffer_backoff_s: float = 0.02  # pause of passes after a full decode-node buffer
     buffer_wait_s: float = 600.0  # a request waiting longer for buffer room fails (then counts attempts)
     expiry_interval_s: float = 0.25  # how often TimeAdvanced looks for silent engines
+    decode_credit_s: float = 0.01  # queue order: a request ranks max_tokens x this earlier than its submission (0: FIFO)
+    urgent_wait_s: float = 3.0  # a request queued this long goes ahead of every fresher one (FIFO among such)
     trace_inputs: bool = False  # fill Decision.seen (what the policy compared) for spans
     prefetch: bool = False  # agent-aware prefetch: a session's finished turn emits Prefetch for its prefill node
 
@@ -170,12 +176,14 @@ class _Request:
         "de_charge",
         "decision",
         "num",
+        "open_reads",
         "payload",
         "pe",
         "pe_charge",
         "pending",
         "prefill_done",
         "queued_since",
+        "rank",
         "read_charge",
         "read_side",
         "rid",
@@ -191,6 +199,8 @@ class _Request:
         self.attempt = self.buffer_waits = 0
         self.wait_start = -1.0  # now of the first back-pressure (-1: none yet)
         self.queued_since = now
+        self.rank = now  # its place in the queue (SchedulerCore._enqueue)
+        self.open_reads: tuple[tuple[NodeMember, int], ...] = ()  # (node, hit tokens) of its reads until its prefill ends
         self.stage = _QUEUED
         self.pe: EngineMember | None = None
         self.de: EngineMember | None = None
@@ -213,6 +223,7 @@ class SchedulerCore:
         self.policy, self.cfg = policy, config
         self.members = Membership()
         self.queue: deque[_Request] = deque()
+        self._arrivals: deque[tuple[float, int, _Request]] = deque()  # (queued since, attempt, request) in queueing order
         self.requests: dict[str, _Request] = {}  # queued and placed, by request id
         self.buffer_waits = 0  # placements put back because a decode node's buffer was full
         self.now = 0.0
@@ -327,8 +338,28 @@ class SchedulerCore:
         t.session = ev.session
         self._num += 1
         self.requests[rid] = t
-        self.queue.append(t)
+        self._enqueue(t, ev.now - self.cfg.decode_credit_s * ev.max_tokens)
         return []
+
+    def _enqueue(self, t: _Request, rank: float) -> None:
+        """Queue ``t`` by ``rank`` (after every request of a rank at most its own): its
+        submission time less a credit for its decode length. Among requests submitted close
+        together the longest decode is placed, and reads, first: it is the one whose end
+        comes last, and its agent's next turn with it (longest processing time first, the
+        makespan rule for a closed loop). A request that has waited ``urgent_wait_s`` goes
+        ahead of every fresher one (``_promote_urgent``), so a short request is not held
+        back by longer ones for more than that (the paper's TTFT SLO is 4 s)."""
+        t.rank = rank
+        if rank > _URGENT and self.cfg.urgent_wait_s < float("inf"):
+            self._arrivals.append((t.queued_since, t.attempt, t))  # to be promoted if it waits that long
+        queue = self.queue
+        i = len(queue)
+        while i and queue[i - 1].rank > rank:  # from the tail: most requests land at or near it
+            i -= 1
+        if i == len(queue):
+            queue.append(t)
+        else:
+            queue.insert(i, t)
 
     # ---- reports ------------------------------------------------------------------------
     def _engine_reported(self, ev: EngineReported) -> list[Command]:
@@ -393,6 +424,7 @@ class SchedulerCore:
             self._release(t.pe_charge)
             self._release(t.read_charge)
             self._release(t.split_charge)
+            self._close_reads(t)
             if t.de_charge is not None:
                 t.de_charge.acknowledge(self._k)  # the decode engine has it now
         elif t.de is not None and t.de.name == member.name:
@@ -514,6 +546,7 @@ class SchedulerCore:
         """Place the longest FIFO prefix of the queue that fits now."""
         if not self.queue or self.now < self._hold_until:
             return
+        self._promote_urgent()
         state = self._cluster()
         if state is None:
             return
@@ -523,6 +556,16 @@ class SchedulerCore:
             t = queue.popleft()
             assert t.num == a.request_id, "the policy places a FIFO prefix"
             self._place(t, a, state, cmds)
+
+    def _promote_urgent(self) -> None:
+        """Requests queued ``urgent_wait_s`` or longer move ahead of every fresher one."""
+        arrivals, limit = self._arrivals, self.now - self.cfg.urgent_wait_s
+        while arrivals and arrivals[0][0] <= limit:
+            since, attempt, t = arrivals.popleft()
+            if t.stage != _QUEUED or t.attempt != attempt or t.rank <= _URGENT:
+                continue  # placed meanwhile, or re-queued at the head
+            self.queue.remove(t)
+            self._enqueue(t, _URGENT + since)  # behind the urgent ones queued before it
 
     def _place(self, t: _Request, a: Assignment, state: ClusterState, cmds: list[Command]) -> None:
         m = self.members
@@ -539,10 +582,12 @@ class SchedulerCore:
             own = a.read_tokens - a.de_split_tokens  # all of it unless the read is split
             t.read_charge = Charge(read_node, 0, own, 0)
             state.adjust_read_q(read_node.num, own)
+            self._open_read(t, read_node, own, state)
         de_node = m.nodes[de.node]
         if a.de_split_tokens:
             t.split_charge = Charge(de_node, 0, a.de_split_tokens, 0)
             state.adjust_read_q(de_node.num, a.de_split_tokens)
+            self._open_read(t, de_node, a.de_split_tokens, state)
         t.slot_charge = Charge(de_node, 0, 0, t.blocks * de.block_bytes)
         if de_node.buffer_free >= 0:
             free, total = de_node.buffer_blocks()
@@ -625,6 +670,7 @@ class SchedulerCore:
             )
             return
         t.queued_since = self.now
+        t.rank = float("-inf")  # at the head: nothing submitted later goes ahead of it
         self.queue.appendleft(t)
         cmds.append(Requeued(request_id=t.rid, attempt=t.attempt, reason=reason, counted=counted))
 
@@ -685,6 +731,24 @@ class SchedulerCore:
         self._release(t.read_charge)
         self._release(t.split_charge)
         self._release(t.slot_charge)
+        self._close_reads(t)
+
+    def _open_read(self, t: _Request, node: NodeMember, tokens: int, state: ClusterState) -> None:
+        """Count ``tokens`` of ``t``'s reads as open on ``node`` until its prefill ends."""
+        node.reads_open += tokens
+        state.adjust_reads_open(node.num, tokens)
+        t.open_reads = (*t.open_reads, (node, tokens))
+
+    def _close_reads(self, t: _Request) -> None:
+        """``t``'s reads are over (its prefill ended, or its placement did): no longer open."""
+        if not t.open_reads:
+            return
+        state = None if self._stale else self._state
+        for node, tokens in t.open_reads:
+            node.reads_open -= tokens
+            if state is not None and node.live and node.num in state.nodes:
+                state.adjust_reads_open(node.num, -tokens)
+        t.open_reads = ()
 
     def _cluster(self) -> ClusterState | None:
         if self._stale:

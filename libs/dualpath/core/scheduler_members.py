@@ -46,14 +46,17 @@ class EngineMember(Holder):
 
 class NodeMember(Holder):
     """One node's traffic manager: its last reported storage read queue (tokens) and free
-    DRAM buffer (bytes, of ``buffer_bytes``; -1: never reported), and whether it is down
-    (its engines leave scheduling until its next report)."""
+    DRAM buffer (bytes, of ``buffer_bytes``; -1: never reported), whether it is down
+    (its engines leave scheduling until its next report), and ``reads_open``: the hit
+    tokens of the reads the core placed on it whose prefill has not finished (the core's
+    own count, never overwritten by a report: ``NodeState.reads_open``)."""
 
-    __slots__ = ("block_bytes", "buffer_bytes", "buffer_free", "down", "read_q", "reported")
+    __slots__ = ("block_bytes", "buffer_bytes", "buffer_free", "down", "read_q", "reads_open", "reported")
 
     def __init__(self, name: str, num: int, now: float) -> None:
         super().__init__(name, num, now)
         self.read_q = 0
+        self.reads_open = 0
         self.buffer_free = -1
         self.buffer_bytes = 0
         self.block_bytes = 0  # a Full Block of its decode engines: the policy counts the buffer in blocks
@@ -195,6 +198,7 @@ class Membership:
         for n in self.nodes.values():
             if n.num in state.nodes:
                 state.report_node(n.num, read_q=n.read_q + n.dtok)
+                state.adjust_reads_open(n.num, n.reads_open)
                 free, total = n.buffer_blocks()
                 state.report_buffer(n.num, free_blocks=free, total_blocks=total)
         return state

@@ -1,14 +1,15 @@
 """The DualPath inter-engine policy (paper §6.1): prefill engine, decode engine, read side.
 
-One scheduling pass runs four stages over the waiting queue in FIFO order. Each stage
+One scheduling pass runs four stages over the waiting queue in its order (FIFO in the
+paper; the scheduler core's ranks, ``dualpath.core.CoreConfig.decode_credit_s``). Each stage
 returns a decision per request for a *prefix* of the queue; a stage that cannot place a
 request stops there, and the pass keeps only the prefix every stage placed (the paper:
-"stop when no engine qualifies"; later requests keep waiting, FIFO order is never broken).
+"stop when no engine qualifies"; later requests keep waiting, queue order is never broken).
 
 1. ``select_prefill_engines``: skip PEs with ``tok_e > β``; prefer PEs on nodes with
-   ``read_q ≤ α``, lowest ``tok_e``; else PEs on nodes with ``read_q > α``, lowest
-   ``tok_e``; ``tok_e`` grows after each assignment. ``read_q`` is the snapshot the pass
-   started from (the paper updates only ``tok_e`` within a pass).
+   ``read_q ≤ α`` (and, with read admission, room for a read), lowest ``tok_e``; else PEs
+   on the other nodes, lowest ``tok_e``; ``tok_e`` grows after each assignment. ``read_q``
+   is the snapshot the pass started from (the paper updates only ``tok_e`` within a pass).
 2. ``select_decode_groups`` (phase 1): the DE group with the smallest Σ``tok_e`` among
    groups whose total free HBM holds the request, that have a DE big enough for it and
    whose node's DRAM buffer has room for its slot (beyond the paper, which does not say
@@ -26,6 +27,15 @@ request stops there, and the pass keeps only the prefix every stage placed (the 
    the pass, so a burst between one PE/DE pair alternates sides instead of piling up.
    With ``read_path`` ``split`` (beyond the paper) each request's hit blocks are divided
    between both nodes so that both reads finish together (``split.split_blocks``).
+   Read admission (beyond the paper, ``Thresholds.hold_tokens``): a node whose open reads
+   (the smaller of ``reads_open`` and ``read_q``: whichever sees a read end first) are at
+   the hold takes no read; the request reads on the other side, and when neither can take
+   it the pass stops there. The waiting requests stay in the scheduler's queue, whose order
+   (``dualpath.core.CoreConfig.decode_credit_s``) then decides which one reads next, instead
+   of every request joining a storage NIC's FIFO at once: in a closed loop the agents with
+   the longest decodes read first and the job's tail shrinks (sim, testbed clusters, 64
+   agents x 6 turns: DualPath's share of the achievable speedup 0.84/0.73/0.82 ->
+   about 1.0/0.90/0.99 at 1P1D/1P2D/2P1D).
 
 Agent-aware prefetch (beyond the paper): a request whose hits are staged in a node's DRAM
 buffer (``PendingRequest.staged_node``) takes a prefill engine on that node when one
@@ -80,13 +90,17 @@ def select_prefill_engines(waiting: Sequence[PendingRequest], state: ClusterStat
 
 def _prefill_engines(waiting: Sequence[PendingRequest], state: ClusterState, th: Thresholds) -> Iterator[int]:
     """Stage 1, one request at a time (a pass stops pulling where another stage stops)."""
-    alpha, beta = th.alpha_tokens, th.beta_tokens
+    alpha, beta, hold = th.alpha_tokens, th.beta_tokens, th.hold_tokens
+
+    def is_short(n: NodeState) -> bool:  # read_q <= alpha and, with read admission, room for a read
+        return n.read_q <= alpha and (not hold or min(n.read_q, n.reads_open) < hold)
+
     engines, nodes = state.engines, state.nodes
 
-    def queue_class(engine_id: int) -> int:  # 0: node read_q <= alpha (short), 1: long
-        return 0 if nodes[engines[engine_id].node_id].read_q <= alpha else 1
+    def queue_class(engine_id: int) -> int:  # 0: short read queue, 1: long
+        return 0 if is_short(nodes[engines[engine_id].node_id]) else 1
 
-    short = sum(1 for n in state.prefill_nodes if n.read_q <= alpha)
+    short = sum(1 for n in state.prefill_nodes if is_short(n))
     single = short == 0 or short == len(state.prefill_nodes)
     classes: tuple[int, ...]
     if single:  # every node in one class: one list (looking for the empty class would walk every engine)
@@ -104,7 +118,7 @@ def _prefill_engines(waiting: Sequence[PendingRequest], state: ClusterState, th:
         staged = request.staged_node
         if staged >= 0 and staged in nodes and nodes[staged].role is Role.PREFILL:
             # prefetch: the node holding the staged copy, if one of its engines qualifies
-            scls = 0 if single or nodes[staged].read_q <= alpha else 1
+            scls = 0 if single or is_short(nodes[staged]) else 1
 
             def on_staged(e: tuple[int, int], n: int = staged) -> bool:
                 return engines[e[1]].node_id == n
@@ -242,13 +256,20 @@ def choose_read_sides(
     state: ClusterState,
     read_path: ReadPath = ReadPath.AUTO,
     hop_percent: int = DE_HOP_PERCENT,
+    hold_tokens: int = 0,
 ) -> list[ReadChoice]:
     """The read side per placed request (stage 4); a request's ``forced_side``, else
     ``read_path``, forces a side, so the queues grow on the node that actually reads.
     ``ReadPath.SPLIT`` divides each request's hit blocks between both nodes
-    (``split.split_blocks``); a request whose split is one-sided reads on that side only."""
+    (``split.split_blocks``); a request whose split is one-sided reads on that side only.
+
+    With ``hold_tokens`` > 0 (read admission, ``Thresholds.hold_tokens``) a node whose open
+    reads (``NodeState.reads_open``, grown within the pass) are at ``hold_tokens`` or more
+    takes no read: the request reads on the other side, or, when neither side (or its
+    forced side) can take it, the pass stops there and it waits in the queue."""
     engines, nodes = state.engines, state.nodes
     queue: dict[int, int] = {}  # tentative read_q of nodes touched this pass
+    opened: dict[int, int] = {}  # tentative reads_open of nodes touched this pass (read admission)
     sides: list[ReadChoice] = []
     for i in range(len(decode)):
         pe_node, de_node = engines[prefill[i]].node_id, engines[decode[i]].node_id
@@ -256,26 +277,42 @@ def choose_read_sides(
         q_de = queue.get(de_node, nodes[de_node].read_q)
         r = waiting[i]
         forced = r.forced_side
+        if read_path is ReadPath.PE or read_path is ReadPath.DE:
+            forced = forced if forced is not None else (ReadSide.PE if read_path is ReadPath.PE else ReadSide.DE)
+        pe_open = de_open = True
+        if hold_tokens and r.hit_tokens:  # of the two figures, the one that sees a read end first counts
+            pe_open = min(q_pe, opened.get(pe_node, nodes[pe_node].reads_open)) < hold_tokens
+            de_open = min(q_de, opened.get(de_node, nodes[de_node].reads_open)) < hold_tokens
+            if not (pe_open if forced is ReadSide.PE else de_open if forced is ReadSide.DE else pe_open or de_open):
+                break  # no side can take its read now: it waits, and so does the rest of the queue
         staged_here = r.staged_node >= 0 and r.staged_node in (pe_node, de_node) and pe_node != de_node
-        splittable = read_path is ReadPath.SPLIT and not staged_here and pe_node != de_node
+        splittable = read_path is ReadPath.SPLIT and not staged_here and pe_node != de_node and pe_open and de_open
         if forced is None and splittable and worth_splitting(r.hit_tokens, q_pe, q_de):
             bt = r.block_tokens
             pe_tok = min(split_blocks(-(-r.hit_tokens // bt), bt, q_pe, q_de, hop_percent) * bt, r.hit_tokens)
             queue[pe_node], queue[de_node] = q_pe + pe_tok, q_de + r.hit_tokens - pe_tok
+            if hold_tokens:
+                opened[pe_node] = opened.get(pe_node, nodes[pe_node].reads_open) + pe_tok
+                opened[de_node] = opened.get(de_node, nodes[de_node].reads_open) + r.hit_tokens - pe_tok
             sides.append(ReadChoice(ReadSide.PE if pe_tok else ReadSide.DE, r.hit_tokens - pe_tok if pe_tok else 0))
             continue
         if forced is not None:
             pe_side = forced is ReadSide.PE
-        elif staged_here and read_path in (ReadPath.AUTO, ReadPath.SPLIT) and _staged_side_bounded(r, pe_node, q_pe, q_de):
+        elif not (pe_open and de_open):
+            pe_side = pe_open  # read admission: the one side that can take it
+        elif staged_here and _staged_side_bounded(r, pe_node, q_pe, q_de):
             pe_side = r.staged_node == pe_node  # prefetch: the side that holds the staged copy
         else:
-            pe_side = read_path is ReadPath.PE or (read_path in (ReadPath.AUTO, ReadPath.SPLIT) and q_pe <= q_de)
+            pe_side = q_pe <= q_de
+        node = pe_node if pe_side else de_node
         if pe_side:
             sides.append(ReadChoice(ReadSide.PE, 0))
             queue[pe_node] = q_pe + r.hit_tokens
         else:
             sides.append(ReadChoice(ReadSide.DE, 0))
             queue[de_node] = q_de + r.hit_tokens
+        if hold_tokens:
+            opened[node] = opened.get(node, nodes[node].reads_open) + r.hit_tokens
     return sides
 
 
@@ -333,5 +370,5 @@ def schedule_dualpath(
         prefill.append(pe)
         groups.append(group)
     decode = place_in_groups(waiting, groups, slack_percent)
-    sides = choose_read_sides(waiting, prefill, decode, state, read_path)
+    sides = choose_read_sides(waiting, prefill, decode, state, read_path, hold_tokens=thresholds.hold_tokens)
     return assemble(waiting, prefill, decode, sides, state)

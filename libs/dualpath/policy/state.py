@@ -59,12 +59,14 @@ class EngineState:
 
 class NodeState:
     """One node and its engine group: ``read_q`` hit tokens queued on its storage NIC,
+    ``reads_open`` hit tokens of the reads the scheduler placed on it that it has not seen
+    end yet (the scheduler's own count, without a report's lag: ``Thresholds.hold_tokens``),
     ``tok_sum`` = Σ ``tok`` of its engines, ``buffer_free`` of ``buffer_blocks`` Full Blocks
     of its DRAM buffer (a decode node's buffer holds each placed request's slot until its KV
     is in HBM; -1: not reported, the policies do not check it). Read-only for callers, like
     ``EngineState``."""
 
-    __slots__ = ("buffer_blocks", "buffer_free", "engines", "leader", "node_id", "read_q", "role", "tok_sum")
+    __slots__ = ("buffer_blocks", "buffer_free", "engines", "leader", "node_id", "read_q", "reads_open", "role", "tok_sum")
 
     def __init__(self, spec: NodeSpec) -> None:
         self.node_id = spec.node_id
@@ -72,13 +74,14 @@ class NodeState:
         self.engines = tuple(EngineState(eid, spec.node_id, spec.role, spec.hbm_tokens) for eid in sorted(spec.engine_ids))
         self.leader = self.engines[0].engine_id
         self.read_q = 0
+        self.reads_open = 0
         self.tok_sum = 0
         self.buffer_free = self.buffer_blocks = -1
 
     def __repr__(self) -> str:
         return (
-            f"NodeState(id={self.node_id}, role={self.role.name}, read_q={self.read_q}, tok_sum={self.tok_sum}, "
-            f"buffer={self.buffer_free}/{self.buffer_blocks})"
+            f"NodeState(id={self.node_id}, role={self.role.name}, read_q={self.read_q}, reads_open={self.reads_open}, "
+            f"tok_sum={self.tok_sum}, buffer={self.buffer_free}/{self.buffer_blocks})"
         )
 
     def buffer_room(self, blocks: int, free: int) -> bool:
@@ -183,6 +186,7 @@ class ClusterState:
         self._charge(de, 1, a.decode_tokens)
         de.free_hbm_tokens -= a.decode_tokens
         read_node.read_q += a.read_tokens
+        read_node.reads_open += a.read_tokens
         self.assigned_total += 1
         self._live[a.request_id] = _Live(a)
 
@@ -230,6 +234,8 @@ class ClusterState:
             node = self.nodes[live.assignment.read_node]
             q = node.read_q - live.assignment.read_tokens
             node.read_q = q if q > 0 else 0
+            q = node.reads_open - live.assignment.read_tokens
+            node.reads_open = q if q > 0 else 0
 
     def _release_prefill(self, live: _Live) -> None:
         if live.prefill_pending:
@@ -317,6 +323,18 @@ class ClusterState:
             raise UnknownNodeError(node_id)
         q = node.read_q + tokens
         node.read_q = q if q > 0 else 0
+
+    def adjust_reads_open(self, node_id: int, tokens: int) -> None:
+        """Add ``tokens`` (negative: remove) to a node's open reads, clamped at zero.
+
+        Raises:
+            UnknownNodeError: no such node.
+        """
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise UnknownNodeError(node_id)
+        q = node.reads_open + tokens
+        node.reads_open = q if q > 0 else 0
 
     # -- queries -------------------------------------------------------------------
     def live_assignment(self, request_id: int) -> Assignment:

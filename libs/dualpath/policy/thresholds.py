@@ -5,6 +5,12 @@
 - β: tokens one GPU computes in 5 s. A prefill engine holding more is overloaded and
   skipped.
 
+Read admission (beyond the paper): ``hold_tokens``, ``read_hold_percent`` of α (by default
+5%: 0.15 s of the storage NIC). DualPath places a request only on a read node whose open
+reads (``NodeState.reads_open``) are below it and keeps the rest in the scheduler's queue,
+so the queue's order (``CoreConfig.decode_credit_s``), not the storage NIC's FIFO, decides
+which waiting request reads next, and a read shares its NIC with few others.
+
 Both derive from the hardware profile / cost model and may be overridden directly.
 """
 
@@ -15,10 +21,11 @@ from dataclasses import dataclass
 
 from dualpath.policy.errors import InvalidThresholdError
 
-__all__ = ["ALPHA_SECONDS", "BETA_SECONDS", "Thresholds", "alpha_tokens", "beta_tokens"]
+__all__ = ["ALPHA_SECONDS", "BETA_SECONDS", "READ_HOLD_PERCENT", "Thresholds", "alpha_tokens", "beta_tokens"]
 
 ALPHA_SECONDS = 3.0
 BETA_SECONDS = 5.0
+READ_HOLD_PERCENT = 5  # read admission: open reads per node below 5% of α (0.15 s of its storage NIC)
 
 
 def _positive(name: str, value: float) -> None:
@@ -61,12 +68,20 @@ class Thresholds:
 
     alpha_tokens: int
     beta_tokens: int
+    read_hold_percent: int = READ_HOLD_PERCENT  # 0: no read admission (the paper's pass)
 
     def __post_init__(self) -> None:
         if self.alpha_tokens < 0:
             raise InvalidThresholdError("alpha_tokens", self.alpha_tokens)
         if self.beta_tokens < 0:
             raise InvalidThresholdError("beta_tokens", self.beta_tokens)
+        if self.read_hold_percent < 0:
+            raise InvalidThresholdError("read_hold_percent", self.read_hold_percent)
+
+    @property
+    def hold_tokens(self) -> int:
+        """Open reads (tokens) at which a node takes no new read; 0: no limit (module docstring)."""
+        return self.alpha_tokens * self.read_hold_percent // 100
 
     @classmethod
     def from_profile(
