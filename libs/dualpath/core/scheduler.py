@@ -71,10 +71,12 @@ randomness, dicts iterated in insertion order).
 from __future__ import annotations
 
 import gc
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import islice
+from operator import attrgetter
 from typing import Any
 
 from dualpath.core.scheduler_events import (
@@ -132,6 +134,7 @@ def tune_gc() -> tuple[int, int, int]:
 
 
 _QUEUED, _RESERVING, _DISPATCHING, _RUNNING = 0, 1, 2, 3  # _Request.stage
+_rank = attrgetter("rank")
 _URGENT = -1e18  # ranks at or below: queued urgent_wait_s or longer (rank = this + queued since), or re-queued (-inf)
 
 
@@ -352,14 +355,11 @@ class SchedulerCore:
         t.rank = rank
         if rank > _URGENT and self.cfg.urgent_wait_s < float("inf"):
             self._arrivals.append((t.queued_since, t.attempt, t))  # to be promoted if it waits that long
-        queue = self.queue
-        i = len(queue)
-        while i and queue[i - 1].rank > rank:  # from the tail: most requests land at or near it
-            i -= 1
-        if i == len(queue):
-            queue.append(t)
+        queue = self.queue  # sorted by rank: retries (-inf), then urgent ones, then the rest
+        if not queue or queue[-1].rank <= rank:
+            queue.append(t)  # the common case: nothing ranks after it
         else:
-            queue.insert(i, t)
+            queue.insert(bisect_right(queue, rank, key=_rank), t)
 
     # ---- reports ------------------------------------------------------------------------
     def _engine_reported(self, ev: EngineReported) -> list[Command]:
