@@ -62,16 +62,19 @@ class EventLoop:
         """
         heap = self._heap
         count = 0
+        next_tick = tick_every if tick is not None else -1
         try:
             while heap:
-                if heap[0][0] > until:
+                t, seq, fn, arg = heappop(heap)
+                if t > until:  # once per run: put it back, for a later run
+                    heappush(heap, (t, seq, fn, arg))
                     self.now = until
                     return
-                t, _, fn, arg = heappop(heap)
                 self.now = t
                 fn(arg)
                 count += 1
-                if tick is not None and count % tick_every == 0:
+                if count == next_tick and tick is not None:  # next_tick is -1 without a tick
                     tick(t)
+                    next_tick += tick_every
         finally:
             self.events += count

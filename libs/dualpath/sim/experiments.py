@@ -9,7 +9,6 @@ turns meet the SLO with the load generator's own search (``loadgen.sweep.next_ra
 
 from __future__ import annotations
 
-import copy
 import sys
 import time
 from collections.abc import Callable
@@ -57,7 +56,7 @@ class Ticker:
 
 
 def _simulate(cfg: SimConfig, workload: Workload, agents: list[Agent], progress: bool | None, until: float = float("inf")) -> Simulation:
-    sim = Simulation(cfg, workload, copy.deepcopy(agents))
+    sim = Simulation(cfg, workload, [a.fresh() for a in agents])
     ticker = Ticker(f"[{cfg.mode}]", progress)
     sim.run(until, tick=ticker)
     ticker.close()

@@ -136,13 +136,35 @@ class FluidNetwork:
         flow.last = now
 
     def _reallocate(self, seeds: tuple[Link, ...]) -> None:
+        alone = seeds[0].flows
+        if len(alone) == 1:  # one flow is all the seeds carry (most calls at scale): no neighbourhood to build
+            f = next(iter(alone))
+            if len(seeds) == 1 or (len(seeds) == 2 and len(seeds[1].flows) == 1 and f in seeds[1].flows):
+                rate = f.rate
+                if len(f.links) == 1:
+                    f.rate = f.links[0].capacity  # _share_one of one flow
+                else:
+                    self._alone(f)
+                if f.rate != rate or not f.version:
+                    self._rearm(f, rate)
+                return
         if len(seeds) == 1:  # _neighbourhood, without copying the one link's flows (nothing here changes them)
             flows = seeds[0].flows
-            seen: dict[Link, None] = {}
+            seen: dict[Link, None] | None = None
             for f in flows:
-                for link in f.links:
-                    seen[link] = None
-            links = list(seen)
+                if len(f.links) > 1:
+                    seen = {}
+                    for g in flows:
+                        for link in g.links:
+                            seen[link] = None
+                    break
+            if seen is None:  # every flow crosses only this link: an equal share (one class) or _share_one
+                if not self.high:
+                    self._equal_share(seeds[0], flows)
+                    return
+                links = [seeds[0]]
+            else:
+                links = list(seen)
         else:
             links, flows = self._neighbourhood(seeds)
         before = [f.rate for f in flows]
@@ -155,21 +177,44 @@ class FluidNetwork:
         # Only a flow whose rate changed is settled (at its old rate) and rescheduled: the
         # others keep moving at the same rate, and their completion events still hold. A
         # later end keeps the armed event (see the module docstring).
-        loop, now, settle, finish = self.loop, self.loop.now, self._settle, self._finish
         for f, rate in zip(flows, before):
-            if f.rate == rate and f.version:
-                continue
-            settle(f, rate)
-            f.version += 1
-            if f.rate > 0:
-                f.seq = loop.reserve()
-                due = f.due = now + f.remaining / f.rate
-                if due < f.armed:
-                    f.armed = due
-                    f.ticket += 1
-                    loop.at_seq(due, f.seq, finish, (f, f.ticket))
-            else:
-                f.due = _INF
+            if f.rate != rate or not f.version:
+                self._rearm(f, rate)
+
+    def _equal_share(self, link: Link, flows: dict[Flow, None]) -> None:
+        """``_share_one`` and the rescheduling loop in one walk, for one class of flows on one link."""
+        share = link.capacity / len(flows) if flows else 0.0
+        for f in flows:
+            rate = f.rate
+            if rate != share or not f.version:
+                f.rate = share
+                self._rearm(f, rate)
+
+    def _rearm(self, f: Flow, rate: float) -> None:
+        """``f``'s rate changed from ``rate``: settle it at the old rate and move its end."""
+        loop = self.loop
+        now = loop.now
+        dt = now - f.last
+        if dt > 0 and rate > 0:  # _settle, inlined (the hottest call of a run)
+            moved = rate * dt
+            moved = min(moved, f.remaining)
+            f.remaining -= moved
+            last = f.last
+            for link in f.links:
+                link.moved += moved
+                if link.series is not None:
+                    link.series.add(last, now, moved)
+        f.last = now
+        f.version += 1
+        if f.rate > 0:
+            f.seq = loop.reserve()
+            due = f.due = now + f.remaining / f.rate
+            if due < f.armed:
+                f.armed = due
+                f.ticket += 1
+                loop.at_seq(due, f.seq, self._finish, (f, f.ticket))
+        else:
+            f.due = _INF
 
     @staticmethod
     def _share_one(link: Link, flows: dict[Flow, None]) -> None:
@@ -201,20 +246,29 @@ class FluidNetwork:
     def _max_min(links: list[Link], flows: dict[Flow, None], any_high: bool = True) -> None:
         """Progressive filling of ``flows``, class by class in priority order, over what the
         flows outside the set leave of each link (they keep their rates)."""
-        residual = {}
+        residual: dict[Link, float] = {}
+        count: dict[Link, int] = {}
+        one_class = not any_high or all(f.cls == LOW for f in flows)
         for link in links:
             left = link.capacity
+            n = 0
             for f in link.flows:
-                if f not in flows:
+                if f in flows:
+                    n += 1
+                else:
                     left -= f.rate
             residual[link] = left if left > 0 else 0.0
-        classes = (LOW,) if not any_high or all(f.cls == LOW for f in flows) else (HIGH, LOW)
+            count[link] = n  # ``links`` lists each link where one of ``flows`` first crosses it, as the fill counts them
+        classes = (LOW,) if one_class else (HIGH, LOW)
         for cls in classes:
-            active = {f: None for f in flows if f.cls == cls} if len(classes) > 1 else dict(flows)
-            count: dict[Link, int] = {}
-            for f in active:
-                for link in f.links:
-                    count[link] = count.get(link, 0) + 1
+            if one_class:
+                active = dict(flows)
+            else:
+                active = {f: None for f in flows if f.cls == cls}
+                count = {}
+                for f in active:
+                    for link in f.links:
+                        count[link] = count.get(link, 0) + 1
             while active:
                 bottleneck, share = None, _INF
                 for link, n in count.items():  # only links with unfixed flows are counted
@@ -249,10 +303,16 @@ class FluidNetwork:
         flow.version += 1
         if flow.cls == HIGH:
             self.high -= 1
-        for link in flow.links:
-            del link.flows[flow]
-        remaining = tuple(link for link in flow.links if link.flows)
-        if remaining:
-            self._reallocate(remaining)
+        links = flow.links
+        if len(links) == 1:  # most flows: one link, no tuple to build
+            del links[0].flows[flow]
+            if links[0].flows:
+                self._reallocate(links)
+        else:
+            for link in links:
+                del link.flows[flow]
+            remaining = tuple(link for link in links if link.flows)
+            if remaining:
+                self._reallocate(remaining)
         self.flows_done += 1
         flow.on_done(flow.arg)

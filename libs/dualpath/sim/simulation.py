@@ -95,6 +95,7 @@ class Simulation:
         snic, cnic = cfg.snic_bytes_per_s(), cfg.cnic_bytes_per_s()
         block_bytes = cfg.block_tokens * self.kv_bytes_per_token
         self.storage: dict[str, NodeStorage] = {}
+        self.node_storage: list[NodeStorage] = []  # by node id
         self.prefill_engines: dict[str, PrefillEngineSim] = {}
         self.decode_engines: dict[str, DecodeEngineSim] = {}
         engine_id = 0
@@ -113,6 +114,7 @@ class Simulation:
                 on_read=self._read_done,
                 changed=self.scheduler.node_changed,
             )
+            self.node_storage.append(self.storage[name])
             if not self.mode.oracle:  # oracle has no buffers (every slot is granted): no buffer figure to report
                 self.scheduler.report(self.storage[name])
             for k in range(cfg.engines):
@@ -197,12 +199,8 @@ class Simulation:
     def _in_hbm(self, req: SimRequest) -> None:
         de = req.de
         if not self.mode.oracle:
-            self.storage[self._node_name(de.node_id)].free_slot(req.key)
+            self.node_storage[de.node_id].free_slot(req.key)
         de.add(req)
-
-    def _node_name(self, node_id: int) -> str:
-        p = self.cfg.prefill_nodes
-        return f"p{node_id}" if node_id < p else f"d{node_id - p}"
 
     def decode_done(self, req: SimRequest, de: DecodeEngineSim) -> None:
         """Its last token: record the turn, free its charges, persist its new blocks."""
@@ -218,7 +216,7 @@ class Simulation:
         nbytes = 0.0 if self.mode.oracle else (persisted - agent.persisted) * self.kv_bytes_per_token
         agent.persisted = persisted
         if nbytes > 0:
-            self.storage[self._node_name(de.node_id)].write(nbytes, self._persisted, agent)
+            self.node_storage[de.node_id].write(nbytes, self._persisted, agent)
         else:
             self.loop.at(now, self._persisted, agent)
 
