@@ -11,10 +11,12 @@ from tests.unit.test_scheduler_core import Cluster
 ALPHA = 1000  # hold: 5% of it, 50 tokens; every request below reads 128 (two blocks)
 
 
-def admission_cluster(**cfg) -> Cluster:
-    """The core test cluster (P: p0, p1; D1: d0, d1; D2: d2, d3) with a small α, so one read fills a node."""
+def admission_cluster(start: float = 0.0, **cfg) -> Cluster:
+    """The core test cluster (P: p0, p1; D1: d0, d1; D2: d2, d3) with a small α, so one read
+    fills a node; its clock starts at ``start`` (the service's is ``time.monotonic()``)."""
     c = Cluster()
     c.core = SchedulerCore(get_policy("dualpath", Thresholds(alpha_tokens=ALPHA, beta_tokens=1 << 22)), CoreConfig(**cfg))
+    c.now = start
     for name in c.engines:
         c.report(name)
     return c
@@ -93,8 +95,8 @@ def test_without_credit_the_queue_is_first_come_first_served():
 
 
 def test_a_request_queued_longer_than_urgent_wait_goes_ahead_of_longer_decodes():
-    for waited, first in ((1.0, "long"), (3.5, "short")):
-        c = admission_cluster(decode_credit_s=0.01, urgent_wait_s=3.0, engine_timeout=60.0)
+    for start, waited, first in ((0.0, 1.0, "long"), (0.0, 3.5, "short"), (250_000.0, 1.0, "long"), (250_000.0, 3.5, "short")):
+        c = admission_cluster(start, decode_credit_s=0.01, urgent_wait_s=3.0, engine_timeout=60.0)
         fill_every_node(c)
         t0 = c.now
         c.submit("short", max_tokens=10)
@@ -104,7 +106,8 @@ def test_a_request_queued_longer_than_urgent_wait_goes_ahead_of_longer_decodes()
         assert reserved(c.tick()) == []
         c.handle(RequestFinished(now=c.now, request_id="fill0", engine="p0"))
         c.handle(RequestFinished(now=c.now, request_id="fill0", engine="p1"))
-        assert reserved(c.tick())[:1] == [first], waited
+        assert reserved(c.tick())[:1] == [first], (start, waited)
+        assert c.core.queued == 1 and reserved(c.tick()) == []  # the other waits; the pass ends (it once looped for ever)
 
 
 def test_the_policy_stops_the_pass_at_the_first_request_no_read_node_can_take():

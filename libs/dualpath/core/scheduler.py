@@ -135,7 +135,7 @@ def tune_gc() -> tuple[int, int, int]:
 
 _QUEUED, _RESERVING, _DISPATCHING, _RUNNING = 0, 1, 2, 3  # _Request.stage
 _rank = attrgetter("rank")
-_URGENT = -1e18  # ranks at or below: queued urgent_wait_s or longer (rank = this + queued since), or re-queued (-inf)
+_URGENT_S = 1e12  # an urgent request ranks this much earlier than its submission: ahead of any decode credit
 
 
 def _split_blocks(a: Assignment, block_tokens: int) -> tuple[int, int] | None:
@@ -342,6 +342,8 @@ class SchedulerCore:
         self._num += 1
         self.requests[rid] = t
         self._enqueue(t, ev.now - self.cfg.decode_credit_s * ev.max_tokens)
+        if self.cfg.urgent_wait_s < float("inf"):
+            self._arrivals.append((ev.now, t.attempt, t))  # promoted if it is still queued urgent_wait_s later
         return []
 
     def _enqueue(self, t: _Request, rank: float) -> None:
@@ -353,8 +355,6 @@ class SchedulerCore:
         ahead of every fresher one (``_promote_urgent``), so a short request is not held
         back by longer ones for more than that (the paper's TTFT SLO is 4 s)."""
         t.rank = rank
-        if rank > _URGENT and self.cfg.urgent_wait_s < float("inf"):
-            self._arrivals.append((t.queued_since, t.attempt, t))  # to be promoted if it waits that long
         queue = self.queue  # sorted by rank: retries (-inf), then urgent ones, then the rest
         if not queue or queue[-1].rank <= rank:
             queue.append(t)  # the common case: nothing ranks after it
@@ -562,10 +562,10 @@ class SchedulerCore:
         arrivals, limit = self._arrivals, self.now - self.cfg.urgent_wait_s
         while arrivals and arrivals[0][0] <= limit:
             since, attempt, t = arrivals.popleft()
-            if t.stage != _QUEUED or t.attempt != attempt or t.rank <= _URGENT:
-                continue  # placed meanwhile, or re-queued at the head
+            if t.stage != _QUEUED or t.attempt != attempt:
+                continue  # placed meanwhile (a retry is at the head already)
             self.queue.remove(t)
-            self._enqueue(t, _URGENT + since)  # behind the urgent ones queued before it
+            self._enqueue(t, since - _URGENT_S)  # ahead of every credit, behind the urgent ones queued before it
 
     def _place(self, t: _Request, a: Assignment, state: ClusterState, cmds: list[Command]) -> None:
         m = self.members
