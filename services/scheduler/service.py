@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         lease = await wait_for_leadership(bus.nc.jetstream(), subjects.sched_leader, ns, stop)  # standby until leader
         if ns.leader_lease and lease is None:
             return
+        slow = emu.slowdown if emu.modeled else 1.0  # the core's clock is the host's: modeled seconds x slowdown
+        queue_order = CoreConfig()  # its queue-order times are modeled seconds
         core = SchedulerCore(
             policy,
             CoreConfig(
@@ -105,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                 max_attempts=cfg.max_attempts,
                 trace_inputs=tracing_enabled(),
                 prefetch=cfg.prefetch,
+                decode_credit_s=queue_order.decode_credit_s * slow,
+                urgent_wait_s=queue_order.urgent_wait_s * slow,
             ),
         )
         register_metrics(core)
