@@ -112,6 +112,10 @@ class TrafficManager:
         # first whenever a request needs the room (_alloc).
         cache = PrefetchCache(self.pool, region.buf, cfg.prefetch_mb << 20, cfg.prefetch_ttl_s) if cfg.prefetch_mb > 0 else None
         self.prefetcher = Prefetcher(storage, cache) if cache is not None else None
+        # Retained runs (PrefetchCache.retain): slot key -> (model digest, hashes, block bytes) of
+        # the verified leading blocks a load put in the slot, and of the slots whose free keeps them.
+        self._loaded: dict[str, tuple[int, list[int], int]] = {}
+        self._keep: dict[str, tuple[int, list[int], int]] = {}
 
     @contextlib.contextmanager
     def _using(self, key: str):
@@ -141,6 +145,10 @@ class TrafficManager:
             held.discard(int(attempt))
             if not held:
                 del self._attempts[rid]
+        self._loaded.pop(key, None)
+        keep = self._keep.pop(key, None)
+        if keep is not None and self.prefetcher is not None and self.prefetcher.cache.retain(key, *keep):
+            return True  # the slot is a prefetch run now (a hint, given up first)
         return self.pool.free(key)
 
     def _alloc(self, request_id: str, attempt: int, nbytes: int) -> Slot:
@@ -153,6 +161,7 @@ class TrafficManager:
         slot = self.pool.alloc(key, nbytes) if self.prefetcher is None else self.prefetcher.cache.alloc(key, nbytes)
         self._attempts.setdefault(request_id, set()).add(attempt)
         self._free_later.discard(key)  # allocated again: a pending free of an earlier use no longer applies
+        self._keep.pop(key, None)
         return slot
 
     def sweep(self) -> None:
@@ -204,7 +213,11 @@ class TrafficManager:
     async def free(self, req: m.FreeRequest) -> m.Ok:
         """The slot of ``(request_id, attempt)``, or of every attempt below ``before_attempt``."""
         if req.before_attempt < 0:
-            return m.Ok(detail=self._release(slot_key(req.request_id, req.attempt)))
+            key = slot_key(req.request_id, req.attempt)
+            loaded = self._loaded.get(key)
+            if loaded is not None:  # the PE read path's slot, done with: its hits stay as a prefetch run
+                self._keep[key] = loaded
+            return m.Ok(detail=self._release(key))
         older = sorted(a for a in self._attempts.get(req.request_id, ()) if a < req.before_attempt)
         until = self.clock() + QUARANTINE_S
         for a in older:  # given up by a retry: out of reuse for a while (see the module docstring)
@@ -260,6 +273,8 @@ class TrafficManager:
             if staged:  # the leading blocks came from the prefetch cache (a memory copy, no storage read)
                 res = dataclasses.replace(res, loaded=staged + res.loaded)
                 span.set_attribute("prefetched_blocks", staged)
+            if cache is not None and skip == 0 and res.loaded:  # the slot's leading blocks, verified: it may be retained
+                self._loaded[key] = (req.model_digest, list(req.hashes[: res.loaded]), fmt.block_bytes)
             if span.is_recording():
                 span.set_attributes(
                     {
@@ -308,6 +323,7 @@ class TrafficManager:
             if req.free_after:
                 self._release(key)
             return m.Ok(detail="no slot")
+        persisted = False
         try:
             if req.hashes:
                 src = self._slot_view(req.offset, len(req.hashes) * fmt.block_bytes)
@@ -324,10 +340,22 @@ class TrafficManager:
                 with tracer.start_as_current_span("kv.commit", attributes={"blocks": len(req.hashes)}):
                     commit = m.CommitRequest(model_digest=req.model_digest, hashes=chain, start=min(1, len(req.parent_chain)))
                     await self.bus.request(self.subjects.kv_commit, commit, m.Ok, timeout=TIMEOUTS.kv_commit)
+            persisted = True
         finally:
             if req.free_after:
+                if persisted:
+                    self._keep_prompt(key, req, fmt.block_bytes)
                 self._release(key)
         return m.Ok(detail=f"persisted {len(req.hashes)}")
+
+    def _keep_prompt(self, key: str, req: m.PersistRequest, block_bytes: int) -> None:
+        """The DE read path's slot, its new prompt blocks just persisted from it: when a load read
+        its hits here, the slot holds the whole prompt's blocks (hits, then the new ones) and
+        stays as a prefetch run once freed."""
+        slot, loaded = self.pool.get(key), self._loaded.get(key)
+        if slot is None or loaded is None or slot.offset + len(req.parent_chain) * block_bytes != req.offset:
+            return
+        self._keep[key] = (req.model_digest, [*req.parent_chain, *req.hashes], block_bytes)
 
     async def claim(self, req: m.SlotClaimed) -> None:
         """A decode engine took the hand-off of this slot: it is in use (see the module docstring)."""

@@ -174,3 +174,18 @@ def test_a_staged_side_with_a_much_longer_queue_is_not_forced():
     _session_turn(c, "r2", "agent-3", {"P": 0, "D1": 5000, "D2": 5000})  # 5000 > 0 + the request's 128 hits
     (d2,) = c.handle(SlotReserved(now=c.now, request_id="r2", attempt=0, region={"r": 1}, offset=0))
     assert d2.read_side is ReadSide.PE  # a lost copy would cost more than one read: the shorter queue
+
+
+def test_a_retained_slot_becomes_a_run_in_place_within_the_budget_and_never_drops_another():
+    cache, pool = _cache(buffer=4 * 4096, budget=3 * 4096)
+    slot = pool.alloc("req#0", 2 * 4096)
+    cache.region[slot.offset : slot.offset + 4096] = b"\x07" * 4096
+    assert cache.retain("req#0", 1, [7, 8], 4096)
+    assert "req#0" not in pool.owners() and cache.bytes == 2 * 4096 and pool.free_bytes == 2 * 4096  # same bytes, new owner
+    assert cache.stats.retained_bytes == 2 * 4096 and (1, 7) in cache and (1, 8) in cache
+    other = pool.alloc("other#0", 2 * 4096)
+    assert not cache.retain("other#0", 1, [9, 10], 4096)  # over the budget: the caller frees it, the first run stays
+    assert pool.get("other#0") == other and (1, 7) in cache
+    assert not cache.retain("other#0", 1, [1, 2, 3], 4096)  # more blocks than the slot holds
+    dest = memoryview(bytearray(4096))
+    assert cache.take_prefix(1, [7], 4096, dest) == 1 and bytes(dest) == b"\x07" * 4096

@@ -5,6 +5,7 @@ starts only while the node reads nothing for a request."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 
 from dualpath.config import NodeConfig
@@ -115,6 +116,102 @@ def test_staging_waits_while_a_request_read_is_queued(tmp_path):
 
         assert asyncio.run(run())
         assert tm.prefetcher is not None and tm.prefetcher.blocks_read == 4
+    finally:
+        region.close()
+        region.unlink()
+
+
+class _CommitBus:
+    """Answers the index commit a persist sends (nothing else is asked here)."""
+
+    async def request(self, *_args, **_kwargs) -> m.Ok:
+        return m.Ok()
+
+
+def test_a_pe_read_slot_given_back_stays_as_a_run_and_the_next_load_reads_only_the_new_blocks(tmp_path):
+    tm, region, hashes = _tm(tmp_path, blocks=6, buffer_blocks=32)
+    try:
+
+        async def run():
+            await tm.load(_load("t1", hashes[:4], 5))  # the PE read path: the load allocates the slot
+            await tm.free(m.FreeRequest(request_id="t1"))  # its prefill ended
+            assert tm.prefetcher is not None and tm.prefetcher.cache.bytes == 5 * BB  # the slot, kept in place
+            assert tm.report().buffer_free_bytes == region.size  # a retained run is free room for requests
+            return await tm.load(_load("t2", hashes, 6))
+
+        reply = asyncio.run(run())
+        assert reply.loaded == 6 and reply.bytes_read == 2 * BB  # four blocks came from the retained slot
+        assert bytes(region.buf[reply.offset : reply.offset + 6 * BB]) == b"".join(bytes([h]) * BB for h in hashes)
+        stats = tm._prefetch_stats()
+        assert stats["prefetch_retained_bytes"] == 4 * BB and stats["prefetch_used_bytes"] == 4 * BB
+        assert stats["prefetch_staged_bytes"] == 0 and tm.prefetcher is not None and tm.prefetcher.bytes_read == 0
+    finally:
+        region.close()
+        region.unlink()
+
+
+def test_a_de_read_slot_keeps_its_hits_and_the_prompt_blocks_persisted_from_it(tmp_path):
+    tm, region, hashes = _tm(tmp_path, blocks=3, buffer_blocks=32)
+    tm.bus = _CommitBus()  # type: ignore[assignment]
+    try:
+
+        async def run():
+            slot = await tm.alloc(m.AllocRequest(request_id="t1", blocks=4, block_bytes=BB))
+            await tm.load(dataclasses.replace(_load("t1", hashes[:2], 4), allocate=False))  # the DE read path's hits
+            new = b"".join(bytes([200 + i]) * BB for i in range(2))  # the prefill wrote the prompt's new blocks
+            region.buf[slot.offset + 2 * BB : slot.offset + 4 * BB] = new
+            persist = m.PersistRequest(
+                request_id="t1",
+                model_digest=DIGEST,
+                region_id=region.region_id,
+                offset=slot.offset + 2 * BB,
+                hashes=[900, 901],
+                parent_chain=hashes[:2],
+                layers=LAYERS,
+                bytes_per_token_layer=BPT,
+                dtype="uint8",
+                block_tokens=TOKENS,
+                free_after=True,
+            )
+            await tm.persist(persist)
+            dest = memoryview(bytearray(4 * BB))
+            assert tm.prefetcher is not None
+            return tm.prefetcher.cache.take_prefix(DIGEST, [*hashes[:2], 900, 901], BB, dest), bytes(dest), new
+
+        n, got, new = asyncio.run(run())
+        assert n == 4 and got == bytes([1]) * BB + bytes([2]) * BB + new
+        assert tm._prefetch_stats()["prefetch_retained_bytes"] == 4 * BB
+    finally:
+        region.close()
+        region.unlink()
+
+
+def test_a_slot_nothing_was_read_into_is_freed_not_retained(tmp_path):
+    tm, region, _ = _tm(tmp_path, blocks=1, buffer_blocks=8)
+    try:
+
+        async def run():
+            await tm.alloc(m.AllocRequest(request_id="t1", blocks=4, block_bytes=BB))  # the PE read path's DE slot
+            await tm.free(m.FreeRequest(request_id="t1"))
+
+        asyncio.run(run())
+        assert tm.prefetcher is not None and tm.prefetcher.cache.bytes == 0 and tm.pool.free_bytes == region.size
+    finally:
+        region.close()
+        region.unlink()
+
+
+def test_a_request_that_needs_the_room_drops_a_retained_run(tmp_path):
+    tm, region, hashes = _tm(tmp_path, blocks=4, buffer_blocks=8)
+    try:
+
+        async def run():
+            await tm.load(_load("t1", hashes, 4))
+            await tm.free(m.FreeRequest(request_id="t1"))
+            return await tm.alloc(m.AllocRequest(request_id="r2", blocks=8, block_bytes=BB))
+
+        assert asyncio.run(run()).nbytes == 8 * BB
+        assert tm._prefetch_stats()["prefetch_evictions"] == 1
     finally:
         region.close()
         region.unlink()

@@ -88,5 +88,19 @@ class BufferPool:
             del self._free[i]
         return True
 
+    def rename(self, owner: str, new_owner: str) -> Slot:
+        """Hand ``owner``'s slot, bytes in place, to ``new_owner`` (a request's slot kept as a
+        prefetch run: ``PrefetchCache.retain``).
+
+        Raises:
+            KeyError: ``owner`` holds no slot.
+            ValueError: ``new_owner`` already holds one.
+        """
+        if new_owner in self._slots:
+            raise ValueError(f"{new_owner} already holds a slot")
+        old = self._slots.pop(owner)
+        slot = self._slots[new_owner] = Slot(owner=new_owner, offset=old.offset, nbytes=old.nbytes)
+        return slot
+
     def owners(self) -> list[str]:
         return list(self._slots)

@@ -20,8 +20,20 @@ scheduler and the engines see is the real one. Runs are given up before any requ
 - a load that uses a run's blocks consumes the run (the request's slot holds them now; the
   session's next hint stages the grown context again).
 
+**Retained runs** (no storage read at all): when a request's slot on the node that read its
+hits is given back, its leading blocks are the session's context, verified: on the PE read
+path the hits its load read (or took from runs) into the PE node's slot, on the DE read path
+the decode node's slot, whose hits were loaded and whose new prompt blocks were just persisted
+from it. ``retain`` keeps that slot, bytes in place, as a run of those blocks instead of
+freeing it, within the same budget, dropped first and expiring as any run. The next turn's
+hint then finds them here and stages only what is missing (``Prefetcher``). Staging from
+storage costs the storage NIC's idle time; retaining costs none, so it lowers the storage
+load itself (what raises the arrival rate the SNICs sustain), as far as the buffer holds the
+contexts of the sessions between turns.
+
 A next turn that lands on another node simply reads from storage. Counters: bytes staged,
-bytes used by loads, bytes dropped (evicted, expired or left over when a run is consumed).
+bytes retained, bytes used by loads, bytes dropped (evicted, expired or left over when a run
+is consumed).
 
 Layout: run ``r`` holds block ``i`` of its hint at ``r.offset + i * block_bytes`` of the
 buffer region ``[blocks][layers, block_tokens, bytes]``, exactly as a request's slot does.
@@ -45,6 +57,7 @@ PREFETCH_OWNER = "prefetch:"  # prefix of the buffer slots that hold runs (never
 @dataclass(slots=True)
 class PrefetchStats:
     staged_bytes: int = 0  # verified block bytes read into runs
+    retained_bytes: int = 0  # verified block bytes of request slots kept as runs (no storage read)
     used_bytes: int = 0  # of which a load took instead of reading storage
     dropped_bytes: int = 0  # evicted, expired or left over in a consumed run before any load used them
     evictions: int = 0  # runs given up so that a request could have buffer room
@@ -52,6 +65,7 @@ class PrefetchStats:
     def to_dict(self) -> dict:
         return {
             "prefetch_staged_bytes": self.staged_bytes,
+            "prefetch_retained_bytes": self.retained_bytes,
             "prefetch_used_bytes": self.used_bytes,
             "prefetch_dropped_bytes": self.dropped_bytes,
             "prefetch_evictions": self.evictions,
@@ -121,6 +135,27 @@ class PrefetchCache:
         self.bytes += slot.nbytes
         self.peak_bytes = max(self.peak_bytes, self.bytes)
         return run
+
+    def retain(self, owner: str, digest: int, hashes: list[int], block_bytes: int) -> bool:
+        """Keep the slot of request ``owner``, whose leading blocks hold ``hashes`` (verified),
+        as a run instead of freeing it; False (the caller frees it) when it has no slot, the
+        blocks do not fit it, or the run would pass the budget. Never drops another run."""
+        self._expire()
+        slot = self.pool.get(owner)
+        n = len(hashes)
+        if slot is None or n == 0 or block_bytes <= 0 or n * block_bytes > slot.nbytes or self.bytes + slot.nbytes > self.budget:
+            return False
+        name = f"{PREFETCH_OWNER}{next(self._names)}"
+        self.pool.rename(owner, name)
+        run = Run(name, digest, list(hashes), block_bytes, slot.offset, slot.nbytes, self.clock() + self.ttl)
+        run.ready = [True] * n
+        for i, h in enumerate(run.hashes):
+            self._index[(digest, h)] = (run, i)
+        self._runs[name] = run
+        self.bytes += slot.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+        self.stats.retained_bytes += n * block_bytes
+        return True
 
     def fill(self, run: Run, i: int, data: memoryview) -> bool:
         """Keep verified block ``i`` of ``run`` (False: the run was dropped meanwhile)."""

@@ -16,10 +16,16 @@ modelled per node:
   or a PE read), and when they expire; staging waits for room rather than drop a copy;
 - the next turn prefers the staged node (``PendingRequest.staged_node``); a read on that node
   takes the staged leading blocks (a DRAM copy, modelled as free) and reads only the rest
-  from storage; a turn placed elsewhere reads from storage and the copy waits out its TTL.
+  from storage; a turn placed elsewhere reads from storage and the copy waits out its TTL;
+- *retained* copies (``PrefetchCache.retain``): the node that read a turn keeps what it read
+  instead of freeing it: on the PE read path the hits in the prefill node's buffer when the
+  prefill ends, on the DE read path the prompt's full blocks in the decode node's slot once
+  they are in HBM (the services persist them from that slot); that copy is where the core's
+  hint points, so staging reads only what it lacks. No storage read at all: this, not the
+  staging, lowers the storage load. A split read keeps only its PE share.
 
-Counters: hints, bytes staged, bytes used by a read, bytes dropped unused, and the peak
-bytes of DRAM buffer held by staged copies.
+Counters: hints, bytes staged (storage reads), bytes retained, bytes used by a read, bytes
+dropped unused, and the peak bytes of DRAM buffer held by staged copies.
 """
 
 from __future__ import annotations
@@ -131,6 +137,25 @@ class NodePrefetch:
         c.flight = 0
         self.pump()
 
+    def retain(self, agent: int, tokens: int) -> float:
+        """``tokens`` of the agent's context, already in this buffer as a request's bytes, stay
+        as its copy (``PrefetchCache.retain``): the bytes kept (0: over the cap, the caller
+        frees them). Never drops another agent's copy."""
+        o = self.owner
+        nbytes = tokens * o.kvb
+        if tokens <= 0 or self.bytes + nbytes > o.cap:
+            return 0.0
+        c = self.copies.get(agent)
+        if c is not None and not c.dead:
+            self._drop(c)  # an older copy of the same context: the kept bytes cover it
+        c = _Copy(agent, tokens, o.now() + o.ttl_s)
+        c.ready, c.held = tokens, nbytes
+        self.copies[agent] = c
+        self.bytes += nbytes
+        o.peak = max(o.peak, self.bytes)
+        o.retained_bytes += nbytes
+        return nbytes
+
     # -- use and eviction ----------------------------------------------------------------------
     def take(self, agent: int, hit: int, *, keep: bool) -> int:
         """A read of ``hit`` tokens on this node: the staged leading tokens it can use. The
@@ -212,6 +237,7 @@ class SimPrefetch:
         self._hinted: dict[int, str] = {}  # agent -> node asked to stage it, until its blocks are persisted
         self.hints = 0
         self.staged_bytes = self.used_bytes = self.dropped_bytes = self.peak = 0.0
+        self.retained_bytes = 0.0  # bytes of requests' reads kept as copies (no storage read)
 
     def now(self) -> float:
         return self.sim.loop.now
@@ -232,6 +258,24 @@ class SimPrefetch:
         ``keep``: see ``NodePrefetch.take``."""
         return self.nodes[node].take(req.agent.index, req.hit, keep=keep)
 
+    def retain_pe(self, req: SimRequest) -> float:
+        """The PE read path's prefill ended: its hits in the prefill node's buffer stay as the
+        agent's copy there; the bytes kept (the caller releases the rest)."""
+        s = req.buffer
+        tokens = req.hit - req.split_de  # a split read's PE share
+        if s is None or s.prefetch is None or req.buffer_bytes < tokens * self.kvb:
+            return 0.0  # the buffer holds only a rest read after a partly staged copy: nothing kept
+        return s.prefetch.retain(req.agent.index, tokens)
+
+    def retain_de(self, req: SimRequest, storage: NodeStorage) -> None:
+        """The DE read path's KV is in HBM: the prompt's full blocks stay in the decode node's
+        slot as the agent's copy (the slot's other bytes are freed with it)."""
+        slot = storage.slots.get(req.key)
+        if req.read_side != ReadSide.DE or req.split_de or not req.hit or slot is None or storage.prefetch is None:
+            return
+        tokens = min(req.prompt - req.prompt % self.sim.cfg.block_tokens, int(slot // self.kvb))
+        storage.slots[req.key] = slot - storage.prefetch.retain(req.agent.index, tokens)
+
     def read_rest(self, req: SimRequest, storage: NodeStorage, staged: int, done: Callable[[SimRequest], None]) -> None:
         """``req``'s read on ``storage``'s node, whose first ``staged`` hit tokens were staged
         (a DRAM copy, free here): the rest comes from storage, then ``done(req)``. On the PE
@@ -249,13 +293,14 @@ class SimPrefetch:
         storage.read(req, (req.hit - staged) * self.kvb, into_buffer=pe_path, tokens=req.hit - staged)
 
     def summary(self) -> dict:
-        staged = self.staged_bytes
+        staged, kept = self.staged_bytes, self.retained_bytes
         return {
             "hints": self.hints,
             "staged_bytes": staged,
+            "retained_bytes": kept,
             "used_bytes": self.used_bytes,
             "dropped_bytes": self.dropped_bytes,
-            "used_fraction": self.used_bytes / staged if staged else None,
+            "used_fraction": self.used_bytes / (staged + kept) if staged + kept else None,
             "peak_buffer_bytes": self.peak,
             "cap_bytes_per_node": self.cap,
         }

@@ -190,8 +190,8 @@ class Simulation:
         """Its last chunk ran: first token; the decode engine copies its KV into HBM."""
         req.t_first = self.loop.now
         self.scheduler.finished(req, req.pe.name)
-        if req.buffer is not None:  # PE read path: the hits leave the prefill node's buffer
-            req.buffer.release(req.buffer_bytes)
+        if req.buffer is not None:  # PE read path: the hits leave the prefill node's buffer (prefetch: or stay as a copy)
+            req.buffer.release(req.buffer_bytes - (self.prefetch.retain_pe(req) if self.prefetch is not None else 0.0))
             req.buffer = None
         nbytes = 0.0 if self.mode.oracle else req.prompt * self.kv_bytes_per_token
         self.net.start((req.de.cnic_in,), nbytes, self._in_hbm, req)
@@ -199,6 +199,8 @@ class Simulation:
     def _in_hbm(self, req: SimRequest) -> None:
         de = req.de
         if not self.mode.oracle:
+            if self.prefetch is not None:  # the DE read path's slot keeps the prompt as a copy
+                self.prefetch.retain_de(req, self.node_storage[de.node_id])
             self.node_storage[de.node_id].free_slot(req.key)
         de.add(req)
 
