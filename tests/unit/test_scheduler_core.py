@@ -74,7 +74,9 @@ class Cluster:
     def node_report(self, node: str, read_q: int):
         return self.handle(NodeReported(now=self.now, node=node, read_q_tokens=read_q))
 
-    def submit(self, rid: str, prompt: int = 300, hit_blocks: int = 2, max_tokens: int = 16, forced: ReadSide | None = None):
+    def submit(
+        self, rid: str, prompt: int = 300, hit_blocks: int = 2, max_tokens: int = 16, forced: ReadSide | None = None, session: str = ""
+    ):
         return self.handle(
             RequestSubmitted(
                 now=self.now,
@@ -85,6 +87,7 @@ class Cluster:
                 max_tokens=max_tokens,
                 forced_side=forced,
                 payload={"id": rid},
+                session=session,
             )
         )
 

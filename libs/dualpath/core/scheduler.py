@@ -12,9 +12,10 @@ Events in: ``RequestSubmitted``, ``EngineReported``, ``NodeReported``, ``SlotRes
 ``FreeSlot``, ``FailRequest``, ``ExpelEngine``, ``Requeued``.
 
 A request's life: submitted -> queued (by rank: its submission time less
-``decode_credit_s`` per token it may generate, so among requests submitted close together
-the longest decode goes first; one queued ``urgent_wait_s`` goes ahead of every fresher one;
-a retry at the head) -> placed by a pass on ``TimeAdvanced``
+``history_credit`` times its session's predicted decode seconds (``DecodeHistory``, learned
+from the session's earlier turns), so among requests submitted close together the longest
+decode goes first; one queued ``urgent_wait_s`` goes ahead of every fresher one; a retry at
+the head) -> placed by a pass on ``TimeAdvanced``
 (``ReserveSlot`` on the decode node) -> ``SlotReserved`` -> ``Dispatch`` to the prefill
 engine -> ``DispatchAnswered`` -> the prefill engine reports it finished (handed to the
 decode engine) -> the decode engine reports it finished: forgotten. A failure on the way
@@ -113,6 +114,7 @@ from dualpath.core.scheduler_members import (
 )
 from dualpath.policy import ClusterState, PendingRequest, Policy
 from dualpath.policy.errors import InvalidRequestError
+from dualpath.policy.history import DecodeHistory
 from dualpath.policy.values import Assignment, ReadSide, Role
 
 __all__ = ["GC_THRESHOLDS", "CoreConfig", "SchedulerCore", "tune_gc"]
@@ -162,7 +164,12 @@ class CoreConfig:
     buffer_backoff_s: float = 0.02  # pause of passes after a full decode-node buffer
     buffer_wait_s: float = 600.0  # a request waiting longer for buffer room fails (then counts attempts)
     expiry_interval_s: float = 0.25  # how often TimeAdvanced looks for silent engines
-    decode_credit_s: float = 0.01  # queue order: a request ranks max_tokens x this earlier than its submission (0: FIFO)
+    # Queue order (longest decode first among requests submitted close together): a request ranks
+    # history_credit x its session's predicted decode seconds (DecodeHistory: measured on the
+    # session's earlier turns) earlier than its submission; decode_credit_s x max_tokens more only
+    # where clients' max_tokens are real length estimates (an API's max_tokens is a cap: 0, off).
+    history_credit: float = 5.0
+    decode_credit_s: float = 0.0
     urgent_wait_s: float = 3.0  # a request queued this long goes ahead of every fresher one (FIFO among such)
     trace_inputs: bool = False  # fill Decision.seen (what the policy compared) for spans
     prefetch: bool = False  # agent-aware prefetch: a session's finished turn emits Prefetch for its prefill node
@@ -185,6 +192,7 @@ class _Request:
         "pe_charge",
         "pending",
         "prefill_done",
+        "prefill_done_at",
         "queued_since",
         "rank",
         "read_charge",
@@ -215,6 +223,7 @@ class _Request:
         self.session = ""  # the agent session (prefetch)
         self.read_side: ReadSide | None = None
         self.prefill_done = False
+        self.prefill_done_at = -1.0  # now of the prefill engine's hand-off (DecodeHistory measures from it)
         self.decision: Decision | None = None
 
 
@@ -226,6 +235,7 @@ class SchedulerCore:
         self.policy, self.cfg = policy, config
         self.members = Membership()
         self.queue: deque[_Request] = deque()
+        self.history = DecodeHistory()  # per-session decode seconds: the queue's order
         self._arrivals: deque[tuple[float, int, _Request]] = deque()  # (queued since, attempt, request) in queueing order
         self.requests: dict[str, _Request] = {}  # queued and placed, by request id
         self.buffer_waits = 0  # placements put back because a decode node's buffer was full
@@ -341,7 +351,8 @@ class SchedulerCore:
         t.session = ev.session
         self._num += 1
         self.requests[rid] = t
-        self._enqueue(t, ev.now - self.cfg.decode_credit_s * ev.max_tokens)
+        credit = self.cfg.history_credit * self.history.predict(ev.session) + self.cfg.decode_credit_s * ev.max_tokens
+        self._enqueue(t, ev.now - credit)
         if self.cfg.urgent_wait_s < float("inf"):
             self._arrivals.append((ev.now, t.attempt, t))  # promoted if it is still queued urgent_wait_s later
         return []
@@ -420,6 +431,7 @@ class SchedulerCore:
             return
         if t.pe is not None and t.pe.name == member.name and not t.prefill_done:
             t.prefill_done = True
+            t.prefill_done_at = self.now
             t.stage = _RUNNING
             self._release(t.pe_charge)
             self._release(t.read_charge)
@@ -430,6 +442,8 @@ class SchedulerCore:
         elif t.de is not None and t.de.name == member.name:
             self._release_all(t)
             del self.requests[rid]
+            if t.prefill_done_at >= 0:
+                self.history.observe(t.session, self.now - t.prefill_done_at)
             if self.cfg.prefetch and t.session and t.pe is not None and t.pending.prompt_tokens >= t.pending.block_tokens:
                 # The session's next turn starts with this context: the node that read this
                 # turn (the PE's when nothing was read) stages it while the agent runs its

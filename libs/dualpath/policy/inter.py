@@ -1,7 +1,7 @@
 """The DualPath inter-engine policy (paper §6.1): prefill engine, decode engine, read side.
 
 One scheduling pass runs four stages over the waiting queue in its order (FIFO in the
-paper; the scheduler core's ranks, ``dualpath.core.CoreConfig.decode_credit_s``). Each stage
+paper; the scheduler core's ranks, ``dualpath.core.CoreConfig.history_credit``). Each stage
 returns a decision per request for a *prefix* of the queue; a stage that cannot place a
 request stops there, and the pass keeps only the prefix every stage placed (the paper:
 "stop when no engine qualifies"; later requests keep waiting, queue order is never broken).
@@ -31,11 +31,12 @@ request stops there, and the pass keeps only the prefix every stage placed (the 
    (the smaller of ``reads_open`` and ``read_q``: whichever sees a read end first) are at
    the hold takes no read; the request reads on the other side, and when neither can take
    it the pass stops there. The waiting requests stay in the scheduler's queue, whose order
-   (``dualpath.core.CoreConfig.decode_credit_s``) then decides which one reads next, instead
-   of every request joining a storage NIC's FIFO at once: in a closed loop the agents with
-   the longest decodes read first and the job's tail shrinks (sim, testbed clusters, 64
-   agents x 6 turns: DualPath's share of the achievable speedup 0.84/0.73/0.82 ->
-   about 1.0/0.90/0.99 at 1P1D/1P2D/2P1D).
+   (``dualpath.core.CoreConfig.history_credit``) then decides which one reads next, instead
+   of every request joining a storage NIC's FIFO at once: in a closed loop the agents whose
+   turns decoded longest so far (``dualpath.policy.history``) read first and the job's tail
+   shrinks (sim, testbed clusters, 64 agents x 6 turns: DualPath's share of the achievable
+   speedup 0.84/0.73/0.82 -> 0.99/0.89/0.97 at 1P1D/1P2D/2P1D; knowing each answer's exact
+   length instead would give 0.99/0.90/0.99, read admission with FIFO order 0.83/0.71/0.83).
 
 Agent-aware prefetch (beyond the paper): a request whose hits are staged in a node's DRAM
 buffer (``PendingRequest.staged_node``) takes a prefill engine on that node when one

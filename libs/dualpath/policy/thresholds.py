@@ -8,7 +8,7 @@
 Read admission (beyond the paper): ``hold_tokens``, ``read_hold_percent`` of α (by default
 5%: 0.15 s of the storage NIC). DualPath places a request only on a read node whose open
 reads (``NodeState.reads_open``) are below it and keeps the rest in the scheduler's queue,
-so the queue's order (``CoreConfig.decode_credit_s``), not the storage NIC's FIFO, decides
+so the queue's order (``CoreConfig.history_credit``), not the storage NIC's FIFO, decides
 which waiting request reads next, and a read shares its NIC with few others.
 
 Both derive from the hardware profile / cost model and may be overridden directly.

@@ -137,7 +137,7 @@ class SimScheduler:
                 block_tokens=block_tokens,
                 max_tokens=req.gen,
                 payload=req,
-                session=str(req.agent.index) if self._prefetch is not None else "",
+                session=str(req.agent.index),  # as the load generator's X-Session-ID: the queue order learns from it
             )
         )
         for cmd in cmds:

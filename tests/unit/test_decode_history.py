@@ -1,0 +1,59 @@
+"""Queue order from measured history: the scheduler learns each session's decode time from
+its earlier turns (``DecodeHistory``) and places the longest expected decode first; an API's
+``max_tokens`` (a cap, not a length) does not reorder anything by default."""
+
+from __future__ import annotations
+
+import pytest
+
+from dualpath.core import RequestFinished
+from dualpath.policy.errors import InvalidThresholdError
+from dualpath.policy.history import DecodeHistory
+from tests.unit.test_scheduler_core import Cluster
+
+
+def reserved(cmds) -> list[str]:
+    return [cmd.request_id for cmd in cmds if type(cmd).__name__ == "ReserveSlot"]
+
+
+def test_the_history_is_an_exponentially_weighted_mean_per_session_and_bounded():
+    h = DecodeHistory(weight=0.5, max_sessions=2)
+    assert h.predict("a") == 0.0 and h.predict("") == 0.0
+    h.observe("a", 2.0)
+    h.observe("a", 4.0)
+    assert h.predict("a") == pytest.approx(3.0)
+    h.observe("", 9.0)  # no session: nothing learned
+    h.observe("b", 1.0)
+    h.observe("a", 3.0)  # a is now the most recently updated
+    h.observe("c", 5.0)  # over the bound: b (least recently updated) is forgotten
+    assert (h.predict("a"), h.predict("b"), h.predict("c"), len(h)) == (3.0, 0.0, 5.0, 2)
+    with pytest.raises(InvalidThresholdError):
+        DecodeHistory(weight=0.0)
+
+
+def run_turn(c: Cluster, rid: str, session: str, decode_s: float) -> None:
+    """One turn of ``session``: placed, prefilled, then decoded for ``decode_s`` seconds."""
+    d = c.place(rid, session=session)
+    c.handle(RequestFinished(now=c.now, request_id=rid, engine=d.prefill_engine))
+    c.now += decode_s
+    c.handle(RequestFinished(now=c.now, request_id=rid, engine=d.decode_engine))
+
+
+@pytest.mark.parametrize(("history_credit", "first"), [(5.0, "long-2"), (0.0, "short-2")])
+def test_a_session_whose_turns_decoded_longer_is_placed_first_among_close_submissions(history_credit, first):
+    c = Cluster(history_credit=history_credit)
+    run_turn(c, "long-1", "agent-long", 2.0)
+    run_turn(c, "short-1", "agent-short", 0.1)
+    assert c.core.history.predict("agent-long") == pytest.approx(2.0)
+    c.submit("short-2", session="agent-short")
+    c.now += 0.5  # submitted later, but expected to decode ~2 s: 10 s of credit against 0.5 s
+    c.submit("long-2", session="agent-long")
+    assert reserved(c.tick())[0] == first
+
+
+def test_max_tokens_alone_does_not_reorder_the_queue_by_default():
+    c = Cluster()
+    c.submit("short", max_tokens=10)
+    c.now += 0.5
+    c.submit("long", max_tokens=4096)
+    assert reserved(c.tick()) == ["short", "long"]
