@@ -241,7 +241,8 @@ def format_online(result: dict) -> str:
         pf = r.get("prefetch")
         if pf:
             lines.append(
-                f"{mode}: prefetch staged {pf['staged_bytes'] / 1e9:.1f} GB, used {_f(pf['used_fraction'])} of it, "
+                f"{mode}: prefetch staged {pf['staged_bytes'] / 1e9:.1f} GB from storage, retained "
+                f"{pf.get('retained_bytes', 0.0) / 1e9:.1f} GB of reads, used {_f(pf['used_fraction'])} of both, "
                 f"peak DRAM buffer on staged copies {pf['peak_buffer_bytes'] / 1e9:.1f} GB per node "
                 f"(cap {pf['cap_bytes_per_node'] / 1e9:.1f})"
             )
