@@ -92,12 +92,7 @@ def run_figures(sim: Simulation) -> dict:
         "snic_max_over_avg_windowed": windowed_max_over_avg(series),
         "attention_max_over_avg_early": _ratio(attention_early),
         "snic_series": {"bin_s": width, "utilisation": series},
-        "scheduler": {
-            "passes": sim.scheduler.passes,
-            "passes_skipped": sim.scheduler.passes_skipped,
-            "back_pressure": sim.scheduler.back_pressure,
-            "failures": sim.scheduler.failures,
-        },
+        "scheduler": {"passes": sim.scheduler.passes, "back_pressure": sim.scheduler.back_pressure, "failures": sim.scheduler.failures},
         "events": sim.loop.events,
         "flows": sim.net.flows_done + sum(s.read_link.flows_done + s.write_link.flows_done for s in sim.storage.values()),
         "wall_s": sim.wall_s,

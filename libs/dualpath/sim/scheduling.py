@@ -21,13 +21,6 @@ policy, which places a FIFO prefix of it) adapts: it doubles while passes place 
 a pass costs in proportion to what it can place. Decisions do not change: the policy never
 reaches the requests beyond a prefix it cannot place.
 
-A pass that would see what the last one saw is not run: when a pass placed nothing and
-issued nothing, and the core has handled nothing since but submissions that left the next
-pass's window (the queue's first ``pass_window`` requests) as it was, the next pass is
-skipped (``passes_skipped``). The policy is a pure function of the window and the cluster
-state (the core gives it no clock), so it would place nothing again; a skipped
-``TimeAdvanced`` changes nothing else here (no expiry in virtual time, see below).
-
 Engines join with one ``EngineReported`` at start and do not report again: in virtual time
 the core's own charges are exact (nothing is lost or delayed), so reports would only repeat
 them. Engine expiry is off (no engine dies in a simulation).
@@ -37,7 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from itertools import islice
 
 from dualpath.core.scheduler import CoreConfig, SchedulerCore
 from dualpath.core.scheduler_events import (
@@ -105,14 +97,11 @@ class SimScheduler:
         self._dirty: dict[str, NodeStorage] = {}  # nodes whose read queue or slots changed since the last report
         self._report_scheduled = False
         self.passes = 0
-        self.passes_skipped = 0
-        self._idle_window: list | None = None  # the window of the last pass if it placed and issued nothing and nothing changed since
         self.back_pressure = 0
         self.failures = 0
 
     def join(self, engine: str, node: str, role: Role, *, capacity_tokens: int, block_bytes: int) -> None:
         """An engine's first report (its figures are all charges from then on)."""
-        self._idle_window = None
         self.core.handle(
             EngineReported(
                 now=self.loop.now,
@@ -145,11 +134,6 @@ class SimScheduler:
                 self.failures += 1
                 self._failed(req, f"{cmd.code} {cmd.reason}")
                 return
-        idle = self._idle_window
-        if idle is not None:
-            now_window = list(islice(self.core.queue, WINDOW_MIN))
-            if len(now_window) != len(idle) or not all(x is y for x, y in zip(idle, now_window)):
-                self._idle_window = None  # it joined the next pass's window
         self.kick()
 
     def kick(self, _: object = None) -> None:
@@ -165,14 +149,10 @@ class SimScheduler:
         self.passes += 1
         core = self.core
         before, refused = len(core.queue), self.back_pressure
-        if self._idle_window is not None:
-            self.passes_skipped += 1  # it would see what the last pass saw (module docstring)
-        elif self.loop.now >= core.held_until:
+        if self.loop.now >= core.held_until:
             cmds = core.handle(TimeAdvanced(now=self.loop.now))
             if cmds:
                 self._apply(cmds)
-            else:  # nothing placed, nothing issued: until something changes, a pass would do the same
-                self._idle_window = list(islice(core.queue, WINDOW_MIN))  # the next pass's window (below)
         # else: paused by back-pressure, the pass would place nothing (and with engine expiry
         # off, TimeAdvanced would change nothing else): skip the event, keep its timing
         placed = before - len(core.queue)
@@ -185,7 +165,6 @@ class SimScheduler:
             core.cfg = replace(core.cfg, pass_window=max(WINDOW_MIN, min(WINDOW_MAX, 2 * placed)))
 
     def _apply(self, cmds: list) -> None:
-        self._idle_window = None
         handle, now = self.core.handle, self.loop.now
         for cmd in cmds:
             if isinstance(cmd, ReserveSlot):
@@ -221,7 +200,6 @@ class SimScheduler:
     # -- what engines and nodes tell it ----------------------------------------------------
     def finished(self, req: SimRequest, engine: str) -> None:
         """``engine`` finished its part of ``req`` (prefill: handed over; decode: done)."""
-        self._idle_window = None
         cmds = self.core.handle(RequestFinished(now=self.loop.now, request_id=req.key, engine=engine))
         if cmds:  # a Prefetch hint (the only command a finish gives here)
             self._apply(cmds)
@@ -237,7 +215,6 @@ class SimScheduler:
     def report(self, node: NodeStorage) -> None:
         """The node's traffic manager reports now (its first report: the buffer's size)."""
         free, total = node.buffer_report()
-        self._idle_window = None
         self.core.handle(
             NodeReported(now=self.loop.now, node=node.name, read_q_tokens=node.read_q, buffer_free_bytes=free, buffer_bytes=total)
         )
