@@ -39,6 +39,7 @@ class DecodeEngineSim:
 
     __slots__ = (
         "_seq",
+        "_step_totals",
         "a",
         "b",
         "batcher",
@@ -49,6 +50,7 @@ class DecodeEngineSim:
         "engine_id",
         "heap",
         "keys0",
+        "loop",
         "n",
         "name",
         "node_id",
@@ -68,6 +70,8 @@ class DecodeEngineSim:
         self.batcher = DecodeBatcher(capacity_tokens=hbm_tokens, block_tokens=sim.cfg.block_tokens, max_running=sim.cfg.max_running)
         self.waiting: dict[str, SimRequest] = {}
         self.topk = sim.decode_cost.target.sparse_topk
+        self.loop = sim.loop
+        self._step_totals = sim.decode_cost.decode_step_time_totals
         self.progress = 0.0  # steps since start (fluid)
         self.t = 0.0  # virtual time of ``progress``
         self.n = 0
@@ -88,15 +92,17 @@ class DecodeEngineSim:
             return 0.0
         xi = int(x)
         keys = self.keys0 + n * xi
-        if self.topk:
-            topk = self.topk
-            attended = self.sat * topk + sum(min(v + xi, topk) for v in self.below.values())
+        topk = self.topk
+        if topk:
+            attended = self.sat * topk
+            if self.below:  # most requests attend top_k keys from their first step
+                attended += sum(min(v + xi, topk) for v in self.below.values())
         else:
             attended = keys
-        return self.sim.decode_cost.decode_step_time_totals(n, keys, attended)
+        return self._step_totals(n, keys, attended)
 
     def _settle(self) -> None:
-        now = self.sim.loop.now
+        now = self.loop.now
         dt = now - self.t
         if dt > 0 and self.n:
             a, b = self.a, self.b
@@ -128,7 +134,8 @@ class DecodeEngineSim:
         else:
             m, b = max(m, 0.0), 0.0
             self.b = 0.0
-        self.sim.loop.at(self.sim.loop.now + a * m + b * m * m / 2, self._leave, self.version)
+        loop = self.loop
+        loop.at(loop.now + a * m + b * m * m / 2, self._leave, self.version)
 
     # -- membership ----------------------------------------------------------------------
     def add(self, req: SimRequest) -> None:

@@ -197,8 +197,10 @@ class FluidNetwork:
         dt = now - f.last
         if dt > 0 and rate > 0:  # _settle, inlined (the hottest call of a run)
             moved = rate * dt
-            moved = min(moved, f.remaining)
-            f.remaining -= moved
+            remaining = f.remaining
+            if remaining < moved:  # min(moved, remaining) without the call
+                moved = remaining
+            f.remaining = remaining - moved
             last = f.last
             for link in f.links:
                 link.moved += moved

@@ -73,7 +73,9 @@ class SharedLink:
         self._version += 1
         if self._heap:
             left = self._heap[0][0] - self._v
-            self.loop.at(self.loop.now + max(left, 0.0) * self._n / self.capacity, self._fire, self._version)
+            if left < 0.0:  # max(left, 0.0) without the call
+                left = 0.0
+            self.loop.at(self.loop.now + left * self._n / self.capacity, self._fire, self._version)
 
     def _fire(self, version: int) -> None:
         if version != self._version:
