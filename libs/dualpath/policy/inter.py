@@ -94,14 +94,17 @@ def _prefill_engines(waiting: Sequence[PendingRequest], state: ClusterState, th:
     alpha, beta, hold = th.alpha_tokens, th.beta_tokens, th.hold_tokens
 
     def is_short(n: NodeState) -> bool:  # read_q <= alpha and, with read admission, room for a read
-        return n.read_q <= alpha and (not hold or min(n.read_q, n.reads_open) < hold)
+        return n.read_q <= alpha and (not hold or n.read_q < hold or n.reads_open < hold)
 
     engines, nodes = state.engines, state.nodes
 
     def queue_class(engine_id: int) -> int:  # 0: short read queue, 1: long
         return 0 if is_short(nodes[engines[engine_id].node_id]) else 1
 
-    short = sum(1 for n in state.prefill_nodes if is_short(n))
+    if hold:  # is_short, inlined: every pass counts the nodes
+        short = sum(1 for n in state.prefill_nodes if n.read_q <= alpha and (n.read_q < hold or n.reads_open < hold))
+    else:
+        short = sum(1 for n in state.prefill_nodes if n.read_q <= alpha)
     single = short == 0 or short == len(state.prefill_nodes)
     classes: tuple[int, ...]
     if single:  # every node in one class: one list (looking for the empty class would walk every engine)
