@@ -112,7 +112,10 @@ NOTES = {
     "scale_offline_jct_ratio": "the larger cluster runs proportionally more agents; JCT is set by the slowest agents, "
     "and more agents draw a longer tail",
     "online_ds27b_aps_ratio": "the sweep brackets max APS within ~10%; ratios carry that error twice",
-    "online_ds660b_aps_ratio": "the sweep brackets max APS within ~10%; ratios carry that error twice",
+    "online_ds660b_aps_ratio": "DualPath's limit at 2P4D is decode HBM, not storage: with the 40 ms TPOT (the cross-node "
+    "all-to-all) a request holds its ~45K-token KV for ~7 s of decode, so 32 decode GPUs of 845K tokens serve ~73 turns/s, "
+    "and the reduced form's agents, met mid-rollout, bring long contexts (at 27.8 APS: SNICs 18-28% busy, TTFT 97% "
+    "queueing); the paper's whole trajectories average ~33K tokens",
     "online_scale_aps_ratio": "the sweep brackets max APS within ~10%; ratios carry that error twice",
 }
 
