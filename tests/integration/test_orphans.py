@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,19 +49,16 @@ def _wait(pred, timeout: float) -> float:
     return time.monotonic() - t0
 
 
-def test_a_supervised_service_stops_when_its_supervisor_is_killed(tmp_path, nats_server):
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path), nats_server.url], stdout=subprocess.PIPE, text=True)
+@contextlib.contextmanager
+def _parent(script: str, *args: str) -> Iterator[tuple[subprocess.Popen, int]]:
+    """Run ``script`` (which prints the pid of the child it starts) and yield ``(parent, child
+    pid)``; whatever is still running afterwards is killed."""
+    parent = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True)
     child = 0
     try:
         assert parent.stdout is not None
         child = int(parent.stdout.readline())
-        log = tmp_path / "kv-persistence.log"
-        _wait(lambda: log.exists() and "service_started" in log.read_text(), 30)
-        parent.kill()  # SIGKILL: the supervisor's clean-up never runs
-        parent.wait()
-        took = _wait(lambda: not _alive(child), 10)
-        assert "parent_gone" in log.read_text()
-        print(f"orphaned service stopped {took:.2f}s after its supervisor was killed")
+        yield parent, child
     finally:
         if child and _alive(child):
             os.kill(child, signal.SIGKILL)
@@ -68,6 +67,17 @@ def test_a_supervised_service_stops_when_its_supervisor_is_killed(tmp_path, nats
         parent.wait()
         if parent.stdout is not None:
             parent.stdout.close()
+
+
+def test_a_supervised_service_stops_when_its_supervisor_is_killed(tmp_path, nats_server):
+    with _parent(PARENT, str(tmp_path), nats_server.url) as (parent, child):
+        log = tmp_path / "kv-persistence.log"
+        _wait(lambda: log.exists() and "service_started" in log.read_text(), 30)
+        parent.kill()  # SIGKILL: the supervisor's clean-up never runs
+        parent.wait()
+        took = _wait(lambda: not _alive(child), 10)
+        assert "parent_gone" in log.read_text()
+        print(f"orphaned service stopped {took:.2f}s after its supervisor was killed")
 
 
 NATS_PARENT = textwrap.dedent(
@@ -91,21 +101,9 @@ NATS_PARENT = textwrap.dedent(
 
 @pytest.mark.parametrize("how", ["embedded", "supervised"])
 def test_a_nats_server_stops_when_the_process_that_started_it_is_killed(tmp_path, how):
-    parent = subprocess.Popen([sys.executable, "-c", NATS_PARENT, how, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-    server = 0
-    try:
-        assert parent.stdout is not None
-        server = int(parent.stdout.readline())
+    with _parent(NATS_PARENT, how, str(tmp_path)) as (parent, server):
         assert _alive(server)
         parent.kill()  # SIGKILL: no clean-up runs (EmbeddedNats.__del__, Supervisor.stop)
         parent.wait()
         took = _wait(lambda: not _alive(server), 10)
         print(f"{how} nats-server stopped {took:.2f}s after its parent was killed")
-    finally:
-        if server and _alive(server):
-            os.kill(server, signal.SIGKILL)
-        if parent.poll() is None:
-            parent.kill()
-        parent.wait()
-        if parent.stdout is not None:
-            parent.stdout.close()
