@@ -5,8 +5,10 @@ starts only while the node reads nothing for a request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import uuid
+from collections.abc import Iterator
 
 from dualpath.config import NodeConfig
 from dualpath.kv import BlockStore
@@ -21,7 +23,10 @@ BB = LAYERS * TOKENS * BPT
 DIGEST = 5
 
 
-def _tm(tmp_path, blocks: int, buffer_blocks: int) -> tuple[TrafficManager, MemoryRegion, list[int]]:
+@contextlib.contextmanager
+def _tm(tmp_path, blocks: int, buffer_blocks: int) -> Iterator[tuple[TrafficManager, MemoryRegion, list[int]]]:
+    """A traffic manager over a store of ``blocks`` blocks (hash h holds bytes h) and a buffer
+    of ``buffer_blocks``; its region is closed and unlinked afterwards."""
     store = BlockStore(tmp_path)
     hashes = list(range(1, blocks + 1))
     for h in hashes:
@@ -37,7 +42,11 @@ def _tm(tmp_path, blocks: int, buffer_blocks: int) -> tuple[TrafficManager, Memo
     region = MemoryRegion(f"test-tmpf-{uuid.uuid4().hex[:10]}", buffer_blocks * BB)
     desc = RegionDescriptor(region_id=region.region_id, node_id="n0", size=region.size, transport="tcp")
     cfg = NodeConfig(node_id="n0", prefetch_mb=1, prefetch_ttl_s=60.0)
-    return TrafficManager(None, cfg, Subjects("t"), region, desc, StorageIO(store)), region, hashes
+    try:
+        yield TrafficManager(None, cfg, Subjects("t"), region, desc, StorageIO(store)), region, hashes
+    finally:
+        region.close()
+        region.unlink()
 
 
 def _load(rid: str, hashes: list[int], total: int) -> m.LoadRequest:
@@ -61,8 +70,7 @@ async def _stage(tm: TrafficManager, hashes: list[int]) -> None:
 
 
 def test_a_load_takes_the_staged_blocks_from_the_buffer_and_reads_the_rest(tmp_path):
-    tm, region, hashes = _tm(tmp_path, blocks=6, buffer_blocks=32)
-    try:
+    with _tm(tmp_path, blocks=6, buffer_blocks=32) as (tm, region, hashes):
 
         async def run():
             await _stage(tm, hashes[:4])
@@ -77,14 +85,10 @@ def test_a_load_takes_the_staged_blocks_from_the_buffer_and_reads_the_rest(tmp_p
         assert got == b"".join(bytes([h]) * BB for h in hashes)
         stats = tm._prefetch_stats()
         assert stats["prefetch_used_bytes"] == 4 * BB and stats["prefetch_cached_bytes"] == 0
-    finally:
-        region.close()
-        region.unlink()
 
 
 def test_a_request_that_needs_the_room_drops_staged_runs_instead_of_waiting(tmp_path):
-    tm, region, hashes = _tm(tmp_path, blocks=8, buffer_blocks=8)
-    try:
+    with _tm(tmp_path, blocks=8, buffer_blocks=8) as (tm, region, hashes):
 
         async def run():
             await _stage(tm, hashes[:6])
@@ -95,14 +99,10 @@ def test_a_request_that_needs_the_room_drops_staged_runs_instead_of_waiting(tmp_
         assert reply.nbytes == 8 * BB
         stats = tm._prefetch_stats()
         assert stats["prefetch_evictions"] == 1 and stats["prefetch_dropped_bytes"] == 6 * BB and stats["prefetch_cached_bytes"] == 0
-    finally:
-        region.close()
-        region.unlink()
 
 
 def test_staging_waits_while_a_request_read_is_queued(tmp_path):
-    tm, region, hashes = _tm(tmp_path, blocks=4, buffer_blocks=32)
-    try:
+    with _tm(tmp_path, blocks=4, buffer_blocks=32) as (tm, region, hashes):
 
         async def run():
             tm.io.read_q_tokens = 64  # a request's read is queued on this node
@@ -116,9 +116,6 @@ def test_staging_waits_while_a_request_read_is_queued(tmp_path):
 
         assert asyncio.run(run())
         assert tm.prefetcher is not None and tm.prefetcher.blocks_read == 4
-    finally:
-        region.close()
-        region.unlink()
 
 
 class _CommitBus:
@@ -129,8 +126,7 @@ class _CommitBus:
 
 
 def test_a_pe_read_slot_given_back_stays_as_a_run_and_the_next_load_reads_only_the_new_blocks(tmp_path):
-    tm, region, hashes = _tm(tmp_path, blocks=6, buffer_blocks=32)
-    try:
+    with _tm(tmp_path, blocks=6, buffer_blocks=32) as (tm, region, hashes):
 
         async def run():
             await tm.load(_load("t1", hashes[:4], 5))  # the PE read path: the load allocates the slot
@@ -145,15 +141,11 @@ def test_a_pe_read_slot_given_back_stays_as_a_run_and_the_next_load_reads_only_t
         stats = tm._prefetch_stats()
         assert stats["prefetch_retained_bytes"] == 4 * BB and stats["prefetch_used_bytes"] == 4 * BB
         assert stats["prefetch_staged_bytes"] == 0 and tm.prefetcher is not None and tm.prefetcher.bytes_read == 0
-    finally:
-        region.close()
-        region.unlink()
 
 
 def test_a_de_read_slot_keeps_its_hits_and_the_prompt_blocks_persisted_from_it(tmp_path):
-    tm, region, hashes = _tm(tmp_path, blocks=3, buffer_blocks=32)
-    tm.bus = _CommitBus()  # type: ignore[assignment]
-    try:
+    with _tm(tmp_path, blocks=3, buffer_blocks=32) as (tm, region, hashes):
+        tm.bus = _CommitBus()  # type: ignore[assignment]
 
         async def run():
             slot = await tm.alloc(m.AllocRequest(request_id="t1", blocks=4, block_bytes=BB))
@@ -181,14 +173,10 @@ def test_a_de_read_slot_keeps_its_hits_and_the_prompt_blocks_persisted_from_it(t
         n, got, new = asyncio.run(run())
         assert n == 4 and got == bytes([1]) * BB + bytes([2]) * BB + new
         assert tm._prefetch_stats()["prefetch_retained_bytes"] == 4 * BB
-    finally:
-        region.close()
-        region.unlink()
 
 
 def test_a_slot_nothing_was_read_into_is_freed_not_retained(tmp_path):
-    tm, region, _ = _tm(tmp_path, blocks=1, buffer_blocks=8)
-    try:
+    with _tm(tmp_path, blocks=1, buffer_blocks=8) as (tm, region, _):
 
         async def run():
             await tm.alloc(m.AllocRequest(request_id="t1", blocks=4, block_bytes=BB))  # the PE read path's DE slot
@@ -196,14 +184,10 @@ def test_a_slot_nothing_was_read_into_is_freed_not_retained(tmp_path):
 
         asyncio.run(run())
         assert tm.prefetcher is not None and tm.prefetcher.cache.bytes == 0 and tm.pool.free_bytes == region.size
-    finally:
-        region.close()
-        region.unlink()
 
 
 def test_a_request_that_needs_the_room_drops_a_retained_run(tmp_path):
-    tm, region, hashes = _tm(tmp_path, blocks=4, buffer_blocks=8)
-    try:
+    with _tm(tmp_path, blocks=4, buffer_blocks=8) as (tm, region, hashes):
 
         async def run():
             await tm.load(_load("t1", hashes, 4))
@@ -212,6 +196,3 @@ def test_a_request_that_needs_the_room_drops_a_retained_run(tmp_path):
 
         assert asyncio.run(run()).nbytes == 8 * BB
         assert tm._prefetch_stats()["prefetch_evictions"] == 1
-    finally:
-        region.close()
-        region.unlink()
