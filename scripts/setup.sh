@@ -16,3 +16,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e '.[test]'
   touch "$stamp"
 fi
+# The simulator's hot path as mypyc extensions (same results, ~2x faster; skipped when fresh).
+# A failed build is not fatal: everything runs as pure Python. DUALPATH_COMPILED=0 skips it.
+if [ "${DUALPATH_COMPILED:-1}" != "0" ]; then
+  .venv/bin/dualpath compiled build --if-stale ||
+    echo "[setup] mypyc build failed: the simulator runs as pure Python (same results, slower)"
+fi

@@ -13,3 +13,7 @@ Concepts live in their own sub-packages:
 """
 
 __version__ = "0.1.0"
+
+from dualpath.compiled import activate as _activate_compiled
+
+_activate_compiled()  # the simulator's hot path as mypyc extensions, when built and fresh (dualpath/compiled.py)

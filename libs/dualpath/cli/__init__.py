@@ -10,6 +10,7 @@ dualpath loadgen --url URL --dataset 32k|48k|64k|FILE ...
 dualpath experiment offline|online ...     (the paper's experiments on the emulated testbed)
 dualpath trace show REQUEST_ID --file F | --jaeger URL
 dualpath sim offline|online|paper|validate|plan ...   (the paper's experiments in a cluster simulator)
+dualpath compiled build|status             (the simulator's hot path as mypyc extensions)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ PASSTHROUGH = {
     "experiment": "dualpath.cli.experiment",
     "trace": "dualpath.cli.trace",
     "sim": "dualpath.cli.sim",
+    "compiled": "dualpath.compiled",
 }
 
 

@@ -370,7 +370,12 @@ def schedule_dualpath(
     # other; each request's choice depends only on those before it).
     prefill: list[int] = []
     groups: list[NodeState] = []
-    for pe, group in zip(_prefill_engines(waiting, state, thresholds), _decode_groups(waiting, state)):
+    # Not zip(): mypyc's zip over two compiled generators fails when one of them ends.
+    decode_groups = _decode_groups(waiting, state)
+    for pe in _prefill_engines(waiting, state, thresholds):
+        group = next(decode_groups, None)
+        if group is None:
+            break
         prefill.append(pe)
         groups.append(group)
     decode = place_in_groups(waiting, groups, slack_percent)

@@ -22,16 +22,27 @@ from __future__ import annotations
 
 import math
 from heapq import heappop, heappush
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from dualpath.core.decode_batcher import DecodeBatcher
+from dualpath.cost.model import CostModel
+from dualpath.sim.clock import EventLoop
+from dualpath.sim.config import SimConfig
 from dualpath.sim.network import Link
 from dualpath.sim.request import SimRequest
 
-if TYPE_CHECKING:
-    from dualpath.sim.simulation import Simulation
+__all__ = ["DecodeEngineSim", "DecodeHost"]
 
-__all__ = ["DecodeEngineSim"]
+
+class DecodeHost(Protocol):
+    """What a decode engine needs of its simulation (``Simulation``, or a test's stub: a
+    protocol, so the mypyc build checks no concrete class here)."""
+
+    loop: EventLoop
+    decode_cost: CostModel
+    cfg: SimConfig
+
+    def decode_done(self, req: SimRequest, de: DecodeEngineSim) -> None: ...
 
 
 class DecodeEngineSim:
@@ -63,7 +74,7 @@ class DecodeEngineSim:
         "waiting",
     )
 
-    def __init__(self, sim: Simulation, engine_id: int, name: str, node_id: int, cnic_in: Link, cnic_out: Link, hbm_tokens: int) -> None:
+    def __init__(self, sim: DecodeHost, engine_id: int, name: str, node_id: int, cnic_in: Link, cnic_out: Link, hbm_tokens: int) -> None:
         self.sim = sim
         self.engine_id, self.name, self.node_id = engine_id, name, node_id
         self.cnic_in, self.cnic_out = cnic_in, cnic_out

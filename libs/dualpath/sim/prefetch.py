@@ -149,7 +149,7 @@ class NodePrefetch:
         if c is not None and not c.dead:
             self._drop(c)  # an older copy of the same context: the kept bytes cover it
         c = _Copy(agent, tokens, o.now() + o.ttl_s)
-        c.ready, c.held = tokens, nbytes
+        c.ready, c.held = tokens, float(nbytes)
         self.copies[agent] = c
         self.bytes += nbytes
         o.peak = max(o.peak, self.bytes)
@@ -283,7 +283,7 @@ class SimPrefetch:
         ends; when a rest must be read, its own buffer share replaces them."""
         pe_path = req.read_side == ReadSide.PE
         if pe_path:
-            req.buffer, req.buffer_bytes = storage, staged * self.kvb
+            req.buffer, req.buffer_bytes = storage, float(staged * self.kvb)
         if staged >= req.hit:
             self.sim.loop.at(self.sim.loop.now, done, req)
             return

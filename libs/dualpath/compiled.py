@@ -1,0 +1,253 @@
+"""The simulator's hot path compiled with mypyc: the same source, run as C extensions.
+
+``dualpath sim`` spends its time in the decision cores, the policy, the cost model and the
+simulator's event loop and network (``MODULES``): pure Python, called millions of times per
+run. mypyc compiles those very files (no second copy of any algorithm) into C extensions that
+give the same results, several times faster. The build is optional and kept out of the source
+tree:
+
+    dualpath compiled build     # what scripts/setup.sh runs (with --if-stale)
+    dualpath compiled status    # which code this process runs, and why
+
+The extensions live in ``<venv>/dualpath-compiled/`` with a manifest of the SHA-256 of every
+source they were built from. ``activate()`` (called when ``dualpath`` is imported) installs
+an import hook that loads them only while every hash still matches: an edited source runs as
+pure Python until the next build, never as a stale extension. ``DUALPATH_COMPILED=0``
+turns the hook off (pure Python everywhere).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+__all__ = ["MODULES", "activate", "build", "status"]
+
+#: The modules compiled (dotted names). Each must type-check under mypyc; errors and rarely
+#: called modules stay pure Python (an extension calls them as any Python code would).
+MODULES = (
+    "dualpath.core.decode_batcher",
+    "dualpath.core.prefill_batcher",
+    "dualpath.core.scheduler",
+    "dualpath.core.scheduler_events",
+    "dualpath.core.scheduler_members",
+    "dualpath.cost.model",
+    "dualpath.policy.balance",
+    "dualpath.policy.baselines",
+    "dualpath.policy.history",
+    "dualpath.policy.index",
+    "dualpath.policy.inter",
+    "dualpath.policy.intra",
+    "dualpath.policy.registry",
+    "dualpath.policy.split",
+    "dualpath.policy.state",
+    "dualpath.policy.thresholds",
+    "dualpath.policy.values",
+    "dualpath.sim.clock",
+    "dualpath.sim.decode",
+    "dualpath.sim.network",
+    "dualpath.sim.prefetch",
+    "dualpath.sim.prefill",
+    "dualpath.sim.request",
+    "dualpath.sim.scheduling",
+    "dualpath.sim.series",
+    "dualpath.sim.sharedlink",
+    "dualpath.sim.simulation",
+    "dualpath.sim.storage",
+)
+
+GROUP = "dualpath_compiled"  # mypyc's shared library of the group: <GROUP>__mypyc
+ENV = "DUALPATH_COMPILED"  # "0": never load the extensions
+DIR_ENV = "DUALPATH_COMPILED_DIR"  # where they are built and loaded from (default: in the venv)
+MANIFEST = "manifest.json"
+
+_SOURCE_ROOT = Path(__file__).resolve().parent.parent  # holds the dualpath package
+_state = "pure Python: not activated"
+
+
+def build_dir() -> Path:
+    return Path(os.environ.get(DIR_ENV) or Path(sys.prefix) / "dualpath-compiled")
+
+
+def _source(module: str) -> Path:
+    return _SOURCE_ROOT.joinpath(*module.split(".")).with_suffix(".py")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _dependencies(modules: tuple[str, ...]) -> list[str]:
+    """The compiled modules and every ``dualpath`` module they import (mypyc reads those types
+    and may fold their constants): a change to any of them makes the build stale."""
+    import ast
+
+    seen = set(modules)
+    for module in modules:
+        for node in ast.walk(ast.parse(_source(module).read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            seen.update(n for n in names if n.split(".")[0] == "dualpath" and _source(n).is_file())
+            seen.update(f"{n}.__init__" for n in names if n.split(".")[0] == "dualpath" and _source(f"{n}.__init__").is_file())
+    return sorted(seen)
+
+
+def _stale(manifest: dict) -> str:
+    """Why ``manifest`` does not describe the sources and interpreter here ('' if it does)."""
+    if manifest.get("python") != sys.implementation.cache_tag:
+        return f"built for {manifest.get('python')}, this is {sys.implementation.cache_tag}"
+    if tuple(manifest.get("modules", {})) != MODULES:
+        return "the list of compiled modules changed"
+    for module, digest in manifest.get("sources", {}).items():
+        path = _source(module)
+        if not path.is_file() or _digest(path) != digest:
+            return f"{path.relative_to(_SOURCE_ROOT)} changed since the build"
+    return ""
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Loads the listed modules from their extension files, and nothing else."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self.files = files
+
+    def find_spec(self, fullname: str, path: object = None, target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        file = self.files.get(fullname)
+        if file is None:
+            return None
+        loader = importlib.machinery.ExtensionFileLoader(fullname, str(file))
+        return importlib.util.spec_from_file_location(fullname, file, loader=loader)
+
+
+def activate() -> str:
+    """Install the import hook if a fresh build exists; returns ``status()``. Call before any
+    compiled module is imported (``dualpath/__init__.py`` does)."""
+    global _state
+    if any(isinstance(f, _Finder) for f in sys.meta_path):
+        return _state
+    if os.environ.get(ENV, "1") == "0":
+        _state = f"pure Python: {ENV}=0"
+        return _state
+    root = build_dir()
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+    except (OSError, ValueError):
+        _state = "pure Python: not built (dualpath compiled build)"
+        return _state
+    why = _stale(manifest)
+    files = {name: root / rel for name, rel in {**manifest["modules"], **manifest["group"]}.items()}
+    if not why and not all(f.is_file() for f in files.values()):
+        why = "an extension file is missing"
+    if why:
+        _state = f"pure Python: compiled build is stale ({why}); rebuild: bash scripts/setup.sh"
+        return _state
+    if already := [m for m in MODULES if m in sys.modules]:
+        _state = f"pure Python: {already[0]} was imported before the hook"
+        return _state
+    sys.meta_path.insert(0, _Finder(files))
+    _state = f"mypyc ({len(MODULES)} modules)"
+    return _state
+
+
+def status() -> str:
+    """Which code runs the hot path in this process: ``mypyc (N modules)`` or ``pure Python: why``."""
+    return _state
+
+
+def compiled(module: str) -> bool:
+    """Whether ``module`` (imported) runs as an extension."""
+    return getattr(sys.modules[module], "__file__", "").endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
+_SETUP = """\
+from setuptools import setup
+from mypyc.build import mypycify
+
+setup(name="{group}", ext_modules=mypycify({files!r} + ["--ignore-missing-imports"], opt_level="3", multi_file=True, group_name="{group}"))
+"""
+
+
+def build(out: Path | None = None, jobs: int = 0, if_stale: bool = False) -> Path:
+    """Compile ``MODULES`` with mypyc into ``out`` (default ``build_dir()``): a staged copy of
+    the package is compiled, the extensions and the manifest are moved in at the end (a failed
+    build leaves the previous one, or none). Raises ``RuntimeError`` with the compiler's log."""
+    import shutil
+    import subprocess
+    import tempfile
+    import time
+
+    out = out or build_dir()
+    if if_stale:
+        try:
+            if not _stale(json.loads((out / MANIFEST).read_text())):
+                print(f"[compiled] up to date in {out}", flush=True)
+                return out
+        except (OSError, ValueError):
+            pass
+    sources = {m: _digest(_source(m)) for m in _dependencies(MODULES)}
+    jobs = jobs or os.cpu_count() or 1
+    started = time.monotonic()
+    print(f"[compiled] mypyc: {len(MODULES)} modules -> {out} ({jobs} jobs, ~1-2 min)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="dualpath-mypyc-") as tmp:
+        stage = Path(tmp)
+        shutil.copytree(_SOURCE_ROOT / "dualpath", stage / "dualpath", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        files = [str(Path(*m.split(".")).with_suffix(".py")) for m in MODULES]
+        (stage / "setup.py").write_text(_SETUP.format(group=GROUP, files=files))
+        log = stage / "build.log"
+        with log.open("w") as f:
+            rc = subprocess.call(
+                [sys.executable, "setup.py", "build_ext", "--inplace", "-j", str(jobs)],
+                cwd=stage,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, ENV: "0"},
+            )
+        if rc != 0:
+            tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+            raise RuntimeError(f"mypyc build failed (exit {rc}):\n{tail}")
+        suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+        modules = {m: str(Path(*m.split(".")).with_suffix(suffix)) for m in MODULES}
+        group = {f"{GROUP}__mypyc": f"{GROUP}__mypyc{suffix}"}
+        new = out.with_name(out.name + ".new")
+        shutil.rmtree(new, ignore_errors=True)
+        for rel in [*modules.values(), *group.values()]:
+            (new / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(stage / rel, new / rel)
+        manifest = {"python": sys.implementation.cache_tag, "modules": modules, "group": group, "sources": sources}
+        (new / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        shutil.rmtree(out, ignore_errors=True)
+        new.rename(out)
+    print(f"[compiled] built in {time.monotonic() - started:.0f} s", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="dualpath compiled", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="compile the hot path with mypyc")
+    b.add_argument("--if-stale", action="store_true", help="do nothing when the build matches the sources")
+    b.add_argument("--jobs", type=int, default=0, help="C compiler jobs (0: one per core)")
+    b.add_argument("--out", type=Path, default=None, help=f"build directory (default: {build_dir()})")
+    sub.add_parser("status", help="which code this process runs, and why")
+    ns = p.parse_args(argv)
+    if ns.command == "status":
+        print(status())
+        return 0
+    try:
+        build(ns.out, ns.jobs, ns.if_stale)
+    except (RuntimeError, OSError) as e:
+        print(f"[compiled] {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,109 @@
+"""The mypyc build of the simulator's hot path (``dualpath.compiled``): the extensions give
+the pure Python's results bit for bit, and a source edited after the build never runs as a
+stale extension."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dualpath import compiled
+
+# Small runs that go through every compiled module: both read paths, round robin, split
+# reads, prefetch (retained and staged copies), tight decode buffers, Oracle.
+_RUNS = r"""
+import hashlib, json, sys
+import dualpath
+from dualpath.compiled import compiled, status, MODULES
+from dualpath.sim import SimConfig, Simulation, Workload
+
+out = {"status": status(), "compiled": [m for m in MODULES if compiled(m)], "runs": {}}
+cases = {
+    "basic": dict(mode="basic"),
+    "dualpath": dict(mode="dualpath"),
+    "dualpath-rr": dict(mode="dualpath-rr"),
+    "oracle": dict(mode="oracle"),
+    "split": dict(mode="split"),
+    "prefetch": dict(mode="prefetch"),
+    "tight-buffer": dict(mode="dualpath", dram_buffer_gb=2.0),
+}
+for name, kw in cases.items():
+    cfg = SimConfig(target="ds27b", prefill_nodes=1, decode_nodes=2, engines_per_node=2, decode_ep=4, **kw)
+    sim = Simulation(cfg, Workload(dataset="32k", agents=24, turns=5, start_at=0.5, seed=3, tool_gap_s=2.0))
+    m = sim.run()
+    h = hashlib.sha1()
+    for a in (m.submit, m.ttft, m.queue, m.exec, m.ttst, m.tpot, m.e2e, m.agent_end):
+        h.update(a.tobytes())
+    out["runs"][name] = [h.hexdigest(), sim.end_time, sim.loop.events, m.turns_done, m.hit_tokens]
+json.dump(out, sys.stdout)
+"""
+
+
+def _run(**env: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUNS], env={**os.environ, **env}, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+def test_the_compiled_hot_path_gives_the_pure_pythons_results_bit_for_bit():
+    if not compiled.status().startswith("mypyc"):
+        pytest.skip(f"no mypyc build: {compiled.status()}")
+    fast, pure = _run(), _run(**{compiled.ENV: "0"})
+    assert fast["compiled"] == list(compiled.MODULES), fast["status"]
+    assert pure["compiled"] == [] and pure["status"] == f"pure Python: {compiled.ENV}=0"
+    assert fast["runs"] == pure["runs"]
+    assert len({tuple(v) for v in fast["runs"].values()}) == len(fast["runs"])  # the cases differ from each other
+
+
+def test_a_source_changed_after_the_build_runs_as_pure_python(tmp_path: Path):
+    """A manifest whose hash of one source no longer matches: nothing is loaded from the build."""
+    root = tmp_path / "build"
+    real = compiled.build_dir()
+    if (real / compiled.MANIFEST).is_file():  # the real extensions, one hash spoiled
+        shutil.copytree(real, root)
+        manifest = json.loads((root / compiled.MANIFEST).read_text())
+    else:  # no build here: a manifest that would otherwise match
+        suffix = ".so"
+        manifest = {
+            "python": sys.implementation.cache_tag,
+            "modules": {m: m.replace(".", "/") + suffix for m in compiled.MODULES},
+            "group": {f"{compiled.GROUP}__mypyc": f"{compiled.GROUP}__mypyc{suffix}"},
+            "sources": {},
+        }
+        root.mkdir()
+    manifest["sources"]["dualpath.sim.network"] = "0" * 64
+    (root / compiled.MANIFEST).write_text(json.dumps(manifest))
+    probe = "import dualpath.sim.network as n; from dualpath.compiled import status; print(status()); print(n.__file__)"
+    proc = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**os.environ, compiled.DIR_ENV: str(root)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    state, file = proc.stdout.splitlines()
+    assert state.startswith("pure Python: compiled build is stale (dualpath/sim/network.py changed since the build)")
+    assert file.endswith("network.py")
+
+
+def test_no_build_is_pure_python_and_says_how_to_build(tmp_path: Path):
+    probe = "from dualpath.compiled import status; print(status())"
+    proc = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**os.environ, compiled.DIR_ENV: str(tmp_path / "none")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert proc.stdout.strip() == "pure Python: not built (dualpath compiled build)"
