@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from dualpath.compiled import status as compiled_status
 from dualpath.sim.config import ABLATION, SimConfig
 from dualpath.sim.report import run_figures
 from dualpath.sim.simulation import Simulation
@@ -110,6 +111,7 @@ def run_offline(
         "ablation": [{"mode": m, "jct_s": jct[m], "reduction": 1 - jct[m] / jct[ABLATION[0]]} for m in ABLATION] if ablation else None,
         "wall_s": time.perf_counter() - t0,
         "agents_build_s": build_s,
+        "code": compiled_status(),  # mypyc extensions or pure Python (same results, not the same speed)
     }
 
 
