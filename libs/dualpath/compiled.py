@@ -144,8 +144,11 @@ def activate() -> str:
     except (OSError, ValueError):
         _state = "pure Python: not built (dualpath compiled build)"
         return _state
-    why = _stale(manifest)
-    files = {name: root / rel for name, rel in {**manifest["modules"], **manifest["group"]}.items()}
+    try:
+        why = _stale(manifest)
+        files = {} if why else {name: root / rel for name, rel in {**manifest["modules"], **manifest["group"]}.items()}
+    except (KeyError, TypeError, AttributeError):
+        why, files = "its manifest is malformed", {}
     if not why and not all(f.is_file() for f in files.values()):
         why = "an extension file is missing"
     if why:
