@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dualpath.chat.errors import ChatTemplateError, GrammarError, ToolSpecError
@@ -240,6 +240,10 @@ _args = st.dictionaries(st.sampled_from(["a", "city", "q"]), st.one_of(st.intege
     fmt=st.sampled_from(["hermes", "llama3_json"]),
     cuts=st.lists(st.integers(1, 9), min_size=1, max_size=40),
 )
+# Content that opens a call which never parses: the whole answer is text, and streaming once
+# dropped it (it sent nothing at all).
+@example(content="<tool_call>", calls=[("add", {})], fmt="hermes", cuts=[1])
+@example(content="ab \n<tool_call>", calls=[], fmt="hermes", cuts=[3])
 def test_any_chunking_of_an_answer_streams_what_the_whole_answer_parses_to(content, calls, fmt, cuts):
     f = FORMATS[fmt]
     if fmt == "hermes":
@@ -257,4 +261,5 @@ def test_any_chunking_of_an_answer_streams_what_the_whole_answer_parses_to(conte
     whole_content, whole_calls = f.parse(text)
     assert streamed_content == (whole_content or "")
     assert [(c["name"], c["arguments"]) for c in streamed_calls] == [(c.name, c.arguments) for c in whole_calls]
-    assert [(c.name, json.loads(c.arguments)) for c in whole_calls] == [(n, a) for n, a in calls]
+    if FORMATS["hermes"].start not in content:  # else the content itself opens a (malformed) call
+        assert [(c.name, json.loads(c.arguments)) for c in whole_calls] == [(n, a) for n, a in calls]

@@ -24,8 +24,10 @@ class StreamingToolParser:
     def __init__(self, fmt: ToolFormat) -> None:
         self.fmt = fmt
         self.text = ""  # everything so far
-        self._sent = 0  # content characters released
+        self._sent = 0  # content characters looked at (released, or whitespace held before a call)
+        self._released = 0  # end of the content released so far
         self._in_calls = False
+        self._text_only = False  # what looked like a call was not one: the rest of the answer is content
         self._pos = 0  # calls region: where the next call (or the current call's close) is looked for
         self._state = "seek"  # seek (a call header) | args (streaming its arguments) | close (its end marker)
         self._args_from = 0  # the current call's arguments: start, and how far they were sent
@@ -35,6 +37,9 @@ class StreamingToolParser:
     def feed(self, delta: str) -> list[dict[str, Any]]:
         """Deltas (``{"content": ...}`` or ``{"tool_calls": [...]}``) releasable after ``delta``."""
         self.text += delta
+        if self._text_only:
+            self._sent = self._released = len(self.text)
+            return [{"content": delta}] if delta else []
         out: list[dict[str, Any]] = []
         if not self._in_calls:
             out += self._content()
@@ -44,9 +49,9 @@ class StreamingToolParser:
 
     def finish(self) -> list[dict[str, Any]]:
         """The remaining deltas once the answer ended."""
-        if not self._in_calls:
+        if not self._in_calls or self._text_only:
             rest = self.text[self._sent :]
-            self._sent = len(self.text)
+            self._sent = self._released = len(self.text)
             return [{"content": rest}] if rest else []
         out = self._calls()
         rest = self.text[self._pos :]
@@ -55,9 +60,18 @@ class StreamingToolParser:
             if calls:
                 out += [self._whole(c) for c in calls]
             elif not self.calls:  # never a well-formed call: it was text after all
-                out.append({"content": self.text[self._sent :]})
+                out += self._as_text()
             self._pos = len(self.text)
         return out
+
+    def _as_text(self) -> list[dict[str, Any]]:
+        """What was held as a possible call is text (as ``ToolFormat.parse`` decides when the
+        first call is malformed): release it, whitespace before it included, and every later
+        delta as content."""
+        self._text_only = True
+        rest = self.text[self._released :]
+        self._sent = self._released = len(self.text)
+        return [{"content": rest}] if rest else []
 
     def _content(self) -> list[dict[str, Any]]:
         start = self.fmt.start
@@ -69,11 +83,13 @@ class StreamingToolParser:
             if not stripped:
                 return []
             piece, self._sent = self.text[self._sent :], len(self.text)
+            self._released = self._sent
             return [{"content": piece}] if piece else []
         at = self.text.find(start, self._sent)
         if at != -1:
             self._in_calls = True
             piece = self.text[self._sent : at].rstrip() if at > self._sent else ""
+            self._released = self._sent + len(piece)
             self._sent = self._pos = at
             return [{"content": piece}] if piece else []
         hold = next((k for k in range(min(len(start) - 1, len(self.text) - self._sent), 0, -1) if self.text.endswith(start[:k])), 0)
@@ -82,6 +98,7 @@ class StreamingToolParser:
         if ready <= self._sent:
             return []
         piece, self._sent = self.text[self._sent : ready], ready
+        self._released = ready
         return [{"content": piece}]
 
     def _whole(self, call: ToolCall) -> dict[str, Any]:
@@ -105,7 +122,10 @@ class StreamingToolParser:
                         return out
                     # A call in another shape (keys reordered): send it whole.
                     segment_end = end + len(self.fmt.end_marker)
-                    out += [self._whole(c) for c in self.fmt.parse(text[self._pos : segment_end])[1]]
+                    calls = self.fmt.parse(text[self._pos : segment_end])[1]
+                    if not calls and not self.calls:  # not a call at all: the answer is text
+                        return out + self._as_text()
+                    out += [self._whole(c) for c in calls]
                     self._pos = segment_end
                     continue
                 call = ToolCall(name=json.loads('"' + m.group(1) + '"'), arguments="")
