@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["MODULES", "activate", "build", "status"]
+__all__ = ["MODULES", "activate", "build", "build_dir", "compiled", "status"]
 
 #: The modules compiled (dotted names). Each must type-check under mypyc; errors and rarely
 #: called modules stay pure Python (an extension calls them as any Python code would).
@@ -97,8 +97,9 @@ def _dependencies(modules: tuple[str, ...]) -> list[str]:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
-            seen.update(n for n in names if n.split(".")[0] == "dualpath" and _source(n).is_file())
-            seen.update(f"{n}.__init__" for n in names if n.split(".")[0] == "dualpath" and _source(f"{n}.__init__").is_file())
+            for name in names:  # a module, or a package's __init__
+                if name.split(".")[0] == "dualpath":
+                    seen.update(n for n in (name, f"{name}.__init__") if _source(n).is_file())
     return sorted(seen)
 
 
@@ -113,6 +114,23 @@ def _stale(manifest: dict) -> str:
         if not path.is_file() or _digest(path) != digest:
             return f"{path.relative_to(_SOURCE_ROOT)} changed since the build"
     return ""
+
+
+def _check(root: Path) -> tuple[str, dict[str, Path]]:
+    """The build in ``root``: ``("", extension file per module)`` when it can be loaded here,
+    else ``(why not, {})``."""
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return "not built", {}
+    try:
+        why = _stale(manifest)
+        files = {} if why else {name: root / rel for name, rel in {**manifest["modules"], **manifest["group"]}.items()}
+    except (KeyError, TypeError, AttributeError):
+        return "its manifest is malformed", {}
+    if not why and not all(f.is_file() for f in files.values()):
+        return "an extension file is missing", {}
+    return why, files
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -138,19 +156,10 @@ def activate() -> str:
     if os.environ.get(ENV, "1") == "0":
         _state = f"pure Python: {ENV}=0"
         return _state
-    root = build_dir()
-    try:
-        manifest = json.loads((root / MANIFEST).read_text())
-    except (OSError, ValueError):
+    why, files = _check(build_dir())
+    if why == "not built":
         _state = "pure Python: not built (dualpath compiled build)"
         return _state
-    try:
-        why = _stale(manifest)
-        files = {} if why else {name: root / rel for name, rel in {**manifest["modules"], **manifest["group"]}.items()}
-    except (KeyError, TypeError, AttributeError):
-        why, files = "its manifest is malformed", {}
-    if not why and not all(f.is_file() for f in files.values()):
-        why = "an extension file is missing"
     if why:
         _state = f"pure Python: compiled build is stale ({why}); rebuild: bash scripts/setup.sh"
         return _state
@@ -180,7 +189,7 @@ setup(name="{group}", ext_modules=mypycify({files!r} + ["--ignore-missing-import
 """
 
 
-def build(out: Path | None = None, jobs: int = 0, if_stale: bool = False) -> Path:
+def build(out: Path | None = None, if_stale: bool = False) -> Path:
     """Compile ``MODULES`` with mypyc into ``out`` (default ``build_dir()``): a staged copy of
     the package is compiled, the extensions and the manifest are moved in at the end (a failed
     build leaves the previous one, or none). Raises ``RuntimeError`` with the compiler's log."""
@@ -190,26 +199,21 @@ def build(out: Path | None = None, jobs: int = 0, if_stale: bool = False) -> Pat
     import time
 
     out = out or build_dir()
-    if if_stale:
-        try:
-            if not _stale(json.loads((out / MANIFEST).read_text())):
-                print(f"[compiled] up to date in {out}", flush=True)
-                return out
-        except (OSError, ValueError):
-            pass
+    if if_stale and not _check(out)[0]:
+        print(f"[compiled] up to date in {out}", flush=True)
+        return out
     sources = {m: _digest(_source(m)) for m in _dependencies(MODULES)}
-    jobs = jobs or os.cpu_count() or 1
     started = time.monotonic()
-    print(f"[compiled] mypyc: {len(MODULES)} modules -> {out} ({jobs} jobs, ~1-2 min)", flush=True)
+    print(f"[compiled] mypyc: {len(MODULES)} modules -> {out} (~1-2 min)", flush=True)
     with tempfile.TemporaryDirectory(prefix="dualpath-mypyc-") as tmp:
         stage = Path(tmp)
         shutil.copytree(_SOURCE_ROOT / "dualpath", stage / "dualpath", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
         files = [str(Path(*m.split(".")).with_suffix(".py")) for m in MODULES]
         (stage / "setup.py").write_text(_SETUP.format(group=GROUP, files=files))
         log = stage / "build.log"
-        with log.open("w") as f:
+        with log.open("w") as f:  # -j: the shims in parallel; the one group library compiles serially
             rc = subprocess.call(
-                [sys.executable, "setup.py", "build_ext", "--inplace", "-j", str(jobs)],
+                [sys.executable, "setup.py", "build_ext", "--inplace", "-j", str(os.cpu_count() or 1)],
                 cwd=stage,
                 stdout=f,
                 stderr=subprocess.STDOUT,
@@ -241,7 +245,6 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="compile the hot path with mypyc")
     b.add_argument("--if-stale", action="store_true", help="do nothing when the build matches the sources")
-    b.add_argument("--jobs", type=int, default=0, help="C compiler jobs (0: one per core)")
     b.add_argument("--out", type=Path, default=None, help=f"build directory (default: {build_dir()})")
     sub.add_parser("status", help="which code this process runs, and why")
     ns = p.parse_args(argv)
@@ -249,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         print(status())
         return 0
     try:
-        build(ns.out, ns.jobs, ns.if_stale)
+        build(ns.out, ns.if_stale)
     except (RuntimeError, OSError) as e:
         print(f"[compiled] {e}", file=sys.stderr)
         return 1

@@ -53,6 +53,12 @@ def _run(**env: str) -> dict:
     return json.loads(proc.stdout)
 
 
+def _probe(code: str, build: Path) -> str:
+    """What ``code`` prints in a fresh interpreter that looks for the build in ``build``."""
+    env = {**os.environ, compiled.DIR_ENV: str(build)}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True).stdout
+
+
 @pytest.mark.slow
 def test_the_compiled_hot_path_gives_the_pure_pythons_results_bit_for_bit():
     if not compiled.status().startswith("mypyc"):
@@ -83,27 +89,11 @@ def test_a_source_changed_after_the_build_runs_as_pure_python(tmp_path: Path):
     manifest["sources"]["dualpath.sim.network"] = "0" * 64
     (root / compiled.MANIFEST).write_text(json.dumps(manifest))
     probe = "import dualpath.sim.network as n; from dualpath.compiled import status; print(status()); print(n.__file__)"
-    proc = subprocess.run(
-        [sys.executable, "-c", probe],
-        env={**os.environ, compiled.DIR_ENV: str(root)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    state, file = proc.stdout.splitlines()
+    state, file = _probe(probe, root).splitlines()
     assert state.startswith("pure Python: compiled build is stale (dualpath/sim/network.py changed since the build)")
     assert file.endswith("network.py")
 
 
 def test_no_build_is_pure_python_and_says_how_to_build(tmp_path: Path):
-    probe = "from dualpath.compiled import status; print(status())"
-    proc = subprocess.run(
-        [sys.executable, "-c", probe],
-        env={**os.environ, compiled.DIR_ENV: str(tmp_path / "none")},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert proc.stdout.strip() == "pure Python: not built (dualpath compiled build)"
+    state = _probe("from dualpath.compiled import status; print(status())", tmp_path / "none")
+    assert state.strip() == "pure Python: not built (dualpath compiled build)"
