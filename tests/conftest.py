@@ -47,7 +47,44 @@ def start_stack(model: Path, storage: Path, run_dir: Path, *, topology: str = "1
         buffer_mb=kw.pop("buffer_mb", 64),
         **kw,
     )
+    _STACK_LOGS.append((_current_module(), Path(cfg.run_dir) / "logs"))
     return Stack(cfg).start(timeout=float(os.environ.get("DUALPATH_TEST_READY_TIMEOUT", "120")))
+
+
+# ---- service logs on failure --------------------------------------------------------------
+# A test that drives a real stack fails on what its services did: the report carries each
+# service's warnings and last lines, so a failure on CI can be read without the machine.
+_STACK_LOGS: list[tuple[str, Path]] = []  # (test module, log folder) of each stack started
+_LOG_TAIL = 12  # last lines of each service log
+_LOG_WARNINGS = 20  # last warning/error lines of each service log
+
+
+def _current_module() -> str:
+    return os.environ.get("PYTEST_CURRENT_TEST", "").split("::", 1)[0]
+
+
+def _service_log_digest(folder: Path) -> str:
+    out = []
+    for log in sorted(p for p in folder.glob("*.log") if not p.name.startswith("nats-")):  # not the NATS servers
+        lines = log.read_text(errors="replace").splitlines()
+        warnings = [ln for ln in lines if '"level": "warning"' in ln or '"level": "error"' in ln or "Traceback" in ln]
+        out.append(f"--- {log.name}: {len(lines)} lines, {len(warnings)} warnings/errors")
+        out += [f"  W {ln[:400]}" for ln in warnings[-_LOG_WARNINGS:]]
+        out += [f"  | {ln[:400]}" for ln in lines[-_LOG_TAIL:]]
+    return "\n".join(out)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    module = item.nodeid.split("::", 1)[0]
+    if report.failed and call.when in ("setup", "call"):
+        for mod, folder in _STACK_LOGS:
+            if mod == module and folder.is_dir():
+                report.sections.append((f"service logs {folder}", _service_log_digest(folder)))
+    if call.when == "teardown":
+        _STACK_LOGS[:] = [(m, f) for m, f in _STACK_LOGS if m == module]  # the module's stack may serve its next test
 
 
 def converse(
