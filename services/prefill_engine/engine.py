@@ -512,11 +512,14 @@ class PrefillEngine:
             seconds=round(time.perf_counter() - job.t_submit, 4),
         )
 
-    async def _drop(self, job: Job) -> None:
+    async def _drop(self, job: Job, *, failed: bool = False) -> None:
+        """Forget ``job``; reported finished unless it was superseded or ``failed`` (its
+        ``TaskFailed`` tells the scheduler: a report names no attempt, so a failure reported
+        finished would pass for the prefill of a retry placed on this engine again)."""
         rid = job.task.request_id
         if self.jobs.get(rid) is job:
             del self.jobs[rid]
-        if not job.superseded:  # the scheduler counts it done here; a superseded attempt is not its current one
+        if not job.superseded and not failed:  # the scheduler counts it done here; a superseded attempt is not its current one
             self.finished.append(rid)
         job.span.end()
         job.span = trace.INVALID_SPAN
@@ -538,7 +541,7 @@ class PrefillEngine:
     async def _fail(self, job: Job, reason: str, unreachable: str = "", node_unreachable: str = "") -> None:
         log.warning("task_failed", request_id=job.task.request_id, reason=reason)
         job.span.set_status(Status(StatusCode.ERROR, reason))
-        await self._drop(job)
+        await self._drop(job, failed=True)
         if job.superseded:
             return  # a TaskFailed would make the scheduler retry the attempt that superseded it
         await self.bus.publish(
@@ -549,6 +552,7 @@ class PrefillEngine:
                 reason=reason,
                 unreachable=unreachable,
                 node_unreachable=node_unreachable,
+                attempt=job.task.attempt,
             ),
         )
 

@@ -160,9 +160,23 @@ class SchedulerShell:
             # leave scheduling until the node reports again), before the retry, so the retry is
             # not placed on the same node while it restarts.
             self._holder_lost(f"traffic manager of node {f.node_unreachable} lost: {f.reason}", node=f.node_unreachable)
+        attempt = -1
+        if f.attempt >= 0:
+            t = self.core.requests.get(f.request_id)
+            # the core's numbering (see _wire_attempt); another submission's attempt is never current
+            attempt = f.attempt - self._wire_attempt(t.payload, 0) if t is not None else -1
+            if attempt < 0 or attempt >= m.SUBMISSION_ATTEMPTS:
+                attempt = m.SUBMISSION_ATTEMPTS  # of another submission: late
         self.execute(
             self.core.handle(
-                TaskFailed(now=time.monotonic(), request_id=f.request_id, engine=f.engine_id, reason=f.reason, unreachable=f.unreachable)
+                TaskFailed(
+                    now=time.monotonic(),
+                    request_id=f.request_id,
+                    engine=f.engine_id,
+                    reason=f.reason,
+                    unreachable=f.unreachable,
+                    attempt=attempt,
+                )
             )
         )
         self._wake.set()

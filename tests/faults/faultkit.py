@@ -23,8 +23,9 @@ def record(fault: str, seconds: float, bound: float) -> float:
     return seconds
 
 
-def wait_until(pred: Callable[[], bool], timeout: float, step: float = 0.1) -> float:
-    """Seconds until ``pred()`` holds; raises AssertionError after ``timeout``."""
+def wait_until(pred: Callable[[], bool], timeout: float, step: float = 0.1, describe: Callable[[], object] | None = None) -> float:
+    """Seconds until ``pred()`` holds; raises AssertionError after ``timeout`` (with what
+    ``describe()`` says of the state then, when given)."""
     t0 = time.monotonic()
     while True:
         try:
@@ -34,7 +35,13 @@ def wait_until(pred: Callable[[], bool], timeout: float, step: float = 0.1) -> f
         if ok:
             return time.monotonic() - t0
         if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"condition not met within {timeout:.0f}s")
+            seen = ""
+            if describe is not None:
+                try:
+                    seen = f"; state then: {describe()}"
+                except Exception as exc:  # noqa: BLE001 - the description must not hide the timeout
+                    seen = f"; state unknown ({exc!r})"
+            raise AssertionError(f"condition not met within {timeout:.0f}s{seen}")
         time.sleep(step)
 
 

@@ -103,13 +103,19 @@ def test_requests_queued_at_a_killed_scheduler_are_resubmitted_to_the_standby_an
     for n in prefills:
         os.kill(stack.pid(n), signal.SIGSTOP)
     try:
-        wait_until(lambda: health(stack).get("prefill_engines", 1) == 0, 20)  # expelled: nothing can be dispatched
+        # expelled: nothing can be dispatched
+        wait_until(lambda: health(stack).get("prefill_engines", 1) == 0, 20, describe=lambda: health(stack))
         resubmitted_before = len(log_events(stack, "gateway", "request_resubmitted"))
         rounds_before = len(log_events(stack, "gateway", "scheduler_restarted"))
         known_before = len(log_events(stack, "gateway", "resubmission_known"))
         with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
             futures = [pool.submit(complete, stack, p, max_tokens=48, timeout=60) for p in PROMPTS]
-            wait_until(lambda: health(stack).get("queued", 0) == len(PROMPTS), 20)  # every submit accepted and queued
+            # every submit accepted and queued (a precondition, not a bound)
+            wait_until(
+                lambda: health(stack).get("queued", 0) == len(PROMPTS),
+                30,
+                describe=lambda: (health(stack), [f.result() for f in futures if f.done()]),
+            )
             t0 = time.monotonic()
             os.kill(stack.pid(victim), signal.SIGKILL)
             for n in prefills:

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 
+import httpx
 import openai
 import pytest
 from conftest import start_stack
@@ -49,8 +50,13 @@ def test_requests_survive_an_engine_killed_mid_flight(tiny_model, tmp_path, vict
             if victim.startswith("decode"):
                 assert decoding.wait(60), "no token was streamed"
                 os.kill(pid, signal.SIGKILL)  # mid-decode: at least the streamed request is still decoding
-            results = [f.result(timeout=90) for f in futures]
-            streamed_text = streamed.result(timeout=90)  # an answer, never a hang (an explicit error raises here)
+            _, hung = cf.wait([*futures, streamed], timeout=90)
+            if hung:
+                state = httpx.get(s.url + "/health", timeout=5).json()
+                unanswered = f"{len(hung)} of {len(futures) + 1} requests unanswered 90 s after the kill"
+                raise AssertionError(f"{unanswered}; health {state} (service logs below)")
+            results = [f.result() for f in futures]
+            streamed_text = streamed.result()  # an answer, never a hang (an explicit error raises here)
         assert all(n == 96 for _, n, _ in results)
         assert "request_retried" in s.log_tail("scheduler", 400)  # work really was re-dispatched
         # the survivors answer the same prompts identically (greedy), so nothing was corrupted

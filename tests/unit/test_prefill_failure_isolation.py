@@ -81,6 +81,10 @@ def test_one_requests_bad_sampling_fails_that_request_and_the_rest_of_its_batch_
     assert handed_off == ["a", "c"]
     assert first_tokens == {"a": ([7], 1), "c": ([7], 1)}  # tagged with the attempt that made them
     assert [f.request_id for f in failed] == ["bad"] and "temperature" in failed[0].reason
+    assert failed[0].attempt == 1  # a late failure of an attempt the scheduler has retried is told apart
+    # Only the hand-offs are reported finished: a report names no attempt, so a failure listed
+    # there would pass for the prefill of a retry the scheduler placed on this engine again.
+    assert engine.finished == ["a", "c"]
     assert engine.jobs == {}
 
 

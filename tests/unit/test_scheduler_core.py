@@ -95,6 +95,13 @@ class Cluster:
         self.now += dt
         return self.handle(TimeAdvanced(now=self.now))
 
+    def place_retry(self, rid: str) -> Dispatch:
+        """Place a re-queued request again (pass, reservation, dispatch answered)."""
+        (reserve,) = [x for x in self.tick() if isinstance(x, ReserveSlot) and x.request_id == rid]
+        (dispatch,) = self.handle(SlotReserved(now=self.now, request_id=rid, attempt=reserve.attempt, region={"r": 1}, offset=0))
+        assert self.handle(DispatchAnswered(now=self.now, request_id=rid, attempt=reserve.attempt)) == []
+        return dispatch
+
     def place(self, rid: str, **submit) -> Dispatch:
         """Submit, pass, answer the reservation and the dispatch: the request runs."""
         assert self.submit(rid, **submit) == []
@@ -262,6 +269,23 @@ def test_an_unreachable_prefill_engine_is_expelled_until_it_reports_again():
     c.report(d.decode_engine)  # it comes back
     assert d.decode_engine in c.core.members.engines and c.core.state is not None
     assert c.core.members.engines[d.decode_engine].num in c.core.state.engines
+
+
+def test_a_late_failure_of_an_earlier_attempt_on_the_same_engine_changes_nothing():
+    """The race of a decode engine killed mid-flight: a prefill engine's hand-offs to it fail
+    one by one; the first failure expels the engine and re-queues all of them, and a retry can
+    be placed on the same prefill engine before that engine's failures of the old attempts
+    arrive. Those name their attempt, so the current one is neither retried nor counted."""
+    c = Cluster()
+    d = c.place("r1")
+    c.handle(TaskFailed(now=c.now, request_id="r1", engine=d.prefill_engine, reason="handoff failed", unreachable=d.decode_engine))
+    again = c.place_retry("r1")
+    assert again.attempt == 1
+    assert c.handle(TaskFailed(now=c.now, request_id="r1", engine=again.prefill_engine, reason="handoff failed", attempt=0)) == []
+    assert c.core.requests["r1"].attempt == 1 and c.core.running == 1
+    # the current attempt's own failure is a failure
+    cmds = c.handle(TaskFailed(now=c.now, request_id="r1", engine=again.prefill_engine, reason="boom", attempt=1))
+    assert [x.attempt for x in cmds if isinstance(x, Requeued)] == [2]
 
 
 def test_a_forced_read_path_charges_the_node_that_actually_reads():

@@ -533,8 +533,8 @@ class SchedulerCore:
         if t is None or t.stage == _QUEUED:
             return cmds
         holders = (t.pe.name if t.pe else "", t.de.name if t.de else "")
-        if ev.engine not in holders:
-            return cmds  # late: from an engine of an earlier attempt
+        if ev.engine not in holders or (ev.attempt >= 0 and ev.attempt != t.attempt):
+            return cmds  # late: from an engine of an earlier attempt, or an earlier attempt on the same engine
         attempt = t.attempt
         if ev.unreachable:
             self._lose([ev.unreachable], f"engine {ev.unreachable} did not answer", cmds)

@@ -182,13 +182,16 @@ class DispatchFailed:
 
 @dataclass(**_ev)
 class TaskFailed:
-    """``engine`` gave up on a request it held; ``unreachable`` names an engine it could not reach."""
+    """``engine`` gave up on a request it held; ``unreachable`` names an engine it could not
+    reach. ``attempt``: the attempt that failed (-1: not known); a failure of an earlier attempt
+    is late and changes nothing (the engine may hold the current attempt too)."""
 
     now: float
     request_id: str
     engine: str
     reason: str
     unreachable: str = ""
+    attempt: int = -1
 
 
 @dataclass(**_ev)
