@@ -519,7 +519,7 @@ class PrefillEngine:
         rid = job.task.request_id
         if self.jobs.get(rid) is job:
             del self.jobs[rid]
-        if not job.superseded and not failed:  # the scheduler counts it done here; a superseded attempt is not its current one
+        if not job.superseded and not failed:  # the scheduler counts it done here
             self.finished.append(rid)
         job.span.end()
         job.span = trace.INVALID_SPAN

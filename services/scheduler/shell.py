@@ -160,13 +160,7 @@ class SchedulerShell:
             # leave scheduling until the node reports again), before the retry, so the retry is
             # not placed on the same node while it restarts.
             self._holder_lost(f"traffic manager of node {f.node_unreachable} lost: {f.reason}", node=f.node_unreachable)
-        attempt = -1
-        if f.attempt >= 0:
-            t = self.core.requests.get(f.request_id)
-            # the core's numbering (see _wire_attempt); another submission's attempt is never current
-            attempt = f.attempt - self._wire_attempt(t.payload, 0) if t is not None else -1
-            if attempt < 0 or attempt >= m.SUBMISSION_ATTEMPTS:
-                attempt = m.SUBMISSION_ATTEMPTS  # of another submission: late
+        t = self.core.requests.get(f.request_id)
         self.execute(
             self.core.handle(
                 TaskFailed(
@@ -175,7 +169,7 @@ class SchedulerShell:
                     engine=f.engine_id,
                     reason=f.reason,
                     unreachable=f.unreachable,
-                    attempt=attempt,
+                    attempt=self._core_attempt(t.payload, f.attempt) if t is not None else -1,
                 )
             )
         )
@@ -264,6 +258,15 @@ class SchedulerShell:
         traffic managers see it (see the module docstring)."""
         submission = payload.submission if isinstance(payload, m.SubmitRequest) else 0
         return submission * m.SUBMISSION_ATTEMPTS + attempt
+
+    @staticmethod
+    def _core_attempt(payload: object, wire: int) -> int:
+        """``_wire_attempt``'s inverse: -1 for -1 (not said); an attempt of another submission
+        than ``payload``'s maps past every attempt of the core (late, never current)."""
+        if wire < 0:
+            return -1
+        attempt = wire - SchedulerShell._wire_attempt(payload, 0)
+        return attempt if 0 <= attempt < m.SUBMISSION_ATTEMPTS else m.SUBMISSION_ATTEMPTS
 
     async def _announce_lost(self, lost: m.EngineLost) -> None:
         try:
