@@ -372,9 +372,17 @@ class Gateway:
         and a standby is taking the lease over), or the one that received it died before answering
         (no reply), the submit is sent again for up to ``_FAILOVER_S`` after the first try. Sending
         it again is safe: a scheduler that already has the request answers 409, which the callers
-        take as accepted. Raises BusTimeoutError and RemoteError like ``Bus.request``."""
+        take as accepted. It is not sent again once superseded (answered, or submitted anew after
+        a failover meanwhile): a scheduler that had run the newer submission to its end would
+        take the old one for a new request and run it for nobody. Raises BusTimeoutError and
+        RemoteError like ``Bus.request``."""
         deadline = time.monotonic() + _FAILOVER_S
+        first = True
         while True:
+            if not first and self.streams.superseded(req.request_id, req.submission):
+                log.info("submit_superseded", request_id=req.request_id, submission=req.submission)
+                return
+            first = False
             try:
                 reply = await self._connected().request(self.subjects.submit, req, m.SubmitReply, timeout=TIMEOUTS.submit)
                 self._scheduler_seen(reply.instance)

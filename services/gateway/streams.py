@@ -151,6 +151,12 @@ class TokenStreams:
         st.submissions += 1
         return st.submissions
 
+    def superseded(self, request_id: str, submission: int) -> bool:
+        """Whether ``request_id``'s ``submission`` no longer needs to reach a scheduler: the
+        request is closed or answered, or a newer submission of it was made."""
+        st = self._streams.get(request_id)
+        return st is None or st.done or st.submissions > submission
+
     def fail(self, request_id: str, error: str, code: int) -> None:
         """End the stream with an error event (e.g. a resubmission nobody accepted)."""
         st = self._streams.get(request_id)

@@ -491,10 +491,17 @@ class PrefillEngine:
                 trace=t.trace,
                 timing={**self._ttft_split(job), "read_split": job.read_split},
             )  # merged into the dualpath record
+            answer: m.Ok | None = None
             try:
-                await self.bus.request(self.subjects.decode(t.decode_engine), task, m.Ok, timeout=TIMEOUTS.decode_dispatch)
+                answer = await self.bus.request(self.subjects.decode(t.decode_engine), task, m.Ok, timeout=TIMEOUTS.decode_dispatch)
             except Exception as exc:  # noqa: BLE001
                 failure = exc
+        if answer is not None and answer.detail == "superseded":
+            # The decode engine holds (or ran) a newer run of the request: this attempt is over,
+            # not done. Reported finished, it would leave its scheduler waiting for a decode
+            # that never comes (a scheduler given an older submission after it ran the newer).
+            await self._fail(job, f"handoff to {t.decode_engine} refused: a newer run of the request exists", superseded=True)
+            return
         if failure is not None:
             await self._fail(
                 job,
@@ -538,7 +545,7 @@ class PrefillEngine:
         if successor is not None:
             self._start(successor)
 
-    async def _fail(self, job: Job, reason: str, unreachable: str = "", node_unreachable: str = "") -> None:
+    async def _fail(self, job: Job, reason: str, unreachable: str = "", node_unreachable: str = "", superseded: bool = False) -> None:
         log.warning("task_failed", request_id=job.task.request_id, reason=reason)
         job.span.set_status(Status(StatusCode.ERROR, reason))
         await self._drop(job, failed=True)
@@ -553,6 +560,7 @@ class PrefillEngine:
                 unreachable=unreachable,
                 node_unreachable=node_unreachable,
                 attempt=job.task.attempt,
+                superseded=superseded,
             ),
         )
 

@@ -12,6 +12,12 @@ Attempts on the wire are the core's attempts offset by the gateway's submission
 from 0 again) never reuses an attempt number of the one that died: engines and traffic
 managers tell an older placement from a newer one by the number alone.
 
+A submission of a request no newer than one this scheduler already ran to its end is refused
+as known (409): after a failover, the late copy of a submit the dead scheduler never answered
+can arrive after the gateway's resubmission of it was answered here. A decode engine's refusal
+of a hand-off (``TaskFailed.superseded``: it holds or ran a newer run) drops the request
+without an answer or a retry.
+
 A ``TaskFailed`` naming a node whose traffic manager died under the task (``node_unreachable``)
 first marks the node down, as a reservation the node did not answer does (the same core
 event); the task's retry then counts as an attempt, as that one does.
@@ -27,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import anyio
@@ -67,6 +74,7 @@ from dualpath.telemetry.tracing import context_from, get_tracer
 __all__ = ["SchedulerShell"]
 
 _TICK_S = 0.05  # the longest the loop sleeps between passes
+_MAX_SUBMISSIONS = 65536  # requests whose newest submission is remembered (a late older copy is refused)
 _ALIVE_S = 1.0  # heartbeat period (a gateway that missed the first one learns of a restart this late)
 _FORCED = {m.ReadPath.PE: ReadSide.PE, m.ReadPath.DE: ReadSide.DE}
 _WIRE_PATH = {ReadSide.PE: m.ReadPath.PE, ReadSide.DE: m.ReadPath.DE, None: m.ReadPath.NONE}
@@ -84,9 +92,16 @@ class SchedulerShell:
         self._wake = asyncio.Event()
         self._spans: dict[tuple[str, int], trace.Span] = {}  # open scheduler.decision span per (request, attempt)
         self._incarnations: dict[str, str] = {}  # engine -> the process its reports came from (EngineReport.incarnation)
+        self._submissions: OrderedDict[str, int] = OrderedDict()  # request -> the newest submission accepted (bounded)
 
     # ---- messages -> events ------------------------------------------------------------------
     async def on_submit(self, req: m.SubmitRequest) -> m.SubmitReply:
+        newest = self._submissions.get(req.request_id, -1)
+        if req.submission <= newest and req.request_id not in self.core.requests:
+            # Held here already and over: a late copy of an unanswered submit, or an older
+            # submission than one run here (the gateway resubmitted it meanwhile). Running it
+            # again would answer nobody; 409 is "already held" to the gateway.
+            raise HandlerError(409, f"request {req.request_id} submission {req.submission} already run here (newest {newest})")
         forced = _FORCED.get(req.read_path)  # type: ignore[call-overload]
         cmds = self.core.handle(
             RequestSubmitted(
@@ -104,6 +119,10 @@ class SchedulerShell:
         for c in cmds:
             if isinstance(c, RejectRequest):
                 raise HandlerError(c.code, c.reason)
+        self._submissions[req.request_id] = max(req.submission, newest)
+        self._submissions.move_to_end(req.request_id)
+        while len(self._submissions) > _MAX_SUBMISSIONS:
+            self._submissions.popitem(last=False)
         if req.submission > 0:
             # A resubmission: the scheduler that held the request died. A run of it that engines
             # may still hold stops now (before this scheduler places it), so it neither hands off
@@ -170,9 +189,13 @@ class SchedulerShell:
                     reason=f.reason,
                     unreachable=f.unreachable,
                     attempt=self._core_attempt(t.payload, f.attempt) if t is not None else -1,
+                    superseded=f.superseded,
                 )
             )
         )
+        if t is not None and f.request_id not in self.core.requests and f.superseded:
+            log.info("request_superseded", request_id=f.request_id, engine=f.engine_id)
+            self._end_spans(f.request_id)
         self._wake.set()
 
     async def on_state(self, _req: m.StateRequest) -> m.StateReply:

@@ -97,6 +97,36 @@ def test_a_submit_its_scheduler_never_answered_is_sent_again_not_failed(tiny_mod
     assert [r.request_id for r in bus.sent] == ["cmpl-a", "cmpl-a"]  # sent again (a 409 would mean: already held)
 
 
+class DyingSchedulerMeanwhileResubmittedBus(DyingSchedulerBus):
+    """While the first submit waits for its dead scheduler, the new leader's heartbeat makes the
+    gateway submit the request anew (``streams.next_submission``)."""
+
+    def __init__(self, gw: Gateway, rid: str) -> None:
+        super().__init__()
+        self.gw, self.rid = gw, rid
+
+    async def request(self, subject, req, reply_type, timeout):
+        if not self.sent:
+            assert self.gw.streams.next_submission(self.rid) == 1
+        return await super().request(subject, req, reply_type, timeout)
+
+
+def test_an_unanswered_submit_is_not_sent_again_once_superseded(tiny_model):
+    """A scheduler that already ran the newer submission to its end would take the old one for a
+    new request and run it for nobody (a ghost it keeps forever)."""
+    gw, _ = _gateway(tiny_model, ["cmpl-a", "cmpl-b"])
+    bus = DyingSchedulerMeanwhileResubmittedBus(gw, "cmpl-a")
+    gw._connected = lambda: bus  # type: ignore[method-assign]
+    asyncio.run(gw._submit(gw._submitted["cmpl-a"]))
+    assert [(r.request_id, r.submission) for r in bus.sent] == [("cmpl-a", 0)]  # returns as accepted: submission 1 serves it
+    # answered meanwhile (the stream is done): not sent again either
+    bus = DyingSchedulerBus()
+    gw._connected = lambda: bus  # type: ignore[method-assign]
+    gw.streams.close("cmpl-b")
+    asyncio.run(gw._submit(gw._submitted["cmpl-b"]))
+    assert [r.request_id for r in bus.sent] == ["cmpl-b"]
+
+
 def _started(gw: Gateway, rid: str, *engines: str) -> None:
     """``rid``'s answer has started: one event per engine named (the first one the prefill engine's)."""
     for i, engine in enumerate(engines):

@@ -143,3 +143,31 @@ def test_the_schedulers_retry_cancel_stops_only_older_attempts_and_silently():
     engine2, _, _ = _engine_with([client])
     asyncio.run(engine2.on_cancel(m.CancelRequest(request_id="c", reason="client disconnected")))
     assert engine2.finished == ["c"]  # a client's cancel is reported, so the scheduler forgets the request
+
+
+class RefusingBus(FakeBus):
+    """The decode engine refuses the hand-off of ``refused``: it holds or ran a newer run."""
+
+    def __init__(self, refused: str) -> None:
+        super().__init__()
+        self.refused = refused
+
+    async def request(self, subject: str, msg, _reply, timeout: float = 0.0):
+        await super().request(subject, msg, _reply, timeout)
+        if isinstance(msg, m.DecodeTask) and msg.request_id == self.refused:
+            return m.Ok(detail="superseded")
+        return m.Ok()
+
+
+def test_a_hand_off_the_decode_engine_refused_as_superseded_is_a_failure_that_says_so_not_a_finish():
+    """Reported finished, the refused request would wait at its scheduler for a decode that never
+    comes; its TaskFailed says ``superseded`` (the scheduler drops it instead of retrying)."""
+    engine, _, _ = _engine_with([_task("a", {"temperature": 0.0}), _task("old", {"temperature": 0.0})])
+    bus = engine.bus = RefusingBus("old")
+    batch = engine.batcher.next_batch()
+    assert batch is not None and len(batch.items) == 2
+    logits = torch.zeros(2, VOCAB)
+    asyncio.run(engine._process_result(batch, SimpleNamespace(logits=logits)))
+    failed = [msg for _, msg in bus.published if isinstance(msg, m.TaskFailed)]
+    assert [(f.request_id, f.superseded, f.attempt) for f in failed] == [("old", True, 1)]
+    assert engine.finished == ["a"] and engine.jobs == {}

@@ -288,6 +288,24 @@ def test_a_late_failure_of_an_earlier_attempt_on_the_same_engine_changes_nothing
     assert [x.attempt for x in cmds if isinstance(x, Requeued)] == [2]
 
 
+def test_a_hand_off_the_decode_engine_refused_as_superseded_drops_the_request_without_an_answer_or_a_retry():
+    """A scheduler that took over was given an old submission after it had run a newer one
+    (a late copy of a submit nobody answered): the decode engine refuses the hand-off (it ran
+    the newer run), so this copy leaves, charges released, neither retried nor failed to the
+    client (the newer run answered it). The same refusal for an earlier attempt changes nothing."""
+    c = Cluster()
+    d = c.place("r1")
+    pe = c.engine(d.prefill_engine)
+    charged = (pe.seq, pe.tok)
+    assert charged[0] == 1
+    late = TaskFailed(now=c.now, request_id="r1", engine=d.prefill_engine, reason="refused", attempt=5, superseded=True)
+    assert c.handle(late) == [] and "r1" in c.core.requests  # not the current attempt: late
+    cmds = c.handle(TaskFailed(now=c.now, request_id="r1", engine=d.prefill_engine, reason="refused", attempt=0, superseded=True))
+    assert cmds == []  # no Requeued, no FailRequest, no FreeSlot (the decode engine freed its slot when refusing)
+    assert "r1" not in c.core.requests and c.core.running == 0 and c.core.queued == 0
+    assert (pe.seq, pe.tok) == (0, 0)  # its prefill charge went back
+
+
 def test_a_forced_read_path_charges_the_node_that_actually_reads():
     c = Cluster()
     c.place("r1", forced=ReadSide.DE)

@@ -9,6 +9,7 @@ placements (a cancel of every older attempt)."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import anyio
 
@@ -100,3 +101,54 @@ def test_a_resubmitted_request_is_placed_with_attempts_after_the_dead_schedulers
     # the dead scheduler's runs stop when the resubmission is accepted, then the restarted engine's attempt
     assert [c.before_attempt for c in bus.sent(m.CancelRequest)] == [2 * S, 2 * S + 1]
     assert [f.before_attempt for f in bus.sent(m.FreeRequest)] == [2 * S + 1]  # and its slot goes back
+
+
+def test_a_submission_no_newer_than_one_already_run_here_is_refused_as_known():
+    """After a failover the gateway resubmits a request whose first submit its dead scheduler
+    never answered; if the late copy of that first submit reaches the new scheduler after the
+    resubmission ran to its end, running it again would answer nobody: 409 (already held)."""
+    from dualpath.bus import HandlerError
+
+    bus = FakeBus()
+    refused: list[int] = []
+
+    async def main() -> None:
+        policy = get_policy("dualpath", Thresholds(alpha_tokens=1 << 22, beta_tokens=1 << 22))
+        core = SchedulerCore(policy, CoreConfig(engine_timeout=60.0))
+        async with anyio.create_task_group() as tasks:
+            shell = SchedulerShell(bus, Subjects("t"), core, tasks, instance="lead@7")  # type: ignore[arg-type]
+            await shell.on_engine_report(_report("p0", "P", m.Role.PREFILL, "p-1"))
+            await shell.on_engine_report(_report("d0", "D", m.Role.DECODE, "d-1"))
+            base = m.SubmitRequest(
+                request_id="r",
+                model="m",
+                model_digest=1,
+                prompt_tokens=[1] * 100,
+                block_hashes=[],
+                hit_blocks=0,
+                sampling={"max_tokens": 8},
+                reply_subject="t.out.gw.r-s1",
+                submission=1,
+            )
+            stop = asyncio.Event()
+            tasks.start_soon(shell.run, stop)
+            await shell.on_submit(base)
+            with anyio.fail_after(5):
+                while not bus.sent(m.PrefillTask):
+                    await asyncio.sleep(0.01)
+            for engine, node, role in (("p0", "P", m.Role.PREFILL), ("d0", "D", m.Role.DECODE)):
+                report = _report(engine, node, role, "p-1" if role == m.Role.PREFILL else "d-1")
+                await shell.on_engine_report(replace(report, finished=["r"]))
+            assert "r" not in core.requests  # answered
+            for submission in (0, 1):  # the late first submit, a duplicate of the one that ran
+                try:
+                    await shell.on_submit(replace(base, submission=submission))
+                except HandlerError as exc:
+                    refused.append(exc.code)
+            assert "r" not in core.requests
+            await shell.on_submit(replace(base, submission=2))  # a newer submission (another failover) runs
+            assert "r" in core.requests
+            stop.set()
+
+    asyncio.run(main())
+    assert refused == [409, 409]

@@ -535,6 +535,10 @@ class SchedulerCore:
         holders = (t.pe.name if t.pe else "", t.de.name if t.de else "")
         if ev.engine not in holders or (ev.attempt >= 0 and ev.attempt != t.attempt):
             return cmds  # late: from an engine of an earlier attempt, or an earlier attempt on the same engine
+        if ev.superseded:  # a newer run (another scheduler's) answers the client: this copy just leaves
+            self._release_all(t)
+            del self.requests[t.rid]
+            return cmds
         attempt = t.attempt
         if ev.unreachable:
             self._lose([ev.unreachable], f"engine {ev.unreachable} did not answer", cmds)

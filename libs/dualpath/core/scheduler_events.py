@@ -184,7 +184,10 @@ class DispatchFailed:
 class TaskFailed:
     """``engine`` gave up on a request it held; ``unreachable`` names an engine it could not
     reach. ``attempt``: the attempt that failed (-1: not known); a failure of an earlier attempt
-    is late and changes nothing (the engine may hold the current attempt too)."""
+    is late and changes nothing (the engine may hold the current attempt too). ``superseded``:
+    the decode engine refused the hand-off because it holds or ran a newer run of the request
+    (another scheduler's, after a failover): the request leaves this scheduler, unanswered by
+    it and not retried (the newer run answers the client)."""
 
     now: float
     request_id: str
@@ -192,6 +195,7 @@ class TaskFailed:
     reason: str
     unreachable: str = ""
     attempt: int = -1
+    superseded: bool = False
 
 
 @dataclass(**_ev)

@@ -407,6 +407,7 @@ class TaskFailed(Wire):
     unreachable: str = ""  # an engine that did not answer (the scheduler stops using it until it reports)
     node_unreachable: str = ""  # a node whose traffic manager died under the task (the scheduler stops using the node until it reports)
     attempt: int = -1  # the task's attempt as dispatched (-1: not said): a failure of an attempt the scheduler has retried is late
+    superseded: bool = False  # the decode engine refused the hand-off: it holds or ran a newer run of the request (not retried)
 
 
 @register(43)
