@@ -103,7 +103,7 @@ class DecodeEngine:
         )
         self.waiting: dict[str, m.DecodeTask] = {}  # arrived, not admitted yet (the batcher's waiting queue)
         self.running: dict[str, Running] = {}
-        self.finished: list[str] = []
+        self.finished: list[tuple[str, int]] = []  # (request, attempt) done since the last report
         self._regions: dict[str, MemoryRegion] = {}
         self._wake = asyncio.Event()
         self._loading: dict[str, m.DecodeTask] = {}  # arrived, prompt KV still crossing the emulated CNIC (testbed)
@@ -241,7 +241,7 @@ class DecodeEngine:
         successor = self._successors.pop(rid, None)
         if successor is not None:  # it never starts: reported finished so the scheduler forgets the request
             self._free_slot(successor)
-            self.finished.append(rid)
+            self.finished.append((rid, successor.attempt))
         r = self.running.get(rid)
         if r is not None and r.finish is None:
             r.finish = CANCELLED
@@ -557,7 +557,7 @@ class DecodeEngine:
             return
         self._retire(t.request_id, t.attempt + 1)  # a late copy of this hand-off must not run it again
         if r.finish == CANCELLED:
-            self.finished.append(t.request_id)
+            self.finished.append((t.request_id, t.attempt))
             self._end_span(r)
             return
         start_logged(self.tasks, f"final:{t.request_id}", self._final_event, r)
@@ -590,7 +590,7 @@ class DecodeEngine:
                 decode_engine=self.served_by,
             ),
         )
-        self.finished.append(t.request_id)
+        self.finished.append((t.request_id, t.attempt))
         self._end_span(r)
         log.info(
             "decode_done",
@@ -631,7 +631,8 @@ class DecodeEngine:
             tok=self.batcher.committed_tokens(),
             free_hbm_tokens=self.batcher.unreserved_tokens,
             capacity_tokens=self.batcher.capacity_tokens,
-            finished=done,
+            finished=[rid for rid, _ in done],
+            finished_attempts=[attempt for _, attempt in done],
             block_bytes=self.setup.layout.block_bytes,
             stats={
                 "busy_s": self.busy_s,

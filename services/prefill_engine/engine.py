@@ -127,7 +127,7 @@ class PrefillEngine:
             profile=repr(predict) if self.predicted_by == "profile" else cfg.engine_id,
         )
         self._wake = asyncio.Event()
-        self.finished: list[str] = []
+        self.finished: list[tuple[str, int]] = []  # (request, attempt) handed off since the last report
         self.busy_s = 0.0  # wall time inside batches
         self.kv_wait_s = 0.0  # of which: waiting for cached KV to arrive
         self.buffer_waits = 0  # KV loads put off because the read side's buffer was full
@@ -185,7 +185,7 @@ class PrefillEngine:
         if job in self.loaded:
             self.loaded.remove(job)
         self.batcher.remove(rid)
-        await self._drop(job)
+        await self._drop_stopped(job)
 
     async def on_cancel(self, req: m.CancelRequest) -> None:
         """Stop the request's task (``_stop``): a queued one is dropped now, one loading or in the
@@ -269,7 +269,7 @@ class PrefillEngine:
             return
         job.loading = False
         if job.cancelled:
-            await self._drop(job)
+            await self._drop_stopped(job)
             return
         self.loaded.append(job)
         self._wake.set()
@@ -418,7 +418,7 @@ class PrefillEngine:
                 continue
             if job.cancelled:
                 self.batcher.remove(it.request_id)
-                await self._drop(job)
+                await self._drop_stopped(job)
             elif logits is not None:
                 try:
                     await self._handoff(job, logits)
@@ -500,7 +500,7 @@ class PrefillEngine:
             # The decode engine holds (or ran) a newer run of the request: this attempt is over,
             # not done. Reported finished, it would leave its scheduler waiting for a decode
             # that never comes (a scheduler given an older submission after it ran the newer).
-            await self._fail(job, f"handoff to {t.decode_engine} refused: a newer run of the request exists", superseded=True)
+            await self._fail(job, f"handoff to {t.decode_engine} refused: a newer run of the request exists", abandoned=True)
             return
         if failure is not None:
             await self._fail(
@@ -527,7 +527,7 @@ class PrefillEngine:
         if self.jobs.get(rid) is job:
             del self.jobs[rid]
         if not job.superseded and not failed:  # the scheduler counts it done here
-            self.finished.append(rid)
+            self.finished.append((rid, job.task.attempt))
         job.span.end()
         job.span = trace.INVALID_SPAN
         if job.pe_slot:
@@ -545,24 +545,41 @@ class PrefillEngine:
         if successor is not None:
             self._start(successor)
 
-    async def _fail(self, job: Job, reason: str, unreachable: str = "", node_unreachable: str = "", superseded: bool = False) -> None:
-        log.warning("task_failed", request_id=job.task.request_id, reason=reason)
-        job.span.set_status(Status(StatusCode.ERROR, reason))
+    async def _fail(self, job: Job, reason: str, unreachable: str = "", node_unreachable: str = "", abandoned: bool = False) -> None:
+        """Forget ``job`` and tell the scheduler with a ``TaskFailed`` (none for a superseded
+        job: it would make the scheduler retry the attempt that superseded it). ``abandoned``:
+        the request needs nothing more (a newer run holds it, or its client cancelled it), so
+        the scheduler drops it instead of retrying."""
+        rid = job.task.request_id
+        if abandoned:
+            log.info("task_abandoned", request_id=rid, reason=reason)
+        else:
+            log.warning("task_failed", request_id=rid, reason=reason)
+            job.span.set_status(Status(StatusCode.ERROR, reason))
         await self._drop(job, failed=True)
         if job.superseded:
-            return  # a TaskFailed would make the scheduler retry the attempt that superseded it
+            return
         await self.bus.publish(
             self.subjects.task_failed,
             m.TaskFailed(
-                request_id=job.task.request_id,
+                request_id=rid,
                 engine_id=self.cfg.engine_id,
                 reason=reason,
                 unreachable=unreachable,
                 node_unreachable=node_unreachable,
                 attempt=job.task.attempt,
-                superseded=superseded,
+                abandoned=abandoned,
             ),
         )
+
+    async def _drop_stopped(self, job: Job) -> None:
+        """Forget a job stopped before its hand-off: silently when superseded; a client's cancel
+        is told as abandoned (reported finished, the request would wait at its scheduler for a
+        decode that never comes, holding its decode engine's share)."""
+        if job.superseded:
+            await self._drop(job)
+        else:
+            await self._fail(job, "cancelled by its client", abandoned=True)
 
     # ---- reporting -------------------------------------------------------------------------
     def report(self) -> m.EngineReport:
@@ -578,7 +595,8 @@ class PrefillEngine:
             tok=tok,
             free_hbm_tokens=0,
             capacity_tokens=0,
-            finished=done,
+            finished=[rid for rid, _ in done],
+            finished_attempts=[attempt for _, attempt in done],
             block_bytes=self.setup.layout.block_bytes,
             stats=self._stats(),
             ts=time.time(),

@@ -14,9 +14,9 @@ managers tell an older placement from a newer one by the number alone.
 
 A submission of a request no newer than one this scheduler already ran to its end is refused
 as known (409): after a failover, the late copy of a submit the dead scheduler never answered
-can arrive after the gateway's resubmission of it was answered here. A decode engine's refusal
-of a hand-off (``TaskFailed.superseded``: it holds or ran a newer run) drops the request
-without an answer or a retry.
+can arrive after the gateway's resubmission of it was answered here. A request an engine abandons
+(``TaskFailed.abandoned``: the decode engine refused its hand-off because it holds or ran a
+newer run, or its client cancelled it during the prefill) leaves without an answer or a retry.
 
 A ``TaskFailed`` naming a node whose traffic manager died under the task (``node_unreachable``)
 first marks the node down, as a reservation the node did not answer does (the same core
@@ -156,6 +156,7 @@ class SchedulerShell:
                     capacity_tokens=r.capacity_tokens,
                     block_bytes=r.block_bytes,
                     finished=tuple(r.finished),
+                    finished_attempts=self._core_attempts(r),
                 )
             )
         )
@@ -189,12 +190,12 @@ class SchedulerShell:
                     reason=f.reason,
                     unreachable=f.unreachable,
                     attempt=self._core_attempt(t.payload, f.attempt) if t is not None else -1,
-                    superseded=f.superseded,
+                    abandoned=f.abandoned,
                 )
             )
         )
-        if t is not None and f.request_id not in self.core.requests and f.superseded:
-            log.info("request_superseded", request_id=f.request_id, engine=f.engine_id)
+        if t is not None and f.request_id not in self.core.requests and f.abandoned:
+            log.info("request_abandoned", request_id=f.request_id, engine=f.engine_id)
             self._end_spans(f.request_id)
         self._wake.set()
 
@@ -281,6 +282,16 @@ class SchedulerShell:
         traffic managers see it (see the module docstring)."""
         submission = payload.submission if isinstance(payload, m.SubmitRequest) else 0
         return submission * m.SUBMISSION_ATTEMPTS + attempt
+
+    def _core_attempts(self, r: m.EngineReport) -> tuple[int, ...]:
+        """The core's attempts of a report's finished requests (empty when the engine names none)."""
+        if len(r.finished_attempts) != len(r.finished):
+            return ()
+        requests = self.core.requests
+        return tuple(
+            self._core_attempt(t.payload, wire) if (t := requests.get(rid)) is not None else -1
+            for rid, wire in zip(r.finished, r.finished_attempts)
+        )
 
     @staticmethod
     def _core_attempt(payload: object, wire: int) -> int:

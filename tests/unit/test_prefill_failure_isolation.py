@@ -84,7 +84,7 @@ def test_one_requests_bad_sampling_fails_that_request_and_the_rest_of_its_batch_
     assert failed[0].attempt == 1  # a late failure of an attempt the scheduler has retried is told apart
     # Only the hand-offs are reported finished: a report names no attempt, so a failure listed
     # there would pass for the prefill of a retry the scheduler placed on this engine again.
-    assert engine.finished == ["a", "c"]
+    assert engine.finished == [("a", 1), ("c", 1)]
     assert engine.jobs == {}
 
 
@@ -140,9 +140,11 @@ def test_the_schedulers_retry_cancel_stops_only_older_attempts_and_silently():
     assert "q" not in engine.jobs and "q" not in engine.batcher
     assert engine.finished == [] and started == []  # not reported done: the scheduler's attempt 2 is not this one
     client = _task("c", {"temperature": 0.0})
-    engine2, _, _ = _engine_with([client])
+    engine2, bus2, _ = _engine_with([client])
     asyncio.run(engine2.on_cancel(m.CancelRequest(request_id="c", reason="client disconnected")))
-    assert engine2.finished == ["c"]  # a client's cancel is reported, so the scheduler forgets the request
+    # a client's cancel is told (abandoned), so the scheduler forgets the request; a finish would
+    # only end its prefill part there
+    assert engine2.finished == [] and [(f.request_id, f.abandoned) for _, f in bus2.published] == [("c", True)]
 
 
 class RefusingBus(FakeBus):
@@ -169,5 +171,23 @@ def test_a_hand_off_the_decode_engine_refused_as_superseded_is_a_failure_that_sa
     logits = torch.zeros(2, VOCAB)
     asyncio.run(engine._process_result(batch, SimpleNamespace(logits=logits)))
     failed = [msg for _, msg in bus.published if isinstance(msg, m.TaskFailed)]
-    assert [(f.request_id, f.superseded, f.attempt) for f in failed] == [("old", True, 1)]
-    assert engine.finished == ["a"] and engine.jobs == {}
+    assert [(f.request_id, f.abandoned, f.attempt) for f in failed] == [("old", True, 1)]
+    assert engine.finished == [("a", 1)] and engine.jobs == {}
+
+
+def test_a_clients_cancel_during_the_prefill_is_told_as_abandoned_not_as_a_finish():
+    """Reported finished, a request cancelled before its hand-off would wait at its scheduler for
+    a decode that never comes, holding its decode engine's share of tok_e and HBM for good."""
+    queued, batched = _task("queued", {"temperature": 0.0}), _task("batched", {"temperature": 0.0})
+    engine, bus, _ = _engine_with([batched])
+    batch = engine.batcher.next_batch()  # "batched" is being computed
+    engine.jobs["queued"] = Job(task=queued, dest=SimpleNamespace(region_id="de-slot"), loading=False)
+    engine.batcher.add("queued", cached=0, total=len(queued.prompt_tokens))
+    for rid in ("queued", "batched"):
+        asyncio.run(engine.on_cancel(m.CancelRequest(request_id=rid, reason="client went away")))
+    assert "queued" not in engine.jobs and "batched" in engine.jobs  # the batched one leaves when its batch ends
+    asyncio.run(engine._process_result(batch, SimpleNamespace(logits=torch.zeros(1, VOCAB))))
+    failed = [msg for _, msg in bus.published if isinstance(msg, m.TaskFailed)]
+    assert [(f.request_id, f.abandoned, f.attempt) for f in failed] == [("queued", True, 1), ("batched", True, 1)]
+    assert not [msg for _, msg in bus.requested if isinstance(msg, m.DecodeTask)]  # neither handed off
+    assert engine.finished == [] and engine.jobs == {}

@@ -53,7 +53,9 @@ class Cluster:
     def handle(self, event):
         return self.core.handle(event)
 
-    def report(self, engine: str, seq: int = 0, tok: int = 0, free: int = HBM, finished: tuple[str, ...] = ()):
+    def report(
+        self, engine: str, seq: int = 0, tok: int = 0, free: int = HBM, finished: tuple[str, ...] = (), attempts: tuple[int, ...] = ()
+    ):
         node, role = self.engines[engine]
         decode = role == Role.DECODE
         return self.handle(
@@ -68,6 +70,7 @@ class Cluster:
                 capacity_tokens=HBM if decode else 0,
                 block_bytes=1024,
                 finished=finished,
+                finished_attempts=attempts,
             )
         )
 
@@ -288,6 +291,30 @@ def test_a_late_failure_of_an_earlier_attempt_on_the_same_engine_changes_nothing
     assert [x.attempt for x in cmds if isinstance(x, Requeued)] == [2]
 
 
+def test_a_finish_of_an_earlier_attempt_on_the_engine_that_holds_the_retry_changes_nothing():
+    """Reports name the attempt of each finished request: an old attempt that hands off on the
+    prefill engine where its retry was placed (its cancel not there yet) does not pass for the
+    retry's prefill, nor an old decode for the retry's."""
+    c = Cluster()
+    d = c.place("r1")
+    c.handle(TaskFailed(now=c.now, request_id="r1", engine=d.prefill_engine, reason="dispatch timed out"))
+    again = c.place_retry("r1")
+    assert again.prefill_engine == d.prefill_engine and again.attempt == 1
+    c.report(d.prefill_engine, finished=("r1",), attempts=(0,))
+    t = c.core.requests["r1"]
+    assert not t.prefill_done and t.attempt == 1
+    c.report(again.decode_engine, finished=("r1",), attempts=(0,))
+    assert "r1" in c.core.requests
+    c.report(d.prefill_engine, finished=("r1",), attempts=(1,))
+    assert c.core.requests["r1"].prefill_done
+    c.report(again.decode_engine, finished=("r1",), attempts=(1,))
+    assert "r1" not in c.core.requests
+    # a report that names no attempts (an older engine) is taken as before
+    c.place("r2")
+    c.report(c.core.requests["r2"].pe.name, finished=("r2",))
+    assert c.core.requests["r2"].prefill_done
+
+
 def test_a_hand_off_the_decode_engine_refused_as_superseded_drops_the_request_without_an_answer_or_a_retry():
     """A scheduler that took over was given an old submission after it had run a newer one
     (a late copy of a submit nobody answered): the decode engine refuses the hand-off (it ran
@@ -298,9 +325,9 @@ def test_a_hand_off_the_decode_engine_refused_as_superseded_drops_the_request_wi
     pe = c.engine(d.prefill_engine)
     charged = (pe.seq, pe.tok)
     assert charged[0] == 1
-    late = TaskFailed(now=c.now, request_id="r1", engine=d.prefill_engine, reason="refused", attempt=5, superseded=True)
+    late = TaskFailed(now=c.now, request_id="r1", engine=d.prefill_engine, reason="refused", attempt=5, abandoned=True)
     assert c.handle(late) == [] and "r1" in c.core.requests  # not the current attempt: late
-    cmds = c.handle(TaskFailed(now=c.now, request_id="r1", engine=d.prefill_engine, reason="refused", attempt=0, superseded=True))
+    cmds = c.handle(TaskFailed(now=c.now, request_id="r1", engine=d.prefill_engine, reason="refused", attempt=0, abandoned=True))
     assert cmds == []  # no Requeued, no FailRequest, no FreeSlot (the decode engine freed its slot when refusing)
     assert "r1" not in c.core.requests and c.core.running == 0 and c.core.queued == 0
     assert (pe.seq, pe.tok) == (0, 0)  # its prefill charge went back

@@ -138,7 +138,11 @@ def test_a_submission_no_newer_than_one_already_run_here_is_refused_as_known():
                     await asyncio.sleep(0.01)
             for engine, node, role in (("p0", "P", m.Role.PREFILL), ("d0", "D", m.Role.DECODE)):
                 report = _report(engine, node, role, "p-1" if role == m.Role.PREFILL else "d-1")
-                await shell.on_engine_report(replace(report, finished=["r"]))
+                # reports name wire attempts: submission 0's attempt 0 is not this run's
+                await shell.on_engine_report(replace(report, finished=["r"], finished_attempts=[0]))
+                assert core.requests["r"].prefill_done == (role == m.Role.DECODE)  # nothing changed
+                await shell.on_engine_report(replace(report, finished=["r"], finished_attempts=[S]))
+                assert role == m.Role.DECODE or core.requests["r"].prefill_done
             assert "r" not in core.requests  # answered
             for submission in (0, 1):  # the late first submit, a duplicate of the one that ran
                 try:

@@ -389,8 +389,13 @@ class SchedulerCore:
                 self._stale = True  # the policy's buffer figures are in its blocks
         cmds: list[Command] = []
         if ev.finished:
-            for rid in ev.finished:
-                self._finish(rid, member, cmds)
+            attempts = ev.finished_attempts
+            if len(attempts) == len(ev.finished):
+                for rid, attempt in zip(ev.finished, attempts):
+                    self._finish(rid, member, cmds, attempt)
+            else:
+                for rid in ev.finished:
+                    self._finish(rid, member, cmds)
         if member.acked:
             reflect(member, self._k)
         state = self._state
@@ -421,13 +426,15 @@ class SchedulerCore:
         member = self.members.engines.get(ev.engine)
         cmds: list[Command] = []
         if member is not None:
-            self._finish(ev.request_id, member, cmds)
+            self._finish(ev.request_id, member, cmds, ev.attempt)
         return cmds
 
-    def _finish(self, rid: str, member: EngineMember, cmds: list[Command]) -> None:
-        """``member`` finished its part of request ``rid`` (late or unknown: ignored)."""
+    def _finish(self, rid: str, member: EngineMember, cmds: list[Command], attempt: int = -1) -> None:
+        """``member`` finished its part of request ``rid`` (late, unknown or, when ``attempt``
+        is said, another attempt than the current one: ignored; a prefill engine that holds
+        a retry of the request may finish the earlier attempt first)."""
         t = self.requests.get(rid)
-        if t is None or t.stage == _QUEUED:
+        if t is None or t.stage == _QUEUED or (attempt >= 0 and attempt != t.attempt):
             return
         if t.pe is not None and t.pe.name == member.name and not t.prefill_done:
             t.prefill_done = True
@@ -535,7 +542,7 @@ class SchedulerCore:
         holders = (t.pe.name if t.pe else "", t.de.name if t.de else "")
         if ev.engine not in holders or (ev.attempt >= 0 and ev.attempt != t.attempt):
             return cmds  # late: from an engine of an earlier attempt, or an earlier attempt on the same engine
-        if ev.superseded:  # a newer run (another scheduler's) answers the client: this copy just leaves
+        if ev.abandoned:  # a newer run answers the client, or nobody waits any more: the request just leaves
             self._release_all(t)
             del self.requests[t.rid]
             return cmds

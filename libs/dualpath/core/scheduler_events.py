@@ -114,7 +114,9 @@ class RequestSubmitted:
 class EngineReported:
     """An engine's periodic report (also its heartbeat). ``seq``/``tok`` are the paper's
     seq_e/tok_e as the engine counts them; ``finished`` lists the requests it completed
-    since its previous report (a prefill engine: handed to the decode engine)."""
+    since its previous report (a prefill engine: handed to the decode engine), and
+    ``finished_attempts`` the attempt of each, by position (empty: not said; a finish of an
+    earlier attempt is late and changes nothing)."""
 
     now: float
     engine: str
@@ -126,6 +128,7 @@ class EngineReported:
     capacity_tokens: int = 0
     block_bytes: int = 0
     finished: tuple[str, ...] = ()
+    finished_attempts: tuple[int, ...] = ()
 
 
 @dataclass(**_ev)
@@ -184,10 +187,10 @@ class DispatchFailed:
 class TaskFailed:
     """``engine`` gave up on a request it held; ``unreachable`` names an engine it could not
     reach. ``attempt``: the attempt that failed (-1: not known); a failure of an earlier attempt
-    is late and changes nothing (the engine may hold the current attempt too). ``superseded``:
-    the decode engine refused the hand-off because it holds or ran a newer run of the request
-    (another scheduler's, after a failover): the request leaves this scheduler, unanswered by
-    it and not retried (the newer run answers the client)."""
+    is late and changes nothing (the engine may hold the current attempt too). ``abandoned``:
+    the request needs nothing more from this scheduler (the decode engine refused the hand-off
+    because it holds or ran a newer run, another scheduler's after a failover; or the client
+    cancelled it during its prefill): it leaves, neither retried nor answered."""
 
     now: float
     request_id: str
@@ -195,16 +198,18 @@ class TaskFailed:
     reason: str
     unreachable: str = ""
     attempt: int = -1
-    superseded: bool = False
+    abandoned: bool = False
 
 
 @dataclass(**_ev)
 class RequestFinished:
-    """``engine`` finished its part of the request (as if listed in its report's ``finished``)."""
+    """``engine`` finished its part of the request (as if listed in its report's ``finished``);
+    ``attempt``: the attempt that finished (-1: not said)."""
 
     now: float
     request_id: str
     engine: str
+    attempt: int = -1
 
 
 @dataclass(**_ev)

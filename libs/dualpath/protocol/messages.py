@@ -407,7 +407,7 @@ class TaskFailed(Wire):
     unreachable: str = ""  # an engine that did not answer (the scheduler stops using it until it reports)
     node_unreachable: str = ""  # a node whose traffic manager died under the task (the scheduler stops using the node until it reports)
     attempt: int = -1  # the task's attempt as dispatched (-1: not said): a failure of an attempt the scheduler has retried is late
-    superseded: bool = False  # the decode engine refused the hand-off: it holds or ran a newer run of the request (not retried)
+    abandoned: bool = False  # nothing more is needed (a newer run holds it, or its client cancelled): dropped, not retried
 
 
 @register(43)
@@ -436,6 +436,7 @@ class EngineReport(Wire):
     free_hbm_tokens: int  # decode: capacity − reserved footprints (running and waiting)
     capacity_tokens: int
     finished: list[str] = field(default_factory=list)  # requests completed since the last report
+    finished_attempts: list[int] = field(default_factory=list)  # the attempt of each, by position (empty: not said)
     block_bytes: int = 0  # bytes of one Full Block in this engine's KV format
     stats: dict = field(default_factory=dict)  # cumulative seconds: busy, modeled, attention, kv_wait
     ts: float = 0.0
