@@ -253,10 +253,13 @@ class SchedulerShell:
             elif isinstance(c, Dispatch):
                 self.tasks.start_soon(self._dispatch, c)
             elif isinstance(c, FreeSlot):
-                # the slots of every attempt before the current one (all of them once the request is gone)
-                t = self.core.requests.get(c.request_id)
-                before = self._wire_attempt(t.payload, t.attempt) if t is not None else m.ALL_ATTEMPTS
-                self.tasks.start_soon(self._free, c.node, m.FreeRequest(request_id=c.request_id, before_attempt=before))
+                if c.attempt >= 0:  # only that attempt's slot (an abandoned request)
+                    free = m.FreeRequest(request_id=c.request_id, attempt=self._wire_attempt(c.payload, c.attempt))
+                else:  # the slots of every attempt before the current one (all of them once the request is gone)
+                    t = self.core.requests.get(c.request_id)
+                    before = self._wire_attempt(t.payload, t.attempt) if t is not None else m.ALL_ATTEMPTS
+                    free = m.FreeRequest(request_id=c.request_id, before_attempt=before)
+                self.tasks.start_soon(self._free, c.node, free)
             elif isinstance(c, FailRequest):
                 self._end_spans(c.request_id)
                 self.tasks.start_soon(self._fail, c)

@@ -545,6 +545,8 @@ class SchedulerCore:
         if ev.abandoned:  # a newer run answers the client, or nobody waits any more: the request just leaves
             self._release_all(t)
             del self.requests[t.rid]
+            if t.de is not None:  # its slot, which no hand-off will claim (only this attempt's: a newer run may hold another)
+                cmds.append(FreeSlot(node=t.de.node, request_id=t.rid, attempt=t.attempt, payload=t.payload))
             return cmds
         attempt = t.attempt
         if ev.unreachable:

@@ -303,10 +303,14 @@ class Dispatch:
 
 @dataclass(**_ev)
 class FreeSlot:
-    """Release the request's slot in ``node``'s buffer (best effort: the node may be gone)."""
+    """Release the request's slot in ``node``'s buffer (best effort: the node may be gone):
+    every attempt's before the current one (all of them once the request is gone), or only
+    ``attempt``'s when it is given (an abandoned request; ``payload``: its submission)."""
 
     node: str
     request_id: str
+    attempt: int = -1
+    payload: Any = None
 
 
 @dataclass(**_ev)
