@@ -55,28 +55,37 @@ def _report(engine: str, node: str, role: m.Role, incarnation: str) -> m.EngineR
     )
 
 
+def _core() -> SchedulerCore:
+    policy = get_policy("dualpath", Thresholds(alpha_tokens=1 << 22, beta_tokens=1 << 22))
+    return SchedulerCore(policy, CoreConfig(engine_timeout=60.0))
+
+
+def _submit(submission: int) -> m.SubmitRequest:
+    """Request "r" as the gateway submits it the ``submission``-th time."""
+    return m.SubmitRequest(
+        request_id="r",
+        model="m",
+        model_digest=1,
+        prompt_tokens=[1] * 100,
+        block_hashes=[],
+        hit_blocks=0,
+        sampling={"max_tokens": 8},
+        reply_subject=f"t.out.gw.r-s{submission}",
+        submission=submission,
+    )
+
+
 def test_a_resubmitted_request_is_placed_with_attempts_after_the_dead_schedulers_and_a_restarted_engine_is_lost_at_once():
     bus = FakeBus()
 
     async def main() -> None:
-        policy = get_policy("dualpath", Thresholds(alpha_tokens=1 << 22, beta_tokens=1 << 22))
-        core = SchedulerCore(policy, CoreConfig(engine_timeout=60.0))
+        core = _core()
         async with anyio.create_task_group() as tasks:
             shell = SchedulerShell(bus, Subjects("t"), core, tasks, instance="lead@7")  # type: ignore[arg-type]
             await shell.on_engine_report(_report("p0", "P", m.Role.PREFILL, "p-1"))
             await shell.on_engine_report(_report("d0", "D", m.Role.DECODE, "d-1"))
             await shell.on_engine_report(_report("d1", "D", m.Role.DECODE, "d-1b"))
-            submit = m.SubmitRequest(
-                request_id="r",
-                model="m",
-                model_digest=1,
-                prompt_tokens=[1] * 100,
-                block_hashes=[],
-                hit_blocks=0,
-                sampling={"max_tokens": 8},
-                reply_subject="t.out.gw.r-s2",
-                submission=2,  # the gateway's second resubmission (two failovers)
-            )
+            submit = _submit(2)  # the gateway's second resubmission (two failovers)
             stop = asyncio.Event()
             tasks.start_soon(shell.run, stop)  # its passes place the queue
             await shell.on_submit(submit)
@@ -113,26 +122,14 @@ def test_a_submission_no_newer_than_one_already_run_here_is_refused_as_known():
     refused: list[int] = []
 
     async def main() -> None:
-        policy = get_policy("dualpath", Thresholds(alpha_tokens=1 << 22, beta_tokens=1 << 22))
-        core = SchedulerCore(policy, CoreConfig(engine_timeout=60.0))
+        core = _core()
         async with anyio.create_task_group() as tasks:
             shell = SchedulerShell(bus, Subjects("t"), core, tasks, instance="lead@7")  # type: ignore[arg-type]
             await shell.on_engine_report(_report("p0", "P", m.Role.PREFILL, "p-1"))
             await shell.on_engine_report(_report("d0", "D", m.Role.DECODE, "d-1"))
-            base = m.SubmitRequest(
-                request_id="r",
-                model="m",
-                model_digest=1,
-                prompt_tokens=[1] * 100,
-                block_hashes=[],
-                hit_blocks=0,
-                sampling={"max_tokens": 8},
-                reply_subject="t.out.gw.r-s1",
-                submission=1,
-            )
             stop = asyncio.Event()
             tasks.start_soon(shell.run, stop)
-            await shell.on_submit(base)
+            await shell.on_submit(_submit(1))
             with anyio.fail_after(5):
                 while not bus.sent(m.PrefillTask):
                     await asyncio.sleep(0.01)
@@ -146,11 +143,11 @@ def test_a_submission_no_newer_than_one_already_run_here_is_refused_as_known():
             assert "r" not in core.requests  # answered
             for submission in (0, 1):  # the late first submit, a duplicate of the one that ran
                 try:
-                    await shell.on_submit(replace(base, submission=submission))
+                    await shell.on_submit(_submit(submission))
                 except HandlerError as exc:
                     refused.append(exc.code)
             assert "r" not in core.requests
-            await shell.on_submit(replace(base, submission=2))  # a newer submission (another failover) runs
+            await shell.on_submit(_submit(2))  # a newer submission (another failover) runs
             assert "r" in core.requests
             stop.set()
 
