@@ -265,7 +265,8 @@ class PrefillEngine:
                 job.read_split = [reply.loaded, 0] if job.pe_slot else [0, reply.loaded]
         except Exception as exc:  # noqa: BLE001 - any load failure fails this task only
             lost = lost_load(exc)  # a dead traffic manager: the scheduler leaves its node out until it reports again
-            await self._fail(job, f"KV load failed: {lost or exc}", node_unreachable=lost.node if lost else "")
+            # cancelled by its client meanwhile: nothing to retry (the node's loss is still told)
+            await self._fail(job, f"KV load failed: {lost or exc}", node_unreachable=lost.node if lost else "", abandoned=job.cancelled)
             return
         job.loading = False
         if job.cancelled:

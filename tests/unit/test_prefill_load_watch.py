@@ -153,8 +153,11 @@ class DeadTmBus:
         raise BusTimeoutError(subject, timeout, no_responders=True)
 
 
+@pytest.mark.parametrize("cancelled", [False, True], ids=["live", "cancelled-by-its-client"])
 @pytest.mark.parametrize("path", [m.ReadPath.PE, m.ReadPath.DE])
-def test_a_prefill_task_whose_kv_load_died_with_its_traffic_manager_fails_within_seconds_naming_the_node(path):
+def test_a_prefill_task_whose_kv_load_died_with_its_traffic_manager_fails_within_seconds_naming_the_node(path, cancelled):
+    """... and one its client cancelled while it loaded is abandoned (not retried), the node's
+    loss told all the same."""
     from types import SimpleNamespace
 
     from services.prefill_engine.engine import Job, PrefillEngine
@@ -185,6 +188,7 @@ def test_a_prefill_task_whose_kv_load_died_with_its_traffic_manager_fails_within
         attempt=1,
     )
     job = Job(task=task, dest=SimpleNamespace(region_id="de-slot"))
+    job.cancelled = cancelled
     engine.jobs["r"] = job
 
     async def main() -> float:
@@ -195,7 +199,7 @@ def test_a_prefill_task_whose_kv_load_died_with_its_traffic_manager_fails_within
     took = asyncio.run(main())
     failed = [x for x in bus.published if isinstance(x, m.TaskFailed)]
     node = "P" if path == m.ReadPath.PE else "D"
-    assert [(f.request_id, f.node_unreachable) for f in failed] == [("r", node)]
+    assert [(f.request_id, f.node_unreachable, f.abandoned) for f in failed] == [("r", node, cancelled)]
     assert f"node {node}" in failed[0].reason and took < 3.0
 
 
