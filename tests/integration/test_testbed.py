@@ -32,12 +32,8 @@ def _long_context_agents(path, agents: int, turns: int) -> None:
             )
 
 
-def test_on_a_storage_bound_run_dualpath_beats_basic_by_reading_on_the_decode_node_and_oracle_is_fastest(tmp_path):
-    """The headline claim on the real services: pooling both nodes' storage NICs shortens the
-    job (I/O bound here: 2x), the decode node's SNIC really reads, skipping I/O is faster still."""
-    data = tmp_path / "agents.jsonl"
-    _long_context_agents(data, agents=12, turns=3)
-    out = tmp_path / "offline"
+def _offline(data, out) -> dict:
+    """The offline experiment's three modes on ``data`` (12 agents x 3 turns), its JSON result."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -67,19 +63,36 @@ def test_on_a_storage_bound_run_dualpath_beats_basic_by_reading_on_the_decode_no
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout)
-    rows = result["modes"]
-    for mode, row in rows.items():
-        assert row["turns_completed"] == 36 and not row["errors"], (mode, row)
-        assert row["cache_hit_rate"] > 0.9  # the warm-up's KV is in storage: every timed turn is mostly hits
-    basic, dualpath, oracle = (rows[m]["jct_s"] for m in ("basic", "dualpath", "oracle"))
-    assert basic / dualpath >= 1.3, (basic, dualpath)  # the I/O bound is 2.0x; a clear margin, not noise
-    assert oracle < dualpath, (oracle, dualpath)
-    assert rows["basic"]["snic_bytes_read"]["d0"] == 0  # basic loads through the prefill node only
-    read = rows["dualpath"]["snic_bytes_read"]
-    assert read["d0"] >= 0.25 * (read["d0"] + read["p0"]), read  # dualpath reads on the decode node too
-    assert rows["oracle"]["snic_bytes_read"] == {"p0": 0, "d0": 0}
-    assert result["ratios"]["efficiency"] >= 0.65  # most of min((P+D)/P, basic/oracle) is captured
+    return json.loads(proc.stdout)
+
+
+def test_on_a_storage_bound_run_dualpath_beats_basic_by_reading_on_the_decode_node_and_oracle_is_fastest(tmp_path):
+    """The headline claim on the real services: pooling both nodes' storage NICs shortens the
+    job (I/O bound here: 2x), the decode node's SNIC really reads, skipping I/O is faster still.
+
+    The timing bounds are checked on a second run when the first misses them: one closed-loop
+    run on a shared 2-core host can stall (a CI run once measured dualpath 2.56 s where it takes
+    1.7-1.8 s); a real regression misses both."""
+    data = tmp_path / "agents.jsonl"
+    _long_context_agents(data, agents=12, turns=3)
+    for run in range(2):
+        result = _offline(data, tmp_path / f"offline-{run}")
+        rows = result["modes"]
+        for mode, row in rows.items():
+            assert row["turns_completed"] == 36 and not row["errors"], (mode, row)
+            assert row["cache_hit_rate"] > 0.9  # the warm-up's KV is in storage: every timed turn is mostly hits
+        assert rows["basic"]["snic_bytes_read"]["d0"] == 0  # basic loads through the prefill node only
+        read = rows["dualpath"]["snic_bytes_read"]
+        assert read["d0"] >= 0.25 * (read["d0"] + read["p0"]), read  # dualpath reads on the decode node too
+        assert rows["oracle"]["snic_bytes_read"] == {"p0": 0, "d0": 0}
+        basic, dualpath, oracle = (rows[m]["jct_s"] for m in ("basic", "dualpath", "oracle"))
+        efficiency = result["ratios"]["efficiency"]
+        print(f"run {run}: basic {basic:.2f} s, dualpath {dualpath:.2f} s, oracle {oracle:.2f} s, efficiency {efficiency:.2f}")
+        # the I/O bound is 2.0x (1.7-1.9x measured); most of min((P+D)/P, basic/oracle) is captured
+        if basic / dualpath >= 1.3 and oracle < dualpath and efficiency >= 0.65:
+            break
+    else:
+        raise AssertionError(f"two runs missed the bounds; the last: basic {basic}, dualpath {dualpath}, oracle {oracle}, eff {efficiency}")
 
 
 def test_loadgen_online_against_a_real_stack_reuses_kv_and_meets_a_loose_slo(tiny_model, tmp_path):
