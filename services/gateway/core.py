@@ -377,12 +377,7 @@ class Gateway:
         take the old one for a new request and run it for nobody. Raises BusTimeoutError and
         RemoteError like ``Bus.request``."""
         deadline = time.monotonic() + _FAILOVER_S
-        first = True
         while True:
-            if not first and self.streams.superseded(req.request_id, req.submission):
-                log.info("submit_superseded", request_id=req.request_id, submission=req.submission)
-                return
-            first = False
             try:
                 reply = await self._connected().request(self.subjects.submit, req, m.SubmitReply, timeout=TIMEOUTS.submit)
                 self._scheduler_seen(reply.instance)
@@ -390,10 +385,13 @@ class Gateway:
             except BusTimeoutError as exc:
                 if time.monotonic() >= deadline:
                     raise
-                if not exc.no_responders:
+                if exc.no_responders:
+                    await asyncio.sleep(0.2)
+                else:  # its scheduler may have died holding it: ask the next one at once
                     log.warning("submit_unanswered", request_id=req.request_id)
-                    continue  # its scheduler may have died holding it: ask the next one at once
-            await asyncio.sleep(0.2)
+            if self.streams.superseded(req.request_id, req.submission):
+                log.info("submit_superseded", request_id=req.request_id, submission=req.submission)
+                return
 
     # ---- scheduler failover -----------------------------------------------------------------
     async def _on_scheduler_alive(self, raw) -> None:

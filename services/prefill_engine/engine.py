@@ -521,9 +521,8 @@ class PrefillEngine:
         )
 
     async def _drop(self, job: Job, *, failed: bool = False) -> None:
-        """Forget ``job``; reported finished unless it was superseded or ``failed`` (its
-        ``TaskFailed`` tells the scheduler: a report names no attempt, so a failure reported
-        finished would pass for the prefill of a retry placed on this engine again)."""
+        """Forget ``job``; reported finished (with its attempt) unless it was superseded or
+        ``failed`` (its ``TaskFailed`` tells the scheduler: a failure is not a finish)."""
         rid = job.task.request_id
         if self.jobs.get(rid) is job:
             del self.jobs[rid]

@@ -60,6 +60,16 @@ def _core() -> SchedulerCore:
     return SchedulerCore(policy, CoreConfig(engine_timeout=60.0))
 
 
+async def _leader(bus: FakeBus, core: SchedulerCore, tasks, decode: dict[str, str]) -> SchedulerShell:
+    """The active scheduler "lead@7" with prefill engine p0 (node P) and ``decode`` (engine ->
+    incarnation, node D) reported."""
+    shell = SchedulerShell(bus, Subjects("t"), core, tasks, instance="lead@7")  # type: ignore[arg-type]
+    await shell.on_engine_report(_report("p0", "P", m.Role.PREFILL, "p-1"))
+    for engine, incarnation in decode.items():
+        await shell.on_engine_report(_report(engine, "D", m.Role.DECODE, incarnation))
+    return shell
+
+
 def _submit(submission: int) -> m.SubmitRequest:
     """Request "r" as the gateway submits it the ``submission``-th time."""
     return m.SubmitRequest(
@@ -81,10 +91,7 @@ def test_a_resubmitted_request_is_placed_with_attempts_after_the_dead_schedulers
     async def main() -> None:
         core = _core()
         async with anyio.create_task_group() as tasks:
-            shell = SchedulerShell(bus, Subjects("t"), core, tasks, instance="lead@7")  # type: ignore[arg-type]
-            await shell.on_engine_report(_report("p0", "P", m.Role.PREFILL, "p-1"))
-            await shell.on_engine_report(_report("d0", "D", m.Role.DECODE, "d-1"))
-            await shell.on_engine_report(_report("d1", "D", m.Role.DECODE, "d-1b"))
+            shell = await _leader(bus, core, tasks, {"d0": "d-1", "d1": "d-1b"})
             submit = _submit(2)  # the gateway's second resubmission (two failovers)
             stop = asyncio.Event()
             tasks.start_soon(shell.run, stop)  # its passes place the queue
@@ -124,9 +131,7 @@ def test_a_submission_no_newer_than_one_already_run_here_is_refused_as_known():
     async def main() -> None:
         core = _core()
         async with anyio.create_task_group() as tasks:
-            shell = SchedulerShell(bus, Subjects("t"), core, tasks, instance="lead@7")  # type: ignore[arg-type]
-            await shell.on_engine_report(_report("p0", "P", m.Role.PREFILL, "p-1"))
-            await shell.on_engine_report(_report("d0", "D", m.Role.DECODE, "d-1"))
+            shell = await _leader(bus, core, tasks, {"d0": "d-1"})
             stop = asyncio.Event()
             tasks.start_soon(shell.run, stop)
             await shell.on_submit(_submit(1))
