@@ -92,6 +92,11 @@ class TrafficManager:
         self.region = region
         self.descriptor = descriptor
         self.pool = BufferPool(region.size)
+        # The request buffer (what the scheduler plans with): requests' slots hold at most this
+        # much of the region; the rest (``--prefetch-mb``, beside it) is for staged prefetch runs.
+        self.buffer_bytes = region.size - (cfg.prefetch_mb << 20)
+        if self.buffer_bytes <= 0:
+            raise ValueError(f"region of {region.size} bytes leaves no request buffer beside a {cfg.prefetch_mb} MiB prefetch cache")
         self.io = storage
         # A slot is not given back while a storage read or write still uses it: a free that
         # comes meanwhile (a retried request, a lost engine) takes effect when the last ends,
@@ -108,8 +113,9 @@ class TrafficManager:
         self.clock = time.monotonic  # of reservations and scheduler changes
         self.reclaimed = 0  # reservations given back after a scheduler change
         self._quarantine: dict[str, float] = {}  # slot key -> when a given-up attempt's slot may be reused
-        # Agent-aware prefetch (a hint): staged runs are slots of this same buffer, given up
-        # first whenever a request needs the room (_alloc).
+        # Agent-aware prefetch (a hint): staged runs are slots of the same region, beside the
+        # request buffer (at most ``prefetch_mb`` of them), given up first whenever a request
+        # needs physical room the runs hold (_alloc).
         cache = PrefetchCache(self.pool, region.buf, cfg.prefetch_mb << 20, cfg.prefetch_ttl_s) if cfg.prefetch_mb > 0 else None
         self.prefetcher = Prefetcher(storage, cache) if cache is not None else None
         # Retained runs (PrefetchCache.retain): slot key -> (model digest, hashes, block bytes) of
@@ -151,13 +157,22 @@ class TrafficManager:
             return True  # the slot is a prefetch run now (a hint, given up first)
         return self.pool.free(key)
 
+    def request_bytes(self) -> int:
+        """Bytes of the region held by requests' slots (not by staged prefetch runs)."""
+        return self.region.size - self.pool.free_bytes - self._prefetch_bytes()
+
     def _alloc(self, request_id: str, attempt: int, nbytes: int) -> Slot:
-        """A request attempt's slot; staged prefetch runs are dropped, oldest first, before it waits.
+        """A request attempt's slot, within the request buffer; staged prefetch runs are dropped,
+        oldest first, when they hold the physical room it needs.
 
         Raises:
-            BufferFullError: no room even without any staged run.
+            BufferFullError: the request buffer has no room, or no room even without any staged run.
         """
         key = slot_key(request_id, attempt)
+        if self.pool.get(key) is None:
+            need, used = BufferPool.rounded(nbytes), self.request_bytes()
+            if used + need > self.buffer_bytes:
+                raise BufferFullError(need, self.buffer_bytes - used, self.buffer_bytes - used)
         slot = self.pool.alloc(key, nbytes) if self.prefetcher is None else self.prefetcher.cache.alloc(key, nbytes)
         self._attempts.setdefault(request_id, set()).add(attempt)
         self._free_later.discard(key)  # allocated again: a pending free of an earlier use no longer applies
@@ -196,11 +211,11 @@ class TrafficManager:
         return self.region.buf[offset : offset + nbytes]
 
     async def alloc(self, req: m.AllocRequest) -> m.AllocReply:
-        if req.blocks * req.block_bytes > self.region.size:
+        if req.blocks * req.block_bytes > self.buffer_bytes:
             raise HandlerError(
                 400,
                 f"request {req.request_id} needs {req.blocks * req.block_bytes} bytes, more than node "
-                f"{self.cfg.node_id}'s whole {self.region.size}-byte buffer",
+                f"{self.cfg.node_id}'s whole {self.buffer_bytes}-byte buffer",
             )
         try:
             slot = self._alloc(req.request_id, req.attempt, req.blocks * req.block_bytes)
@@ -251,7 +266,7 @@ class TrafficManager:
         if slot is None:
             if not req.allocate:
                 raise HandlerError(404, f"request {req.request_id} has no buffer slot on node {self.cfg.node_id}")
-            if max(req.total_blocks, len(req.hashes)) * fmt.block_bytes > self.region.size:
+            if max(req.total_blocks, len(req.hashes)) * fmt.block_bytes > self.buffer_bytes:
                 raise HandlerError(400, f"request {req.request_id}'s KV is larger than node {self.cfg.node_id}'s whole buffer")
             try:
                 slot = self._alloc(req.request_id, req.attempt, max(req.total_blocks, len(req.hashes)) * fmt.block_bytes)
@@ -378,8 +393,8 @@ class TrafficManager:
             node_id=self.cfg.node_id,
             read_q_tokens=self.io.read_q_tokens,
             read_q_bytes=self.io.read_q_bytes,
-            buffer_free_bytes=self.pool.free_bytes + self._prefetch_bytes(),  # staged runs are free room for requests
-            buffer_bytes=self.region.size,
+            buffer_free_bytes=self.buffer_bytes - self.request_bytes(),  # staged runs are not the requests' room
+            buffer_bytes=self.buffer_bytes,
             regions=[self.descriptor.to_wire()],
             bytes_read=self.io.bytes_read,
             bytes_written=self.io.bytes_written,
@@ -424,16 +439,16 @@ def register_metrics(tm: TrafficManager) -> None:
     observe(
         "dualpath.buffer.used",
         "bytes of the node DRAM buffer held by requests",
-        lambda: [(tm.region.size - tm.pool.free_bytes - tm._prefetch_bytes(), node)],
+        lambda: [(tm.request_bytes(), node)],
         unit="By",
     )
     observe(
         "dualpath.buffer.prefetch",
-        "bytes of the node DRAM buffer held by staged prefetch runs (given up first)",
+        "bytes of the node's DRAM held by staged prefetch runs (beside the request buffer)",
         lambda: [(tm._prefetch_bytes(), node)],
         unit="By",
     )
-    observe("dualpath.buffer.size", "bytes of the node DRAM buffer", lambda: [(tm.region.size, node)], unit="By")
+    observe("dualpath.buffer.size", "bytes of the node DRAM buffer for requests", lambda: [(tm.buffer_bytes, node)], unit="By")
     nic_observations(lambda: [n for n in (io.nic, io.write_nic) if n is not None])
 
 
@@ -465,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     subjects = Subjects(bus_cfg.namespace)
 
     async def serve(bus: Bus, stop: asyncio.Event, tasks: TaskGroup) -> None:
-        region = MemoryRegion(f"{bus_cfg.namespace}-{cfg.node_id}-buf", cfg.buffer_mb << 20)
+        # one registered region: the request buffer, then the prefetch cache beside it
+        region = MemoryRegion(f"{bus_cfg.namespace}-{cfg.node_id}-buf", (cfg.buffer_mb + cfg.prefetch_mb) << 20)
         transport = create_transport(cfg.transport, node_id=cfg.node_id, host=cfg.data_host)
         await transport.start()
         descriptor = transport.register(region)
@@ -485,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         if tm.prefetcher is not None:
             await bus.serve(subjects.tm(cfg.node_id, "prefetch"), tm.prefetch, m.PrefetchRequest)
             start_logged(tasks, "prefetch", tm.prefetcher.run, stop)  # in the service's task group; ends with stop
-        log.info("traffic_manager_ready", node=cfg.node_id, buffer_mb=cfg.buffer_mb, transport=cfg.transport)
+        log.info("traffic_manager_ready", node=cfg.node_id, buffer_mb=cfg.buffer_mb, prefetch_mb=cfg.prefetch_mb, transport=cfg.transport)
         try:
             while not stop.is_set():
                 tm.sweep()

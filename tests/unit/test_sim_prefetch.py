@@ -1,5 +1,5 @@
 """Agent-aware prefetch in the simulator (mode ``prefetch``): staged copies serve next turns,
-are held in the node buffer within its size, are given up before a request waits, and leave
+are held in the node's prefetch cache beside the request buffer (never its room), and leave
 nothing behind."""
 
 from __future__ import annotations
@@ -44,24 +44,37 @@ def test_the_node_that_read_a_turn_keeps_it_so_the_next_turns_read_less_from_sto
     assert storage_bytes(pf) < 0.7 * storage_bytes(base)
 
 
-def test_a_small_buffer_still_completes_every_turn_within_its_size():
-    roomy, tight = gapped("prefetch"), gapped("prefetch", dram_buffer_gb=2.0)
+def test_a_small_buffer_still_completes_every_turn_and_copies_stay_within_the_cache():
+    roomy, tight = gapped("prefetch"), gapped("prefetch", dram_buffer_gb=2.0, prefetch_gb=1.0)
     roomy.run(), tight.run()
     assert tight.metrics.turns_done == roomy.metrics.turns_done
-    assert 0 < tight.prefetch.summary()["peak_buffer_bytes"] <= tight.cfg.buffer_bytes()
+    pf = tight.prefetch.summary()
+    assert pf["cap_bytes_per_node"] == 1.0e9 * tight.cfg.node_share
+    assert 0 < pf["peak_cache_bytes"] <= pf["cap_bytes_per_node"]
 
 
-def test_a_slot_reservation_drops_staged_copies_rather_than_wait():
-    sim = gapped("prefetch")
+def test_staged_copies_sit_beside_the_buffer_and_never_take_a_requests_room():
+    sim = gapped("prefetch", prefetch_gb=80.0)
     node, storage = sim.prefetch.nodes["d0"], sim.storage["d0"]
     tokens = int(0.3 * storage.buffer_bytes / sim.kv_bytes_per_token) // 64 * 64
-    for agent in (1, 2, 3):  # three copies fill 90% of the buffer
+    for agent in (1, 2, 3):  # three copies as large as 90% of the request buffer
         node.stage(agent, tokens)
     sim.loop.run(60.0)
-    assert len(node.copies) == 3 and storage.buffer_used == node.bytes > 0.85 * storage.buffer_bytes
-    assert storage.reserve("r", 0.5 * storage.buffer_bytes)  # no wait: the two oldest copies go
-    assert list(node.copies) == [3] and storage.buffer_used <= storage.buffer_bytes
-    assert sim.prefetch.summary()["dropped_bytes"] == 2 * tokens * sim.kv_bytes_per_token
+    assert len(node.copies) == 3 and node.bytes == 3 * tokens * sim.kv_bytes_per_token
+    assert storage.buffer_used == 0 and storage.buffer_report() == (int(storage.buffer_bytes), int(storage.buffer_bytes))
+    assert storage.reserve("r", storage.buffer_bytes)  # the whole request buffer, and no copy given up
+    assert list(node.copies) == [1, 2, 3] and sim.prefetch.summary()["dropped_bytes"] == 0
+    assert not storage.reserve("r2", 1.0)  # the request buffer is full: the cache does not lend it room
+
+
+def test_a_copy_a_pe_read_uses_passes_into_the_request_buffer():
+    sim = gapped("prefetch")
+    node, storage = sim.prefetch.nodes["p0"], sim.storage["p0"]
+    node.stage(7, 64 * 10)
+    sim.loop.run(60.0)
+    assert node.copies[7].ready == 640 and storage.buffer_used == 0
+    assert node.take(7, 64 * 20, keep=True) == 640
+    assert 7 not in node.copies and node.bytes == 0 and storage.buffer_used == 640 * sim.kv_bytes_per_token
 
 
 def test_staging_waits_while_the_node_reads_for_a_request():
@@ -76,10 +89,10 @@ def test_staging_waits_while_the_node_reads_for_a_request():
     assert node.busy and storage.read_link.active == 1
 
 
-def test_the_cap_bounds_the_buffer_staged_copies_hold():
+def test_the_cap_bounds_the_cache_staged_copies_hold():
     sim = gapped("prefetch", prefetch_gb=0.5)
     sim.run()
-    assert 0 < sim.prefetch.summary()["peak_buffer_bytes"] <= 0.5e9 * sim.cfg.node_share
+    assert 0 < sim.prefetch.summary()["peak_cache_bytes"] <= 0.5e9 * sim.cfg.node_share
 
 
 def test_prefetch_off_is_dualpath_unchanged():
@@ -95,4 +108,4 @@ def test_sim_online_prefetch_runs_the_prefetch_mode_next_to_dualpath_and_reports
     modes = json.loads(capsys.readouterr().out)["modes"]
     assert list(modes) == ["dualpath", "prefetch"] and modes["dualpath"]["prefetch"] is None
     pf = modes["prefetch"]["prefetch"]
-    assert pf["staged_bytes"] > 0 and 0 < pf["used_fraction"] <= 1 and 0 < pf["peak_buffer_bytes"] <= 4e9
+    assert pf["staged_bytes"] > 0 and 0 < pf["used_fraction"] <= 1 and 0 < pf["peak_cache_bytes"] <= 4e9

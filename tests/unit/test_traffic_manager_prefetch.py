@@ -1,6 +1,7 @@
-"""The traffic manager's prefetch: staged runs live in the node buffer, a load takes them
-(bytes as stored), a request that needs the room drops them rather than wait, and staging
-starts only while the node reads nothing for a request."""
+"""The traffic manager's prefetch: staged runs live in the cache beside the request buffer
+(never its room), a load takes them (bytes as stored), a request that needs the physical
+room they hold drops them rather than wait, and staging starts only while the node reads
+nothing for a request."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import dataclasses
 import uuid
 from collections.abc import Iterator
 
+import pytest
+
+from dualpath.bus import HandlerError
 from dualpath.config import NodeConfig
 from dualpath.kv import BlockStore
 from dualpath.node.storage_io import StorageIO
@@ -20,13 +24,15 @@ from services.traffic_manager.service import TrafficManager
 
 LAYERS, TOKENS, BPT = 2, 64, 32  # 4 KiB blocks
 BB = LAYERS * TOKENS * BPT
+CACHE_BLOCKS = (1 << 20) // BB  # --prefetch-mb 1
 DIGEST = 5
 
 
 @contextlib.contextmanager
 def _tm(tmp_path, blocks: int, buffer_blocks: int) -> Iterator[tuple[TrafficManager, MemoryRegion, list[int]]]:
-    """A traffic manager over a store of ``blocks`` blocks (hash h holds bytes h) and a buffer
-    of ``buffer_blocks``; its region is closed and unlinked afterwards."""
+    """A traffic manager over a store of ``blocks`` blocks (hash h holds bytes h mod 256), a request
+    buffer of ``buffer_blocks`` and a 1 MiB prefetch cache beside it; its region is closed and
+    unlinked afterwards."""
     store = BlockStore(tmp_path)
     hashes = list(range(1, blocks + 1))
     for h in hashes:
@@ -37,9 +43,9 @@ def _tm(tmp_path, blocks: int, buffer_blocks: int) -> Iterator[tuple[TrafficMana
             tokens=TOKENS,
             bytes_per_token_layer=BPT,
             dtype="uint8",
-            payload=bytes([h]) * BB,
+            payload=bytes([h % 256]) * BB,
         )
-    region = MemoryRegion(f"test-tmpf-{uuid.uuid4().hex[:10]}", buffer_blocks * BB)
+    region = MemoryRegion(f"test-tmpf-{uuid.uuid4().hex[:10]}", (buffer_blocks + CACHE_BLOCKS) * BB)
     desc = RegionDescriptor(region_id=region.region_id, node_id="n0", size=region.size, transport="tcp")
     cfg = NodeConfig(node_id="n0", prefetch_mb=1, prefetch_ttl_s=60.0)
     try:
@@ -75,7 +81,8 @@ def test_a_load_takes_the_staged_blocks_from_the_buffer_and_reads_the_rest(tmp_p
         async def run():
             await _stage(tm, hashes[:4])
             assert tm.prefetcher is not None and tm.prefetcher.cache.bytes == 4 * BB
-            assert tm.report().buffer_free_bytes == region.size  # staged runs count as free room
+            report = tm.report()  # staged runs sit beside the request buffer: all of it is free
+            assert report.buffer_bytes == report.buffer_free_bytes == 32 * BB
             reply = await tm.load(_load("r1", hashes, 6))
             return reply
 
@@ -87,18 +94,49 @@ def test_a_load_takes_the_staged_blocks_from_the_buffer_and_reads_the_rest(tmp_p
         assert stats["prefetch_used_bytes"] == 4 * BB and stats["prefetch_cached_bytes"] == 0
 
 
-def test_a_request_that_needs_the_room_drops_staged_runs_instead_of_waiting(tmp_path):
+def test_a_staged_run_never_takes_a_requests_room(tmp_path):
     with _tm(tmp_path, blocks=8, buffer_blocks=8) as (tm, region, hashes):
 
         async def run():
             await _stage(tm, hashes[:6])
-            reply = await tm.alloc(m.AllocRequest(request_id="r2", blocks=8, block_bytes=BB))
-            return reply
+            return await tm.alloc(m.AllocRequest(request_id="r2", blocks=8, block_bytes=BB))
 
-        reply = asyncio.run(run())
-        assert reply.nbytes == 8 * BB
+        assert asyncio.run(run()).nbytes == 8 * BB  # the whole request buffer, and the run stays
         stats = tm._prefetch_stats()
-        assert stats["prefetch_evictions"] == 1 and stats["prefetch_dropped_bytes"] == 6 * BB and stats["prefetch_cached_bytes"] == 0
+        assert stats["prefetch_evictions"] == 0 and stats["prefetch_cached_bytes"] == 6 * BB
+        assert tm.report().buffer_free_bytes == 0
+
+
+def test_requests_hold_at_most_the_request_buffer_though_the_cache_has_room(tmp_path):
+    with _tm(tmp_path, blocks=1, buffer_blocks=8) as (tm, region, _):
+
+        async def run():
+            await tm.alloc(m.AllocRequest(request_id="r1", blocks=6, block_bytes=BB))
+            with pytest.raises(HandlerError) as full:
+                await tm.alloc(m.AllocRequest(request_id="r2", blocks=4, block_bytes=BB))
+            with pytest.raises(HandlerError) as larger:
+                await tm.alloc(m.AllocRequest(request_id="r3", blocks=9, block_bytes=BB))
+            return full.value, larger.value
+
+        full, larger = asyncio.run(run())
+        assert full.code == m.BUFFER_FULL and larger.code == 400 and "whole" in str(larger)
+        assert tm.pool.free_bytes == region.size - 6 * BB  # the cache's room was not lent
+
+
+def test_a_request_that_needs_the_physical_room_a_run_holds_drops_it_instead_of_waiting(tmp_path):
+    with _tm(tmp_path, blocks=CACHE_BLOCKS, buffer_blocks=8) as (tm, region, hashes):
+
+        async def run():
+            await _stage(tm, hashes[:4])  # run A: blocks 0-4 of the region
+            await tm.alloc(m.AllocRequest(request_id="r1", blocks=4, block_bytes=BB))  # 4-8
+            await _stage(tm, hashes[4:])  # run B: the rest of the cache budget, 8-260
+            await tm.free(m.FreeRequest(request_id="r1"))  # free: 4-8 and 260-264, 8 blocks apart
+            return await tm.alloc(m.AllocRequest(request_id="r2", blocks=8, block_bytes=BB))
+
+        assert asyncio.run(run()).nbytes == 8 * BB
+        stats = tm._prefetch_stats()
+        assert stats["prefetch_evictions"] == 1 and stats["prefetch_dropped_bytes"] == 4 * BB  # run A, the oldest
+        assert stats["prefetch_cached_bytes"] == (CACHE_BLOCKS - 4) * BB
 
 
 def test_staging_waits_while_a_request_read_is_queued(tmp_path):
@@ -132,7 +170,7 @@ def test_a_pe_read_slot_given_back_stays_as_a_run_and_the_next_load_reads_only_t
             await tm.load(_load("t1", hashes[:4], 5))  # the PE read path: the load allocates the slot
             await tm.free(m.FreeRequest(request_id="t1"))  # its prefill ended
             assert tm.prefetcher is not None and tm.prefetcher.cache.bytes == 5 * BB  # the slot, kept in place
-            assert tm.report().buffer_free_bytes == region.size  # a retained run is free room for requests
+            assert tm.report().buffer_free_bytes == 32 * BB  # the retained run left the request buffer
             return await tm.load(_load("t2", hashes, 6))
 
         reply = asyncio.run(run())
@@ -186,7 +224,7 @@ def test_a_slot_nothing_was_read_into_is_freed_not_retained(tmp_path):
         assert tm.prefetcher is not None and tm.prefetcher.cache.bytes == 0 and tm.pool.free_bytes == region.size
 
 
-def test_a_request_that_needs_the_room_drops_a_retained_run(tmp_path):
+def test_a_retained_run_leaves_the_whole_request_buffer_to_the_next_request(tmp_path):
     with _tm(tmp_path, blocks=4, buffer_blocks=8) as (tm, region, hashes):
 
         async def run():
@@ -195,4 +233,5 @@ def test_a_request_that_needs_the_room_drops_a_retained_run(tmp_path):
             return await tm.alloc(m.AllocRequest(request_id="r2", blocks=8, block_bytes=BB))
 
         assert asyncio.run(run()).nbytes == 8 * BB
-        assert tm._prefetch_stats()["prefetch_evictions"] == 1
+        stats = tm._prefetch_stats()
+        assert stats["prefetch_evictions"] == 0 and stats["prefetch_cached_bytes"] == 4 * BB

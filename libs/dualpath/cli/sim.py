@@ -19,6 +19,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from dualpath.node.prefetch import PREFETCH_CACHE_GB
+
 __all__ = ["main"]
 
 
@@ -243,8 +245,7 @@ def format_online(result: dict) -> str:
             lines.append(
                 f"{mode}: prefetch staged {pf['staged_bytes'] / 1e9:.1f} GB from storage, retained "
                 f"{pf.get('retained_bytes', 0.0) / 1e9:.1f} GB of reads, used {_f(pf['used_fraction'])} of both, "
-                f"peak DRAM buffer on staged copies {pf['peak_buffer_bytes'] / 1e9:.1f} GB per node "
-                f"(cap {pf['cap_bytes_per_node'] / 1e9:.1f})"
+                f"peak prefetch cache {pf['peak_cache_bytes'] / 1e9:.1f} of {pf['cap_bytes_per_node'] / 1e9:.1f} GB per node"
             )
     return "\n".join(lines)
 
@@ -264,13 +265,15 @@ def _online(argv: list[str]) -> int:
     p.add_argument("--slo-tpot", type=float, default=0.05)
     p.add_argument("--attainment", type=float, default=0.99)
     p.add_argument("--prefetch", action="store_true", help="also run mode 'prefetch' (DualPath with agent-aware prefetch) next to --modes")
-    p.add_argument("--prefetch-gb", type=float, default=0.0, help="staged copies per node at most, GB (0: the whole DRAM buffer)")
+    p.add_argument(
+        "--prefetch-gb", type=float, default=PREFETCH_CACHE_GB, help="prefetch cache per node, GB, in host DRAM beside --dram-gb"
+    )
     p.add_argument("--prefetch-ttl", type=float, default=60.0, help="seconds a staged copy waits for its agent's next turn")
     ns = p.parse_args(argv)
     if not ns.rate > 0 or not ns.duration > 0 or not ns.burstiness > 0 or ns.tool_gap < 0:
         raise _Fail("--rate, --duration and --burstiness must be positive and --tool-gap >= 0")
-    if ns.prefetch_gb < 0 or not ns.prefetch_ttl > 0:
-        raise _Fail(f"--prefetch-gb must be >= 0 and --prefetch-ttl > 0, got {ns.prefetch_gb:g} and {ns.prefetch_ttl:g}")
+    if not ns.prefetch_gb > 0 or not ns.prefetch_ttl > 0:
+        raise _Fail(f"--prefetch-gb and --prefetch-ttl must be positive, got {ns.prefetch_gb:g} and {ns.prefetch_ttl:g}")
     from dualpath.sim.experiments import run_online, sweep_online
 
     modes = _modes(ns.modes, ns.read_policy)

@@ -44,6 +44,11 @@ class BufferPool:
     def free_bytes(self) -> int:
         return sum(n for _, n in self._free)
 
+    @staticmethod
+    def rounded(nbytes: int) -> int:
+        """The bytes a slot of ``nbytes`` takes (rounded up to 4 KiB, at least 4 KiB)."""
+        return max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+
     def get(self, owner: str) -> Slot | None:
         return self._slots.get(owner)
 
@@ -59,7 +64,7 @@ class BufferPool:
             if existing.nbytes < nbytes:
                 raise ValueError(f"{owner} already holds {existing.nbytes} bytes, asked for {nbytes}")
             return existing
-        need = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        need = self.rounded(nbytes)
         for i, (off, length) in enumerate(self._free):
             if length >= need:
                 if length == need:

@@ -8,11 +8,16 @@ through the same checksummed path as any read, and keeps the verified payloads h
 ``load`` takes the leading blocks it finds here instead of reading them (a memory copy into
 the request's slot); the rest come from storage.
 
-**A staged copy is only a hint.** It lives in the node's DRAM buffer: each hint's blocks are
-one *run*, a slot of the same ``BufferPool`` the requests' slots come from, so the buffer the
-scheduler and the engines see is the real one. Runs are given up before any request waits:
+**A staged copy is only a hint.** It lives in the node's DRAM beside the request buffer: the
+traffic manager's one registered region is the request buffer (``--buffer-mb``, what the
+scheduler plans with; requests' slots never hold more) followed by the prefetch cache
+(``--prefetch-mb``), and each hint's blocks are one *run*, a slot of the same ``BufferPool``
+the requests' slots come from. So prefetch never takes request room, and DualPath's small
+buffer (the paper's 80 GB per node) stays what it is while otherwise idle host DRAM holds the
+contexts of sessions between turns. Runs are given up before any request waits:
 
-- a request that finds no room (``alloc``) drops runs, oldest first, until it fits;
+- a request that finds no physical room (``alloc``: runs placed where its slot must go)
+  drops runs, oldest first, until it fits;
 - runs never exceed ``budget_bytes`` per node (``--prefetch-mb``) nor take room a request
   holds; a hint larger than the room left stages its leading blocks only (``load`` uses
   leading blocks: a tail alone would be useless), and staging never drops another run;
@@ -28,7 +33,7 @@ from it. ``retain`` keeps that slot, bytes in place, as a run of those blocks in
 freeing it, within the same budget, dropped first and expiring as any run. The next turn's
 hint then finds them here and stages only what is missing (``Prefetcher``). Staging from
 storage costs the storage NIC's idle time; retaining costs none, so it lowers the storage
-load itself (what raises the arrival rate the SNICs sustain), as far as the buffer holds the
+load itself (what raises the arrival rate the SNICs sustain), as far as the cache holds the
 contexts of the sessions between turns.
 
 A next turn that lands on another node simply reads from storage. Counters: bytes staged,
@@ -49,9 +54,13 @@ from dataclasses import dataclass
 
 from dualpath.node.buffer import BufferFullError, BufferPool, Slot
 
-__all__ = ["PREFETCH_OWNER", "PrefetchCache", "PrefetchStats", "Run"]
+__all__ = ["PREFETCH_CACHE_GB", "PREFETCH_OWNER", "PrefetchCache", "PrefetchStats", "Run"]
 
 PREFETCH_OWNER = "prefetch:"  # prefix of the buffer slots that hold runs (never a request id)
+# The prefetch cache of an 8-GPU node in the testbed and the simulator, GB: the paper's Qwen
+# buffer size (PAPER.md: 80 GB for DeepSeek, 320 GB for Qwen; the SGLang+Mooncake baseline
+# needed 1.5 TB), a fraction of a Hopper node's 1-2 TB of host DRAM.
+PREFETCH_CACHE_GB = 320.0
 
 
 @dataclass(slots=True)
@@ -85,8 +94,8 @@ class Run:
 
 
 class PrefetchCache:
-    """Runs of prefetched blocks in ``pool`` (the node buffer), read and written through
-    ``region`` (the buffer's bytes), within ``budget_bytes`` for ``ttl_s`` each.
+    """Runs of prefetched blocks in ``pool`` (the node's region), read and written through
+    ``region`` (its bytes), within ``budget_bytes`` for ``ttl_s`` each.
 
     Raises:
         ValueError: a negative budget or a TTL that is not positive.

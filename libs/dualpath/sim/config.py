@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from dualpath.node.prefetch import PREFETCH_CACHE_GB
+
 __all__ = ["ABLATION", "GBPS", "MODES", "SimConfig", "SimMode", "parse_topology"]
 
 GBPS = 1e9 / 8  # bytes per second in one Gbit/s
@@ -90,7 +92,7 @@ class SimConfig:
     report_interval_s: float = 0.2  # traffic managers report read_q this often (the services' default)
     collective_share: float = 0.0  # prefill: CNIC time model collectives (high priority) take per second of compute
     persist: bool = True  # decode persists full blocks (next turn's hits); False: hits are free
-    prefetch_gb: float = 0.0  # mode prefetch: staged copies per node at most, GB (0: the whole DRAM buffer)
+    prefetch_gb: float = PREFETCH_CACHE_GB  # mode prefetch: the prefetch cache per node, GB, in DRAM beside the buffer
     prefetch_ttl_s: float = 60.0  # mode prefetch: seconds a staged copy waits for its agent's next turn
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -99,8 +101,8 @@ class SimConfig:
             raise ValueError(f"unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
         if min(self.prefill_nodes, self.decode_nodes, self.gpus_per_node, self.block_tokens, self.storage_parallel, self.max_running) < 1:
             raise ValueError("node, GPU, block, storage-parallel and max-running counts must be at least 1")
-        if min(self.snic_gbps, self.cnic_gbps, self.dram_buffer_gb, self.quota_s, self.pass_interval_s) <= 0:
-            raise ValueError("bandwidths, buffer size, quota and pass interval must be positive")
+        if min(self.snic_gbps, self.cnic_gbps, self.dram_buffer_gb, self.prefetch_gb, self.quota_s, self.pass_interval_s) <= 0:
+            raise ValueError("bandwidths, buffer and prefetch cache sizes, quota and pass interval must be positive")
         if not 0 <= self.collective_share < 1:
             raise ValueError(f"collective_share must be in [0, 1), got {self.collective_share}")
         if self.engines_per_node < 0 or self.engines_per_node > self.gpus_per_node:

@@ -10,22 +10,22 @@ modelled per node:
 - staging is the lowest priority on the node's storage NIC: a chunk (about 2 ms of link time,
   whole blocks) starts only while the node has no storage read queued or running, so a real
   read shares the link with at most one chunk;
-- a staged copy is a hint: it lives in the node's DRAM buffer (``NodeStorage.buffer_used``),
-  within a cap per node (``SimConfig.prefetch_gb``; 0: the whole buffer) and a time to live;
-  the oldest copies are dropped first when a request needs buffer room (a slot reservation
-  or a PE read), and when they expire; staging waits for room rather than drop a copy;
+- a staged copy is a hint: it lives in the node's prefetch cache, host DRAM beside the
+  request buffer (``SimConfig.prefetch_gb`` per node, scaled as the buffer), so it never takes
+  a request's room (``NodeStorage.buffer_used`` is the requests' alone), and has a time to
+  live; staging waits for room rather than drop a copy;
 - the next turn prefers the staged node (``PendingRequest.staged_node``); a read on that node
   takes the staged leading blocks (a DRAM copy, modelled as free) and reads only the rest
   from storage; a turn placed elsewhere reads from storage and the copy waits out its TTL;
 - *retained* copies (``PrefetchCache.retain``): the node that read a turn keeps what it read
-  instead of freeing it: on the PE read path the hits in the prefill node's buffer when the
-  prefill ends, on the DE read path the prompt's full blocks in the decode node's slot once
-  they are in HBM (the services persist them from that slot); that copy is where the core's
-  hint points, so staging reads only what it lacks. No storage read at all: this, not the
-  staging, lowers the storage load. A split read keeps only its PE share.
+  instead of freeing it (the bytes pass from the request buffer to the cache): on the PE
+  read path the hits in the prefill node's buffer when the prefill ends, on the DE read path
+  the prompt's full blocks in the decode node's slot once they are in HBM (the services
+  persist them from that slot); that copy is where the core's hint points, so staging reads
+  only what it lacks. No storage read at all: this, not the staging, lowers the storage load. A split read keeps only its PE share.
 
 Counters: hints, bytes staged (storage reads), bytes retained, bytes used by a read, bytes
-dropped unused, and the peak bytes of DRAM buffer held by staged copies.
+dropped unused, and the peak bytes of the cache held by staged copies.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class NodePrefetch:
         self.copies: OrderedDict[int, _Copy] = OrderedDict()
         self.queue: deque[_Copy] = deque()
         self.busy = False
-        self.bytes = 0.0  # buffer bytes held by copies
+        self.bytes = 0.0  # cache bytes held by copies
 
     # -- staging -------------------------------------------------------------------------
     def stage(self, agent: int, tokens: int) -> None:
@@ -111,18 +111,16 @@ class NodePrefetch:
                 return  # no room: wait until a copy is used, expires or a request leaves
             c.flight, c.held = tokens, c.held + nbytes
             self.bytes += nbytes
-            s.buffer_used += nbytes
             o.peak = max(o.peak, self.bytes)
             self.busy = True
             s.read_link.start(nbytes, self._chunk_done, c)
             return
 
     def _room(self, nbytes: float) -> bool:
-        """Whether a chunk fits the cap and the buffer. Staging never drops another copy: that
-        would spend the storage NIC to trade one hint for another of the same worth (the
-        working set of agents in their tool calls is larger than DRAM at any useful rate)."""
-        s, o = self.storage, self.owner
-        return self.bytes + nbytes <= o.cap and s.buffer_used + nbytes <= s.buffer_bytes
+        """Whether a chunk fits the cache. Staging never drops another copy: that would spend
+        the storage NIC to trade one hint for another of the same worth (the working set of
+        agents in their tool calls is larger than DRAM at any useful rate)."""
+        return self.bytes + nbytes <= self.owner.cap
 
     def _chunk_done(self, c: _Copy) -> None:
         o = self.owner
@@ -138,9 +136,9 @@ class NodePrefetch:
         self.pump()
 
     def retain(self, agent: int, tokens: int) -> float:
-        """``tokens`` of the agent's context, already in this buffer as a request's bytes, stay
-        as its copy (``PrefetchCache.retain``): the bytes kept (0: over the cap, the caller
-        frees them). Never drops another agent's copy."""
+        """``tokens`` of the agent's context, in this node's buffer as a request's bytes, stay
+        as its copy (``PrefetchCache.retain``; the caller releases the request's buffer bytes):
+        the bytes kept (0: over the cap). Never drops another agent's copy."""
         o = self.owner
         nbytes = tokens * o.kvb
         if tokens <= 0 or self.bytes + nbytes > o.cap:
@@ -159,8 +157,8 @@ class NodePrefetch:
     # -- use and eviction ----------------------------------------------------------------------
     def take(self, agent: int, hit: int, *, keep: bool) -> int:
         """A read of ``hit`` tokens on this node: the staged leading tokens it can use. The
-        copy is consumed; ``keep``: the used bytes stay in the buffer, now the request's (the
-        PE read path holds its hits there until its prefill ends), else they leave it."""
+        copy is consumed; ``keep``: the used bytes pass to the request buffer (the PE read path
+        holds its hits there until its prefill ends), else they leave DRAM."""
         c = self.copies.get(agent)
         if c is None or c.dead or c.expires <= self.owner.now():
             return 0
@@ -172,27 +170,17 @@ class NodePrefetch:
             c.ready -= used
             c.held -= used * o.kvb
             self.bytes -= used * o.kvb
+            self.storage.buffer_used += used * o.kvb
         self._drop(c, count=False)
         return used
-
-    def evict(self, need: float) -> bool:
-        """A request needs ``need`` bytes of buffer: drop copies, oldest first, until it fits;
-        whether it fits now (bytes of a chunk in flight are freed when it lands)."""
-        s = self.storage
-        for c in list(self.copies.values()):
-            if s.buffer_used + need <= s.buffer_bytes:
-                break
-            if not c.dead:
-                self._drop(c, pump=False)  # called from the storage queue's own pump
-        return s.buffer_used + need <= s.buffer_bytes or s.buffer_used <= 0
 
     def _expire(self) -> None:
         now = self.owner.now()
         for c in [c for c in self.copies.values() if c.expires <= now and not c.dead]:
             self._drop(c)
 
-    def _drop(self, c: _Copy, *, count: bool = True, pump: bool = True) -> None:
-        """Forget ``c``: its staged bytes leave the buffer now, a chunk in flight when it lands."""
+    def _drop(self, c: _Copy, *, count: bool = True) -> None:
+        """Forget ``c``: its staged bytes leave the cache now, a chunk in flight when it lands."""
         o = self.owner
         if count:
             o.dropped_bytes += c.ready * o.kvb
@@ -200,24 +188,18 @@ class NodePrefetch:
         c.ready, c.want, c.dead = 0, 0, True
         if self.copies.get(c.agent) is c:
             del self.copies[c.agent]
-        self._release(c, ready_bytes, pump)
+        self._release(c, ready_bytes)
         if not c.flight:
             c.held = 0.0
 
-    def _release(self, c: _Copy, nbytes: float, pump: bool = True) -> None:
-        """``nbytes`` of ``c`` leave the buffer; ``pump``: a read waiting for room may start."""
+    def _release(self, c: _Copy, nbytes: float) -> None:
+        """``nbytes`` of ``c`` leave the cache."""
         if nbytes <= 0:
             return
         c.held -= nbytes
         self.bytes -= nbytes
         if self.bytes < 1e-6:
             self.bytes = 0.0
-        s = self.storage
-        s.buffer_used -= nbytes
-        if s.buffer_used < 1e-6:
-            s.buffer_used = 0.0
-        if pump and s.queue:
-            s.release(0.0)
 
 
 class SimPrefetch:
@@ -230,7 +212,9 @@ class SimPrefetch:
         block_bytes = bt * self.kvb
         self.chunk_tokens = bt * max(1, int(sim.cfg.snic_bytes_per_s() * CHUNK_S // block_bytes))
         self.ttl_s = ttl_s
-        self.cap = cap_bytes if cap_bytes > 0 else sim.cfg.buffer_bytes()
+        if not cap_bytes > 0:
+            raise ValueError(f"the prefetch cache must be positive, got {cap_bytes:g} bytes per node")
+        self.cap = cap_bytes
         self.nodes: dict[str, NodePrefetch] = {}
         for name, storage in sim.storage.items():
             storage.prefetch = self.nodes[name] = NodePrefetch(self, storage)
@@ -260,7 +244,7 @@ class SimPrefetch:
 
     def retain_pe(self, req: SimRequest) -> float:
         """The PE read path's prefill ended: its hits in the prefill node's buffer stay as the
-        agent's copy there; the bytes kept (the caller releases the rest)."""
+        agent's copy there; the bytes kept (the caller releases the request's buffer bytes)."""
         s = req.buffer
         tokens = req.hit - req.split_de  # a split read's PE share
         if s is None or s.prefetch is None or req.buffer_bytes < tokens * self.kvb:
@@ -268,13 +252,13 @@ class SimPrefetch:
         return s.prefetch.retain(req.agent.index, tokens)
 
     def retain_de(self, req: SimRequest, storage: NodeStorage) -> None:
-        """The DE read path's KV is in HBM: the prompt's full blocks stay in the decode node's
-        slot as the agent's copy (the slot's other bytes are freed with it)."""
+        """The DE read path's KV is in HBM: the prompt's full blocks in the decode node's slot
+        stay as the agent's copy (the caller frees the slot)."""
         slot = storage.slots.get(req.key)
         if req.read_side != ReadSide.DE or req.split_de or not req.hit or slot is None or storage.prefetch is None:
             return
         tokens = min(req.prompt - req.prompt % self.sim.cfg.block_tokens, int(slot // self.kvb))
-        storage.slots[req.key] = slot - storage.prefetch.retain(req.agent.index, tokens)
+        storage.prefetch.retain(req.agent.index, tokens)
 
     def read_rest(self, req: SimRequest, storage: NodeStorage, staged: int, done: Callable[[SimRequest], None]) -> None:
         """``req``'s read on ``storage``'s node, whose first ``staged`` hit tokens were staged
@@ -301,6 +285,6 @@ class SimPrefetch:
             "used_bytes": self.used_bytes,
             "dropped_bytes": self.dropped_bytes,
             "used_fraction": self.used_bytes / (staged + kept) if staged + kept else None,
-            "peak_buffer_bytes": self.peak,
+            "peak_cache_bytes": self.peak,
             "cap_bytes_per_node": self.cap,
         }

@@ -190,8 +190,10 @@ class Simulation:
         """Its last chunk ran: first token; the decode engine copies its KV into HBM."""
         req.t_first = self.loop.now
         self.scheduler.finished(req, req.pe.name)
-        if req.buffer is not None:  # PE read path: the hits leave the prefill node's buffer (prefetch: or stay as a copy)
-            req.buffer.release(req.buffer_bytes - (self.prefetch.retain_pe(req) if self.prefetch is not None else 0.0))
+        if req.buffer is not None:  # PE read path: the hits leave the prefill node's buffer (prefetch: for its cache)
+            if self.prefetch is not None:
+                self.prefetch.retain_pe(req)
+            req.buffer.release(req.buffer_bytes)
             req.buffer = None
         nbytes = 0.0 if self.mode.oracle else req.prompt * self.kv_bytes_per_token
         self.net.start((req.de.cnic_in,), nbytes, self._in_hbm, req)

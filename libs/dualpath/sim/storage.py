@@ -15,8 +15,9 @@ Writes (block persistence) are flows on the SNIC's write direction, which a full
 does not share with reads.
 
 The node reports (``changed``, then the scheduler's report tick) when its read queue or its
-slots change: ``read_q`` and ``buffer_report()``, the free bytes a slot could take (staged
-prefetch copies count as free: they are dropped for a slot), as a traffic manager does.
+slots change: ``read_q`` and ``buffer_report()``, the free bytes a slot could take, as a
+traffic manager does. Agent-aware prefetch keeps its copies beside the buffer
+(``sim.prefetch``): they never take a request's room.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class NodeStorage:
         self.hit_tokens_read = 0
         self._on_read = on_read
         self._changed = changed
-        self.prefetch: NodePrefetch | None = None  # agent-aware prefetch (sim.prefetch): staged copies in this buffer
+        self.prefetch: NodePrefetch | None = None  # agent-aware prefetch (sim.prefetch): staged copies beside the buffer
 
     # -- slots (decode nodes) ------------------------------------------------------------
     def reserve(self, rid: str, nbytes: float) -> bool:
@@ -93,7 +94,7 @@ class NodeStorage:
         takes any request, so an oversized one is not refused for ever)."""
         if rid in self.slots:
             return True
-        if self.buffer_used + nbytes > self.buffer_bytes and self.buffer_used > 0 and not self._make_room(nbytes):
+        if self.buffer_used + nbytes > self.buffer_bytes and self.buffer_used > 0:
             return False
         self.slots[rid] = nbytes
         self.buffer_used += nbytes
@@ -107,10 +108,8 @@ class NodeStorage:
             self._changed(self)
 
     def buffer_report(self) -> tuple[int, int]:
-        """(free, total) bytes of the buffer as the node reports them: staged prefetch copies
-        are free room (a slot drops them)."""
-        staged = self.prefetch.bytes if self.prefetch is not None else 0.0
-        return int(self.buffer_bytes - self.buffer_used + staged), int(self.buffer_bytes)
+        """(free, total) bytes of the buffer as the node reports them."""
+        return int(self.buffer_bytes - self.buffer_used), int(self.buffer_bytes)
 
     # -- reads ---------------------------------------------------------------------------
     def read(self, req: SimRequest, nbytes: float, *, into_buffer: bool, tokens: int = -1) -> None:
@@ -128,7 +127,7 @@ class NodeStorage:
         while q and self.active < self.parallel:
             req, nbytes, into_buffer, tokens = q[0]
             if into_buffer:
-                if self.buffer_used + nbytes > self.buffer_bytes and self.buffer_used > 0 and not self._make_room(nbytes):
+                if self.buffer_used + nbytes > self.buffer_bytes and self.buffer_used > 0:
                     return  # back-pressure: wait for the buffer
                 self.buffer_used += nbytes
                 req.buffer, req.buffer_bytes = self, nbytes
@@ -147,10 +146,6 @@ class NodeStorage:
         if self.prefetch is not None and not self.active:
             self.prefetch.pump()  # the storage NIC is idle: staging may go on
         self._on_read(req)
-
-    def _make_room(self, nbytes: float) -> bool:
-        """Prefetched copies are hints: dropped first when a request needs the buffer."""
-        return self.prefetch is not None and self.prefetch.evict(nbytes)
 
     def release(self, nbytes: float) -> None:
         """KV of ``nbytes`` left the buffer."""

@@ -2,8 +2,9 @@
 
 Defaults follow the paper's testbed (PAPER.md "Evaluation setup"): 8 Hopper GPUs per node,
 one 400 Gbps compute NIC (CNIC) per GPU, one 400 Gbps storage NIC (SNIC) per node, 80 GB of
-node DRAM buffer. ``scale`` divides bytes and bandwidths together, so transfer *times* are
-preserved while the machine running the emulation moves ``1/scale`` of the bytes.
+node DRAM buffer (and, for agent-aware prefetch, a cache of ``PREFETCH_CACHE_GB`` beside it).
+``scale`` divides bytes and bandwidths together, so transfer *times* are preserved while the
+machine running the emulation moves ``1/scale`` of the bytes.
 
 ``slowdown`` runs the whole emulated cluster in slow motion: modeled compute times are
 multiplied by it and every NIC rate divided by it, so each emulated second lasts ``slowdown``
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dualpath.node.prefetch import PREFETCH_CACHE_GB
+
 __all__ = ["HardwareProfile", "cnic_prefix", "scaled_bytes_per_token_layer"]
 
 GBPS = 1e9 / 8  # bytes per second in one Gbit/s
@@ -35,6 +38,7 @@ class HardwareProfile:
     cnic_gbps: float = 400.0
     snic_gbps: float = 400.0
     dram_buffer_gb: float = 80.0
+    prefetch_cache_gb: float = PREFETCH_CACHE_GB  # beside the buffer, for agent-aware prefetch (mode prefetch)
     scale: float = 1000.0
     slowdown: float = 1.0
 
@@ -84,6 +88,11 @@ class HardwareProfile:
     def buffer_bytes(self, engines_per_node: int) -> int:
         share = min(1.0, engines_per_node / self.gpus_per_node)
         return int(self.dram_buffer_gb * 1e9 * share / self.scale)
+
+    def prefetch_cache_bytes(self, engines_per_node: int) -> int:
+        """The prefetch cache of a node of ``engines_per_node`` engines (scaled as the buffer)."""
+        share = min(1.0, engines_per_node / self.gpus_per_node)
+        return int(self.prefetch_cache_gb * 1e9 * share / self.scale)
 
 
 def cnic_prefix(namespace: str) -> str:

@@ -43,7 +43,7 @@ class Mode:
     oracle: bool = False
     layerwise: bool = True
     label: str = ""
-    prefetch: bool = False  # agent-aware prefetch, with a cache as large as the node buffer
+    prefetch: bool = False  # agent-aware prefetch, with a cache beside the node buffer (HardwareProfile.prefetch_cache_gb)
 
 
 MODES = {
@@ -141,7 +141,7 @@ def stack_config(spec: TestbedSpec, m: Mode, emu: EmulationConfig, out: Path) ->
         read_path=m.read_path,
         emulation=emu,
         buffer_mb=buffer_mb,
-        prefetch_mb=buffer_mb if m.prefetch else 0,
+        prefetch_mb=max(64, emu.profile().prefetch_cache_bytes(spec.topology.engines_per_node) >> 20) if m.prefetch else 0,
         kv_capacity_tokens=decode_hbm_tokens(spec.target),
         # Fewer, larger token events: the 2-core emulation host's CPU goes to the
         # modeled cluster, not to per-token messaging (TTFT is unaffected).
@@ -336,7 +336,7 @@ def add_cluster_arguments(p) -> None:
     p.add_argument(
         "--prefetch",
         action="store_true",
-        help="also run mode 'prefetch' (DualPath with agent-aware prefetch, a cache as large as the buffer) next to --modes",
+        help="also run mode 'prefetch' (DualPath with agent-aware prefetch, a cache beside the buffer) next to --modes",
     )
     p.add_argument("--engines-per-node", type=int, default=2, help="engine processes per node (SNIC scaled to match the GPUs)")
     p.add_argument("--gpus-per-node", type=int, default=8)

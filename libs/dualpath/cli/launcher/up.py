@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="agent-aware prefetch: when a session's answer ends, stage its blocks in its prefill node's "
         "DRAM while the agent runs its tool (session from X-Session-ID, the user field or dualpath_session)",
     )
-    p.add_argument("--prefetch-mb", type=int, default=256, help="prefetch cache per node, MiB (with --prefetch)")
+    p.add_argument(
+        "--prefetch-mb", type=int, default=256, help="prefetch cache per node, MiB, in host DRAM beside --buffer-mb (with --prefetch)"
+    )
     p.add_argument(
         "--prefetch-ttl",
         type=float,
