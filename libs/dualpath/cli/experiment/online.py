@@ -151,8 +151,8 @@ def prefetch_stats(logs: Path) -> dict | None:
                     total[key] = total.get(key, 0) + value
     if not total:
         return None
-    staged = total.get("prefetch_staged_bytes", 0)
-    total["prefetch_used_fraction"] = total.get("prefetch_used_bytes", 0) / staged if staged else 0.0
+    kept = total.get("prefetch_staged_bytes", 0) + total.get("prefetch_retained_bytes", 0)  # read while idle, or kept
+    total["prefetch_used_fraction"] = total.get("prefetch_used_bytes", 0) / kept if kept else 0.0
     return total
 
 
@@ -189,8 +189,9 @@ def format_table(result: dict) -> str:
             pf = p.get("prefetch")
             if pf:
                 lines.append(
-                    f"      prefetch: staged {pf.get('prefetch_staged_bytes', 0) / 2**20:.1f} MiB, used {f(pf['prefetch_used_fraction'])} "
-                    f"of it, peak buffer on staged runs {pf.get('prefetch_peak_bytes', 0) / 2**20:.1f} MiB (all nodes), "
+                    f"      prefetch: staged {pf.get('prefetch_staged_bytes', 0) / 2**20:.1f} MiB from storage, retained "
+                    f"{pf.get('prefetch_retained_bytes', 0) / 2**20:.1f} MiB of reads, used {f(pf['prefetch_used_fraction'])} of both, "
+                    f"peak prefetch cache {pf.get('prefetch_peak_bytes', 0) / 2**20:.1f} MiB (all nodes), "
                     f"evictions {pf.get('prefetch_evictions', 0):.0f}, hints {pf.get('prefetch_hints', 0):.0f}"
                 )
     ratio, paper = result.get("aps_ratio"), result.get("paper")

@@ -141,7 +141,7 @@ def stack_config(spec: TestbedSpec, m: Mode, emu: EmulationConfig, out: Path) ->
         read_path=m.read_path,
         emulation=emu,
         buffer_mb=buffer_mb,
-        prefetch_mb=max(64, emu.profile().prefetch_cache_bytes(spec.topology.engines_per_node) >> 20) if m.prefetch else 0,
+        prefetch_mb=max(1, emu.profile().prefetch_cache_bytes(spec.topology.engines_per_node) >> 20) if m.prefetch else 0,
         kv_capacity_tokens=decode_hbm_tokens(spec.target),
         # Fewer, larger token events: the 2-core emulation host's CPU goes to the
         # modeled cluster, not to per-token messaging (TTFT is unaffected).
