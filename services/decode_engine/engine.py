@@ -18,7 +18,10 @@ of a request held here replaces the old run, which stops silently (no more token
 final event, not reported finished: the scheduler's current attempt is the new one); an
 older attempt arriving late (its hand-off crossed the retry) is refused, and so is one the
 scheduler's retry cancel (``CancelRequest.before_attempt``) already retired. Either way the
-refused or replaced attempt's buffer slot is given back (slots are per attempt).
+refused or replaced attempt's buffer slot is given back (slots are per attempt). A client's
+cancel of a request not held here is remembered (the newest 4,096): a hand-off that crossed
+it is taken, its slot given back and reported finished at once, instead of decoding for
+nobody.
 
 Tracing: each request has a ``decode.request`` span (child of the request's root, from the
 task's ``trace`` carrier) from arrival to its final event, with ``decode.admit`` and one
@@ -111,6 +114,9 @@ class DecodeEngine:
         self._admitting: dict[str, m.DecodeTask] = {}  # prompt KV moving into KV memory (neither waiting nor running)
         self._stop_admitted: set[str] = set()  # replaced during admission: stopped as soon as admitted
         self._retired: OrderedDict[str, int] = OrderedDict()  # request -> attempts below this one are over
+        # Client cancels of requests not held here: a hand-off that crossed its cancel comes
+        # later and is taken only to end at once (else it would decode for nobody).
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
         self.incarnation = uuid.uuid4().hex[:12]  # this process (reports and token events name it)
         self.served_by = f"{cfg.engine_id}@{self.incarnation}"
         self._arrived_ns: dict[str, int] = {}  # task arrival, where decode.request spans start
@@ -121,6 +127,12 @@ class DecodeEngine:
         """Take a hand-off: a new request, a newer attempt of one held here (it replaces the old
         run), or an older / retired attempt (refused: ``superseded``)."""
         rid = task.request_id
+        if rid in self._cancelled:  # its client cancelled it before the hand-off came: done, nothing to run
+            del self._cancelled[rid]
+            log.info("decode_task_cancelled_before_handoff", request_id=rid, attempt=task.attempt)
+            self._free_slot(task)
+            self.finished.append((rid, task.attempt))  # the scheduler forgets the request (its charges go)
+            return m.Ok(detail="cancelled")
         held = self._held(rid)
         if task.attempt < self._retired.get(rid, 0) or (held is not None and task.attempt < held.attempt):
             log.info("decode_task_refused_older_attempt", request_id=rid, attempt=task.attempt)
@@ -237,6 +249,11 @@ class DecodeEngine:
             held = self._held(rid)
             if held is not None and held.attempt < req.before_attempt:
                 await self._stop_run(rid, successor=None)
+            return
+        if self._held(rid) is None:  # not here (yet): a hand-off that crossed this cancel ends on arrival
+            self._cancelled[rid] = None
+            while len(self._cancelled) > _MAX_RETIRED:
+                self._cancelled.popitem(last=False)
             return
         successor = self._successors.pop(rid, None)
         if successor is not None:  # it never starts: reported finished so the scheduler forgets the request

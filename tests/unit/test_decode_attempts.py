@@ -170,6 +170,25 @@ def test_the_schedulers_retry_cancel_stops_older_runs_silently_and_refuses_their
     assert seen["retry"] == "" and [e.attempt for e in bus.events("r") if e.finish_reason] == [2]
 
 
+def test_a_hand_off_that_crossed_its_clients_cancel_ends_on_arrival_instead_of_decoding_for_nobody():
+    seen: dict = {}
+
+    async def body(engine: DecodeEngine, bus: FakeBus) -> None:
+        await engine.on_cancel(m.CancelRequest(request_id="r", reason="client"))  # nothing of it here yet
+        seen["answer"] = (await engine.on_task(_task(0))).detail
+        await asyncio.sleep(0.05)
+        seen["held"] = engine._held("r") is not None
+        seen["report"] = engine.report()
+        seen["again"] = (await engine.on_task(_task(1, max_tokens=3))).detail  # a later run of the request is not cancelled
+        await _until(lambda: any(e.finish_reason for e in bus.events("r")))
+
+    bus = _with_engine(body)
+    assert seen["answer"] == "cancelled" and not seen["held"]
+    assert seen["report"].finished == ["r"] and seen["report"].finished_attempts == [0]  # the scheduler forgets it
+    assert ("r", 0) in bus.freed() and bus.claimed() == [("r", 1)]  # its slot given back, never claimed
+    assert seen["again"] == "" and [e.attempt for e in bus.events("r")] and all(e.attempt == 1 for e in bus.events("r"))
+
+
 def test_a_retry_of_a_request_waiting_for_admission_replaces_it_at_once():
     seen: dict = {}
 
