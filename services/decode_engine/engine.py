@@ -66,7 +66,14 @@ __all__ = ["DecodeEngine"]
 
 log = get_logger("decode-engine")
 tracer = get_tracer("dualpath.decode")
-_MAX_RETIRED = 4096  # requests whose older attempts are remembered as over (the oldest is forgotten first)
+_MAX_RETIRED = 4096  # requests remembered as retired below an attempt, or as cancelled (the oldest forgotten first)
+
+
+def _remember(memory: OrderedDict, rid: str, value) -> None:
+    """Keep ``rid -> value`` as the newest entry of a memory bounded at ``_MAX_RETIRED``."""
+    memory[rid] = value
+    while len(memory) > _MAX_RETIRED:
+        memory.popitem(last=False)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -182,9 +189,7 @@ class DecodeEngine:
 
     def _retire(self, rid: str, before: int) -> None:
         """Remember that attempts of ``rid`` below ``before`` are over (a late hand-off is refused)."""
-        self._retired[rid] = max(before, self._retired.pop(rid, 0))
-        while len(self._retired) > _MAX_RETIRED:
-            self._retired.popitem(last=False)
+        _remember(self._retired, rid, max(before, self._retired.pop(rid, 0)))
 
     async def _stop_run(self, rid: str, successor: m.DecodeTask | None) -> None:
         """Stop the run of ``rid`` held here silently: no more token events, no final event, not
@@ -251,9 +256,7 @@ class DecodeEngine:
                 await self._stop_run(rid, successor=None)
             return
         if self._held(rid) is None:  # not here (yet): a hand-off that crossed this cancel ends on arrival
-            self._cancelled[rid] = None
-            while len(self._cancelled) > _MAX_RETIRED:
-                self._cancelled.popitem(last=False)
+            _remember(self._cancelled, rid, None)
             return
         successor = self._successors.pop(rid, None)
         if successor is not None:  # it never starts: reported finished so the scheduler forgets the request

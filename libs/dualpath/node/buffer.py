@@ -39,10 +39,7 @@ class BufferPool:
         self.size = size
         self._free: list[tuple[int, int]] = [(0, size)]  # sorted (offset, length)
         self._slots: dict[str, Slot] = {}
-
-    @property
-    def free_bytes(self) -> int:
-        return sum(n for _, n in self._free)
+        self.free_bytes = size  # the free runs' total, kept as slots come and go
 
     @staticmethod
     def rounded(nbytes: int) -> int:
@@ -73,6 +70,7 @@ class BufferPool:
                     self._free[i] = (off + need, length - need)
                 slot = Slot(owner=owner, offset=off, nbytes=need)
                 self._slots[owner] = slot
+                self.free_bytes -= need
                 return slot
         largest = max((n for _, n in self._free), default=0)
         raise BufferFullError(need, self.free_bytes, largest)
@@ -82,6 +80,7 @@ class BufferPool:
         slot = self._slots.pop(owner, None)
         if slot is None:
             return False
+        self.free_bytes += slot.nbytes
         i = bisect.bisect_left(self._free, (slot.offset, 0))
         self._free.insert(i, (slot.offset, slot.nbytes))
         # merge with the right neighbour, then the left one

@@ -86,13 +86,16 @@ class HardwareProfile:
         )
 
     def buffer_bytes(self, engines_per_node: int) -> int:
-        share = min(1.0, engines_per_node / self.gpus_per_node)
-        return int(self.dram_buffer_gb * 1e9 * share / self.scale)
+        return self._node_dram_bytes(self.dram_buffer_gb, engines_per_node)
 
     def prefetch_cache_bytes(self, engines_per_node: int) -> int:
         """The prefetch cache of a node of ``engines_per_node`` engines (scaled as the buffer)."""
+        return self._node_dram_bytes(self.prefetch_cache_gb, engines_per_node)
+
+    def _node_dram_bytes(self, gb: float, engines_per_node: int) -> int:
+        """``gb`` of an 8-GPU node's DRAM for a node of ``engines_per_node`` engines, scaled."""
         share = min(1.0, engines_per_node / self.gpus_per_node)
-        return int(self.prefetch_cache_gb * 1e9 * share / self.scale)
+        return int(gb * 1e9 * share / self.scale)
 
 
 def cnic_prefix(namespace: str) -> str:
