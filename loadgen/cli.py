@@ -55,6 +55,13 @@ def build_parser(prog: str = "dualpath loadgen") -> argparse.ArgumentParser:
         help="meet every agent this fraction of the way through its turns (0.5: mid-rollout contexts), "
         "the earlier turns folded into its first prompt",
     )
+    p.add_argument(
+        "--untimed-turns",
+        type=int,
+        default=0,
+        help="run each agent's first N turns (of --turns) but leave them out of the figures: a lead-in for agents "
+        "met mid-rollout, whose previous turn this server did not see",
+    )
     p.add_argument("--scale", type=float, default=1.0, help="multiply every length by this (e.g. 0.01 for a tiny CPU model)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--rate", type=float, help="online: agents arrive at this many per second (the sweep's start rate)")
@@ -104,6 +111,10 @@ def _check(args: argparse.Namespace) -> None:
         raise InputError("--duration must be > 0")
     if not 0 < args.slo_attainment <= 1:
         raise InputError("--slo-attainment must be in (0, 1]")
+    if args.untimed_turns < 0:
+        raise InputError("--untimed-turns must be >= 0")
+    if args.turns is not None and args.untimed_turns >= args.turns:
+        raise InputError(f"--untimed-turns ({args.untimed_turns}) leaves no timed turn of --turns {args.turns}")
     if args.drain < 0 or args.max_errors < 1 or args.sweep_probes < 1:
         raise InputError("--drain must be >= 0, --max-errors and --sweep-probes >= 1")
     if args.sweep and args.offline:
@@ -165,6 +176,7 @@ def _spec(args, endpoint, trajectories, *, rate: float | None, seed: int) -> Loa
         exact_tokens=not args.no_ignore_eos,
         session_header=args.session_header,
         tool_gap_s=args.tool_gap,
+        untimed_turns=args.untimed_turns,
     )
 
 
@@ -176,8 +188,8 @@ def _single(args, endpoint, trajectories, prompts, slo, report, out_dir) -> int:
         anyio.run(run_load, spec, prompts, state, Progress(args.progress))
     except KeyboardInterrupt:
         interrupted = True
-    report["run"] = state.summary(slo, offline=spec.offline)
-    output.save_run(out_dir, state.turns, slo, plots=not args.no_plots)
+    report["run"] = state.summary(slo, offline=spec.offline, untimed_turns=spec.untimed_turns)
+    output.save_run(out_dir, state.turns, slo, plots=not args.no_plots, untimed_turns=spec.untimed_turns)
     if not args.json:
         print(format_run(report["run"]))
     status, message, code = output.verdict(state, interrupted)
@@ -199,7 +211,7 @@ def _sweep(args, endpoint, trajectories, prompts, slo, report, out_dir) -> int:
         state = RunState()
         states.append(state)
         await run_load(spec, prompts, state, Progress(args.progress, label=f"[{rate:.4g} APS] "))
-        point = output.probe_point(state.summary(slo, offline=False), slo)
+        point = output.probe_point(state.summary(slo, offline=False, untimed_turns=spec.untimed_turns), slo)
         output.save_run(out_dir / f"probe-{index}", state.turns, slo, plots=False)
         if not args.json:
             print(format_probe({**point, "rate": rate}), flush=True)

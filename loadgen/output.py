@@ -35,15 +35,16 @@ def new_report(args: argparse.Namespace, stats: TraceStats) -> dict:
     }
 
 
-def save_run(out_dir: Path, turns: list[TurnRecord], slo: Slo, *, plots: bool) -> None:
-    """Write turns.jsonl (and the CDF plots) into ``out_dir``; warns on stderr on I/O errors."""
+def save_run(out_dir: Path, turns: list[TurnRecord], slo: Slo, *, plots: bool, untimed_turns: int = 0) -> None:
+    """Write turns.jsonl (every turn, lead-in included) and the CDF plots (timed turns) into
+    ``out_dir``; warns on stderr on I/O errors."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_turns(out_dir / "turns.jsonl", turns)
         if plots and turns:
             from loadgen.plots import plot_run  # matplotlib import is slow: only when plotting
 
-            plot_run(out_dir, turns, slo_ttft=slo.ttft_s, slo_tpot=slo.tpot_s)
+            plot_run(out_dir, [t for t in turns if t.turn >= untimed_turns], slo_ttft=slo.ttft_s, slo_tpot=slo.tpot_s)
     except OSError as exc:
         print(f"loadgen: warning: could not save results in {out_dir}: {exc}", file=sys.stderr)
 

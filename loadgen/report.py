@@ -12,6 +12,8 @@ Definitions (all latencies in seconds):
   attainment ≥ ``slo.attainment``.
 * goodput = turns (and their output tokens) that met the SLO per second of run time.
 * achieved APS = agents launched / time of the last launch (online runs).
+* untimed turns (``--untimed-turns N``): each agent's first N turns run as usual but are
+  left out of every figure above except the error count (``turns.untimed`` counts them).
 
 ITL percentiles come from a log histogram with 1% wide buckets (bounded memory for
 millions of tokens); every other percentile is exact.
@@ -162,8 +164,15 @@ def summarize(
     itl: LogHistogram,
     launched_at: list[float],
     offline: bool,
+    untimed_turns: int = 0,
 ) -> dict:
-    """The measured part of report.json (see the module docstring for definitions)."""
+    """The measured part of report.json (see the module docstring for definitions).
+
+    ``untimed_turns``: each agent's first turns that run but are left out of every latency,
+    cache, SLO and goodput figure (a lead-in whose predecessors ran elsewhere); a failed one
+    still counts among the errors."""
+    lead_in = [t for t in turns if t.turn < untimed_turns]
+    turns = [t for t in turns if t.turn >= untimed_turns] if untimed_turns else turns
     done = [t for t in turns if t.ok]
     outcomes = [o for o in (t.slo_outcome(slo) for t in turns) if o is not None]
     good = [t for t in turns if t.slo_outcome(slo)]
@@ -172,7 +181,7 @@ def summarize(
     cached = sum(t.cached_tokens or 0 for t in done)
     wall = max(wall_s, 1e-9)
     kinds: dict[str, int] = {}
-    for t in turns:
+    for t in (*lead_in, *turns):
         if t.error_kind:
             kinds[t.error_kind] = kinds.get(t.error_kind, 0) + 1
     status = {s: sum(a.status == s for a in agents) for s in ("done", "failed", "cancelled")}
@@ -181,7 +190,12 @@ def summarize(
         "wall_s": wall_s,
         "jct_s": max((a.ended for a in agents), default=0.0) if offline else None,
         "agents": {"launched": len(agents), **status},
-        "turns": {"completed": len(done), "errors": kinds, "gen_length_mismatches": mismatched},
+        "turns": {
+            "completed": len(done),
+            "untimed": sum(1 for t in lead_in if t.ok),
+            "errors": kinds,
+            "gen_length_mismatches": mismatched,
+        },
         "latency_s": {
             "ttft": distribution([t.ttft for t in done if t.ttft is not None]),
             "ttft_queue": distribution([t.ttft_queue for t in done if t.ttft_queue is not None]),

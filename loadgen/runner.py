@@ -63,6 +63,7 @@ class LoadSpec:
     exact_tokens: bool = True
     session_header: bool = True  # each agent sends X-Session-ID (as aiperf --session-header): servers may prefetch its KV
     tool_gap_s: float = 0.0  # mean seconds an agent spends "running a tool" between turns (exponential; 0: back to back)
+    untimed_turns: int = 0  # each agent's first turns: run, left out of the figures (loadgen.report.summarize)
 
 
 SESSION_HEADER = "x-session-id"
@@ -105,10 +106,19 @@ class RunState:
             if self._scope is not None:
                 self._scope.cancel()
 
-    def summary(self, slo: Slo, offline: bool) -> dict:
+    def summary(self, slo: Slo, offline: bool, untimed_turns: int = 0) -> dict:
         """The measured part of the report (``loadgen.report.summarize``) plus loop health."""
         wall = self.wall_s if self.wall_s is not None else self.now()
-        out = summarize(self.turns, self.agents, slo=slo, wall_s=wall, itl=self.itl, launched_at=self.launched_at, offline=offline)
+        out = summarize(
+            self.turns,
+            self.agents,
+            slo=slo,
+            wall_s=wall,
+            itl=self.itl,
+            launched_at=self.launched_at,
+            offline=offline,
+            untimed_turns=untimed_turns,
+        )
         out["t0_monotonic"] = self.t0  # run time 0 on this host's CLOCK_MONOTONIC
         lags = [a.started - a.scheduled for a in self.agents]
         out["loadgen"] = {
@@ -275,7 +285,8 @@ async def _agent(
                 agent=index, turn=turn, t_start=state.now(), expected_prompt_tokens=expected_prompt, expected_gen_tokens=gen
             )
             try:
-                result = await conn.request(conversation.body(gen), state.itl)
+                itl = state.itl if turn >= spec.untimed_turns else LogHistogram()  # a lead-in turn's gaps are not figures
+                result = await conn.request(conversation.body(gen), itl)
             except ServerError as exc:
                 kind = _error_kind(exc)
                 state.turns.append(TurnRecord(**base, error_kind=kind, error=str(exc)))
@@ -289,7 +300,7 @@ async def _agent(
             base["t_start"] = result.t_send - state.t0  # when the request left, not when it was built
             state.turns.append(_completed(base, result))
             state.tokens += result.completion_tokens or result.chunks
-            if result.ttft is not None:
+            if result.ttft is not None and turn >= spec.untimed_turns:
                 state.recent_ttft.append(result.ttft)
             conversation.add_answer(result.text)
             expected_prompt += gen

@@ -54,6 +54,24 @@ def test_summary_counts_attainment_goodput_and_errors() -> None:
     assert s["jct_s"] is None and s["agents"]["failed"] == 1
 
 
+def test_untimed_lead_in_turns_are_left_out_of_every_figure_but_errors() -> None:
+    turns = [
+        _turn(turn=0, ttft=9.0, tpot=0.5, completion_tokens=5, prompt_tokens=100, cached_tokens=0),  # slow lead-in
+        _turn(agent=1, turn=0, error_kind="http", error="500"),  # a failed lead-in is still an error
+        _turn(turn=1, ttft=0.5, tpot=0.05, completion_tokens=5, prompt_tokens=10, cached_tokens=10),
+        _turn(turn=2, ttft=1.5, tpot=0.05, completion_tokens=5, prompt_tokens=10, cached_tokens=5),
+    ]
+    agents = [AgentRecord(agent=0, scheduled=0.0, started=0.0, ended=2.0, turns_done=3, turns_total=3, status="done")]
+    kw = dict(slo=SLO, wall_s=2.0, itl=LogHistogram(), launched_at=[0.5], offline=False)
+    s = summarize(turns, agents, untimed_turns=1, **kw)
+    assert s["turns"]["completed"] == 2 and s["turns"]["untimed"] == 1 and s["turns"]["errors"] == {"http": 1}
+    assert s["slo"]["turns_counted"] == 2 and s["slo"]["attainment"] == 0.5
+    assert s["latency_s"]["ttft"]["max"] == pytest.approx(1.5) and s["cache"]["hit_rate"] == pytest.approx(15 / 20)
+    assert s["throughput"]["output_tokens"] == 10
+    every = summarize(turns, agents, **kw)  # without the lead-in the slow turn and the failure count
+    assert every["turns"]["completed"] == 3 and every["slo"]["turns_counted"] == 4 and every["latency_s"]["ttft"]["max"] == 9.0
+
+
 def test_log_histogram_percentiles_are_within_one_percent() -> None:
     values = np.random.default_rng(0).lognormal(mean=-4, sigma=1, size=20_000)
     h = LogHistogram()

@@ -130,6 +130,16 @@ def test_an_online_run_stops_at_its_duration_and_records_the_cut_off_turns(tmp_p
     assert run["aps"]["achieved"] == pytest.approx(40, rel=0.5)
 
 
+def test_untimed_lead_in_turns_run_but_are_not_counted(instant: str, tmp_path: Path, capsys) -> None:
+    argv = ["--url", instant, "--agents", "4", "--turns", "3", "--scale", "0.002", "--untimed-turns", "1"]
+    code, report, _ = _run(argv, tmp_path, capsys)
+    turns = report["run"]["turns"]
+    assert code == 0 and turns["completed"] == 8 and turns["untimed"] == 4 and report["run"]["slo"]["turns_counted"] == 8
+    assert len(_turns(tmp_path)) == 12  # turns.jsonl keeps every turn, lead-in included
+    assert main(["--url", instant, "--agents", "1", "--turns", "2", "--untimed-turns", "2", "--out", str(tmp_path / "bad")]) == 2
+    assert "leaves no timed turn" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["--api", "chat"], ["--transport", "httpx"]])
 def test_chat_api_and_httpx_transport_complete_a_small_run(instant: str, tmp_path: Path, capsys, argv) -> None:
     code, report, _ = _run(["--url", instant, "--agents", "5", "--turns", "3", "--scale", "0.002", *argv], tmp_path, capsys)

@@ -34,3 +34,20 @@ def test_the_sweep_alternates_the_modes_probes_and_reports_each_modes_best_rate_
     assert 1.0 <= best["basic"] <= 2.0 and 2.0 <= best["dualpath"] <= 3.5
     assert result["aps_ratio"] == best["dualpath"] / best["basic"]
     assert (tmp_path / "online.png").stat().st_size > 0
+
+
+def test_prefetch_runs_get_one_untimed_lead_in_turn_per_agent_on_the_measured_stack(tmp_path, monkeypatch):
+    seen: dict[str, int] = {}
+
+    def fake_prepare(ns, prog, **fields):
+        seen["untimed"] = fields["untimed_turns"]
+        return None  # stop before any stack starts
+
+    monkeypatch.setattr(online, "prepare", fake_prepare)
+    online.main(["--prefetch", "--out", str(tmp_path)])
+    assert seen["untimed"] == 1  # a copy is staged when the previous turn ends: the first timed turn needs one
+    online.main(["--out", str(tmp_path)])
+    assert seen["untimed"] == 0  # without prefetch the regime is the one the README's figures were measured in
+    online.main(["--prefetch", "--untimed-turns", "0", "--out", str(tmp_path)])
+    assert seen["untimed"] == 0
+    assert online.main(["--untimed-turns", "-1", "--out", str(tmp_path)]) == 2

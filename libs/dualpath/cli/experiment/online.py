@@ -8,6 +8,13 @@ bandwidth decides how many agents per second fit. The run is in slow motion (``-
 arrival rates, durations and the SLO are scaled to host time and reported back in modeled
 time), so the host's own cost is a small share of every latency.
 
+``--untimed-turns N`` (default 1 with ``--prefetch``, else 0) runs each agent's first N turns
+on the measured stack untimed: its first timed turn then follows a turn and a tool gap this
+stack served, as every turn but the first does in a 60-157-turn rollout. Agent-aware
+prefetch needs it: a copy is staged when the previous turn ends, and the warm-up ran on
+another stack, so without a lead-in every agent's first timed turn reads from storage.
+Every mode of the run gets the same lead-in.
+
 ``--sweep`` searches the highest passing APS per mode (ramp, then geometric bisection; every
 probe is a fresh stack on a copy of the warmed storage, running the same agents) and prints
 the dualpath/basic ratio next to the paper's (the modes' probes alternate, so a shared host's
@@ -50,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=1.0, help="APS (modeled) of a single run, or the sweep's starting rate")
     p.add_argument("--duration", type=float, default=40.0, help="modeled seconds of arrivals per run/probe")
     p.add_argument("--turns", type=int, default=3, help="timed turns per agent (after its warm-up turn)")
+    p.add_argument(
+        "--untimed-turns",
+        type=int,
+        default=None,
+        help="lead-in turns per agent on the measured stack before its timed ones (default: 1 with --prefetch, else 0): "
+        "a timed turn then always follows a turn, and a tool gap, that this stack served, as in a long rollout",
+    )
     p.add_argument("--agents", type=int, default=0, help="agents that may arrive (0: enough for twice the start rate)")
     p.add_argument(
         "--start-at", type=float, default=0.5, help="meet every agent this far through its trajectory (0.5: the set's average context)"
@@ -160,7 +174,9 @@ def format_table(result: dict) -> str:
     lines = [
         (
             f"online {result['target']} {result['topology']} {result['dataset']} (start-at {result['start_at']}): "
-            f"SLO TTFT <= {result['slo_ttft']}s, TPOT <= {result['slo_tpot'] * 1000:.0f}ms; modeled seconds"
+            f"SLO TTFT <= {result['slo_ttft']}s, TPOT <= {result['slo_tpot'] * 1000:.0f}ms; modeled seconds; "
+            f"{result['turns']} timed turns per agent"
+            + (f" after {result['untimed_turns']} untimed" if result.get("untimed_turns") else "")
         ),
         (
             f"{'mode':<9} {'max APS':>8} {'attain':>7} {'hit %':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'queue p50':>9} "
@@ -212,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         print("dualpath experiment online: --slowdown, --rate and --duration must be positive, --start-at in [0, 1)", file=sys.stderr)
         return 2
     k = ns.slowdown
+    if ns.untimed_turns is None:
+        ns.untimed_turns = 1 if getattr(ns, "prefetch", False) or "prefetch" in ns.modes.split(",") else 0
+    if ns.untimed_turns < 0 or ns.turns < 1:
+        print("dualpath experiment online: --untimed-turns must be >= 0 and --turns >= 1", file=sys.stderr)
+        return 2
     if not ns.agents:
         ns.agents = max(8, math.ceil(2 * ns.rate * ns.duration * (2 if ns.sweep else 1)))
     extra = (
@@ -231,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         duration=ns.duration * k,
         slowdown=k,
         warmup_turns=1,
+        untimed_turns=ns.untimed_turns,
         stream_interval=1,
         extra_loadgen=extra,
     )
@@ -261,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         "dataset": ns.dataset,
         "start_at": ns.start_at,
         "turns": ns.turns,
+        "untimed_turns": ns.untimed_turns,
         "agents": ns.agents,
         "duration_s": ns.duration,
         "slowdown": k,

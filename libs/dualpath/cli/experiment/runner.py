@@ -84,6 +84,7 @@ class TestbedSpec:
     model_traffic: str = "auto"  # MoE all-to-all on the emulated CNICs: auto (cross-node share), on, off
     warm_dir: Path | None = None  # where the shared warm-up storage is kept (default: out)
     nic_classes: int = 2  # 2: model traffic first, KV low priority; 1: one FIFO queue (no isolation)
+    untimed_turns: int = 0  # each agent's lead-in turns on the timed stack, before its ``turns`` timed ones
 
 
 @dataclass(slots=True, kw_only=True)
@@ -258,10 +259,13 @@ def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
     stack = Stack(stack_config(spec, m, emu, out)).start(timeout=300)
     sampler = ClusterSampler(stack.nats_url, stack.namespace).start()
     try:
-        cmd = loadgen_command(spec, stack.url, spec.turns, out / "loadgen")
+        cmd = loadgen_command(spec, stack.url, spec.untimed_turns + spec.turns, out / "loadgen")
         cmd += ["--offline"] if offline else ["--rate", str(spec.online_rate), "--duration", str(spec.duration)]
+        if spec.untimed_turns:
+            cmd += ["--untimed-turns", str(spec.untimed_turns)]
         how = " (all at once)" if offline else f" at {spec.online_rate} APS"
-        say(f"[{mode}] {spec.agents} agents x {spec.turns} turns of the {spec.dataset} set{how}")
+        lead = f" after {spec.untimed_turns} untimed" if spec.untimed_turns else ""
+        say(f"[{mode}] {spec.agents} agents x {spec.turns} turns{lead} of the {spec.dataset} set{how}")
         sampler.reset_clock()
         cpu0, lg0 = stack_cpu_seconds(stack), _children_cpu_s()
         t0 = time.monotonic()
