@@ -285,8 +285,9 @@ class PrefillEngine:
                 await self._idle(stop)
                 continue
             t0 = time.perf_counter()
+            jobs = [self.jobs[it.request_id] for it in batch.items]  # the runs this batch serves (not a later attempt's)
             try:
-                result = await self._run_batch(batch)
+                result = await self._run_batch(batch, jobs)
             except Exception as exc:  # noqa: BLE001 - a failed batch fails its tasks, not the engine
                 log.warning("prefill_batch_failed", error=f"{type(exc).__name__}: {exc}", requests=len(batch.items))
                 jobs = [job for rid in self.batcher.fail_batch() if (job := self.jobs.get(rid)) is not None]
@@ -294,7 +295,7 @@ class PrefillEngine:
                 for job in jobs:
                     await self._fail(job, f"prefill failed: {type(exc).__name__}: {exc}", node_unreachable=gone)
             else:
-                await self._process_result(batch, result)
+                await self._process_result(batch, jobs, result)
             self.busy_s += time.perf_counter() - t0
 
     async def _receive(self) -> None:
@@ -368,10 +369,9 @@ class PrefillEngine:
         now = time.time()
         return {"ttft_queue_s": max(0.0, job.t_first_batch - job.task.arrival_ts), "ttft_exec_s": max(0.0, now - job.t_first_batch)}
 
-    async def _run_batch(self, batch: PrefillBatch):
-        """Run ``batch`` layer-wise; returns ``run_prefill``'s result. Raises what it raises."""
+    async def _run_batch(self, batch: PrefillBatch, jobs: list[Job]):
+        """Run ``batch`` (its items' ``jobs``) layer-wise; returns ``run_prefill``'s result. Raises what it raises."""
         s = self.setup
-        jobs = [self.jobs[it.request_id] for it in batch.items]
         items = [self._io_item(job, it) for job, it in zip(jobs, batch.items)]
         now = time.time()
         for job in jobs:
@@ -405,17 +405,19 @@ class PrefillEngine:
                 self._trace_batch(span, io, result, time.perf_counter() - t0)
         return result
 
-    async def _process_result(self, batch: PrefillBatch, result) -> None:
-        """Chunks become cached KV; prompts done hand off (first token, ``DecodeTask``)."""
+    async def _process_result(self, batch: PrefillBatch, jobs: list[Job], result) -> None:
+        """Chunks become cached KV; prompts done hand off (first token, ``DecodeTask``).
+        Each item's job is the one the batch ran: a newer attempt of the same request that
+        started meanwhile (its predecessor dropped during an earlier hand-off's await) is not
+        handed this batch's logits."""
         self.batcher.finish_batch()
         row = 0
-        for it in batch.items:
+        for it, job in zip(batch.items, jobs):
             logits = None
             if it.last:  # one logits row per prompt-ending chunk, in batch order
                 logits = result.logits[row : row + 1]
                 row += 1
-            job = self.jobs.get(it.request_id)
-            if job is None:
+            if self.jobs.get(it.request_id) is not job:  # dropped meanwhile (and perhaps succeeded)
                 continue
             if job.cancelled:
                 self.batcher.remove(it.request_id)

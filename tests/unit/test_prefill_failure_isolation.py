@@ -73,7 +73,7 @@ def test_one_requests_bad_sampling_fails_that_request_and_the_rest_of_its_batch_
     logits = torch.zeros(3, VOCAB)
     logits[:, 7] = 5.0  # greedy picks token 7
 
-    asyncio.run(engine._process_result(batch, SimpleNamespace(logits=logits)))
+    asyncio.run(engine._process_result(batch, _ran(engine, batch), SimpleNamespace(logits=logits)))
 
     handed_off = [msg.request_id for subject, msg in bus.requested if isinstance(msg, m.DecodeTask)]
     first_tokens = {msg.request_id: (msg.token_ids, msg.attempt) for _, msg in bus.published if isinstance(msg, m.TokenEvent)}
@@ -105,6 +105,11 @@ def _engine_with(jobs: list[m.PrefillTask]) -> tuple[PrefillEngine, FakeBus, lis
     return engine, bus, started
 
 
+def _ran(engine: PrefillEngine, batch) -> list[Job]:
+    """The jobs ``batch`` runs, as the engine loop captures them when the batch starts."""
+    return [engine.jobs[it.request_id] for it in batch.items]
+
+
 def _attempt(task: m.PrefillTask, attempt: int) -> m.PrefillTask:
     return replace(task, attempt=attempt)
 
@@ -125,10 +130,23 @@ def test_a_retry_of_a_request_whose_batch_is_running_starts_when_the_batch_ends_
     batch = engine.batcher.next_batch()  # the old attempt is being computed
     asyncio.run(engine.on_task(_attempt(old, 2)))
     assert started == []  # not while the old attempt's batch still writes its KV
-    asyncio.run(engine._process_result(batch, SimpleNamespace(logits=torch.zeros(1, VOCAB))))
+    asyncio.run(engine._process_result(batch, _ran(engine, batch), SimpleNamespace(logits=torch.zeros(1, VOCAB))))
     assert [t.attempt for t in started] == [2]
     assert not [msg for _, msg in bus.requested if isinstance(msg, m.DecodeTask)]  # no hand-off of the superseded attempt
     assert not [msg for _, msg in bus.published if isinstance(msg, (m.TaskFailed, m.TokenEvent))] and engine.finished == []
+
+
+def test_a_newer_attempt_that_started_while_the_batch_ran_is_not_handed_the_old_batchs_first_token():
+    old = _task("q", {"temperature": 0.0})
+    engine, bus, _ = _engine_with([old])
+    batch = engine.batcher.next_batch()
+    ran = _ran(engine, batch)
+    successor = Job(task=_attempt(old, 2), dest=SimpleNamespace(region_id="de-slot"), loading=True)
+    engine.jobs["q"] = successor  # attempt 1 was dropped meanwhile and attempt 2 started loading
+    asyncio.run(engine._process_result(batch, ran, SimpleNamespace(logits=torch.zeros(1, VOCAB))))
+    assert not [msg for _, msg in bus.requested if isinstance(msg, m.DecodeTask)]  # no hand-off with attempt 1's logits
+    assert not [msg for _, msg in bus.published if isinstance(msg, m.TokenEvent)]
+    assert engine.jobs == {"q": successor} and engine.finished == []
 
 
 def test_the_schedulers_retry_cancel_stops_only_older_attempts_and_silently():
@@ -169,7 +187,7 @@ def test_a_hand_off_the_decode_engine_refused_as_superseded_is_a_failure_that_sa
     batch = engine.batcher.next_batch()
     assert batch is not None and len(batch.items) == 2
     logits = torch.zeros(2, VOCAB)
-    asyncio.run(engine._process_result(batch, SimpleNamespace(logits=logits)))
+    asyncio.run(engine._process_result(batch, _ran(engine, batch), SimpleNamespace(logits=logits)))
     failed = [msg for _, msg in bus.published if isinstance(msg, m.TaskFailed)]
     assert [(f.request_id, f.abandoned, f.attempt) for f in failed] == [("old", True, 1)]
     assert engine.finished == [("a", 1)] and engine.jobs == {}
@@ -186,7 +204,7 @@ def test_a_clients_cancel_during_the_prefill_is_told_as_abandoned_not_as_a_finis
     for rid in ("queued", "batched"):
         asyncio.run(engine.on_cancel(m.CancelRequest(request_id=rid, reason="client went away")))
     assert "queued" not in engine.jobs and "batched" in engine.jobs  # the batched one leaves when its batch ends
-    asyncio.run(engine._process_result(batch, SimpleNamespace(logits=torch.zeros(1, VOCAB))))
+    asyncio.run(engine._process_result(batch, _ran(engine, batch), SimpleNamespace(logits=torch.zeros(1, VOCAB))))
     failed = [msg for _, msg in bus.published if isinstance(msg, m.TaskFailed)]
     assert [(f.request_id, f.abandoned, f.attempt) for f in failed] == [("queued", True, 1), ("batched", True, 1)]
     assert not [msg for _, msg in bus.requested if isinstance(msg, m.DecodeTask)]  # neither handed off

@@ -243,7 +243,7 @@ def test_a_batch_that_finds_a_nodes_buffer_gone_fails_its_tasks_naming_that_node
         engine.batcher.add(rid, cached=0, total=10)
     stop = asyncio.Event()
 
-    async def gone(_batch):
+    async def gone(_batch, _jobs):
         stop.set()
         raise UnknownRegionError("t-D-buf", "no shared memory")
 
