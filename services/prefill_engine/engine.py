@@ -599,6 +599,8 @@ class PrefillEngine:
             capacity_tokens=0,
             finished=[rid for rid, _ in done],
             finished_attempts=[attempt for _, attempt in done],
+            holding=[*self.jobs, *self._successors],
+            holding_attempts=[*(j.task.attempt for j in self.jobs.values()), *(t.attempt for t in self._successors.values())],
             block_bytes=self.setup.layout.block_bytes,
             stats=self._stats(),
             ts=time.time(),

@@ -157,6 +157,8 @@ class SchedulerShell:
                     block_bytes=r.block_bytes,
                     finished=tuple(r.finished),
                     finished_attempts=self._core_attempts(r),
+                    holding=None if r.holding is None else tuple(r.holding),
+                    holding_attempts=self._core_attempts(r, holding=True),
                 )
             )
         )
@@ -286,15 +288,14 @@ class SchedulerShell:
         submission = payload.submission if isinstance(payload, m.SubmitRequest) else 0
         return submission * m.SUBMISSION_ATTEMPTS + attempt
 
-    def _core_attempts(self, r: m.EngineReport) -> tuple[int, ...]:
-        """The core's attempts of a report's finished requests (empty when the engine names none)."""
-        if len(r.finished_attempts) != len(r.finished):
+    def _core_attempts(self, r: m.EngineReport, *, holding: bool = False) -> tuple[int, ...]:
+        """The core's attempts of a report's finished requests, or of those it holds (empty
+        when the engine names none)."""
+        rids, wires = (r.holding or [], r.holding_attempts) if holding else (r.finished, r.finished_attempts)
+        if len(wires) != len(rids):
             return ()
         requests = self.core.requests
-        return tuple(
-            self._core_attempt(t.payload, wire) if (t := requests.get(rid)) is not None else -1
-            for rid, wire in zip(r.finished, r.finished_attempts)
-        )
+        return tuple(self._core_attempt(t.payload, wire) if (t := requests.get(rid)) is not None else -1 for rid, wire in zip(rids, wires))
 
     @staticmethod
     def _core_attempt(payload: object, wire: int) -> int:

@@ -136,6 +136,25 @@ def test_a_retry_of_a_request_whose_batch_is_running_starts_when_the_batch_ends_
     assert not [msg for _, msg in bus.published if isinstance(msg, (m.TaskFailed, m.TokenEvent))] and engine.finished == []
 
 
+def test_reports_list_every_held_task_with_its_attempt_and_the_successor_waiting_for_it():
+    """The scheduler retries a placed prefill its engine's reports stop listing (its TaskFailed
+    was lost): a task held here in any state, and a successor waiting for a running batch, are
+    listed; a dropped one is not."""
+    a, b = _task("a", {"temperature": 0.0}), _task("b", {"temperature": 0.0})
+    engine, _, _ = _engine_with([a, b])
+    engine.cfg = SimpleNamespace(engine_id="p0")
+    engine.setup.layout.block_bytes = 1024
+    engine._stats = dict  # type: ignore[method-assign]
+    batch = engine.batcher.next_batch()  # both are being computed
+    asyncio.run(engine.on_task(_attempt(a, 3)))  # a retry of "a" waits for that batch
+    r = engine.report()
+    assert list(zip(r.holding, r.holding_attempts)) == [("a", 1), ("b", 1), ("a", 3)]
+    asyncio.run(engine.on_cancel(m.CancelRequest(request_id="b", reason="client disconnected")))
+    asyncio.run(engine._process_result(batch, _ran(engine, batch), SimpleNamespace(logits=torch.zeros(2, VOCAB))))
+    r = engine.report()
+    assert "b" not in r.holding and r.holding is not None
+
+
 def test_a_newer_attempt_that_started_while_the_batch_ran_is_not_handed_the_old_batchs_first_token():
     old = _task("q", {"temperature": 0.0})
     engine, bus, _ = _engine_with([old])

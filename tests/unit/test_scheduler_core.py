@@ -54,7 +54,15 @@ class Cluster:
         return self.core.handle(event)
 
     def report(
-        self, engine: str, seq: int = 0, tok: int = 0, free: int = HBM, finished: tuple[str, ...] = (), attempts: tuple[int, ...] = ()
+        self,
+        engine: str,
+        seq: int = 0,
+        tok: int = 0,
+        free: int = HBM,
+        finished: tuple[str, ...] = (),
+        attempts: tuple[int, ...] = (),
+        holding: tuple[str, ...] | None = None,
+        holding_attempts: tuple[int, ...] = (),
     ):
         node, role = self.engines[engine]
         decode = role == Role.DECODE
@@ -71,6 +79,8 @@ class Cluster:
                 block_bytes=1024,
                 finished=finished,
                 finished_attempts=attempts,
+                holding=holding,
+                holding_attempts=holding_attempts,
             )
         )
 
@@ -313,6 +323,62 @@ def test_a_finish_of_an_earlier_attempt_on_the_engine_that_holds_the_retry_chang
     c.place("r2")
     c.report(c.core.requests["r2"].pe.name, finished=("r2",))
     assert c.core.requests["r2"].prefill_done
+
+
+def test_a_prefill_its_engine_stops_listing_is_retried_once_two_reports_and_the_engine_timeout_passed():
+    """A prefill engine that drops a task tells the scheduler with a fire-and-forget
+    TaskFailed; when that message is lost, the engine's reports (which list what it holds)
+    stop naming the task, and the core retries it instead of waiting for it forever."""
+    c = Cluster()
+    c.report("p0", holding=())  # its reports list what it holds from now on
+    c.report("p1", holding=())
+    d = c.place("r1")
+    pe = d.prefill_engine
+    assert c.report(pe, seq=1, holding=("r1",), holding_attempts=(0,)) == []
+    c.now += 0.2
+    assert c.report(pe, holding=()) == []  # one report without it: may predate the dispatch
+    c.now += 0.2
+    assert c.report(pe, holding=()) == []  # two, but within the engine timeout of the answer
+    assert c.core.requests["r1"].stage == 3 and c.core.requests["r1"].attempt == 0
+    c.now += 3.0
+    cmds = c.report(pe, holding=())
+    requeued = [x for x in cmds if isinstance(x, Requeued)]
+    assert [(x.request_id, x.attempt) for x in requeued] == [("r1", 1)] and "no longer holds it" in requeued[0].reason
+    assert [x.node for x in cmds if isinstance(x, FreeSlot)] == [d.decode_node]
+    assert c.report(pe, holding=()) == []  # once: the retry is queued, not placed on that engine
+
+
+def test_a_prefill_its_engine_still_lists_or_that_was_never_listed_is_left_running():
+    c = Cluster()
+    c.report("p0", holding=())
+    c.report("p1", holding=())
+    d = c.place("r1")
+    pe = d.prefill_engine
+    for _ in range(3):  # a miss, then listed again (a successor waiting for its predecessor counts)
+        c.now += 2.0
+        assert c.report(pe, holding=()) == []
+        c.now += 2.0
+        assert c.report(pe, holding=("r1", "r1"), holding_attempts=(-1, 0)) == []
+    # listed under an earlier attempt only: the engine does not hold this one
+    c.now += 4.0
+    c.report(pe, holding=("r1",), holding_attempts=(7,))
+    cmds = c.report(pe, holding=("r1",), holding_attempts=(7,))
+    assert [(x.request_id, x.attempt) for x in cmds if isinstance(x, Requeued)] == [("r1", 1)]
+    # an engine whose reports list nothing (the simulator's, an older engine) is never checked
+    c2 = Cluster()
+    d2 = c2.place("r2")
+    for _ in range(3):
+        c2.now += 4.0
+        assert c2.report(d2.prefill_engine) == []
+    # nor a prefill that finished: its report's finished list ends the check
+    c3 = Cluster()
+    c3.report("p0", holding=())
+    c3.report("p1", holding=())
+    d3 = c3.place("r3")
+    c3.now += 4.0
+    c3.report(d3.prefill_engine, finished=("r3",), attempts=(0,), holding=())
+    c3.now += 4.0
+    assert c3.report(d3.prefill_engine, holding=()) == [] and c3.core.requests["r3"].prefill_done
 
 
 def test_an_abandoned_request_leaves_without_an_answer_or_a_retry():

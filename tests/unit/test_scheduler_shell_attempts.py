@@ -158,3 +158,45 @@ def test_a_submission_no_newer_than_one_already_run_here_is_refused_as_known():
 
     asyncio.run(main())
     assert refused == [409, 409]
+
+
+def test_a_prefill_whose_failure_never_arrived_is_retried_once_its_engine_stops_listing_it():
+    """The prefill engine dropped the task and its TaskFailed (published, at most once) was
+    lost: its reports, which name what it holds in wire attempts, no longer list the task, and
+    the scheduler places the request again instead of leaving it prefilling forever."""
+    bus = FakeBus()
+
+    async def main() -> None:
+        policy = get_policy("dualpath", Thresholds(alpha_tokens=1 << 22, beta_tokens=1 << 22))
+        core = SchedulerCore(policy, CoreConfig(engine_timeout=0.5))
+        async with anyio.create_task_group() as tasks:
+            shell = SchedulerShell(bus, Subjects("t"), core, tasks, instance="lead@7")  # type: ignore[arg-type]
+            p0 = replace(_report("p0", "P", m.Role.PREFILL, "p-1"), holding=[])
+            d0 = _report("d0", "D", m.Role.DECODE, "d-1")
+            await shell.on_engine_report(p0)
+            await shell.on_engine_report(d0)
+            stop = asyncio.Event()
+            tasks.start_soon(shell.run, stop)
+            await shell.on_submit(_submit(1))
+            with anyio.fail_after(5):
+                while not bus.sent(m.PrefillTask):
+                    await asyncio.sleep(0.01)
+            task = bus.sent(m.PrefillTask)[0]
+            held = replace(p0, seq=1, holding=["r"], holding_attempts=[task.attempt])
+            for _ in range(8):  # held for longer than the engine timeout: nothing happens
+                await shell.on_engine_report(held)
+                await shell.on_engine_report(d0)
+                await asyncio.sleep(0.1)
+            assert len(bus.sent(m.PrefillTask)) == 1
+            with anyio.fail_after(5):
+                while len(bus.sent(m.PrefillTask)) < 2:  # then it is gone from the reports
+                    await shell.on_engine_report(p0)
+                    await shell.on_engine_report(d0)
+                    await asyncio.sleep(0.1)
+            stop.set()
+
+    asyncio.run(main())
+    first, second = bus.sent(m.PrefillTask)[:2]
+    assert (first.attempt, second.attempt) == (S, S + 1)
+    # the first stops the runs of submission 0 (accepting a resubmission), the second the lost run, wherever it is
+    assert [c.before_attempt for c in bus.sent(m.CancelRequest)] == [S, S + 1]

@@ -26,7 +26,13 @@ report may lag a freed slot, once per pass); a reservation refused (``DispatchFa
 code 507) is back-pressure: the request goes back without using an attempt and passes
 pause for ``buffer_backoff_s``, for at most ``buffer_wait_s`` per request. An engine
 silent for ``engine_timeout`` seconds, or one a dispatch found unreachable, is expelled:
-its requests are re-queued (a prefill engine's only until their prefill is done). A node
+its requests are re-queued (a prefill engine's only until their prefill is done). A prefill
+engine that lists the tasks it holds in its reports (``EngineReported.holding``) is also
+checked against the core's placements: a prefill it answered a dispatch for that two such
+reports in a row leave out, ``engine_timeout`` seconds or more after the answer, is lost
+(the engine dropped it and its ``TaskFailed``, a fire-and-forget message, never arrived) and
+is retried like a failed one; the grace covers reports generated before the dispatch arrived
+but handled after its answer. A node
 whose traffic manager stops reporting for ``node_timeout`` seconds, or does not answer a
 ``ReserveSlot`` at all (``DispatchFailed.node_unreachable``), is *down*: its engines leave
 the policy's state until the node's next ``NodeReported``.
@@ -125,6 +131,10 @@ __all__ = ["GC_THRESHOLDS", "CoreConfig", "SchedulerCore", "tune_gc"]
 # the core's time (dualpath bench scheduler). The core's own objects form no cycles while
 # the core lives, so collecting rarely loses nothing.
 GC_THRESHOLDS = (100_000, 50, 100)
+
+# A prefill placed on an engine that lists its tasks, and missing from this many of its
+# reports in a row, is lost (see the module docstring).
+_LOST_AFTER_REPORTS = 2
 
 
 def tune_gc() -> tuple[int, int, int]:
@@ -248,6 +258,9 @@ class SchedulerCore:
         self._next_expiry = float("-inf")
         self._reserving: dict[tuple[str, int], str] = {}  # (request, attempt) -> node of an unanswered ReserveSlot
         self._staged: dict[str, str] = {}  # prefetch: session -> node asked to stage its next turn's hits
+        self._listing: set[str] = set()  # prefill engines whose reports list the tasks they hold
+        # such an engine -> its answered prefills -> (reports in a row that left it out, now of the answer)
+        self._prefilling: dict[str, dict[str, tuple[int, float]]] = {}
         self._handlers: dict[type, Callable[[Any], list[Command]]] = {  # each takes its own event type
             RequestSubmitted: self._submitted,
             EngineReported: self._engine_reported,
@@ -396,12 +409,42 @@ class SchedulerCore:
             else:
                 for rid in ev.finished:
                     self._finish(rid, member, cmds)
+        if ev.holding is not None:
+            self._check_holding(member, ev.holding, ev.holding_attempts, cmds)
         if member.acked:
             reflect(member, self._k)
         state = self._state
         if state is not None and not self._stale and member.num in state.engines:  # not there while its node is down
             state.report_engine(member.num, seq + member.dseq, tok + member.dtok, free - member.dhbm if member.role is _DECODE else None)
         return cmds
+
+    def _check_holding(self, member: EngineMember, holding: tuple[str, ...], attempts: tuple[int, ...], cmds: list[Command]) -> None:
+        """Retry the prefills placed on ``member`` that its last ``_LOST_AFTER_REPORTS``
+        reports did not list (``holding``; ``attempts`` by position, -1 or empty: not said),
+        the last at least ``engine_timeout`` after the dispatch's answer."""
+        if member.name not in self._listing:
+            self._listing.add(member.name)  # from now on its answered dispatches are checked
+            return
+        ledger = self._prefilling.get(member.name)
+        if not ledger:
+            return
+        if len(attempts) == len(holding):
+            held = dict(zip(holding, attempts))
+        else:
+            held = dict.fromkeys(holding, -1)
+        for rid, (misses, since) in list(ledger.items()):
+            t = self.requests.get(rid)
+            if t is None or t.pe is None or t.pe.name != member.name or t.stage != _RUNNING or t.prefill_done:
+                del ledger[rid]  # its prefill ended (finished, failed, re-queued): nothing to check
+                continue
+            attempt = held.get(rid)
+            if attempt is not None and (attempt < 0 or attempt == t.attempt):
+                ledger[rid] = (0, since)
+            elif misses + 1 < _LOST_AFTER_REPORTS or self.now - since < self.cfg.engine_timeout:
+                ledger[rid] = (misses + 1, since)
+            else:
+                del ledger[rid]
+                self._retry(t, f"prefill engine {member.name} no longer holds it (its failure was never reported)", cmds)
 
     def _node_reported(self, ev: NodeReported) -> list[Command]:
         node = self.members.node(ev.node, ev.now)
@@ -508,6 +551,8 @@ class SchedulerCore:
                 t.read_charge.acknowledge(self._k)
             if t.split_charge is not None:
                 t.split_charge.acknowledge(self._k)
+            if t.pe is not None and t.pe.name in self._listing:
+                self._prefilling.setdefault(t.pe.name, {})[t.rid] = (0, self.now)
         return []
 
     def _dispatch_failed(self, ev: DispatchFailed) -> list[Command]:
@@ -707,6 +752,8 @@ class SchedulerCore:
         prefill engine. The earliest request ends up first in the queue."""
         gone: set[str] = set()
         for name in names:
+            self._prefilling.pop(name, None)
+            self._listing.discard(name)
             if self.members.remove(name) is not None:
                 gone.add(name)
                 cmds.append(ExpelEngine(engine=name, reason=reason))

@@ -116,7 +116,10 @@ class EngineReported:
     seq_e/tok_e as the engine counts them; ``finished`` lists the requests it completed
     since its previous report (a prefill engine: handed to the decode engine), and
     ``finished_attempts`` the attempt of each, by position (empty: not said; a finish of an
-    earlier attempt is late and changes nothing)."""
+    earlier attempt is late and changes nothing). A prefill engine may list every task it
+    holds now (``holding``, with ``holding_attempts`` by position; None: not said): a
+    prefill the core placed there that two such reports in a row leave out is lost (its
+    ``TaskFailed`` never came) and retried."""
 
     now: float
     engine: str
@@ -129,6 +132,8 @@ class EngineReported:
     block_bytes: int = 0
     finished: tuple[str, ...] = ()
     finished_attempts: tuple[int, ...] = ()
+    holding: tuple[str, ...] | None = None
+    holding_attempts: tuple[int, ...] = ()
 
 
 @dataclass(**_ev)

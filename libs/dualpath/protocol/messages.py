@@ -426,6 +426,10 @@ class EngineReport(Wire):
       ``prompt + max_tokens`` (not the context so far); ``free_hbm_tokens`` = capacity less
       the KV footprints reserved for them (waiting ones too; whole blocks, so at most a
       block per request below the scheduler's unrounded charge).
+
+    A prefill engine also lists every task it holds (``holding``: loading, queued, in a batch
+    or handing off, and a successor waiting for its predecessor to stop), so the scheduler
+    can tell a task whose ``TaskFailed`` was lost from one still running.
     """
 
     engine_id: str
@@ -441,6 +445,8 @@ class EngineReport(Wire):
     stats: dict = field(default_factory=dict)  # cumulative seconds: busy, modeled, attention, kv_wait
     ts: float = 0.0
     incarnation: str = ""  # new at every start of the engine process: a change means it restarted (and lost its work)
+    holding: list[str] | None = None  # prefill: every task held now, queued to handing off (None: not said)
+    holding_attempts: list[int] = field(default_factory=list)  # the attempt of each, by position
 
 
 @register(44)
