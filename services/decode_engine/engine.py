@@ -47,7 +47,7 @@ from dualpath.bus import Bus
 from dualpath.config import EngineConfig
 from dualpath.core.batch_errors import BatcherError
 from dualpath.core.decode_batcher import CANCELLED, DecodeBatcher, DecodeStep
-from dualpath.engine.common import EngineSetup, read_path_name
+from dualpath.engine.common import EngineSetup, FinishedReports, read_path_name
 from dualpath.engine.decode import DecodeSequence, KvMemory, decode_step, decode_step_async
 from dualpath.kv import block_hashes
 from dualpath.model.sampling import SamplingParams, grammar_constraint, sample
@@ -114,6 +114,7 @@ class DecodeEngine:
         self.waiting: dict[str, m.DecodeTask] = {}  # arrived, not admitted yet (the batcher's waiting queue)
         self.running: dict[str, Running] = {}
         self.finished: list[tuple[str, int]] = []  # (request, attempt) done since the last report
+        self._named = FinishedReports()  # each finish is named in 3 reports in a row
         self._regions: dict[str, MemoryRegion] = {}
         self._wake = asyncio.Event()
         self._loading: dict[str, m.DecodeTask] = {}  # arrived, prompt KV still crossing the emulated CNIC (testbed)
@@ -641,7 +642,7 @@ class DecodeEngine:
         """In the scheduler's units (see ``m.EngineReport``): ``seq_e``: requests here (running
         and waiting); ``tok_e``: Σ their prompt + max_tokens; free HBM: capacity minus the
         footprints reserved for them, waiting ones included."""
-        done, self.finished = self.finished, []
+        done, self.finished = self._named.name(self.finished), []
         return m.EngineReport(
             engine_id=self.cfg.engine_id,
             role=m.Role.DECODE,

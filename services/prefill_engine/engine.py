@@ -43,7 +43,7 @@ from dualpath.bus import Bus, BusTimeoutError
 from dualpath.config import EngineConfig
 from dualpath.core.batch_errors import BatcherError
 from dualpath.core.prefill_batcher import BatchItem, PrefillBatch, PrefillBatcher
-from dualpath.engine.common import EngineSetup, read_path_name
+from dualpath.engine.common import EngineSetup, FinishedReports, read_path_name
 from dualpath.engine.prefill import PrefillItem, run_prefill
 from dualpath.engine.prefill_io import BatchLayerIO, IoItem
 from dualpath.engine.profile import prefill_predictor
@@ -128,6 +128,7 @@ class PrefillEngine:
         )
         self._wake = asyncio.Event()
         self.finished: list[tuple[str, int]] = []  # (request, attempt) handed off since the last report
+        self._named = FinishedReports()  # each finish is named in 3 reports in a row
         self.busy_s = 0.0  # wall time inside batches
         self.kv_wait_s = 0.0  # of which: waiting for cached KV to arrive
         self.buffer_waits = 0  # KV loads put off because the read side's buffer was full
@@ -588,7 +589,7 @@ class PrefillEngine:
         """In the scheduler's units (see ``m.EngineReport``): ``seq_e``: unfinished tasks here;
         ``tok_e``: the miss tokens they still have to compute (``tokens_left``)."""
         tok = self.tokens_left()
-        done, self.finished = self.finished, []
+        done, self.finished = self._named.name(self.finished), []
         return m.EngineReport(
             engine_id=self.cfg.engine_id,
             role=m.Role.PREFILL,

@@ -179,12 +179,14 @@ def test_a_hand_off_that_crossed_its_clients_cancel_ends_on_arrival_instead_of_d
         await asyncio.sleep(0.05)
         seen["held"] = engine._held("r") is not None
         seen["report"] = engine.report()
+        seen["repeated"] = [engine.report().finished for _ in range(3)]
         seen["again"] = (await engine.on_task(_task(1, max_tokens=3))).detail  # a later run of the request is not cancelled
         await _until(lambda: any(e.finish_reason for e in bus.events("r")))
 
     bus = _with_engine(body)
     assert seen["answer"] == "cancelled" and not seen["held"]
     assert seen["report"].finished == ["r"] and seen["report"].finished_attempts == [0]  # the scheduler forgets it
+    assert seen["repeated"] == [["r"], ["r"], []]  # named in three reports in a row: one lost report loses no finish
     assert ("r", 0) in bus.freed() and bus.claimed() == [("r", 1)]  # its slot given back, never claimed
     assert seen["again"] == "" and [e.attempt for e in bus.events("r")] and all(e.attempt == 1 for e in bus.events("r"))
 

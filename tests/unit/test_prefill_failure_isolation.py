@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import torch
 
 from dualpath.core.prefill_batcher import PrefillBatcher
+from dualpath.engine.common import FinishedReports
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from services.prefill_engine.engine import Job, PrefillEngine
@@ -97,6 +98,7 @@ def _engine_with(jobs: list[m.PrefillTask]) -> tuple[PrefillEngine, FakeBus, lis
     engine.setup = SimpleNamespace(eos_ids=[0], model_dir="", layout=SimpleNamespace(block_tokens=BT))
     engine.batcher = PrefillBatcher(lambda _items: 0.001, block_tokens=BT)
     engine.finished, engine.loaded, engine._successors = [], deque(), {}
+    engine._named = FinishedReports()
     engine.jobs = {t.request_id: Job(task=t, dest=SimpleNamespace(region_id="de-slot"), loading=False) for t in jobs}
     for t in jobs:
         engine.batcher.add(t.request_id, cached=0, total=len(t.prompt_tokens))
@@ -153,6 +155,21 @@ def test_reports_list_every_held_task_with_its_attempt_and_the_successor_waiting
     asyncio.run(engine._process_result(batch, _ran(engine, batch), SimpleNamespace(logits=torch.zeros(2, VOCAB))))
     r = engine.report()
     assert "b" not in r.holding and r.holding is not None
+
+
+def test_a_hand_off_is_named_finished_in_three_reports_in_a_row_so_one_lost_report_loses_none():
+    engine, _, _ = _engine_with([])
+    engine.cfg = SimpleNamespace(engine_id="p0")
+    engine.setup.layout.block_bytes = 1024
+    engine._stats = dict  # type: ignore[method-assign]
+    engine.finished.append(("a", 1))
+    first = engine.report()
+    engine.finished.append(("b", 2))
+    later = [engine.report() for _ in range(3)]
+    assert (first.finished, first.finished_attempts) == (["a"], [1])
+    assert [r.finished for r in later] == [["a", "b"], ["a", "b"], ["b"]]
+    assert [r.finished_attempts for r in later] == [[1, 2], [1, 2], [2]]
+    assert engine.report().finished == []
 
 
 def test_a_newer_attempt_that_started_while_the_batch_ran_is_not_handed_the_old_batchs_first_token():

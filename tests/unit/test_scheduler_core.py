@@ -381,6 +381,20 @@ def test_a_prefill_its_engine_still_lists_or_that_was_never_listed_is_left_runni
     assert c3.report(d3.prefill_engine, holding=()) == [] and c3.core.requests["r3"].prefill_done
 
 
+def test_a_finish_named_in_several_reports_counts_once():
+    """Engines name each finish in three reports in a row (a lost report then loses none): the
+    repeats change nothing, neither the figures nor the history nor a retried attempt."""
+    c = Cluster(prefetch=True)
+    d = c.place("r1", session="s")
+    pe, de = d.prefill_engine, d.decode_engine
+    for _ in range(3):
+        assert c.report(pe, finished=("r1",), attempts=(0,)) == []
+    assert c.core.requests["r1"].prefill_done
+    cmds = [x for _ in range(3) for x in c.report(de, finished=("r1",), attempts=(0,))]
+    assert kinds(cmds) == ["Prefetch"] and "r1" not in c.core.requests  # one hint, one history sample
+    assert c.engine(pe).seq == 0 and c.engine(de).seq == 0 and c.engine(de).free_hbm_tokens == HBM
+
+
 def test_an_abandoned_request_leaves_without_an_answer_or_a_retry():
     """A scheduler that took over was given an old submission after it had run a newer one
     (a late copy of a submit nobody answered): the decode engine refuses the hand-off (it ran

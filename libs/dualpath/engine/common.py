@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from dualpath.testbed.profile import cnic_prefix
 from dualpath.transfer import MemoryRegion, create_transport
 from dualpath.transfer.nic import DuplexNic, NicDirectory
 
-__all__ = ["EngineSetup", "build_engine", "dtype_name", "read_path_name"]
+__all__ = ["EngineSetup", "FinishedReports", "build_engine", "dtype_name", "read_path_name"]
 
 _READ_PATH_NAMES = {1: "pe", 2: "de", 3: "none", 0: "auto"}
 
@@ -28,6 +29,24 @@ def read_path_name(value: int) -> str:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+class FinishedReports:
+    """The ``(request, attempt)`` pairs an engine's report names as finished: those finished
+    since the last report and those of the ``repeat - 1`` reports before it. A report is
+    published at most once and the scheduler ignores a finish it already took, so a lost
+    report then loses no finish (the scheduler would retry a prefill it then finds missing
+    from the engine's ``holding``, or hold a decode's charges forever)."""
+
+    def __init__(self, repeat: int = 3) -> None:
+        self._earlier: deque[list[tuple[str, int]]] = deque(maxlen=repeat - 1)
+
+    def name(self, done: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """The pairs this report names: the earlier reports' and ``done``, oldest first."""
+        named = [pair for earlier in self._earlier for pair in earlier]
+        named += done
+        self._earlier.append(done)
+        return named
 
 
 @dataclass(slots=True, kw_only=True)
