@@ -55,19 +55,28 @@ def _report(engine: str, node: str, role: m.Role, incarnation: str) -> m.EngineR
     )
 
 
-def _core() -> SchedulerCore:
+def _core(engine_timeout: float = 60.0) -> SchedulerCore:
     policy = get_policy("dualpath", Thresholds(alpha_tokens=1 << 22, beta_tokens=1 << 22))
-    return SchedulerCore(policy, CoreConfig(engine_timeout=60.0))
+    return SchedulerCore(policy, CoreConfig(engine_timeout=engine_timeout))
 
 
-async def _leader(bus: FakeBus, core: SchedulerCore, tasks, decode: dict[str, str]) -> SchedulerShell:
-    """The active scheduler "lead@7" with prefill engine p0 (node P) and ``decode`` (engine ->
-    incarnation, node D) reported."""
+async def _leader(
+    bus: FakeBus, core: SchedulerCore, tasks, decode: dict[str, str], prefill: m.EngineReport | None = None
+) -> SchedulerShell:
+    """The active scheduler "lead@7" with prefill engine p0 (node P; ``prefill``: its report)
+    and ``decode`` (engine -> incarnation, node D) reported."""
     shell = SchedulerShell(bus, Subjects("t"), core, tasks, instance="lead@7")  # type: ignore[arg-type]
-    await shell.on_engine_report(_report("p0", "P", m.Role.PREFILL, "p-1"))
+    await shell.on_engine_report(prefill or _report("p0", "P", m.Role.PREFILL, "p-1"))
     for engine, incarnation in decode.items():
         await shell.on_engine_report(_report(engine, "D", m.Role.DECODE, incarnation))
     return shell
+
+
+async def _dispatched(bus: FakeBus) -> None:
+    """Wait until the shell sent a prefill task."""
+    with anyio.fail_after(5):
+        while not bus.sent(m.PrefillTask):
+            await asyncio.sleep(0.01)
 
 
 def _submit(submission: int) -> m.SubmitRequest:
@@ -96,9 +105,7 @@ def test_a_resubmitted_request_is_placed_with_attempts_after_the_dead_schedulers
             stop = asyncio.Event()
             tasks.start_soon(shell.run, stop)  # its passes place the queue
             await shell.on_submit(submit)
-            with anyio.fail_after(5):
-                while not bus.sent(m.PrefillTask):
-                    await asyncio.sleep(0.01)
+            await _dispatched(bus)
             task = bus.sent(m.PrefillTask)[0]
             # its decode engine restarts under its name before the core found it silent
             await shell.on_engine_report(_report(task.decode_engine, "D", m.Role.DECODE, "restarted"))
@@ -135,9 +142,7 @@ def test_a_submission_no_newer_than_one_already_run_here_is_refused_as_known():
             stop = asyncio.Event()
             tasks.start_soon(shell.run, stop)
             await shell.on_submit(_submit(1))
-            with anyio.fail_after(5):
-                while not bus.sent(m.PrefillTask):
-                    await asyncio.sleep(0.01)
+            await _dispatched(bus)
             for engine, node, role in (("p0", "P", m.Role.PREFILL), ("d0", "D", m.Role.DECODE)):
                 report = _report(engine, node, role, "p-1" if role == m.Role.PREFILL else "d-1")
                 # reports name wire attempts: submission 0's attempt 0 is not this run's
@@ -167,20 +172,14 @@ def test_a_prefill_whose_failure_never_arrived_is_retried_once_its_engine_stops_
     bus = FakeBus()
 
     async def main() -> None:
-        policy = get_policy("dualpath", Thresholds(alpha_tokens=1 << 22, beta_tokens=1 << 22))
-        core = SchedulerCore(policy, CoreConfig(engine_timeout=0.5))
+        p0 = replace(_report("p0", "P", m.Role.PREFILL, "p-1"), holding=[])
+        d0 = _report("d0", "D", m.Role.DECODE, "d-1")
         async with anyio.create_task_group() as tasks:
-            shell = SchedulerShell(bus, Subjects("t"), core, tasks, instance="lead@7")  # type: ignore[arg-type]
-            p0 = replace(_report("p0", "P", m.Role.PREFILL, "p-1"), holding=[])
-            d0 = _report("d0", "D", m.Role.DECODE, "d-1")
-            await shell.on_engine_report(p0)
-            await shell.on_engine_report(d0)
+            shell = await _leader(bus, _core(engine_timeout=0.5), tasks, {"d0": "d-1"}, prefill=p0)
             stop = asyncio.Event()
             tasks.start_soon(shell.run, stop)
             await shell.on_submit(_submit(1))
-            with anyio.fail_after(5):
-                while not bus.sent(m.PrefillTask):
-                    await asyncio.sleep(0.01)
+            await _dispatched(bus)
             task = bus.sent(m.PrefillTask)[0]
             held = replace(p0, seq=1, holding=["r"], holding_attempts=[task.attempt])
             for _ in range(8):  # held for longer than the engine timeout: nothing happens
