@@ -518,6 +518,7 @@ class PrefillEngine:
             "prefill_done",
             request_id=t.request_id,
             read_path=read_path_name(t.read_path),
+            read_split=job.read_split,  # [PE blocks, DE blocks] read
             hit_blocks=job.hit_blocks,
             tokens=len(t.prompt_tokens),
             seconds=round(time.perf_counter() - job.t_submit, 4),

@@ -65,17 +65,24 @@ def _one_pair() -> ClusterState:
     )
 
 
-def test_split_policy_divides_the_hits_and_grows_both_queues_within_a_pass():
+def test_split_policy_divides_the_hits_of_a_request_with_nothing_queued_behind_it():
     state = _one_pair()
     policy = get_policy("dualpath", Thresholds(alpha_tokens=BIG, beta_tokens=BIG), read_path="split")
-    reqs = [PendingRequest(request_id=i, prompt_tokens=64 * 100 + 10, hit_tokens=64 * 100, total_len=64 * 101) for i in range(2)]
-    a, b = policy.schedule(reqs, state)
+
+    def req(i: int) -> PendingRequest:
+        return PendingRequest(request_id=i, prompt_tokens=64 * 100 + 10, hit_tokens=64 * 100, total_len=64 * 101)
+
+    [a] = policy.schedule([req(0)], state)
     assert a.read_side is ReadSide.PE and 0 < a.de_split_tokens < a.read_tokens
     assert a.read_split == (a.read_tokens - a.de_split_tokens, a.de_split_tokens)
     assert (a.read_tokens - a.de_split_tokens) % 64 == 0
-    # The second request sees the first one's shares on both queues (the DE share weighs 10%
-    # more there): it splits again, within a block of the first.
-    assert 0 < b.de_split_tokens < b.read_tokens and abs(b.de_split_tokens - a.de_split_tokens) <= 64
+    # Two in one pass: the first has a request behind it and reads whole (the classic side);
+    # the second then finds the PE queue as long as its own read and reads whole on the DE side.
+    # With read admission the queues stay short while requests wait in the scheduler's queue,
+    # so the queues alone would split both (the testbed measured +4% to +10% JCT for that).
+    first, second = policy.schedule([req(1), req(2)], state)
+    assert (first.read_side, first.de_split_tokens) == (ReadSide.PE, 0)
+    assert (second.read_side, second.de_split_tokens) == (ReadSide.DE, 0)
 
 
 def test_a_forced_side_is_never_split():
@@ -106,10 +113,11 @@ def test_core_without_split_records_no_split():
     assert d.decision.read_split is None
 
 
-def test_only_a_request_longer_than_both_queues_is_split():
+def test_only_a_request_longer_than_both_queues_with_nothing_behind_it_is_split():
     assert worth_splitting(6400, 0, 6399)
     assert not worth_splitting(6400, 6400, 0)
     assert not worth_splitting(0, 0, 0)
+    assert not worth_splitting(6400, 0, 0, behind=1)
     state = _one_pair()
     state.report_node(1, read_q=100_000)  # a long DE queue: the request goes whole to the PE side
     policy = get_policy("dualpath", Thresholds(alpha_tokens=BIG, beta_tokens=BIG), read_path="split")

@@ -25,8 +25,9 @@ request stops there, and the pass keeps only the prefix every stage placed (the 
    to the PE side (the classic path); a request's ``forced_side`` or the policy's
    ``read_path`` overrides the comparison. Queues grow by each decision's hit tokens within
    the pass, so a burst between one PE/DE pair alternates sides instead of piling up.
-   With ``read_path`` ``split`` (beyond the paper) each request's hit blocks are divided
-   between both nodes so that both reads finish together (``split.split_blocks``).
+   With ``read_path`` ``split`` (beyond the paper) the hit blocks of a request with nothing
+   queued behind it are divided between both nodes so that both reads finish together
+   (``split.split_blocks``, ``split.worth_splitting``).
    Read admission (beyond the paper, ``Thresholds.hold_tokens``): a node whose open reads
    (the smaller of ``reads_open`` and ``read_q``: whichever sees a read end first) are at
    the hold takes no read; the request reads on the other side, and when neither can take
@@ -291,7 +292,7 @@ def choose_read_sides(
                 break  # no side can take its read now: it waits, and so does the rest of the queue
         staged_here = r.staged_node >= 0 and r.staged_node in (pe_node, de_node) and pe_node != de_node
         splittable = read_path is ReadPath.SPLIT and not staged_here and pe_node != de_node and pe_open and de_open
-        if forced is None and splittable and worth_splitting(r.hit_tokens, q_pe, q_de):
+        if forced is None and splittable and worth_splitting(r.hit_tokens, q_pe, q_de, len(waiting) - 1 - i):
             bt = r.block_tokens
             pe_tok = min(split_blocks(-(-r.hit_tokens // bt), bt, q_pe, q_de, hop_percent) * bt, r.hit_tokens)
             queue[pe_node], queue[de_node] = q_pe + pe_tok, q_de + r.hit_tokens - pe_tok
