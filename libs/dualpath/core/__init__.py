@@ -4,7 +4,8 @@
 commands; ``scheduler_members`` holds membership and the report/charge ledger.
 """
 
-from dualpath.core.scheduler import GC_THRESHOLDS, CoreConfig, SchedulerCore, tune_gc
+from dualpath.core.gc_tuning import GC_THRESHOLDS, tune_gc
+from dualpath.core.scheduler import CoreConfig, SchedulerCore
 from dualpath.core.scheduler_events import (
     BUFFER_FULL,
     Command,

@@ -77,7 +77,6 @@ randomness, dicts iterated in insertion order).
 
 from __future__ import annotations
 
-import gc
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -113,6 +112,7 @@ from dualpath.core.scheduler_events import (
 from dualpath.core.scheduler_members import (
     Charge,
     EngineMember,
+    HeldTasks,
     Holder,
     Membership,
     NodeMember,
@@ -123,27 +123,7 @@ from dualpath.policy.errors import InvalidRequestError
 from dualpath.policy.history import DecodeHistory
 from dualpath.policy.values import Assignment, ReadSide, Role
 
-__all__ = ["GC_THRESHOLDS", "CoreConfig", "SchedulerCore", "tune_gc"]
-
-# The cyclic garbage collector's thresholds for a process that drives a core at scale. With
-# Python's defaults (700, 10, 10) a collection runs every 700 net allocations and keeps
-# walking the young objects of ~100,000 live requests; at 10,000 GPUs that cost a third of
-# the core's time (dualpath bench scheduler). The core's own objects form no cycles while
-# the core lives, so collecting rarely loses nothing.
-GC_THRESHOLDS = (100_000, 50, 100)
-
-# A prefill placed on an engine that lists its tasks, and missing from this many of its
-# reports in a row, is lost (see the module docstring).
-_LOST_AFTER_REPORTS = 2
-
-
-def tune_gc() -> tuple[int, int, int]:
-    """Set ``GC_THRESHOLDS`` for this process (drivers call it: the service, the benchmark);
-    returns the previous thresholds. The core itself never touches interpreter settings."""
-    previous = gc.get_threshold()
-    gc.set_threshold(*GC_THRESHOLDS)
-    return previous
-
+__all__ = ["CoreConfig", "SchedulerCore"]
 
 _QUEUED, _RESERVING, _DISPATCHING, _RUNNING = 0, 1, 2, 3  # _Request.stage
 _rank = attrgetter("rank")
@@ -258,9 +238,7 @@ class SchedulerCore:
         self._next_expiry = float("-inf")
         self._reserving: dict[tuple[str, int], str] = {}  # (request, attempt) -> node of an unanswered ReserveSlot
         self._staged: dict[str, str] = {}  # prefetch: session -> node asked to stage its next turn's hits
-        self._listing: set[str] = set()  # prefill engines whose reports list the tasks they hold
-        # such an engine -> its answered prefills -> (reports in a row that left it out, now of the answer)
-        self._prefilling: dict[str, dict[str, tuple[int, float]]] = {}
+        self._held = HeldTasks()  # the lost-failure check of prefill engines that list their tasks
         self._handlers: dict[type, Callable[[Any], list[Command]]] = {  # each takes its own event type
             RequestSubmitted: self._submitted,
             EngineReported: self._engine_reported,
@@ -410,7 +388,9 @@ class SchedulerCore:
                 for rid in ev.finished:
                     self._finish(rid, member, cmds)
         if ev.holding is not None:
-            self._check_holding(member, ev.holding, ev.holding_attempts, cmds)
+            lost = self._held.lost(member.name, ev.holding, ev.holding_attempts, self._prefill_attempt, self.now, self.cfg.engine_timeout)
+            for rid in lost:
+                self._retry(self.requests[rid], f"prefill engine {member.name} no longer holds it (its failure was never reported)", cmds)
         if member.acked:
             reflect(member, self._k)
         state = self._state
@@ -418,33 +398,12 @@ class SchedulerCore:
             state.report_engine(member.num, seq + member.dseq, tok + member.dtok, free - member.dhbm if member.role is _DECODE else None)
         return cmds
 
-    def _check_holding(self, member: EngineMember, holding: tuple[str, ...], attempts: tuple[int, ...], cmds: list[Command]) -> None:
-        """Retry the prefills placed on ``member`` that its last ``_LOST_AFTER_REPORTS``
-        reports did not list (``holding``; ``attempts`` by position, -1 or empty: not said),
-        the last at least ``engine_timeout`` after the dispatch's answer."""
-        if member.name not in self._listing:
-            self._listing.add(member.name)  # from now on its answered dispatches are checked
-            return
-        ledger = self._prefilling.get(member.name)
-        if not ledger:
-            return
-        if len(attempts) == len(holding):
-            held = dict(zip(holding, attempts))
-        else:
-            held = dict.fromkeys(holding, -1)
-        for rid, (misses, since) in list(ledger.items()):
-            t = self.requests.get(rid)
-            if t is None or t.pe is None or t.pe.name != member.name or t.stage != _RUNNING or t.prefill_done:
-                del ledger[rid]  # its prefill ended (finished, failed, re-queued): nothing to check
-                continue
-            attempt = held.get(rid)
-            if attempt is not None and (attempt < 0 or attempt == t.attempt):
-                ledger[rid] = (0, since)
-            elif misses + 1 < _LOST_AFTER_REPORTS or self.now - since < self.cfg.engine_timeout:
-                ledger[rid] = (misses + 1, since)
-            else:
-                del ledger[rid]
-                self._retry(t, f"prefill engine {member.name} no longer holds it (its failure was never reported)", cmds)
+    def _prefill_attempt(self, engine: str, rid: str) -> int:
+        """The attempt of ``rid`` prefilling on ``engine`` (dispatch answered, not done), else -1."""
+        t = self.requests.get(rid)
+        if t is None or t.pe is None or t.pe.name != engine or t.stage != _RUNNING or t.prefill_done:
+            return -1
+        return t.attempt
 
     def _node_reported(self, ev: NodeReported) -> list[Command]:
         node = self.members.node(ev.node, ev.now)
@@ -551,8 +510,8 @@ class SchedulerCore:
                 t.read_charge.acknowledge(self._k)
             if t.split_charge is not None:
                 t.split_charge.acknowledge(self._k)
-            if t.pe is not None and t.pe.name in self._listing:
-                self._prefilling.setdefault(t.pe.name, {})[t.rid] = (0, self.now)
+            if t.pe is not None:
+                self._held.given(t.pe.name, t.rid, self.now)
         return []
 
     def _dispatch_failed(self, ev: DispatchFailed) -> list[Command]:
@@ -752,8 +711,7 @@ class SchedulerCore:
         prefill engine. The earliest request ends up first in the queue."""
         gone: set[str] = set()
         for name in names:
-            self._prefilling.pop(name, None)
-            self._listing.discard(name)
+            self._held.forget(name)
             if self.members.remove(name) is not None:
                 gone.add(name)
                 cmds.append(ExpelEngine(engine=name, reason=reason))

@@ -10,11 +10,12 @@ number back).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from dualpath.policy import ClusterState, NodeSpec
 from dualpath.policy.values import Role
 
-__all__ = ["ACKED", "REFLECTED", "RELEASED", "UNSEEN", "Charge", "EngineMember", "Holder", "Membership", "NodeMember"]
+__all__ = ["ACKED", "REFLECTED", "RELEASED", "UNSEEN", "Charge", "EngineMember", "HeldTasks", "Holder", "Membership", "NodeMember"]
 
 UNSEEN, ACKED, REFLECTED, RELEASED = 0, 1, 2, 3  # Charge.state
 
@@ -106,6 +107,66 @@ class Charge:
             h.dhbm -= self.hbm
             return True
         return False
+
+
+class HeldTasks:
+    """The prefills each prefill engine whose reports list what it holds was given (dispatch
+    answered), and how many of its reports in a row left each out: one missing from
+    ``LOST_AFTER_REPORTS`` of them, the last ``grace_s`` or more after the answer, is lost (its
+    engine dropped it and the ``TaskFailed`` never came; ``dualpath.core.scheduler``)."""
+
+    LOST_AFTER_REPORTS = 2
+
+    __slots__ = ("_given", "listing")
+
+    def __init__(self) -> None:
+        self.listing: set[str] = set()  # engines whose reports list the tasks they hold
+        self._given: dict[str, dict[str, tuple[int, float]]] = {}  # engine -> request -> (reports without it, now of the answer)
+
+    def given(self, engine: str, request_id: str, now: float) -> None:
+        """``engine`` answered the dispatch of ``request_id`` (checked only if it lists)."""
+        if engine in self.listing:
+            self._given.setdefault(engine, {})[request_id] = (0, now)
+
+    def forget(self, engine: str) -> None:
+        """``engine`` left: nothing of it is checked until it lists again."""
+        self._given.pop(engine, None)
+        self.listing.discard(engine)
+
+    def lost(
+        self,
+        engine: str,
+        holding: tuple[str, ...],
+        attempts: tuple[int, ...],
+        current: Callable[[str, str], int],
+        now: float,
+        grace_s: float,
+    ) -> list[str]:
+        """The requests ``engine``'s report (``holding``, ``attempts`` by position; -1 or empty:
+        not said) shows lost. ``current(engine, request)`` is the attempt the core has
+        prefilling there, -1 once that prefill ended (it is then forgotten here)."""
+        if engine not in self.listing:
+            self.listing.add(engine)  # from now on its answered dispatches are checked
+            return []
+        given = self._given.get(engine)
+        if not given:
+            return []
+        held = dict(zip(holding, attempts)) if len(attempts) == len(holding) else dict.fromkeys(holding, -1)
+        gone: list[str] = []
+        for rid, (misses, since) in list(given.items()):
+            attempt = current(engine, rid)
+            if attempt < 0:
+                del given[rid]  # its prefill ended (finished, failed, re-queued): nothing to check
+                continue
+            said = held.get(rid)
+            if said is not None and (said < 0 or said == attempt):
+                given[rid] = (0, since)
+            elif misses + 1 < self.LOST_AFTER_REPORTS or now - since < grace_s:
+                given[rid] = (misses + 1, since)
+            else:
+                del given[rid]
+                gone.append(rid)
+        return gone
 
 
 def reflect(holder: Holder, k: int) -> None:

@@ -25,7 +25,7 @@ import gc
 import time
 from collections.abc import Callable
 
-from dualpath.core.scheduler import tune_gc
+from dualpath.core.gc_tuning import tune_gc
 from dualpath.core.scheduler_events import Dispatch
 from dualpath.cost import cost_model
 from dualpath.policy import ReadSide, Role, Thresholds, get_policy
