@@ -61,14 +61,22 @@ async def _paced(acquire: Callable, size: int, rate: float, until: float, issued
 
 
 async def test_a_saturated_nic_delivers_its_rate_within_five_percent_over_two_seconds() -> None:
-    nic = EmulatedNic(LINK, name="cnic0")
-    start = anyio.current_time()
-    await _saturate(lambda n: nic.acquire(n, TrafficClass.KV), 256 * KIB, start + 2.0)
-    elapsed = anyio.current_time() - start
-
-    rate = nic.bytes_sent(TrafficClass.KV) / elapsed
-    assert abs(rate - nic.rate) / nic.rate < 0.05, rate
-    assert nic.utilisation(window_s=1.0) > 0.9
+    """Never faster than the link; as fast within 5% on one of two tries: a shared host that
+    starves the event loop for part of a try (a CI run once measured 31.7 of 50 MB/s) leaves
+    the link idle for want of requests, which says nothing of the pacing; a pacing regression
+    misses both."""
+    rates = []
+    for _ in range(2):
+        nic = EmulatedNic(LINK, name="cnic0")
+        start = anyio.current_time()
+        await _saturate(lambda n, nic=nic: nic.acquire(n, TrafficClass.KV), 256 * KIB, start + 2.0)
+        elapsed = anyio.current_time() - start
+        rate = nic.bytes_sent(TrafficClass.KV) / elapsed
+        assert rate < 1.05 * nic.rate, rate
+        rates.append(rate)
+        if abs(rate - nic.rate) / nic.rate < 0.05 and nic.utilisation(window_s=1.0) > 0.9:
+            return
+    raise AssertionError(f"two tries missed the link rate {LINK} B/s: {rates}")
 
 
 async def _model_share_beside_kv_backlog(nic: EmulatedNic, model_cls: TrafficClass) -> tuple[float, float]:
