@@ -104,8 +104,8 @@ async def test_a_request_to_a_subject_nobody_serves_is_a_bus_timeout_error_at_on
     async with Bus.open(nats_server.url, "t") as bus:
         t0 = time.monotonic()
         with pytest.raises(BusTimeoutError) as err:
-            await bus.request("t.nobody", m.FreeRequest(request_id="r"), m.Ok, timeout=5.0)
-        assert err.value.no_responders and time.monotonic() - t0 < 2.0
+            await bus.request("t.nobody", m.FreeRequest(request_id="r"), m.Ok, timeout=30.0)
+        assert err.value.no_responders and time.monotonic() - t0 < 10.0  # at once, not after the 30 s timeout
 
 
 async def test_a_request_past_the_handler_bound_is_answered_busy_at_once_and_reported_as_overflow(nats_server) -> None:
@@ -129,7 +129,7 @@ async def test_a_request_past_the_handler_bound_is_answered_busy_at_once_and_rep
 
         async def ask(i: int) -> None:
             try:
-                answers.append(await client.request("t.slow", m.FreeRequest(request_id=f"r{i}"), m.Ok, timeout=5.0))
+                answers.append(await client.request("t.slow", m.FreeRequest(request_id=f"r{i}"), m.Ok, timeout=30.0))
             except RemoteError as exc:
                 answers.append(exc)
 
@@ -144,7 +144,7 @@ async def test_a_request_past_the_handler_bound_is_answered_busy_at_once_and_rep
             release.set()
         busy = [a for a in answers if isinstance(a, RemoteError)]
         assert len(busy) == 1 and busy[0].code == BUSY and "busy" in busy[0].message
-        assert busy_after < 3.0  # answered at once, not left to its 5 s timeout
+        assert busy_after < 10.0  # answered at once, not left to its 30 s timeout
         assert sum(isinstance(a, m.Ok) for a in answers) == 2
         assert server.refused == 1
         assert len(reported) == 1 and isinstance(reported[0], BusOverflowError) and reported[0].subject == "t.slow"

