@@ -122,7 +122,7 @@ def test_an_online_run_stops_at_its_duration_and_records_the_cut_off_turns(tmp_p
             capsys,
         )
     run = report["run"]
-    assert code == 0 and 0.9 < run["wall_s"] < 3
+    assert code == 0 and 0.9 < run["wall_s"] < 5  # without the cut-off, 50 turns take far longer
     agents = run["agents"]
     assert 20 <= agents["launched"] <= 60 and agents["cancelled"] >= 10
     assert agents["cancelled"] + agents["done"] == agents["launched"]

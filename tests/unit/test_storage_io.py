@@ -79,8 +79,11 @@ def test_the_read_queue_counts_blocks_not_yet_read(tmp_path):
 
     async def run():
         task = asyncio.create_task(io.read_blocks(DIGEST, hashes, FMT, dest))
-        await asyncio.sleep(0.08)
-        midway = io.read_q_tokens
+        midway = 0
+        while not task.done():  # polled, not one sleep: a slow first read must not read 'all'
+            await asyncio.sleep(0.005)
+            if 0 < io.read_q_tokens < len(hashes) * FMT.block_tokens:
+                midway = io.read_q_tokens
         result = await task
         return midway, result
 
