@@ -200,7 +200,7 @@ def test_a_prefill_task_whose_kv_load_died_with_its_traffic_manager_fails_within
     failed = [x for x in bus.published if isinstance(x, m.TaskFailed)]
     node = "P" if path == m.ReadPath.PE else "D"
     assert [(f.request_id, f.node_unreachable, f.abandoned) for f in failed] == [("r", node, cancelled)]
-    assert f"node {node}" in failed[0].reason and took < 3.0
+    assert f"node {node}" in failed[0].reason and took < 8.0  # the old code: 120 s (the wait_for stops it at 10)
 
 
 def test_a_batch_that_finds_a_nodes_buffer_gone_fails_its_tasks_naming_that_node():

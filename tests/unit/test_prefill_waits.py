@@ -45,10 +45,12 @@ class SlowIO:
 @pytest.mark.anyio
 async def test_a_slow_fetch_and_a_slow_last_store_show_up_on_their_own_layers():
     item = PrefillItem(request_id="r", tokens=[1, 2, 3], start=0, end=3)
-    result = await run_prefill(FakeDecoder(), [item], SlowIO(0.2))
+    result = await run_prefill(
+        FakeDecoder(), [item], SlowIO(1.0)
+    )  # 1 s: a layer that waits >= 0.6 s, the others < 0.5 (a host stall is not a slow layer)
     assert len(result.fetch_wait_s) == LAYERS and len(result.store_wait_s) == LAYERS
-    assert result.fetch_wait_s[2] >= 0.15 and max(result.fetch_wait_s[:2] + result.fetch_wait_s[3:]) < 0.1
-    assert result.store_wait_s[3] >= 0.15 and max(result.store_wait_s[:3]) < 0.1
+    assert result.fetch_wait_s[2] >= 0.6 and max(result.fetch_wait_s[:2] + result.fetch_wait_s[3:]) < 0.5
+    assert result.store_wait_s[3] >= 0.6 and max(result.store_wait_s[:3]) < 0.5
     assert result.wait_s == pytest.approx(sum(result.fetch_wait_s))
     assert result.logits.shape == (1, 3)
 
