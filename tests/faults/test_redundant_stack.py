@@ -159,8 +159,15 @@ def test_kv_persistence_replica_killed_during_commits_loses_no_committed_block(s
     wait_until(lambda: len(log_events(stack, "kv-persistence", "index_loaded")) > loaded_before, 30)
     record("kv-persistence replica killed (replica back, index replayed)", time.monotonic() - t0, 15.0)
     [chat_cached(stack, c) for c in convs]  # this turn's own blocks get committed too: measure after it
-    time.sleep(1.0)
-    hits_both = [chat_cached(stack, c) for c in convs]
+    # Commits may still be on their way: read until two reads in a row agree (not one sleep).
+    reads = [[chat_cached(stack, c) for c in convs]]
+
+    def settled() -> bool:
+        reads.append([chat_cached(stack, c) for c in convs])
+        return reads[-1] == reads[-2]
+
+    wait_until(settled, 30, step=0.5)
+    hits_both = reads[-1]
     assert sum(hits_both) > 0
     stack.supervisor.hold("kv-persistence-1")  # only the restarted replica answers from here
     os.kill(stack.pid("kv-persistence-1"), signal.SIGKILL)
