@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ import anyio
 
 from dualpath.transfer._tasks import TaskSet
 from dualpath.transfer.base import Transport, check_entries
+from dualpath.transfer.busy_poll import busy_poll_default
 from dualpath.transfer.errors import PeerLostError, TransferTimeoutError
 from dualpath.transfer.nic import DuplexNic, EmulatedNic
 from dualpath.transfer.region import MemoryRegion
@@ -29,6 +31,12 @@ from dualpath.transfer.tcp_wire import Op
 from dualpath.transfer.types import RegionDescriptor, TrafficClass, TransferEntry
 
 __all__ = ["TcpTransport"]
+
+# The two ends of every connection this process dialed, as (host, port) of each socket: a
+# connection between two transports of one process (tests, a single-process stack) shares
+# one event loop, so one side's spin would only keep the other from answering.
+_IN_PROCESS: set[tuple[str, int]] = set()
+_TRANSPORTS: weakref.WeakSet[TcpTransport] = weakref.WeakSet()  # this process's started transports
 
 
 @dataclass(slots=True)
@@ -54,16 +62,23 @@ class TcpTransport(Transport):
         timeout_s: float = 30.0,
         connect_timeout_s: float = 5.0,
         socket_buffer_bytes: int | None = 8 << 20,
+        busy_poll_us: float | None = None,
     ) -> None:
         """``timeout_s`` bounds a whole batch; ``socket_buffer_bytes`` sets SO_SNDBUF and
         SO_RCVBUF (the kernel caps them at net.core.wmem_max/rmem_max; ``None`` keeps
-        autotuning): large buffers mean fewer wake-ups per megabyte."""
+        autotuning): large buffers mean fewer wake-ups per megabyte. ``busy_poll_us`` is the
+        longest adaptive poll for a reply (initiator) or the next request (server) before
+        sleeping in the event loop (``busy_poll``; 0 turns it off; default
+        ``DUALPATH_TCP_BUSY_POLL_US`` or 250 us)."""
         super().__init__(node_id=node_id, nic=nic)
         self.host = host
         self.port = port
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.socket_buffer_bytes = socket_buffer_bytes
+        self.busy_poll_us = busy_poll_default() if busy_poll_us is None else busy_poll_us
+        if self.busy_poll_us < 0:
+            raise ValueError(f"busy_poll_us must be >= 0, got {self.busy_poll_us}")
         self._listener: socket.socket | None = None
         self._tasks = TaskSet(f"tcp-transport-{node_id}")
         self._peers: dict[tuple[str, int], PeerConnection] = {}
@@ -92,6 +107,7 @@ class TcpTransport(Transport):
             raise
         self._listener = listener
         self.port = listener.getsockname()[1]
+        _TRANSPORTS.add(self)
         self._tasks.spawn(self._accept_loop(listener), name="accept")
 
     async def close(self) -> None:
@@ -168,6 +184,8 @@ class TcpTransport(Transport):
                 conns.append(conn)
                 futures.append(await conn.submit(op, cls, next(self._batch_ids), local, group.entries))
             if len(futures) == 1:
+                if not futures[0].done():
+                    conns[0].spin(futures[0])
                 await futures[0]
             else:
                 await asyncio.gather(*futures)
@@ -205,7 +223,11 @@ class TcpTransport(Transport):
                     sock = await _dial(peer, self.socket_buffer_bytes)
             except (OSError, TimeoutError) as exc:
                 raise PeerLostError(name, f"cannot connect: {exc!r}") from exc
-            conn = PeerConnection(sock, name)
+            here = _address(sock.getsockname())
+            in_process = _address(sock.getpeername()) in self._listening()
+            conn = PeerConnection(sock, name, 0.0 if in_process else self.busy_poll_us)
+            _IN_PROCESS.add(here)
+            conn.on_close = lambda: _IN_PROCESS.discard(here)
             self._peers[peer] = conn
             self._tasks.spawn(conn.read_replies(), name=f"replies-{name}")
             return conn
@@ -213,10 +235,15 @@ class TcpTransport(Transport):
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            sock, _ = await loop.sock_accept(listener)
+            sock, address = await loop.sock_accept(listener)
             sock.setblocking(False)
             _no_delay(sock)
-            self._tasks.spawn(serve_connection(sock, self._lookup, self.node_id), name="serve-connection")
+            poll_us = 0.0 if _address(address) in _IN_PROCESS else self.busy_poll_us
+            self._tasks.spawn(serve_connection(sock, self._lookup, self.node_id, poll_us), name="serve-connection")
+
+    @staticmethod
+    def _listening() -> set[tuple[str, int]]:
+        return {_address(t._listener.getsockname()) for t in _TRANSPORTS if t._listener is not None}
 
     def _lookup(self, region_id: str) -> MemoryRegion | None:
         region = self._local.get(region_id)
@@ -236,6 +263,10 @@ async def _dial(peer: tuple[str, int], buffer_bytes: int | None) -> socket.socke
         raise
     _no_delay(sock)
     return sock
+
+
+def _address(addr: tuple) -> tuple[str, int]:  # v4 or v6 socket address
+    return (str(addr[0]), int(addr[1]))
 
 
 def _no_delay(sock: socket.socket) -> None:

@@ -5,7 +5,11 @@
 replies arrive (in request order: the server answers a connection's batches in turn),
 receiving a read's payload straight into the local region. When the connection breaks, every batch
 in flight fails with the same error and the connection is marked dead (the transport dials
-a new one for the next batch).
+a new one for the next batch). ``spin`` polls for one batch's reply before its caller
+awaits it, and every wake-up goes on polling while a reply is still coming, until nothing
+has arrived for a short, learned while (``BusyPoll``), at most ``_MAX_SPIN_S`` per call: a
+small batch completes without the event loop's sleep and wake-up, and a large reply streams
+without one per socket buffer.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from dualpath.transfer.busy_poll import DEFAULT_BUSY_POLL_US, BusyPoll
 from dualpath.transfer.errors import PeerLostError, TransferError
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.tcp_wire import (
@@ -38,6 +44,7 @@ __all__ = ["PeerConnection"]
 
 _SCRATCH = 1 << 20
 _CLOSE_GRACE_S = 1.0
+_MAX_SPIN_S = 0.002  # one spin (a wait for a reply, or a wake-up's polling) holds the loop at most this long
 
 
 @dataclass(slots=True)
@@ -53,9 +60,12 @@ class _Pending:
 class PeerConnection:
     """One TCP connection to a peer's tcp transport, carrying pipelined batches."""
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, busy_poll_us: float = DEFAULT_BUSY_POLL_US) -> None:
         self.sock = sock
         self.peer = peer
+        self.poll = BusyPoll(busy_poll_us)
+        self.received = 0  # bytes received: how a spin sees progress
+        self.on_close: Callable[[], None] | None = None  # called once the socket is closed
         self._send_lock = asyncio.Lock()
         self._pending: dict[int, _Pending] = {}
         self._dead: TransferError | None = None
@@ -146,7 +156,7 @@ class PeerConnection:
         if self._dead is not None:
             self._ended.set_result(None)
         else:
-            loop.add_reader(self._fd, self._on_readable)
+            loop.add_reader(self._fd, self._on_loop_readable)
         try:
             await self._ended
         except asyncio.CancelledError:
@@ -160,8 +170,42 @@ class PeerConnection:
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 acquired = await asyncio.wait_for(self._send_lock.acquire(), _CLOSE_GRACE_S)
             self.sock.close()
+            if self.on_close is not None:
+                self.on_close()
             if acquired:  # queued senders now fail on the closed socket instead of waiting
                 self._send_lock.release()
+
+    def spin(self, future: asyncio.Future[int]) -> None:
+        """Poll for ``future``'s reply instead of sleeping (see the module docstring);
+        returns once it is done, or nothing has arrived for the learned window, or after
+        ``_MAX_SPIN_S``. What is not done by then, the event loop delivers."""
+        self._spin(time.perf_counter(), future)
+
+    def _on_loop_readable(self) -> None:
+        began = time.perf_counter()
+        self.poll.woke(began)
+        self._on_readable()
+        self._spin(began, None)
+
+    def _spin(self, began: float, future: asyncio.Future[int] | None) -> None:
+        poll = self.poll
+        cap = began + _MAX_SPIN_S
+        last = now = time.perf_counter()
+        got = self.received
+        while now - last < poll.window_s and now < cap and self._dead is None:
+            if future is not None and future.done():
+                poll.caught()
+                return
+            if future is None and not self._pending and self._cur is None:
+                return  # nothing in flight: nothing to wait for
+            self._on_readable()
+            now = time.perf_counter()
+            if self.received != got:
+                got, last = self.received, now
+        if future is not None and future.done():
+            poll.caught()
+        elif self._dead is None:
+            poll.missed(last)  # waiting since the last byte came; the next wake-up teaches the window
 
     def _on_readable(self) -> None:
         try:
@@ -184,6 +228,7 @@ class PeerConnection:
             got = _recv(self.sock, [self._head_view[self._head_got :]])
             if got is None:
                 return False
+            self.received += got
             self._head_got += got
             if self._head_got < REPLY.size:
                 return True
@@ -208,6 +253,7 @@ class PeerConnection:
             got = _recv(self.sock, cur.todo[:IOV_MAX])
             if got is None:
                 return False
+            self.received += got
             _advance(cur.todo, got)
             if cur.todo:
                 return True

@@ -12,6 +12,13 @@ straight into the region — and answers every complete request with one ``sendm
 read's reply and its payload together). That is one loop wake-up and two or three syscalls
 per batch, the floor of an event-loop server; only a reply the socket cannot take at once
 waits for the writer callback (and reading pauses meanwhile, so replies stay in order).
+
+A wake-up does not hand the connection back to the event loop as soon as it would block:
+it polls the socket (the next request, the rest of a write's payload, room for a reply)
+until nothing has moved for a short, learned while (``BusyPoll``), so a back-to-back
+stream of batches is answered without the wake-up a sleeping process pays, and a large
+reply streams without one per socket buffer; one callback keeps the loop at most
+``_MAX_CALLBACK_S`` however busy the connection is.
 """
 
 from __future__ import annotations
@@ -19,11 +26,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from dualpath.transfer.busy_poll import DEFAULT_BUSY_POLL_US, BusyPoll
 from dualpath.transfer.errors import OutOfBoundsError, TransferError, UnknownRegionError
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.tcp_wire import (
@@ -48,6 +57,7 @@ __all__ = ["serve_connection"]
 _log = logging.getLogger(__name__)
 _STAGE = 1 << 16  # staging buffer for headers and tables (grows for a larger table)
 _DRAIN_CHUNK = 1 << 20
+_MAX_CALLBACK_S = 0.002  # one reader callback (its polls included) holds the loop at most this long
 
 Lookup = Callable[[str], "MemoryRegion | None"]
 
@@ -68,12 +78,13 @@ class _Write:
     drain: int = 0  # bytes still to drop (error case)
 
 
-async def serve_connection(sock: socket.socket, lookup: Lookup, node_id: str) -> None:
+async def serve_connection(sock: socket.socket, lookup: Lookup, node_id: str, busy_poll_us: float = DEFAULT_BUSY_POLL_US) -> None:
     """Answer batches on ``sock`` until the peer closes it; closes ``sock`` at the end.
 
-    ``lookup`` maps a region id to the registered, open region (or ``None``).
+    ``lookup`` maps a region id to the registered, open region (or ``None``);
+    ``busy_poll_us`` is the longest poll for the next request (0: none).
     """
-    conn = _Connection(sock, lookup, node_id, asyncio.get_running_loop())
+    conn = _Connection(sock, lookup, node_id, asyncio.get_running_loop(), BusyPoll(busy_poll_us))
     try:
         conn.start()
         await conn.done
@@ -84,8 +95,10 @@ async def serve_connection(sock: socket.socket, lookup: Lookup, node_id: str) ->
 class _Connection:
     """One served connection (see the module docstring)."""
 
-    def __init__(self, sock: socket.socket, lookup: Lookup, node_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, sock: socket.socket, lookup: Lookup, node_id: str, loop: asyncio.AbstractEventLoop, poll: BusyPoll) -> None:
         self.sock, self.fd, self.lookup, self.node_id, self.loop = sock, sock.fileno(), lookup, node_id, loop
+        self.poll = poll
+        self.moved = 0  # bytes received and sent: how a spin sees progress
         self.done: asyncio.Future[None] = loop.create_future()
         self.stage = bytearray(_STAGE)
         self.lo = self.hi = 0  # staged, unparsed bytes: stage[lo:hi]
@@ -119,7 +132,10 @@ class _Connection:
     # ---- reading -------------------------------------------------------------------------
     def _on_readable(self) -> None:
         try:
+            began = time.perf_counter()
+            self.poll.woke(began)
             self._pump()
+            self._spin(began)
         except _Malformed:
             _log.warning("tcp transport %s: malformed request, closing connection", self.node_id)
             self._end()
@@ -140,6 +156,24 @@ class _Connection:
             if not self._receive_stage():
                 return
 
+    def _spin(self, began: float) -> None:
+        """Go on without the event loop while the peer keeps the connection moving: poll
+        (the next request, a write's payload, room for a reply) until nothing has moved
+        for the learned window, or ``_MAX_CALLBACK_S`` after ``began`` (the callback's start)."""
+        poll = self.poll
+        cap = began + _MAX_CALLBACK_S
+        last = now = time.perf_counter()
+        moved = self.moved
+        while now - last < poll.window_s and now < cap and not self.done.done():
+            if self.out and self._flush():
+                self._resume_reading()
+            self._pump()
+            now = time.perf_counter()
+            if self.moved != moved:
+                moved, last = self.moved, now
+        if not self.done.done():
+            poll.missed(last)  # waiting since the last byte moved; the next wake-up teaches the window
+
     def _receive_stage(self) -> bool:
         """Read into the staging buffer; False when nothing is there yet."""
         if self.lo:
@@ -155,6 +189,7 @@ class _Connection:
         if got == 0:
             raise ConnectionResetError("connection closed by peer")
         self.hi += got
+        self.moved += got
         return True
 
     def _parse_one(self) -> bool:
@@ -221,6 +256,7 @@ class _Connection:
             if got == 0:
                 raise ConnectionResetError("connection closed by peer")
             _advance(w.todo, got)
+            self.moved += got
         for target, scratch in w.scatters:  # strided pieces: received together, placed at C speed
             target[...] = np.frombuffer(scratch, dtype=np.uint8).reshape(target.shape)
         w.scatters.clear()
@@ -243,6 +279,7 @@ class _Connection:
             if got == 0:
                 raise ConnectionResetError("connection closed by peer")
             w.drain -= got
+            self.moved += got
         self.write = None
         assert w.error is not None
         self._send_error(Op.WRITE, w.batch_id, w.error)
@@ -255,39 +292,55 @@ class _Connection:
 
     def _send(self, bufs: list[memoryview], release: list[memoryview]) -> None:
         """Send ``bufs`` now as far as the socket takes them; the rest from the writer
-        callback, with reading paused (replies go out in request order)."""
-        bufs = [b.cast("B") if b.format != "B" else b for b in bufs if b.nbytes]
-        while bufs:
-            try:
-                sent = self.sock.sendmsg(bufs[:IOV_MAX])
-            except (BlockingIOError, InterruptedError):
-                break
-            _advance(bufs, sent)
-        if not bufs:
-            self._release(release)
+        callback (or a spin), with reading paused (replies go out in request order)."""
+        self.out = [b.cast("B") if b.format != "B" else b for b in bufs if b.nbytes]
+        self.out_release = release
+        if self._flush():
             return
-        self.out, self.out_release = bufs, release
         if self.reading:
             self.loop.remove_reader(self.fd)
             self.reading = False
         self.loop.add_writer(self.fd, self._on_writable)
 
+    def _flush(self) -> bool:
+        """Send what the socket takes of ``out``; True (views released) once all is sent.
+
+        Raises:
+            OSError: the connection broke.
+        """
+        out = self.out
+        while out:
+            try:
+                sent = self.sock.sendmsg(out[:IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                return False
+            _advance(out, sent)
+            self.moved += sent
+        self._release(self.out_release)
+        return True
+
+    def _resume_reading(self) -> None:
+        """The reply that paused reading is out: stop waiting for room, read again."""
+        self.loop.remove_writer(self.fd)
+        if not self.reading:
+            self.loop.add_reader(self.fd, self._on_readable)
+            self.reading = True
+
     def _on_writable(self) -> None:
         try:
-            while self.out:
-                try:
-                    sent = self.sock.sendmsg(self.out[:IOV_MAX])
-                except (BlockingIOError, InterruptedError):
-                    return
-                _advance(self.out, sent)
+            began = time.perf_counter()
+            self.poll.woke(began)
+            if not self._flush():
+                self._spin(began)
+                return
+            self._resume_reading()
+            self._pump()  # requests staged meanwhile
+            self._spin(began)
+        except _Malformed:
+            _log.warning("tcp transport %s: malformed request, closing connection", self.node_id)
+            self._end()
         except (ConnectionError, OSError):
             self._end()
-            return
-        self.loop.remove_writer(self.fd)
-        self._release(self.out_release)
-        self.loop.add_reader(self.fd, self._on_readable)
-        self.reading = True
-        self._on_readable()  # requests staged meanwhile
 
     @staticmethod
     def _release(views: list[memoryview]) -> None:
