@@ -222,6 +222,12 @@ class SchedulerConfig:
     engine_timeout: float = opt(3.0, "seconds without a report after which an engine is considered dead", "DUALPATH_ENGINE_TIMEOUT")
     max_queue: int = opt(10000, "most requests waiting in the scheduler; more are refused with 429", "DUALPATH_MAX_QUEUE")
     max_attempts: int = opt(3, "dispatch attempts per request before it fails", "DUALPATH_MAX_ATTEMPTS")
+    urgent_wait: float = opt(
+        3.0,
+        "seconds a request may wait before it goes ahead of every fresher one (online TTFT); inf: never "
+        "(a rollout judged by its job completion time: the queue keeps its longest-decode-first order)",
+        "DUALPATH_URGENT_WAIT",
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 trace_inputs=tracing_enabled(),
                 prefetch=cfg.prefetch,
                 decode_credit_s=queue_order.decode_credit_s * slow,
-                urgent_wait_s=queue_order.urgent_wait_s * slow,
+                urgent_wait_s=cfg.urgent_wait * slow,
             ),
         )
         register_metrics(core)

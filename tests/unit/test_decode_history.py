@@ -57,3 +57,36 @@ def test_max_tokens_alone_does_not_reorder_the_queue_by_default():
     c.now += 0.5
     c.submit("long", max_tokens=4096)
     assert reserved(c.tick()) == ["short", "long"]
+
+
+@pytest.mark.parametrize(("history_credit", "first"), [(5.0, "long-2"), (0.0, "short-2")])
+def test_a_turn_submitted_before_its_previous_turns_finish_is_known_is_re_ranked_when_it_is(history_credit, first):
+    # The client sees the last token before the scheduler hears of the decode's end (engines
+    # report finishes periodically), so an agent's next turn is often queued first.
+    c = Cluster(history_credit=history_credit)
+    run_turn(c, "short-1", "agent-short", 0.1)
+    d = c.place("long-1", session="agent-long")
+    c.handle(RequestFinished(now=c.now, request_id="long-1", engine=d.prefill_engine))
+    c.now += 2.0
+    c.submit("short-2", session="agent-short")
+    c.now += 0.1
+    c.submit("long-2", session="agent-long")  # no history for agent-long yet: ranked by submission
+    c.now += 0.1
+    c.handle(RequestFinished(now=c.now, request_id="long-1", engine=d.decode_engine))  # now it is known
+    assert c.core.history.predict("agent-long") == pytest.approx(2.2)
+    assert reserved(c.tick())[0] == first
+
+
+def test_an_urgent_request_keeps_its_place_when_its_session_is_learned():
+    c = Cluster(urgent_wait_s=1.0)
+    d = c.place("a-1", session="a")
+    c.handle(RequestFinished(now=c.now, request_id="a-1", engine=d.prefill_engine))
+    c.submit("a-2", session="a")
+    c.now += 1.5
+    c.submit("b-1", session="b")
+    c.core.now = c.now
+    c.core._promote_urgent()  # a-2 has waited 1.5 s: ahead of every fresher request
+    rank = c.core.requests["a-2"].rank
+    c.handle(RequestFinished(now=c.now, request_id="a-1", engine=d.decode_engine))
+    assert c.core.requests["a-2"].rank == rank
+    assert [t.rid for t in c.core.queue] == ["a-2", "b-1"]

@@ -185,6 +185,7 @@ class _Request:
         "prefill_done_at",
         "queued_since",
         "rank",
+        "rank_base",
         "read_charge",
         "read_side",
         "rid",
@@ -201,6 +202,7 @@ class _Request:
         self.wait_start = -1.0  # now of the first back-pressure (-1: none yet)
         self.queued_since = now
         self.rank = now  # its place in the queue (SchedulerCore._enqueue)
+        self.rank_base = now  # its rank before the history credit (submission less any max_tokens credit)
         self.open_reads: tuple[tuple[NodeMember, int], ...] = ()  # (node, hit tokens) of its reads until its prefill ends
         self.stage = _QUEUED
         self.pe: EngineMember | None = None
@@ -227,6 +229,7 @@ class SchedulerCore:
         self.queue: deque[_Request] = deque()
         self.history = DecodeHistory()  # per-session decode seconds: the queue's order
         self._arrivals: deque[tuple[float, int, _Request]] = deque()  # (queued since, attempt, request) in queueing order
+        self._queued_turn: dict[str, _Request] = {}  # session -> its newest submitted request (re-ranked when history is learned)
         self.requests: dict[str, _Request] = {}  # queued and placed, by request id
         self.buffer_waits = 0  # placements put back because a decode node's buffer was full
         self.now = 0.0
@@ -342,8 +345,14 @@ class SchedulerCore:
         t.session = ev.session
         self._num += 1
         self.requests[rid] = t
-        credit = self.cfg.history_credit * self.history.predict(ev.session) + self.cfg.decode_credit_s * ev.max_tokens
-        self._enqueue(t, ev.now - credit)
+        t.rank_base = ev.now - self.cfg.decode_credit_s * ev.max_tokens
+        self._enqueue(t, t.rank_base - self.cfg.history_credit * self.history.predict(ev.session))
+        if ev.session:
+            turns = self._queued_turn
+            turns.pop(ev.session, None)
+            if len(turns) >= self.history.max_sessions:
+                del turns[next(iter(turns))]  # the longest-waiting entry (most are long placed)
+            turns[ev.session] = t
         if self.cfg.urgent_wait_s < float("inf"):
             self._arrivals.append((ev.now, t.attempt, t))  # promoted if it is still queued urgent_wait_s later
         return []
@@ -453,6 +462,7 @@ class SchedulerCore:
             del self.requests[rid]
             if t.prefill_done_at >= 0:
                 self.history.observe(t.session, self.now - t.prefill_done_at)
+                self._rerank(t.session)
             if self.cfg.prefetch and t.session and t.pe is not None and t.pending.prompt_tokens >= t.pending.block_tokens:
                 # The session's next turn starts with this context: the node that read this
                 # turn (the PE's when nothing was read) stages it while the agent runs its
@@ -587,6 +597,20 @@ class SchedulerCore:
             t = queue.popleft()
             assert t.num == a.request_id, "the policy places a FIFO prefix"
             self._place(t, a, state, cmds)
+
+    def _rerank(self, session: str) -> None:
+        """The session's prediction changed: its request still waiting in the queue (the
+        agent's next turn, submitted before this finish was known: an engine's finish reaches
+        the scheduler with its next report, the client's last token sooner) takes its place
+        by the new prediction. An urgent or retried request keeps its place at the head."""
+        t = self._queued_turn.pop(session, None)
+        if t is None or t.stage != _QUEUED or self.requests.get(t.rid) is not t or t.rank <= t.rank_base - _URGENT_S / 2:
+            return
+        self._queued_turn[session] = t  # still waiting: a later finish may re-rank it again
+        rank = t.rank_base - self.cfg.history_credit * self.history.predict(session)
+        if rank != t.rank:
+            self.queue.remove(t)
+            self._enqueue(t, rank)
 
     def _promote_urgent(self) -> None:
         """Requests queued ``urgent_wait_s`` or longer move ahead of every fresher one."""

@@ -167,8 +167,47 @@ class TcpTransport(Transport):
             for entry in entries:
                 key = peer_of[entry.remote_region]
                 groups.setdefault(key, _Group(key)).entries.append(entry)
-        futures: list[asyncio.Future[int]] = []
+        if not links and len(groups) == 1:
+            conn = self._peers.get(first)
+            if conn is not None and conn.alive:  # the usual batch: one live connection, no emulated link
+                future = await conn.submit(op, cls, next(self._batch_ids), local, groups[first].entries)
+                conn.spin(future)
+                if future.done():  # completed while polling: no timer, no task switch
+                    future.result()  # the batch's error, if any
+                    return total
+                await self._wait([conn], [future], groups)
+                return total
         conns: list[PeerConnection] = []
+        futures: list[asyncio.Future[int]] = []
+
+        async def move() -> None:
+            try:
+                for group in groups.values():
+                    conn = await self._connection(group.peer)
+                    conns.append(conn)
+                    futures.append(await conn.submit(op, cls, next(self._batch_ids), local, group.entries))
+            except BaseException:
+                for fut in futures:
+                    fut.cancel()  # sent already: its reply drains into scratch
+                raise
+            if len(futures) == 1:
+                conns[0].spin(futures[0])
+            await self._wait(conns, futures, groups)
+
+        if links:
+            await self._paced(links, total, cls, move())
+        else:
+            await move()
+        return total
+
+    async def _wait(self, conns: list[PeerConnection], futures: list[asyncio.Future[int]], groups: dict[tuple[str, int], _Group]) -> None:
+        """Await a batch's replies (one future per peer) within ``timeout_s``.
+
+        Raises:
+            TransferTimeoutError: the replies took longer (the connections are dropped, so
+                late bytes of this batch never land).
+            PeerLostError, TransferError: a peer went away, or answered with an error.
+        """
         # A timer, not a cancel scope: it costs nothing per batch until it fires, and when it
         # fires the connection is dropped, so late bytes of this batch never land.
         expired: list[bool] = []
@@ -178,25 +217,12 @@ class TcpTransport(Transport):
             for conn in conns:
                 conn.abort(TransferTimeoutError(conn.peer, self.timeout_s))
 
-        async def move() -> None:
-            for group in groups.values():
-                conn = await self._connection(group.peer)
-                conns.append(conn)
-                futures.append(await conn.submit(op, cls, next(self._batch_ids), local, group.entries))
+        timer = asyncio.get_running_loop().call_later(self.timeout_s, expire)
+        try:
             if len(futures) == 1:
-                if not futures[0].done():
-                    conns[0].spin(futures[0])
                 await futures[0]
             else:
                 await asyncio.gather(*futures)
-
-        timer = asyncio.get_running_loop().call_later(self.timeout_s, expire)
-        try:
-            if links:
-                await self._paced(links, total, cls, move())
-            else:
-                await move()
-            return total
         except PeerLostError as exc:
             if not expired:
                 raise
