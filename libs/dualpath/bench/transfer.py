@@ -78,7 +78,12 @@ def run_bench(
     shapes = [(b, n) for b in block_sizes for n in batch_sizes if b * n <= max_batch_bytes]
     size = max(region_bytes, max_batch_bytes)
     started = time.perf_counter()
-    floor = {"request_us": round(roundtrip_floor_us(0), 1), "reply_64k_us": round(roundtrip_floor_us(64 * KIB), 1)}
+    floor = {
+        "request_us": round(roundtrip_floor_us(0), 1),
+        "reply_64k_us": round(roundtrip_floor_us(64 * KIB), 1),
+        "polled_request_us": round(roundtrip_floor_us(0, polled=True), 1),
+        "polled_reply_64k_us": round(roundtrip_floor_us(64 * KIB, polled=True), 1),
+    }
     results: dict[str, dict[str, dict[str, float]]] = {c: {} for c in columns}
     with contextlib.ExitStack() as stack:
         meters = {c: stack.enter_context(_Column(c, op, size)) for c in columns}
@@ -109,6 +114,25 @@ def run_bench(
 _FLOOR_SERVER = r"""
 import asyncio, socket, sys
 reply = memoryview(bytearray(32 + int(sys.argv[1])))
+def polled():
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(1)
+    print(ls.getsockname()[1], flush=True)
+    conn, _ = ls.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn.setblocking(False)
+    buf = bytearray(64)
+    while True:
+        try:
+            n = conn.recv_into(buf)
+        except BlockingIOError:
+            continue
+        if not n:
+            return
+        conn.setblocking(True)
+        conn.sendall(reply)
+        conn.setblocking(False)
 async def main():
     ls = socket.socket()
     ls.bind(("127.0.0.1", 0))
@@ -131,22 +155,29 @@ async def main():
         conn.sendall(reply)
     loop.add_reader(conn.fileno(), on_read)
     await done
-asyncio.run(main())
+polled() if sys.argv[2] == "polled" else asyncio.run(main())
 """
 
 
-def roundtrip_floor_us(reply_bytes: int = 0, rounds: int = 2000) -> float:
-    """Median round trip of the leanest event-loop exchange between two processes on this
-    host: a 32-byte request answered with ``32 + reply_bytes`` bytes, each side a reader
-    callback registered once (no framing, no lookups). What any Python transport built on an
-    event loop pays per batch at least; the tcp column's one-block latency is compared to it."""
+def roundtrip_floor_us(reply_bytes: int = 0, rounds: int = 2000, *, polled: bool = False) -> float:
+    """Median round trip of the leanest exchange between two processes on this host: a
+    32-byte request answered with ``32 + reply_bytes`` bytes (no framing, no lookups).
+
+    Event loop (default): each side a reader callback registered once, sleeping in epoll
+    between messages: what a Python transport that waits in its event loop pays per batch at
+    least (on a virtual machine mostly the wake-ups of a sleeping process). ``polled``: both
+    sides poll their socket without sleeping, the floor of a busy-polling transport (the
+    tcp transport's ``busy_poll``, Mooncake's worker threads)."""
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-c", _FLOOR_SERVER, str(reply_bytes)], stdout=subprocess.PIPE)
+    mode = "polled" if polled else "loop"
+    proc = subprocess.Popen([sys.executable, "-c", _FLOOR_SERVER, str(reply_bytes), mode], stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None
         port = int(proc.stdout.readline())
+        if polled:
+            return _polled_client(port, 32 + reply_bytes, rounds)
         return asyncio.run(_floor_client(port, 32 + reply_bytes, rounds))
     finally:
         proc.kill()
@@ -193,6 +224,31 @@ async def _floor_client(port: int, expect: int, rounds: int) -> float:
                 laps.append(time.perf_counter() - t0)
     finally:
         loop.remove_reader(sock.fileno())
+        sock.close()
+    return statistics.median(laps) * 1e6
+
+
+def _polled_client(port: int, expect: int, rounds: int) -> float:
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setblocking(False)
+    buf = memoryview(bytearray(expect))
+    laps = []
+    try:
+        for i in range(rounds + 200):
+            t0 = time.perf_counter()
+            sock.send(b"x" * 32)
+            got = 0
+            while got < expect:
+                try:
+                    got += sock.recv_into(buf[got:])
+                except BlockingIOError:
+                    continue
+            if i >= 200:
+                laps.append(time.perf_counter() - t0)
+    finally:
         sock.close()
     return statistics.median(laps) * 1e6
 
@@ -385,12 +441,18 @@ def format_report(d: dict[str, Any]) -> str:
             f"cross-process loopback round-trip floor (event loop, reader callbacks): {floor['request_us']:.0f} us "
             f"(32 B reply), {floor['reply_64k_us']:.0f} us (64 KiB reply)"
         )
+        if "polled_request_us" in floor:
+            lines.append(
+                f"cross-process loopback round-trip floor (both ends polling, no event loop): {floor['polled_request_us']:.0f} us "
+                f"(32 B reply), {floor['polled_reply_64k_us']:.0f} us (64 KiB reply)"
+            )
         if "tcp" in d["results"] and _key(64 * KIB, 1) in d["results"]["tcp"]:
             one = _key(64 * KIB, 1)
             mc = f"; Mooncake TCP {d['results'][MOONCAKE][one]['latency_us']:.0f} us" if MOONCAKE in d["results"] else ""
+            polled = f", polled {floor['polled_reply_64k_us']:.0f} us" if "polled_reply_64k_us" in floor else ""
             lines.append(
                 f"one 64 KiB block per batch (median): tcp {d['results']['tcp'][one]['latency_us']:.0f} us{mc}; "
-                f"round-trip floor {floor['reply_64k_us']:.0f} us"
+                f"round-trip floor: event loop {floor['reply_64k_us']:.0f} us{polled}"
             )
     for name, reason in d["unavailable"].items():
         lines.append(f"{name}: not measured ({reason})")

@@ -85,6 +85,7 @@ class TcpTransport(Transport):
         self._dialing: dict[tuple[str, int], asyncio.Lock] = {}
         self._batch_ids = itertools.count(1)
         self._peer_of: dict[str, tuple[str, int]] = {}  # remote region id -> (host, port)
+        self._open: set[PeerConnection] = set()  # connections whose socket is not closed yet
 
     async def start(self) -> None:
         """Listen on ``host:port`` (port 0 picks a free one; ``self.port`` then holds it).
@@ -116,6 +117,8 @@ class TcpTransport(Transport):
             conn.abort(PeerLostError(conn.peer, "transport closed"))
         await self._tasks.aclose()
         self._tasks = TaskSet(f"tcp-transport-{self.node_id}")  # start() may run again
+        for conn in list(self._open):  # readers cancelled before they ran close nothing
+            conn.close_socket()
         self._peers.clear()
         if self._listener is not None:
             self._listener.close()
@@ -249,14 +252,30 @@ class TcpTransport(Transport):
                     sock = await _dial(peer, self.socket_buffer_bytes)
             except (OSError, TimeoutError) as exc:
                 raise PeerLostError(name, f"cannot connect: {exc!r}") from exc
-            here = _address(sock.getsockname())
-            in_process = _address(sock.getpeername()) in self._listening()
+            in_process = _address(peer) in self._listening()
             conn = PeerConnection(sock, name, 0.0 if in_process else self.busy_poll_us)
-            _IN_PROCESS.add(here)
-            conn.on_close = lambda: _IN_PROCESS.discard(here)
+            self._track(conn)
             self._peers[peer] = conn
             self._tasks.spawn(conn.read_replies(), name=f"replies-{name}")
             return conn
+
+    def _track(self, conn: PeerConnection) -> None:
+        """Keep ``conn`` among the open connections (and its local address among this
+        process's) until its socket is closed."""
+        try:
+            here: tuple[str, int] | None = _address(conn.sock.getsockname())
+        except OSError:  # already reset: the connection's reader reports it
+            here = None
+        if here is not None:
+            _IN_PROCESS.add(here)
+        self._open.add(conn)
+
+        def closed() -> None:
+            self._open.discard(conn)
+            if here is not None:
+                _IN_PROCESS.discard(here)
+
+        conn.on_close = closed
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()

@@ -25,7 +25,6 @@ from dualpath.transfer.busy_poll import DEFAULT_BUSY_POLL_US, BusyPoll
 from dualpath.transfer.errors import PeerLostError, TransferError
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.tcp_wire import (
-    IOV_MAX,
     MAX_ERROR_BYTES,
     REPLY,
     REPLY_MAGIC,
@@ -33,6 +32,7 @@ from dualpath.transfer.tcp_wire import (
     Status,
     decode_error,
     encode_request,
+    io_window,
     send_buffers,
 )
 from dualpath.transfer.tcp_wire import (
@@ -169,11 +169,19 @@ class PeerConnection:
             acquired = False
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 acquired = await asyncio.wait_for(self._send_lock.acquire(), _CLOSE_GRACE_S)
-            self.sock.close()
-            if self.on_close is not None:
-                self.on_close()
+            self.close_socket()
             if acquired:  # queued senders now fail on the closed socket instead of waiting
                 self._send_lock.release()
+
+    def close_socket(self) -> None:
+        """Close the socket (idempotent) and call ``on_close`` once. The reader does it when
+        it ends; the transport again on close, for a connection whose reader never ran (a
+        connection whose batches all completed while polling never yields to the loop)."""
+        if self.sock.fileno() < 0:
+            return
+        self.sock.close()
+        if self.on_close is not None:
+            self.on_close()
 
     def spin(self, future: asyncio.Future[int]) -> None:
         """Poll for ``future``'s reply instead of sleeping (see the module docstring);
@@ -250,7 +258,7 @@ class PeerConnection:
                 pending.todo = []
             return True
         if cur.todo:  # the reply's body: an error, or a read's payload into the region
-            got = _recv(self.sock, cur.todo[:IOV_MAX])
+            got = _recv(self.sock, io_window(cur.todo))
             if got is None:
                 return False
             self.received += got
@@ -311,17 +319,19 @@ def _scratch(nbytes: int) -> list[memoryview]:
 
 
 def local_views(buf: memoryview, entries: Sequence[TransferEntry]) -> list[memoryview]:
-    """The local ranges of ``entries`` in order: one view per entry whose local pieces are
-    contiguous, one per piece otherwise (empty ranges left out)."""
-    views = []
+    """The local ranges of ``entries`` in order, as few views as possible: entries (or
+    pieces) that follow each other in local memory share one view; empty ranges are left out."""
+    ranges: list[list[int]] = []  # [start, end] of each view
     for e in entries:
         if not e.nbytes:
             continue
-        if e.local_contiguous:
-            views.append(buf[e.local_offset : e.local_offset + e.nbytes])
-        else:
-            views.extend(buf[lo : lo + n] for lo, _, n in e.pieces())
-    return views
+        pieces = ((e.local_offset, e.nbytes),) if e.local_contiguous else ((lo, n) for lo, _, n in e.pieces())
+        for lo, n in pieces:
+            if ranges and ranges[-1][1] == lo:
+                ranges[-1][1] = lo + n
+            else:
+                ranges.append([lo, lo + n])
+    return [buf[lo:hi] for lo, hi in ranges]
 
 
 def _release(views: list[memoryview]) -> None:

@@ -37,7 +37,6 @@ from dualpath.transfer.errors import OutOfBoundsError, TransferError, UnknownReg
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.tcp_wire import (
     ENTRY,
-    IOV_MAX,
     MAX_ENTRIES,
     MAX_TABLE_BYTES,
     REPLY,
@@ -47,6 +46,7 @@ from dualpath.transfer.tcp_wire import (
     Op,
     Status,
     encode_error,
+    io_window,
 )
 from dualpath.transfer.tcp_wire import (
     advance as _advance,
@@ -250,7 +250,7 @@ class _Connection:
                 w.todo[0] = dst[take:]
         while w.todo:
             try:
-                got = self.sock.recvmsg_into(w.todo[:IOV_MAX])[0]
+                got = self.sock.recvmsg_into(io_window(w.todo))[0]
             except (BlockingIOError, InterruptedError):
                 return False
             if got == 0:
@@ -311,7 +311,7 @@ class _Connection:
         out = self.out
         while out:
             try:
-                sent = self.sock.sendmsg(out[:IOV_MAX])
+                sent = self.sock.sendmsg(io_window(out))
             except (BlockingIOError, InterruptedError):
                 return False
             _advance(out, sent)

@@ -35,6 +35,7 @@ from dualpath.transfer.types import TransferEntry
 
 __all__ = [
     "advance",
+    "io_window",
     "ENTRY",
     "IOV_MAX",
     "MAX_ENTRIES",
@@ -61,6 +62,21 @@ MAX_TABLE_BYTES = 1 << 20  # bounds the region-id table
 MAX_ERROR_BYTES = 1 << 16
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024  # buffers per sendmsg/recvmsg
 _IOV_MAX = IOV_MAX
+IO_WINDOW_BYTES = 4 << 20  # one sendmsg/recvmsg is handed buffers for about this much (a socket buffer's worth)
+
+
+def io_window(bufs: list[memoryview]) -> list[memoryview]:
+    """The leading buffers of ``bufs`` one ``sendmsg``/``recvmsg_into`` is handed: about a
+    socket buffer's worth (``IO_WINDOW_BYTES``), at most ``IOV_MAX``. The kernel imports every
+    buffer it is given on every call, however few bytes move, so a batch of hundreds of large
+    blocks is not handed over whole on each call."""
+    total = n = 0
+    for buf in bufs:
+        n += 1
+        total += buf.nbytes
+        if total >= IO_WINDOW_BYTES or n == _IOV_MAX:
+            return bufs[:n] if n < len(bufs) else bufs
+    return bufs
 
 
 class Op(IntEnum):
