@@ -26,7 +26,9 @@ def test_the_history_is_an_exponentially_weighted_mean_per_session_and_bounded()
     h.observe("b", 1.0)
     h.observe("a", 3.0)  # a is now the most recently updated
     h.observe("c", 5.0)  # over the bound: b (least recently updated) is forgotten
-    assert (h.predict("a"), h.predict("b"), h.predict("c"), len(h)) == (3.0, 0.0, 5.0, 2)
+    assert (h.predict("a"), h.predict("c"), len(h), h.knows("b")) == (3.0, 5.0, 2, False)
+    assert h.predict("b") == pytest.approx(4.0)  # an unmeasured session: the mean of the measured ones
+    assert h.predict("") == 0.0
     with pytest.raises(InvalidThresholdError):
         DecodeHistory(weight=0.0)
 
@@ -90,3 +92,26 @@ def test_an_urgent_request_keeps_its_place_when_its_session_is_learned():
     c.handle(RequestFinished(now=c.now, request_id="a-1", engine=d.decode_engine))
     assert c.core.requests["a-2"].rank == rank
     assert [t.rid for t in c.core.queue] == ["a-2", "b-1"]
+
+
+def test_first_turns_queued_before_any_session_was_measured_move_ahead_of_agents_measured_to_decode_less_than_the_typical_one():
+    # 0 s: a burst of first turns (no history: ranked FIFO); then one agent finishes a short
+    # turn and one a long turn, and the short one's next turn is queued. The first turns
+    # still waiting are expected to decode as the typical agent (the mean, 0.125 s), so they
+    # go ahead of the short agent's second turn (0.05 s expected), not behind it.
+    c = Cluster(history_credit=5.0)
+    d_long = c.place("long-1", session="long")
+    d_short = c.place("short-1", session="short")
+    for rid, d in (("long-1", d_long), ("short-1", d_short)):
+        c.handle(RequestFinished(now=c.now, request_id=rid, engine=d.prefill_engine))
+    c.submit("first-a", session="a")
+    c.submit("first-b", session="b")
+    c.now += 0.05
+    c.handle(RequestFinished(now=c.now, request_id="short-1", engine=d_short.decode_engine))
+    c.now += 0.15
+    c.handle(RequestFinished(now=c.now, request_id="long-1", engine=d_long.decode_engine))
+    assert c.core.history.prior() == pytest.approx(0.125, rel=0.05)
+    c.submit("short-2", session="short")  # 0.2 s - 5 x 0.05 s: ahead of 0 s, behind 0 s - 5 x 0.125 s
+    assert [t.rid for t in c.core.queue] == ["first-a", "first-b", "short-2"]
+    c.submit("long-2", session="long")  # measured at 0.2 s: ahead of the typical agent
+    assert [t.rid for t in c.core.queue][0] == "long-2"

@@ -186,6 +186,7 @@ class _Request:
         "queued_since",
         "rank",
         "rank_base",
+        "by_prior",
         "read_charge",
         "read_side",
         "rid",
@@ -203,6 +204,7 @@ class _Request:
         self.queued_since = now
         self.rank = now  # its place in the queue (SchedulerCore._enqueue)
         self.rank_base = now  # its rank before the history credit (submission less any max_tokens credit)
+        self.by_prior = False  # ranked by the history's prior (its session had no measured turn yet)
         self.open_reads: tuple[tuple[NodeMember, int], ...] = ()  # (node, hit tokens) of its reads until its prefill ends
         self.stage = _QUEUED
         self.pe: EngineMember | None = None
@@ -229,6 +231,7 @@ class SchedulerCore:
         self.queue: deque[_Request] = deque()
         self.history = DecodeHistory()  # per-session decode seconds: the queue's order
         self._arrivals: deque[tuple[float, int, _Request]] = deque()  # (queued since, attempt, request) in queueing order
+        self._prior = 0.0  # the history's prior the queued requests of unmeasured sessions are ranked by
         self._queued_turn: dict[str, _Request] = {}  # session -> its newest submitted request (re-ranked when history is learned)
         self.requests: dict[str, _Request] = {}  # queued and placed, by request id
         self.buffer_waits = 0  # placements put back because a decode node's buffer was full
@@ -346,6 +349,7 @@ class SchedulerCore:
         self._num += 1
         self.requests[rid] = t
         t.rank_base = ev.now - self.cfg.decode_credit_s * ev.max_tokens
+        t.by_prior = bool(ev.session) and not self.history.knows(ev.session)
         self._enqueue(t, t.rank_base - self.cfg.history_credit * self.history.predict(ev.session))
         if ev.session:
             turns = self._queued_turn
@@ -463,6 +467,7 @@ class SchedulerCore:
             if t.prefill_done_at >= 0:
                 self.history.observe(t.session, self.now - t.prefill_done_at)
                 self._rerank(t.session)
+                self._rerank_priors()
             if self.cfg.prefetch and t.session and t.pe is not None and t.pending.prompt_tokens >= t.pending.block_tokens:
                 # The session's next turn starts with this context: the node that read this
                 # turn (the PE's when nothing was read) stages it while the agent runs its
@@ -607,10 +612,30 @@ class SchedulerCore:
         if t is None or t.stage != _QUEUED or self.requests.get(t.rid) is not t or t.rank <= t.rank_base - _URGENT_S / 2:
             return
         self._queued_turn[session] = t  # still waiting: a later finish may re-rank it again
+        t.by_prior = False
         rank = t.rank_base - self.cfg.history_credit * self.history.predict(session)
         if rank != t.rank:
             self.queue.remove(t)
             self._enqueue(t, rank)
+
+    def _rerank_priors(self) -> None:
+        """The prior (the mean over measured sessions) moved by a fifth or more since the
+        queued requests of unmeasured sessions were ranked by it: rank them by the new one.
+        (A burst of agents' first turns is ranked FIFO, by a prior of 0; as sessions are
+        measured, those still waiting move ahead of the next turns of agents measured to
+        decode less than the typical one.) A fifth: a handful of re-sorts per run."""
+        prior = self.history.prior()
+        if abs(prior - self._prior) <= 0.2 * self._prior:
+            return
+        self._prior = prior
+        credit = self.cfg.history_credit * prior
+        moved = False
+        for t in self.queue:
+            if t.by_prior and t.rank > t.rank_base - _URGENT_S / 2:  # urgent and retried requests keep their places
+                t.rank = t.rank_base - credit
+                moved = True
+        if moved:
+            self.queue = deque(sorted(self.queue, key=_rank))
 
     def _promote_urgent(self) -> None:
         """Requests queued ``urgent_wait_s`` or longer move ahead of every fresher one."""
