@@ -38,6 +38,7 @@ MODULES = (
     "dualpath.core.scheduler",
     "dualpath.core.scheduler_events",
     "dualpath.core.scheduler_members",
+    "dualpath.core.scheduler_queue",
     "dualpath.cost.model",
     "dualpath.policy.balance",
     "dualpath.policy.baselines",

@@ -86,8 +86,7 @@ def test_an_urgent_request_keeps_its_place_when_its_session_is_learned():
     c.submit("a-2", session="a")
     c.now += 1.5
     c.submit("b-1", session="b")
-    c.core.now = c.now
-    c.core._promote_urgent()  # a-2 has waited 1.5 s: ahead of every fresher request
+    c.core.order.promote_urgent(c.now)  # a-2 has waited 1.5 s: ahead of every fresher request
     rank = c.core.requests["a-2"].rank
     c.handle(RequestFinished(now=c.now, request_id="a-1", engine=d.decode_engine))
     assert c.core.requests["a-2"].rank == rank

@@ -15,7 +15,7 @@ A request's life: submitted -> queued (by rank: its submission time less
 ``history_credit`` times its session's predicted decode seconds (``DecodeHistory``, learned
 from the session's earlier turns), so among requests submitted close together the longest
 decode goes first; one queued ``urgent_wait_s`` goes ahead of every fresher one; a retry at
-the head) -> placed by a pass on ``TimeAdvanced``
+the head; the rules are ``scheduler_queue.QueueOrder``'s) -> placed by a pass on ``TimeAdvanced``
 (``ReserveSlot`` on the decode node) -> ``SlotReserved`` -> ``Dispatch`` to the prefill
 engine -> ``DispatchAnswered`` -> the prefill engine reports it finished (handed to the
 decode engine) -> the decode engine reports it finished: forgotten. A failure on the way
@@ -77,13 +77,11 @@ randomness, dicts iterated in insertion order).
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import islice
-from operator import attrgetter
-from typing import Any
+from typing import Any, cast
 
 from dualpath.core.scheduler_events import (
     BUFFER_FULL,
@@ -118,6 +116,7 @@ from dualpath.core.scheduler_members import (
     NodeMember,
     reflect,
 )
+from dualpath.core.scheduler_queue import Queued, QueueOrder
 from dualpath.policy import ClusterState, PendingRequest, Policy
 from dualpath.policy.errors import InvalidRequestError
 from dualpath.policy.history import DecodeHistory
@@ -126,8 +125,6 @@ from dualpath.policy.values import Assignment, ReadSide, Role
 __all__ = ["CoreConfig", "SchedulerCore"]
 
 _QUEUED, _RESERVING, _DISPATCHING, _RUNNING = 0, 1, 2, 3  # _Request.stage
-_rank = attrgetter("rank")
-_URGENT_S = 1e12  # an urgent request ranks this much earlier than its submission: ahead of any decode credit
 
 
 def _split_blocks(a: Assignment, block_tokens: int) -> tuple[int, int] | None:
@@ -165,7 +162,7 @@ class CoreConfig:
     prefetch: bool = False  # agent-aware prefetch: a session's finished turn emits Prefetch for its prefill node
 
 
-class _Request:
+class _Request(Queued):
     """One request the core knows (queued or placed)."""
 
     __slots__ = (
@@ -184,9 +181,6 @@ class _Request:
         "prefill_done",
         "prefill_done_at",
         "queued_since",
-        "rank",
-        "rank_base",
-        "by_prior",
         "read_charge",
         "read_side",
         "rid",
@@ -201,10 +195,8 @@ class _Request:
         self.rid, self.num, self.pending, self.blocks, self.payload = rid, num, pending, blocks, payload
         self.attempt = self.buffer_waits = 0
         self.wait_start = -1.0  # now of the first back-pressure (-1: none yet)
+        super().__init__(now)
         self.queued_since = now
-        self.rank = now  # its place in the queue (SchedulerCore._enqueue)
-        self.rank_base = now  # its rank before the history credit (submission less any max_tokens credit)
-        self.by_prior = False  # ranked by the history's prior (its session had no measured turn yet)
         self.open_reads: tuple[tuple[NodeMember, int], ...] = ()  # (node, hit tokens) of its reads until its prefill ends
         self.stage = _QUEUED
         self.pe: EngineMember | None = None
@@ -228,11 +220,12 @@ class SchedulerCore:
     def __init__(self, policy: Policy, config: CoreConfig = CoreConfig()) -> None:
         self.policy, self.cfg = policy, config
         self.members = Membership()
-        self.queue: deque[_Request] = deque()
-        self.history = DecodeHistory()  # per-session decode seconds: the queue's order
-        self._arrivals: deque[tuple[float, int, _Request]] = deque()  # (queued since, attempt, request) in queueing order
-        self._prior = 0.0  # the history's prior the queued requests of unmeasured sessions are ranked by
-        self._queued_turn: dict[str, _Request] = {}  # session -> its newest submitted request (re-ranked when history is learned)
+        self.order = QueueOrder(  # the queue and its order (scheduler_queue)
+            history_credit=config.history_credit,
+            decode_credit_s=config.decode_credit_s,
+            urgent_wait_s=config.urgent_wait_s,
+            waiting=self._waiting,
+        )
         self.requests: dict[str, _Request] = {}  # queued and placed, by request id
         self.buffer_waits = 0  # placements put back because a decode node's buffer was full
         self.now = 0.0
@@ -273,6 +266,16 @@ class SchedulerCore:
 
     # ---- read-only views (health, metrics, state replies) --------------------------------
     @property
+    def queue(self) -> deque[_Request]:
+        """The waiting requests, in the order they are placed (``QueueOrder``). Do not modify."""
+        return cast("deque[_Request]", self.order.items)  # it holds only the core's requests
+
+    @property
+    def history(self) -> DecodeHistory:
+        """Per-session decode seconds, the queue's order. Do not modify."""
+        return self.order.history
+
+    @property
     def queued(self) -> int:
         """Requests waiting to be placed."""
         return len(self.queue)
@@ -304,6 +307,10 @@ class SchedulerCore:
     def held_until(self) -> float:
         """Passes place nothing before this ``now`` (back-pressure after a full node buffer)."""
         return self._hold_until
+
+    def _waiting(self, t: Queued, attempt: int) -> bool:
+        """Whether ``t`` is still in the queue as ``attempt`` (QueueOrder asks)."""
+        return isinstance(t, _Request) and t.stage == _QUEUED and t.attempt == attempt and self.requests.get(t.rid) is t
 
     def is_current(self, request_id: str, attempt: int) -> bool:
         """Whether ``attempt`` is the live placement of the request."""
@@ -348,33 +355,8 @@ class SchedulerCore:
         t.session = ev.session
         self._num += 1
         self.requests[rid] = t
-        t.rank_base = ev.now - self.cfg.decode_credit_s * ev.max_tokens
-        t.by_prior = bool(ev.session) and not self.history.knows(ev.session)
-        self._enqueue(t, t.rank_base - self.cfg.history_credit * self.history.predict(ev.session))
-        if ev.session:
-            turns = self._queued_turn
-            turns.pop(ev.session, None)
-            if len(turns) >= self.history.max_sessions:
-                del turns[next(iter(turns))]  # the longest-waiting entry (most are long placed)
-            turns[ev.session] = t
-        if self.cfg.urgent_wait_s < float("inf"):
-            self._arrivals.append((ev.now, t.attempt, t))  # promoted if it is still queued urgent_wait_s later
+        self.order.submit(t, ev.now, t.attempt, ev.session, ev.max_tokens)
         return []
-
-    def _enqueue(self, t: _Request, rank: float) -> None:
-        """Queue ``t`` by ``rank`` (after every request of a rank at most its own): its
-        submission time less a credit for its decode length. Among requests submitted close
-        together the longest decode is placed, and reads, first: it is the one whose end
-        comes last, and its agent's next turn with it (longest processing time first, the
-        makespan rule for a closed loop). A request that has waited ``urgent_wait_s`` goes
-        ahead of every fresher one (``_promote_urgent``), so a short request is not held
-        back by longer ones for more than that (the paper's TTFT SLO is 4 s)."""
-        t.rank = rank
-        queue = self.queue  # sorted by rank: retries (-inf), then urgent ones, then the rest
-        if not queue or queue[-1].rank <= rank:
-            queue.append(t)  # the common case: nothing ranks after it
-        else:
-            queue.insert(bisect_right(queue, rank, key=_rank), t)
 
     # ---- reports ------------------------------------------------------------------------
     def _engine_reported(self, ev: EngineReported) -> list[Command]:
@@ -465,9 +447,7 @@ class SchedulerCore:
             self._release_all(t)
             del self.requests[rid]
             if t.prefill_done_at >= 0:
-                self.history.observe(t.session, self.now - t.prefill_done_at)
-                self._rerank(t.session)
-                self._rerank_priors()
+                self.order.learned(t.session, self.now - t.prefill_done_at)
             if self.cfg.prefetch and t.session and t.pe is not None and t.pending.prompt_tokens >= t.pending.block_tokens:
                 # The session's next turn starts with this context: the node that read this
                 # turn (the PE's when nothing was read) stages it while the agent runs its
@@ -592,7 +572,7 @@ class SchedulerCore:
         """Place the longest FIFO prefix of the queue that fits now."""
         if not self.queue or self.now < self._hold_until:
             return
-        self._promote_urgent()
+        self.order.promote_urgent(self.now)
         state = self._cluster()
         if state is None:
             return
@@ -602,50 +582,6 @@ class SchedulerCore:
             t = queue.popleft()
             assert t.num == a.request_id, "the policy places a FIFO prefix"
             self._place(t, a, state, cmds)
-
-    def _rerank(self, session: str) -> None:
-        """The session's prediction changed: its request still waiting in the queue (the
-        agent's next turn, submitted before this finish was known: an engine's finish reaches
-        the scheduler with its next report, the client's last token sooner) takes its place
-        by the new prediction. An urgent or retried request keeps its place at the head."""
-        t = self._queued_turn.pop(session, None)
-        if t is None or t.stage != _QUEUED or self.requests.get(t.rid) is not t or t.rank <= t.rank_base - _URGENT_S / 2:
-            return
-        self._queued_turn[session] = t  # still waiting: a later finish may re-rank it again
-        t.by_prior = False
-        rank = t.rank_base - self.cfg.history_credit * self.history.predict(session)
-        if rank != t.rank:
-            self.queue.remove(t)
-            self._enqueue(t, rank)
-
-    def _rerank_priors(self) -> None:
-        """The prior (the mean over measured sessions) moved by a fifth or more since the
-        queued requests of unmeasured sessions were ranked by it: rank them by the new one.
-        (A burst of agents' first turns is ranked FIFO, by a prior of 0; as sessions are
-        measured, those still waiting move ahead of the next turns of agents measured to
-        decode less than the typical one.) A fifth: a handful of re-sorts per run."""
-        prior = self.history.prior()
-        if abs(prior - self._prior) <= 0.2 * self._prior:
-            return
-        self._prior = prior
-        credit = self.cfg.history_credit * prior
-        moved = False
-        for t in self.queue:
-            if t.by_prior and t.rank > t.rank_base - _URGENT_S / 2:  # urgent and retried requests keep their places
-                t.rank = t.rank_base - credit
-                moved = True
-        if moved:
-            self.queue = deque(sorted(self.queue, key=_rank))
-
-    def _promote_urgent(self) -> None:
-        """Requests queued ``urgent_wait_s`` or longer move ahead of every fresher one."""
-        arrivals, limit = self._arrivals, self.now - self.cfg.urgent_wait_s
-        while arrivals and arrivals[0][0] <= limit:
-            since, attempt, t = arrivals.popleft()
-            if t.stage != _QUEUED or t.attempt != attempt:
-                continue  # placed meanwhile (a retry is at the head already)
-            self.queue.remove(t)
-            self._enqueue(t, since - _URGENT_S)  # ahead of every credit, behind the urgent ones queued before it
 
     def _place(self, t: _Request, a: Assignment, state: ClusterState, cmds: list[Command]) -> None:
         m = self.members
@@ -750,8 +686,7 @@ class SchedulerCore:
             )
             return
         t.queued_since = self.now
-        t.rank = float("-inf")  # at the head: nothing submitted later goes ahead of it
-        self.queue.appendleft(t)
+        self.order.requeue(t)
         cmds.append(Requeued(request_id=t.rid, attempt=t.attempt, reason=reason, counted=counted))
 
     def _lose(self, names: Iterable[str], reason: str, cmds: list[Command]) -> None:

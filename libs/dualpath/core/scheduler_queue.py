@@ -1,0 +1,160 @@
+"""The scheduler's queue order: who waits ahead of whom (``QueueOrder``).
+
+A queued request ranks by its submission time less a credit for its expected decode length
+(``history_credit`` x its session's predicted decode seconds, ``DecodeHistory``; plus
+``decode_credit_s`` x ``max_tokens`` only where clients' ``max_tokens`` are real length
+estimates). Among requests submitted close together the longest decode is placed, and
+reads, first: it is the one whose end comes last, and its agent's next turn with it
+(longest processing time first, the makespan rule for a closed loop). Three rules keep the
+order right as time passes:
+
+- *urgent*: a request that has waited ``urgent_wait_s`` goes ahead of every fresher one
+  (FIFO among such), so a short request is not held back by longer ones for more than that
+  (the paper's TTFT SLO is 4 s);
+- *re-rank when a finish is learned*: the client sees a turn's last token before the decode
+  engine's next report tells the scheduler, so an agent's next turn is often queued before
+  its previous turn was measured; it takes its place by the new prediction when it is;
+- *a prior for unmeasured sessions*: a session not measured yet is expected to decode as
+  the typical one (``DecodeHistory.prior``), and the queued requests ranked by that prior
+  are ranked again when it moves by a fifth.
+
+Retries (re-queued at the head, rank -inf) and urgent requests keep their places. No I/O,
+no clock of its own; the core owns the requests and says which are still waiting.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import deque
+from collections.abc import Callable
+from operator import attrgetter
+
+from dualpath.policy.history import DecodeHistory
+
+__all__ = ["QueueOrder", "Queued"]
+
+_rank = attrgetter("rank")
+_URGENT_S = 1e12  # an urgent request ranks this much earlier than its submission: ahead of any decode credit
+
+
+class Queued:
+    """What the order keeps of a request (the core's request type extends it)."""
+
+    __slots__ = ("by_prior", "rank", "rank_base")
+
+    def __init__(self, now: float) -> None:
+        self.rank = now  # its place in the queue
+        self.rank_base = now  # its rank before the history credit (submission less any max_tokens credit)
+        self.by_prior = False  # ranked by the history's prior (its session had no measured turn yet)
+
+    @property
+    def by_credit(self) -> bool:
+        """Ranked by its decode credit (not urgent, not a retry at the head)."""
+        return self.rank > self.rank_base - _URGENT_S / 2
+
+
+class QueueOrder:
+    """The queue, sorted by rank, and the rules that rank it (module docstring).
+
+    ``waiting(t, attempt)`` tells whether request ``t`` is still queued as ``attempt``.
+    """
+
+    def __init__(
+        self,
+        *,
+        history_credit: float,
+        decode_credit_s: float,
+        urgent_wait_s: float,
+        waiting: Callable[[Queued, int], bool],
+    ) -> None:
+        self.history_credit, self.decode_credit_s, self.urgent_wait_s = history_credit, decode_credit_s, urgent_wait_s
+        self.items: deque[Queued] = deque()  # sorted by rank: retries (-inf), then urgent ones, then the rest
+        self.history = DecodeHistory()  # per-session decode seconds
+        self._waiting = waiting
+        self._arrivals: deque[tuple[float, int, Queued]] = deque()  # (queued since, attempt, request) in queueing order
+        self._turns: dict[str, tuple[Queued, int]] = {}  # session -> its newest submitted request (re-ranked when learned)
+        self._prior = 0.0  # the prior the queued requests of unmeasured sessions are ranked by
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def submit(self, t: Queued, now: float, attempt: int, session: str, max_tokens: int) -> None:
+        """Queue a new request by its submission and its expected decode."""
+        history = self.history
+        t.rank_base = now - self.decode_credit_s * max_tokens
+        t.by_prior = bool(session) and not history.knows(session)
+        self._enqueue(t, t.rank_base - self.history_credit * history.predict(session))
+        if session:
+            turns = self._turns
+            turns.pop(session, None)
+            if len(turns) >= history.max_sessions:
+                del turns[next(iter(turns))]  # the longest-waiting entry (most are long placed)
+            turns[session] = (t, attempt)
+        if self.urgent_wait_s < float("inf"):
+            self._arrivals.append((now, attempt, t))  # promoted if it is still queued urgent_wait_s later
+
+    def requeue(self, t: Queued) -> None:
+        """Put a request back at the head: nothing submitted later goes ahead of it."""
+        t.rank = float("-inf")
+        self.items.appendleft(t)
+
+    def learned(self, session: str, decode_s: float) -> None:
+        """Session ``session`` decoded a turn in ``decode_s`` seconds: learn it, and rank
+        the requests waiting on that knowledge again."""
+        self.history.observe(session, decode_s)
+        self._rerank(session)
+        self._rerank_priors()
+
+    def promote_urgent(self, now: float) -> None:
+        """Requests queued ``urgent_wait_s`` or longer move ahead of every fresher one."""
+        arrivals, limit = self._arrivals, now - self.urgent_wait_s
+        while arrivals and arrivals[0][0] <= limit:
+            since, attempt, t = arrivals.popleft()
+            if not self._waiting(t, attempt) or not t.by_credit:
+                continue  # placed meanwhile (a retry is at the head already)
+            self.items.remove(t)
+            self._enqueue(t, since - _URGENT_S)  # ahead of every credit, behind the urgent ones queued before it
+
+    def _enqueue(self, t: Queued, rank: float) -> None:
+        """Queue ``t`` by ``rank``, after every request of a rank at most its own."""
+        t.rank = rank
+        items = self.items
+        if not items or items[-1].rank <= rank:
+            items.append(t)  # the common case: nothing ranks after it
+        else:
+            items.insert(bisect_right(items, rank, key=_rank), t)
+
+    def _rerank(self, session: str) -> None:
+        """The session's prediction changed: its request still waiting (the agent's next
+        turn, submitted before this finish was known) takes its place by the new one."""
+        entry = self._turns.pop(session, None)
+        if entry is None:
+            return
+        t, attempt = entry
+        if not self._waiting(t, attempt) or not t.by_credit:
+            return
+        self._turns[session] = entry  # still waiting: a later finish may re-rank it again
+        t.by_prior = False
+        rank = t.rank_base - self.history_credit * self.history.predict(session)
+        if rank != t.rank:
+            self.items.remove(t)
+            self._enqueue(t, rank)
+
+    def _rerank_priors(self) -> None:
+        """The prior moved by a fifth or more since the queued requests of unmeasured
+        sessions were ranked by it: rank them by the new one (a burst of first turns is
+        ranked FIFO, by a prior of 0; as sessions are measured, those still waiting move
+        ahead of the next turns of agents measured to decode less than the typical one).
+        A fifth: a handful of re-sorts per run."""
+        prior = self.history.prior()
+        if abs(prior - self._prior) <= 0.2 * self._prior:
+            return
+        self._prior = prior
+        credit = self.history_credit * prior
+        moved = False
+        for t in self.items:
+            if t.by_prior and t.by_credit:
+                t.rank = t.rank_base - credit
+                moved = True
+        if moved:
+            self.items = deque(sorted(self.items, key=_rank))
