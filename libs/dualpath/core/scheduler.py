@@ -77,10 +77,8 @@ randomness, dicts iterated in insertion order).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from itertools import islice
 from typing import Any, cast
 
 from dualpath.core.scheduler_events import (
@@ -116,7 +114,7 @@ from dualpath.core.scheduler_members import (
     NodeMember,
     reflect,
 )
-from dualpath.core.scheduler_queue import Queued, QueueOrder
+from dualpath.core.scheduler_queue import Queued, QueueOrder, RankedQueue
 from dualpath.policy import ClusterState, PendingRequest, Policy
 from dualpath.policy.errors import InvalidRequestError
 from dualpath.policy.history import DecodeHistory
@@ -266,9 +264,10 @@ class SchedulerCore:
 
     # ---- read-only views (health, metrics, state replies) --------------------------------
     @property
-    def queue(self) -> deque[_Request]:
-        """The waiting requests, in the order they are placed (``QueueOrder``). Do not modify."""
-        return cast("deque[_Request]", self.order.items)  # it holds only the core's requests
+    def queue(self) -> RankedQueue:
+        """The waiting requests, in the order they are placed (``QueueOrder``; iterating it
+        sorts a copy). Do not modify."""
+        return self.order.items
 
     @property
     def history(self) -> DecodeHistory:
@@ -576,10 +575,10 @@ class SchedulerCore:
         state = self._cluster()
         if state is None:
             return
-        queue = self.queue
-        window = [t.pending for t in islice(queue, self.cfg.pass_window)] if len(queue) > 1 else [queue[0].pending]
+        queue = self.order.items
+        window = [cast("_Request", t).pending for t in queue.head(self.cfg.pass_window)]
         for a in self.policy.schedule(window, state):
-            t = queue.popleft()
+            t = cast("_Request", queue.popleft())  # it holds only the core's requests
             assert t.num == a.request_id, "the policy places a FIFO prefix"
             self._place(t, a, state, cmds)
 

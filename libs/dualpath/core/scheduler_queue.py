@@ -20,30 +20,36 @@ order right as time passes:
 
 Retries (re-queued at the head, rank -inf) and urgent requests keep their places. No I/O,
 no clock of its own; the core owns the requests and says which are still waiting.
+
+The queue itself is a ``RankedQueue``: a heap by (rank, order of queueing) with lazy
+removal, so a re-rank or a promotion costs O(log n) however many requests wait (a sorted
+deque paid O(n) for each: at 48K agents submitting at once that was most of a simulated
+rollout's first minutes), and a pass reads its window without popping.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable
-from operator import attrgetter
+from collections.abc import Callable, Iterator
+from heapq import heapify, heappop, heappush
+from operator import itemgetter
 
 from dualpath.policy.history import DecodeHistory
 
-__all__ = ["QueueOrder", "Queued"]
+__all__ = ["QueueOrder", "Queued", "RankedQueue"]
 
-_rank = attrgetter("rank")
+_INF = float("inf")
 _URGENT_S = 1e12  # an urgent request ranks this much earlier than its submission: ahead of any decode credit
 
 
 class Queued:
     """What the order keeps of a request (the core's request type extends it)."""
 
-    __slots__ = ("by_prior", "rank", "rank_base")
+    __slots__ = ("by_prior", "entry", "rank", "rank_base")
 
     def __init__(self, now: float) -> None:
         self.rank = now  # its place in the queue
+        self.entry: tuple[float, int, Queued] | None = None  # its live entry in a RankedQueue (None: not queued)
         self.rank_base = now  # its rank before the history credit (submission less any max_tokens credit)
         self.by_prior = False  # ranked by the history's prior (its session had no measured turn yet)
 
@@ -51,6 +57,116 @@ class Queued:
     def by_credit(self) -> bool:
         """Ranked by its decode credit (not urgent, not a retry at the head)."""
         return self.rank > self.rank_base - _URGENT_S / 2
+
+
+_Entry = tuple[float, int, Queued]  # (rank, tie, request): ties are unique, so requests are never compared
+_by_place = itemgetter(0, 1)
+
+
+class RankedQueue:
+    """Requests sorted by ``rank``, first come first among equal ranks (``push``), or at
+    the very head (``push_front``: the newest such first). A heap with lazy removal: an
+    entry is live while its request's ``entry`` is that entry."""
+
+    __slots__ = ("_heap", "_n", "_seq")
+
+    def __init__(self) -> None:
+        self._heap: list[_Entry] = []
+        self._n = 0
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __bool__(self) -> bool:
+        return self._n > 0
+
+    def __iter__(self) -> Iterator[Queued]:
+        """The queued requests in order (a sorted copy: O(n log n), for views and tests)."""
+        return iter([e[2] for e in sorted(self._live())])
+
+    def _live(self) -> list[_Entry]:
+        return [e for e in self._heap if e[2].entry is e]
+
+    def push(self, t: Queued, rank: float) -> None:
+        """Queue ``t`` by ``rank``, after every request queued before it at a rank at most its own."""
+        self._seq += 1
+        t.rank = rank
+        e = (rank, self._seq, t)
+        t.entry = e
+        heappush(self._heap, e)
+        self._n += 1
+
+    def push_front(self, t: Queued) -> None:
+        """Queue ``t`` at the head, ahead of every request (earlier ``push_front``s included)."""
+        self._seq += 1
+        t.rank = -_INF
+        e = (-_INF, -self._seq, t)
+        t.entry = e
+        heappush(self._heap, e)
+        self._n += 1
+
+    def remove(self, t: Queued) -> None:
+        """Take ``t`` (queued) out of the queue."""
+        t.entry = None
+        self._n -= 1
+        self._trim()
+
+    def popleft(self) -> Queued:
+        """The first request, taken out of the queue."""
+        self._trim()
+        t = heappop(self._heap)[2]
+        t.entry = None
+        self._n -= 1
+        self._trim()
+        return t
+
+    def head(self, k: int) -> list[Queued]:
+        """The first ``k`` requests in order, without taking them out (a best-first walk of
+        the heap: O(k log k))."""
+        heap = self._heap
+        n = len(heap)
+        out: list[Queued] = []
+        if not n or k <= 0:
+            return out
+        frontier = [(heap[0][0], heap[0][1], 0)]
+        while frontier:
+            _, _, i = heappop(frontier)
+            e = heap[i]
+            if e[2].entry is e:
+                out.append(e[2])
+                if len(out) == k:
+                    break
+            child = 2 * i + 1
+            if child < n:
+                c = heap[child]
+                heappush(frontier, (c[0], c[1], child))
+                if child + 1 < n:
+                    c = heap[child + 1]
+                    heappush(frontier, (c[0], c[1], child + 1))
+        return out
+
+    def rerank(self) -> None:
+        """The requests' ``rank``s were changed in place: sort them again, keeping the current
+        order among equal ranks (as a stable sort of the queue would)."""
+        live = sorted(self._live(), key=_by_place)  # the current order
+        live.sort(key=lambda e: e[2].rank)  # stable: equal ranks keep it
+        self._heap = heap = []
+        for e in live:
+            t = e[2]
+            self._seq += 1
+            fresh = (t.rank, self._seq, t)
+            t.entry = fresh
+            heap.append(fresh)  # ascending: already a heap
+
+    def _trim(self) -> None:
+        """Drop dead entries at the top, and compact when most entries are dead."""
+        heap = self._heap
+        while heap and heap[0][2].entry is not heap[0]:
+            heappop(heap)
+        if len(heap) > 2 * self._n + 64:
+            self._heap = self._live()
+            heapify(self._heap)
 
 
 class QueueOrder:
@@ -68,7 +184,7 @@ class QueueOrder:
         waiting: Callable[[Queued, int], bool],
     ) -> None:
         self.history_credit, self.decode_credit_s, self.urgent_wait_s = history_credit, decode_credit_s, urgent_wait_s
-        self.items: deque[Queued] = deque()  # sorted by rank: retries (-inf), then urgent ones, then the rest
+        self.items = RankedQueue()  # by rank: retries (-inf), then urgent ones, then the rest
         self.history = DecodeHistory()  # per-session decode seconds
         self._waiting = waiting
         self._arrivals: deque[tuple[float, int, Queued]] = deque()  # (queued since, attempt, request) in queueing order
@@ -95,8 +211,7 @@ class QueueOrder:
 
     def requeue(self, t: Queued) -> None:
         """Put a request back at the head: nothing submitted later goes ahead of it."""
-        t.rank = float("-inf")
-        self.items.appendleft(t)
+        self.items.push_front(t)
 
     def learned(self, session: str, decode_s: float) -> None:
         """Session ``session`` decoded a turn in ``decode_s`` seconds: learn it, and rank
@@ -117,12 +232,7 @@ class QueueOrder:
 
     def _enqueue(self, t: Queued, rank: float) -> None:
         """Queue ``t`` by ``rank``, after every request of a rank at most its own."""
-        t.rank = rank
-        items = self.items
-        if not items or items[-1].rank <= rank:
-            items.append(t)  # the common case: nothing ranks after it
-        else:
-            items.insert(bisect_right(items, rank, key=_rank), t)
+        self.items.push(t, rank)
 
     def _rerank(self, session: str) -> None:
         """The session's prediction changed: its request still waiting (the agent's next
@@ -157,4 +267,4 @@ class QueueOrder:
                 t.rank = t.rank_base - credit
                 moved = True
         if moved:
-            self.items = deque(sorted(self.items, key=_rank))
+            self.items.rerank()
