@@ -45,11 +45,11 @@ _URGENT_S = 1e12  # an urgent request ranks this much earlier than its submissio
 class Queued:
     """What the order keeps of a request (the core's request type extends it)."""
 
-    __slots__ = ("by_prior", "entry", "rank", "rank_base")
+    __slots__ = ("by_prior", "rank", "rank_base", "tie")
 
     def __init__(self, now: float) -> None:
         self.rank = now  # its place in the queue
-        self.entry: tuple[float, int, Queued] | None = None  # its live entry in a RankedQueue (None: not queued)
+        self.tie = 0  # the tie of its live entry in a RankedQueue (0: not queued)
         self.rank_base = now  # its rank before the history credit (submission less any max_tokens credit)
         self.by_prior = False  # ranked by the history's prior (its session had no measured turn yet)
 
@@ -66,7 +66,8 @@ _by_place = itemgetter(0, 1)
 class RankedQueue:
     """Requests sorted by ``rank``, first come first among equal ranks (``push``), or at
     the very head (``push_front``: the newest such first). A heap with lazy removal: an
-    entry is live while its request's ``entry`` is that entry."""
+    entry is live while its request's ``tie`` is the entry's (ties are unique and nonzero;
+    not tuple identity, which compiled code does not keep)."""
 
     __slots__ = ("_heap", "_n", "_seq")
 
@@ -86,29 +87,27 @@ class RankedQueue:
         return iter([e[2] for e in sorted(self._live())])
 
     def _live(self) -> list[_Entry]:
-        return [e for e in self._heap if e[2].entry is e]
+        return [e for e in self._heap if e[2].tie == e[1]]
 
     def push(self, t: Queued, rank: float) -> None:
         """Queue ``t`` by ``rank``, after every request queued before it at a rank at most its own."""
         self._seq += 1
         t.rank = rank
-        e = (rank, self._seq, t)
-        t.entry = e
-        heappush(self._heap, e)
+        t.tie = self._seq
+        heappush(self._heap, (rank, self._seq, t))
         self._n += 1
 
     def push_front(self, t: Queued) -> None:
         """Queue ``t`` at the head, ahead of every request (earlier ``push_front``s included)."""
         self._seq += 1
         t.rank = -_INF
-        e = (-_INF, -self._seq, t)
-        t.entry = e
-        heappush(self._heap, e)
+        t.tie = -self._seq
+        heappush(self._heap, (-_INF, -self._seq, t))
         self._n += 1
 
     def remove(self, t: Queued) -> None:
         """Take ``t`` (queued) out of the queue."""
-        t.entry = None
+        t.tie = 0
         self._n -= 1
         self._trim()
 
@@ -116,7 +115,7 @@ class RankedQueue:
         """The first request, taken out of the queue."""
         self._trim()
         t = heappop(self._heap)[2]
-        t.entry = None
+        t.tie = 0
         self._n -= 1
         self._trim()
         return t
@@ -133,7 +132,7 @@ class RankedQueue:
         while frontier:
             _, _, i = heappop(frontier)
             e = heap[i]
-            if e[2].entry is e:
+            if e[2].tie == e[1]:
                 out.append(e[2])
                 if len(out) == k:
                     break
@@ -155,14 +154,13 @@ class RankedQueue:
         for e in live:
             t = e[2]
             self._seq += 1
-            fresh = (t.rank, self._seq, t)
-            t.entry = fresh
-            heap.append(fresh)  # ascending: already a heap
+            t.tie = self._seq
+            heap.append((t.rank, self._seq, t))  # ascending: already a heap
 
     def _trim(self) -> None:
         """Drop dead entries at the top, and compact when most entries are dead."""
         heap = self._heap
-        while heap and heap[0][2].entry is not heap[0]:
+        while heap and heap[0][2].tie != heap[0][1]:
             heappop(heap)
         if len(heap) > 2 * self._n + 64:
             self._heap = self._live()
