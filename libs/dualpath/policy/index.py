@@ -63,6 +63,12 @@ class LazyIndex:
         if len(heap) > 2 * len(self._members) + 8:
             self.rebuild()
 
+    def top(self) -> Entry | None:
+        """The lowest valid entry (None without members)."""
+        if self._dirty:
+            self._flush()
+        return self._heap[0] if self._heap else None
+
     def walk(self) -> Iterator[Entry]:
         """Valid entries in ascending ``(key, member)`` order, each member once. Keys must
         not change while a walk is in progress (a pass only reads the state)."""

@@ -161,8 +161,11 @@ def _decode_groups(waiting: Sequence[PendingRequest], state: ClusterState) -> It
         return biggest
 
     cands = Candidates(state.decode_group_index.walk())
+    most = state.max_decode_free()  # no group fits a request that needs more (every pass-start ``biggest`` is at most this)
     for request in waiting:
         need, blocks = request.total_len, request.slot_blocks
+        if need > most:
+            break
 
         def fits(entry: tuple[int, int], need: int = need, blocks: int = blocks) -> bool:
             node_id = entry[1]
@@ -369,6 +372,8 @@ def schedule_dualpath(
     ``waiting`` that every stage could place. Does not mutate ``state``."""
     # Stages 1 and 2 advance together and stop where either stops (neither depends on the
     # other; each request's choice depends only on those before it).
+    if not waiting or waiting[0].total_len > state.max_decode_free():
+        return []  # the head fits no decode engine now (stage 2 would stop at it): nothing to place
     prefill: list[int] = []
     groups: list[NodeState] = []
     # Not zip(): mypyc's zip over two compiled generators fails when one of them ends.
@@ -377,6 +382,13 @@ def schedule_dualpath(
         group = next(decode_groups, None)
         if group is None:
             break
+        if not prefill and not choose_read_sides(
+            waiting[:1], [pe], [group.engines[0].engine_id], state, read_path, hold_tokens=thresholds.hold_tokens
+        ):
+            # The head cannot read anywhere now, so the pass places nothing: say so before
+            # running stages 1 and 2 for the rest of the window (stage 4 of the head reads
+            # only its nodes, which stages 1 and 2 chose; most passes of a busy cluster end here).
+            return []
         prefill.append(pe)
         groups.append(group)
     decode = place_in_groups(waiting, groups, slack_percent)

@@ -129,9 +129,11 @@ class ClusterState:
         self.prefill_index = LazyIndex((e.engine_id for e in self.prefill_engines), lambda m: engines[m].tok)
         self.decode_index = LazyIndex((e.engine_id for e in self.decode_engines), lambda m: engines[m].tok)
         self.decode_group_index = LazyIndex((n.node_id for n in self.decode_nodes), lambda m: by_node[m].tok_sum)
+        self.decode_free_index = LazyIndex((e.engine_id for e in self.decode_engines), lambda m: -engines[m].free_hbm_tokens)
         self._prefill_dirty = self.prefill_index.marker()
         self._decode_dirty = self.decode_index.marker()
         self._group_dirty = self.decode_group_index.marker()
+        self._free_dirty = self.decode_free_index.marker()
         self.assigned_total = 0  # decisions ever applied; round robin's cursor
         self._live: dict[int, _Live] = {}
 
@@ -185,6 +187,7 @@ class ClusterState:
         self._charge(pe, 1, a.prefill_tokens)
         self._charge(de, 1, a.decode_tokens)
         de.free_hbm_tokens -= a.decode_tokens
+        self._free_dirty(de.engine_id)
         read_node.read_q += a.read_tokens
         read_node.reads_open += a.read_tokens
         self.assigned_total += 1
@@ -227,6 +230,7 @@ class ClusterState:
         self._charge(de, -1, -a.decode_tokens)
         free = de.free_hbm_tokens + a.decode_tokens
         de.free_hbm_tokens = free if free < de.hbm_tokens else de.hbm_tokens
+        self._free_dirty(de.engine_id)
 
     def _release_read(self, live: _Live) -> None:
         if live.read_pending:
@@ -255,7 +259,10 @@ class ClusterState:
             raise UnknownEngineError(engine_id)
         engine.seq = seq if seq > 0 else 0
         if free_hbm_tokens is not None:
-            engine.free_hbm_tokens = max(0, min(engine.hbm_tokens, free_hbm_tokens))
+            free = max(0, min(engine.hbm_tokens, free_hbm_tokens))
+            if free != engine.free_hbm_tokens and engine.role is _DECODE:
+                self._free_dirty(engine_id)
+            engine.free_hbm_tokens = free
         if tok < 0:
             tok = 0
         old = engine.tok
@@ -311,6 +318,8 @@ class ClusterState:
         if free_hbm_tokens:
             free = engine.free_hbm_tokens + free_hbm_tokens
             engine.free_hbm_tokens = 0 if free < 0 else (free if free < engine.hbm_tokens else engine.hbm_tokens)
+            if engine.role is _DECODE:
+                self._free_dirty(engine_id)
 
     def adjust_read_q(self, node_id: int, tokens: int) -> None:
         """Add ``tokens`` (negative: remove) to a node's read queue, clamped at zero.
@@ -344,6 +353,12 @@ class ClusterState:
             UnknownRequestError: the request is not live.
         """
         return self._get(request_id).assignment
+
+    def max_decode_free(self) -> int:
+        """The most free HBM (tokens) of any one decode engine: a request that needs more
+        fits nowhere now."""
+        top = self.decode_free_index.top()
+        return -top[0] if top is not None else 0
 
     @property
     def live_count(self) -> int:
