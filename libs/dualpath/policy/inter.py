@@ -53,7 +53,7 @@ mutates the ``ClusterState``; tentative values live in per-pass heaps and dicts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from itertools import islice
 from typing import NamedTuple
 
@@ -90,18 +90,36 @@ def select_prefill_engines(waiting: Sequence[PendingRequest], state: ClusterStat
     return list(_prefill_engines(waiting, state, th))
 
 
+class _Stage1:
+    """Stage 1's per-pass view (the queue classes of prefill nodes). A class, not closures:
+    compiled closures form reference cycles, which left garbage for the collector on
+    every pass."""
+
+    __slots__ = ("alpha", "engines", "hold", "nodes", "staged")
+
+    def __init__(self, state: ClusterState, th: Thresholds) -> None:
+        self.alpha, self.hold = th.alpha_tokens, th.hold_tokens
+        self.engines, self.nodes = state.engines, state.nodes
+        self.staged = -1  # the node ``on_staged`` accepts
+
+    def is_short(self, n: NodeState) -> bool:
+        """read_q <= alpha and, with read admission, room for a read."""
+        hold = self.hold
+        return n.read_q <= self.alpha and (not hold or n.read_q < hold or n.reads_open < hold)
+
+    def queue_class(self, engine_id: int) -> int:
+        """0: the engine's node has a short read queue; 1: long."""
+        return 0 if self.is_short(self.nodes[self.engines[engine_id].node_id]) else 1
+
+    def on_staged(self, e: tuple[int, int]) -> bool:
+        return self.engines[e[1]].node_id == self.staged
+
+
 def _prefill_engines(waiting: Sequence[PendingRequest], state: ClusterState, th: Thresholds) -> Iterator[int]:
     """Stage 1, one request at a time (a pass stops pulling where another stage stops)."""
     alpha, beta, hold = th.alpha_tokens, th.beta_tokens, th.hold_tokens
-
-    def is_short(n: NodeState) -> bool:  # read_q <= alpha and, with read admission, room for a read
-        return n.read_q <= alpha and (not hold or n.read_q < hold or n.reads_open < hold)
-
+    view = _Stage1(state, th)
     engines, nodes = state.engines, state.nodes
-
-    def queue_class(engine_id: int) -> int:  # 0: short read queue, 1: long
-        return 0 if is_short(nodes[engines[engine_id].node_id]) else 1
-
     if hold:  # is_short, inlined: every pass counts the nodes
         short = sum(1 for n in state.prefill_nodes if n.read_q <= alpha and (n.read_q < hold or n.reads_open < hold))
     else:
@@ -111,7 +129,7 @@ def _prefill_engines(waiting: Sequence[PendingRequest], state: ClusterState, th:
     if single:  # every node in one class: one list (looking for the empty class would walk every engine)
         cands, classes = Candidates(state.prefill_index.walk()), (0,)
     else:
-        cands, classes = Candidates(state.prefill_index.walk(), queue_class, classes=2), (0, 1)
+        cands, classes = Candidates(state.prefill_index.walk(), view.queue_class, classes=2), (0, 1)
     for request in waiting:
         # A class whose lowest tok_e is over beta has no engine that qualifies.
         for cls in classes:
@@ -123,12 +141,9 @@ def _prefill_engines(waiting: Sequence[PendingRequest], state: ClusterState, th:
         staged = request.staged_node
         if staged >= 0 and staged in nodes and nodes[staged].role is Role.PREFILL:
             # prefetch: the node holding the staged copy, if one of its engines qualifies
-            scls = 0 if single or is_short(nodes[staged]) else 1
-
-            def on_staged(e: tuple[int, int], n: int = staged) -> bool:
-                return engines[e[1]].node_id == n
-
-            near = cands.first(scls, ok=on_staged)
+            scls = 0 if single or view.is_short(nodes[staged]) else 1
+            view.staged = staged
+            near = cands.first(scls, ok=view.on_staged)
             # worth it while the extra compute queued there, (near - best) / (β/5 s), is at most
             # the read it saves, (read_q + hits) / (α/3 s): exact integers
             saved = nodes[engines[best[1]].node_id].read_q + request.hit_tokens
@@ -143,70 +158,79 @@ def select_decode_groups(waiting: Sequence[PendingRequest], count: int, state: C
     return list(islice(_decode_groups(waiting, state), count))
 
 
-def _decode_groups(waiting: Sequence[PendingRequest], state: ClusterState) -> Iterator[NodeState]:
-    """Stage 2 (phase 1), one request at a time."""
-    nodes = state.nodes
-    free_total: dict[int, int] = {}  # tentative Σ free HBM per group looked at this pass
-    max_free: dict[int, int] = {}  # largest single-DE free HBM at pass start
-    buffer_left: dict[int, int] = {}  # tentative free buffer blocks per group given requests this pass
+class _Stage2:
+    """Stage 2's per-pass figures and the tests ``Candidates.first`` applies to a group
+    (methods, not closures: see ``_Stage1``)."""
 
-    def hbm_sums(node_id: int) -> int:
+    __slots__ = ("blocks", "buffer_left", "free_total", "max_free", "need", "nodes", "staged")
+
+    def __init__(self, state: ClusterState) -> None:
+        self.nodes = state.nodes
+        self.free_total: dict[int, int] = {}  # tentative Σ free HBM per group looked at this pass
+        self.max_free: dict[int, int] = {}  # largest single-DE free HBM at pass start
+        self.buffer_left: dict[int, int] = {}  # tentative free buffer blocks per group given requests this pass
+        self.need = self.blocks = 0  # the request being placed: tokens, slot blocks
+        self.staged = -1  # the group ``staged_fits`` accepts
+
+    def hbm_sums(self, node_id: int) -> int:
         """The group's largest single-DE free HBM, filling ``max_free``/``free_total`` on first sight."""
         biggest = total = 0
-        for engine in nodes[node_id].engines:
+        for engine in self.nodes[node_id].engines:
             free = engine.free_hbm_tokens
             total += free
             biggest = max(biggest, free)
-        max_free[node_id], free_total[node_id] = biggest, total
+        self.max_free[node_id], self.free_total[node_id] = biggest, total
         return biggest
 
+    def hbm_fits(self, entry: tuple[int, int]) -> bool:
+        node_id, need = entry[1], self.need
+        biggest = self.max_free.get(node_id)
+        if biggest is None:
+            biggest = self.hbm_sums(node_id)
+        return biggest >= need and self.free_total[node_id] >= need
+
+    def fits(self, entry: tuple[int, int]) -> bool:
+        node_id = entry[1]
+        node = self.nodes[node_id]
+        if node.buffer_blocks >= 0:  # NodeState.buffer_room, inlined: every pass calls this per group it looks at
+            free = self.buffer_left.get(node_id, node.buffer_free)
+            if self.blocks > free and free < node.buffer_blocks:
+                return False
+        return self.hbm_fits(entry)
+
+    def staged_fits(self, e: tuple[int, int]) -> bool:
+        return e[1] == self.staged and self.fits(e)
+
+
+def _decode_groups(waiting: Sequence[PendingRequest], state: ClusterState) -> Iterator[NodeState]:
+    """Stage 2 (phase 1), one request at a time."""
+    nodes = state.nodes
+    view = _Stage2(state)
     cands = Candidates(state.decode_group_index.walk())
     most = state.max_decode_free()  # no group fits a request that needs more (every pass-start ``biggest`` is at most this)
     for request in waiting:
         need, blocks = request.total_len, request.slot_blocks
         if need > most:
             break
-
-        def fits(entry: tuple[int, int], need: int = need, blocks: int = blocks) -> bool:
-            node_id = entry[1]
-            node = nodes[node_id]
-            if node.buffer_blocks >= 0:  # NodeState.buffer_room, inlined: every pass calls this per group it looks at
-                free = buffer_left.get(node_id, node.buffer_free)
-                if blocks > free and free < node.buffer_blocks:
-                    return False
-            biggest = max_free.get(node_id)
-            if biggest is None:
-                biggest = hbm_sums(node_id)
-            return biggest >= need and free_total[node_id] >= need
-
-        best = cands.first(ok=fits)
+        view.need, view.blocks = need, blocks
+        best = cands.first(ok=view.fits)
         overflow = False
         if best is None:  # every buffer looks full: the least loaded group with HBM room, then stop
             overflow = True
-
-            def hbm_fits(entry: tuple[int, int], need: int = need) -> bool:
-                biggest = max_free.get(entry[1])
-                if biggest is None:
-                    biggest = hbm_sums(entry[1])
-                return biggest >= need and free_total[entry[1]] >= need
-
-            best = cands.first(ok=hbm_fits)
+            best = cands.first(ok=view.hbm_fits)
             if best is None:
                 break
         staged = request.staged_node
         if staged >= 0 and staged != best[1] and staged in nodes and nodes[staged].role is Role.DECODE:
             # prefetch: the group holding the staged copy, if it has room
-
-            def staged_fits(e: tuple[int, int], n: int = staged, f: Callable[[tuple[int, int]], bool] = fits) -> bool:
-                return e[1] == n and f(e)
-
-            near = cands.first(ok=staged_fits)
+            view.staged = staged
+            near = cands.first(ok=view.staged_fits)
             if near is not None and near[0] <= best[0] + 2 * need:  # within two such requests of the least loaded
                 best = near
         cands.take(0, best, best[0] + need)
-        free_total[best[1]] -= need
+        view.free_total[best[1]] -= need
         node = nodes[best[1]]
-        buffer_left[best[1]] = buffer_left.get(best[1], node.buffer_free) - blocks
+        view.buffer_left[best[1]] = view.buffer_left.get(best[1], node.buffer_free) - blocks
         yield node
         if overflow:
             return

@@ -33,6 +33,8 @@ from dualpath.sim.request import SimRequest
 
 __all__ = ["DecodeEngineSim", "DecodeHost"]
 
+_INF = float("inf")
+
 
 class DecodeHost(Protocol):
     """What a decode engine needs of its simulation (``Simulation``, or a test's stub: a
@@ -52,12 +54,15 @@ class DecodeEngineSim:
         "_seq",
         "_step_totals",
         "a",
+        "armed",
         "b",
         "batcher",
         "below",
         "busy_s",
         "cnic_in",
         "cnic_out",
+        "due",
+        "due_seq",
         "engine_id",
         "heap",
         "keys0",
@@ -69,8 +74,8 @@ class DecodeEngineSim:
         "sat",
         "sim",
         "t",
+        "ticket",
         "topk",
-        "version",
         "waiting",
     )
 
@@ -93,7 +98,13 @@ class DecodeEngineSim:
         self._seq = 0
         self.a = 0.0  # step time at ``progress``
         self.b = 0.0  # its slope per step over the current segment
-        self.version = 0
+        # The next leave: ``due`` (its place ``due_seq`` among same-instant events); ``armed``
+        # the time of the live event (``ticket`` names it). A join makes the leave later: the
+        # event stays and, firing early, re-arms at ``due`` in its place (as FluidNetwork's
+        # flows do), instead of leaving a stale event behind at every join.
+        self.due = self.armed = _INF
+        self.due_seq = 0
+        self.ticket = 0
         self.busy_s = 0.0
 
     # -- step time ---------------------------------------------------------------------
@@ -133,9 +144,9 @@ class DecodeEngineSim:
             self.sat += 1
 
     def _reschedule(self) -> None:
-        self.version += 1
         if not self.n:
             self.a = self.b = 0.0
+            self.due = _INF
             return
         x = self.progress
         m = self.heap[0][0] - x
@@ -146,7 +157,15 @@ class DecodeEngineSim:
             m, b = max(m, 0.0), 0.0
             self.b = 0.0
         loop = self.loop
-        loop.at(loop.now + a * m + b * m * m / 2, self._leave, self.version)
+        now = loop.now
+        due = now + a * m + b * m * m / 2
+        if due < now:
+            due = now  # as EventLoop.at would run it
+        self.due, self.due_seq = due, loop.reserve()
+        if due < self.armed:
+            self.armed = due
+            self.ticket += 1
+            loop.at_seq(due, self.due_seq, self._leave, self.ticket)
 
     # -- membership ----------------------------------------------------------------------
     def add(self, req: SimRequest) -> None:
@@ -176,9 +195,15 @@ class DecodeEngineSim:
             joined.append(req)
         return joined
 
-    def _leave(self, version: int) -> None:
-        if version != self.version:
+    def _leave(self, ticket: int) -> None:
+        if ticket != self.ticket:
+            return  # a leave came earlier: a newer event is armed
+        if self.loop.now < self.due:  # members joined since: re-arm at the leave, in its place
+            self.armed = due = self.due
+            if due < _INF:
+                self.loop.at_seq(due, self.due_seq, self._leave, ticket)
             return
+        self.armed = _INF
         self._settle()
         heap = self.heap
         if heap and self.progress < heap[0][0]:
