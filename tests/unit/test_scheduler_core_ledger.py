@@ -12,6 +12,7 @@ from dualpath.core import (
     DispatchAnswered,
     EngineReported,
     NodeReported,
+    RequestFinished,
     RequestSubmitted,
     ReserveSlot,
     SchedulerCore,
@@ -21,6 +22,7 @@ from dualpath.core import (
 from dualpath.core.scheduler_members import ACKED, UNSEEN
 from dualpath.policy import Thresholds, get_policy
 from dualpath.policy.values import Role
+from tests.unit.test_scheduler_core import Cluster
 
 HBM = 50_000
 ENGINES = {"p0": ("P", Role.PREFILL), "p1": ("P", Role.PREFILL), "d0": ("D", Role.DECODE), "d1": ("D", Role.DECODE)}
@@ -130,3 +132,18 @@ def test_every_figure_is_the_last_report_plus_the_charges_it_could_not_see(steps
         elif s[0] == "node":
             core.handle(NodeReported(now=now, node=s[1], read_q_tokens=s[2], buffer_free_bytes=s[3], buffer_bytes=BUFFER))
         _check(core)
+
+
+def test_finished_requests_leave_no_acknowledged_charge_behind_on_engines_that_do_not_report():
+    """A decode engine acknowledges each request's charge when its prefill ends; a report
+    then reflects it. An engine that reports rarely (or, in the simulator, never after it
+    joins) must not keep the charges of requests that ended: they need no report to go."""
+    c = Cluster()
+    for i in range(50):
+        d = c.place(f"r{i}")
+        c.handle(RequestFinished(now=c.now, request_id=f"r{i}", engine=d.prefill_engine))
+        c.now += 0.01
+        c.handle(RequestFinished(now=c.now, request_id=f"r{i}", engine=d.decode_engine))
+    holders = [*c.core.members.engines.values(), *c.core.members.nodes.values()]
+    assert sum(len(h.acked) for h in holders) == 0
+    assert all((h.dseq, h.dtok, h.dhbm) == (0, 0, 0) for h in holders)  # and the figures carry nothing of them

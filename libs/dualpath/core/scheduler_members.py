@@ -105,6 +105,10 @@ class Charge:
             h.dseq -= self.seq
             h.dtok -= self.tok
             h.dhbm -= self.hbm
+            if state == ACKED:  # released charges at the head of the acknowledged ones need no report to leave
+                acked = h.acked
+                while acked and acked[0].state == RELEASED:
+                    acked.popleft()
             return True
         return False
 
