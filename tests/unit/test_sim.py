@@ -259,3 +259,43 @@ def test_a_run_leaves_no_cyclic_garbage_so_the_collector_can_stay_off(mode):
         gc.garbage.clear()
     assert sim.metrics.turns_done == expected_turns
     assert found == 0, f"a run left {found} objects in reference cycles: {kinds[:8]}"
+
+
+def _reference_max_min(links: list[Link], flows: list) -> dict:
+    """Progressive filling by a linear scan for the least share at every step (one class)."""
+    residual = {link: link.capacity for link in links}
+    active = list(flows)
+    rates = {}
+    while active:
+        shares = []
+        for i, link in enumerate(links):
+            n = sum(1 for f in active if link in f.links)
+            if n:
+                shares.append((residual[link] / n, i))
+        share, bottleneck = min(shares)
+        for f in [f for f in active if links[bottleneck] in f.links]:
+            rates[f] = share
+            active.remove(f)
+            for link in f.links:
+                residual[link] -= share
+    return rates
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_max_min_rates_equal_a_plain_progressive_filling(seed):
+    """The network's max-min (a heap of link shares) against the textbook loop, on random
+    flows over one to three of eight links of mixed capacities."""
+    import random
+
+    rng = random.Random(seed)
+    links = [Link(f"l{i}", rng.choice([1.0, 2.0, 3.0, 5.0])) for i in range(8)]
+    net = FluidNetwork(EventLoop())
+    flows = []
+    for _ in range(rng.randint(2, 14)):
+        path = tuple(rng.sample(links, rng.randint(1, 3)))
+        flows.append(net.start(path, 1e9, lambda _: None))
+    expected = _reference_max_min(links, flows)
+    FluidNetwork._max_min([link for link in links if link.flows], {f: None for f in flows}, any_high=False)
+    assert [f.rate for f in flows] == pytest.approx([expected[f] for f in flows], rel=1e-12)
+    for link in links:  # feasible: no link over its capacity
+        assert sum(f.rate for f in link.flows) <= link.capacity * (1 + 1e-12)

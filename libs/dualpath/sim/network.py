@@ -25,6 +25,7 @@ and its earlier event is ignored (its ticket is stale).
 from __future__ import annotations
 
 from collections.abc import Callable
+from heapq import heapify, heappop, heappush
 from typing import Any
 
 from dualpath.sim.clock import EventLoop
@@ -271,14 +272,19 @@ class FluidNetwork:
                 for f in active:
                     for link in f.links:
                         count[link] = count.get(link, 0) + 1
-            while active:
-                bottleneck, share = None, _INF
-                for link, n in count.items():  # only links with unfixed flows are counted
-                    s = residual[link] / n
-                    if s < share:
-                        bottleneck, share = link, s
-                if bottleneck is None:
-                    break
+            # The bottleneck is the link of least fair share, the first counted among equals:
+            # a heap by (share, place in ``count``), an entry stale once its link's share moved
+            # (a linear scan per step was quadratic in the neighbourhood's links).
+            place = {link: i for i, link in enumerate(count)}  # only links with unfixed flows are counted
+            heap = [(residual[link] / n, place[link], 0, link) for link, n in count.items()]
+            heapify(heap)
+            k = 0  # a link pushed again at an unchanged share is a duplicate: the counter keeps links from being compared
+            while active and heap:
+                share, _, _, bottleneck = heappop(heap)
+                n = count.get(bottleneck, 0)
+                if not n or residual[bottleneck] / n != share:
+                    continue  # stale: its share moved since (a fresher entry is in the heap)
+                touched: dict[Link, None] = {}
                 for f in bottleneck.flows:
                     if f in active:
                         f.rate = share
@@ -288,8 +294,14 @@ class FluidNetwork:
                             n = count[link] - 1
                             if n:
                                 count[link] = n
+                                touched[link] = None
                             else:
                                 del count[link]
+                for link in touched:
+                    n = count.get(link, 0)
+                    if n:
+                        k += 1
+                        heappush(heap, (residual[link] / n, place[link], k, link))
 
     def _finish(self, token: tuple[Flow, int]) -> None:
         flow, ticket = token
