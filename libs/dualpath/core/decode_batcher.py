@@ -41,7 +41,10 @@ __all__ = ["DecodeBatcher", "DecodeStep", "StepOutcome"]
 CANCELLED = "cancelled"
 
 
-@dataclass(slots=True)
+# The hot dataclasses below spell out ``__init__`` (``init=False``): mypyc compiles a written
+# ``__init__`` natively, ~15x faster than the one ``dataclasses`` generates (a simulated
+# rollout builds tens of millions of these); fields, eq and repr stay the dataclass's.
+@dataclass(slots=True, init=False)
 class _Seq:
     request_id: str
     tokens: int  # prompt + generated tokens
@@ -50,6 +53,17 @@ class _Seq:
     max_tokens: int
     reserved: int  # tokens of KV memory reserved (whole blocks)
     finish: str | None = None
+
+    def __init__(
+        self, request_id: str, tokens: int, kv_len: int, generated: int, max_tokens: int, reserved: int, finish: str | None = None
+    ) -> None:
+        self.request_id = request_id
+        self.tokens = tokens
+        self.kv_len = kv_len
+        self.generated = generated
+        self.max_tokens = max_tokens
+        self.reserved = reserved
+        self.finish = finish
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

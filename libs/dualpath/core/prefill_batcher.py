@@ -43,7 +43,10 @@ from dualpath.policy.intra import (
 __all__ = ["BatchItem", "PrefillBatch", "PrefillBatcher"]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+# The hot dataclasses below spell out ``__init__`` (``init=False``): mypyc compiles a written
+# ``__init__`` natively, ~15x faster than the one ``dataclasses`` generates (a simulated
+# rollout builds tens of millions of these); fields, eq and repr stay the dataclass's.
+@dataclass(frozen=True, slots=True, kw_only=True, init=False)
 class BatchItem:
     """One request's chunk in a batch: compute tokens ``[cached, cached + new)`` of its prompt;
     ``last`` when the chunk ends the prompt (its logits give the first token)."""
@@ -53,8 +56,14 @@ class BatchItem:
     new: int
     last: bool
 
+    def __init__(self, *, request_id: str, cached: int, new: int, last: bool) -> None:
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "cached", cached)
+        object.__setattr__(self, "new", new)
+        object.__setattr__(self, "last", last)
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+
+@dataclass(frozen=True, slots=True, kw_only=True, init=False)
 class PrefillBatch:
     """The next batch: its chunks in queue order, the predicted seconds, the quota it was
     packed under, and ``over_quota`` when it is a lone minimal chunk the quota cannot hold."""
@@ -63,6 +72,12 @@ class PrefillBatch:
     predicted_s: float
     quota_s: float
     over_quota: bool
+
+    def __init__(self, *, items: tuple[BatchItem, ...], predicted_s: float, quota_s: float, over_quota: bool) -> None:
+        object.__setattr__(self, "items", items)
+        object.__setattr__(self, "predicted_s", predicted_s)
+        object.__setattr__(self, "quota_s", quota_s)
+        object.__setattr__(self, "over_quota", over_quota)
 
     @property
     def chunked(self) -> bool:
@@ -82,11 +97,16 @@ class PrefillBatch:
         return [(it.cached, it.new) for it in self.items]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class _Entry:
     request_id: str
     cached: int  # tokens whose KV exists (hits, then chunks computed so far)
     total: int  # prompt tokens
+
+    def __init__(self, request_id: str, cached: int, total: int) -> None:
+        self.request_id = request_id
+        self.cached = cached
+        self.total = total
 
 
 class PrefillBatcher:

@@ -27,7 +27,10 @@ Predict = Callable[[Sequence[tuple[int, int]]], float]
 """Predicted seconds for a batch of ``(cached_tokens, new_tokens)`` pairs."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+# The hot dataclasses below spell out ``__init__`` (``init=False``): mypyc compiles a written
+# ``__init__`` natively, ~15x faster than the one ``dataclasses`` generates (a simulated
+# rollout builds tens of millions of these); fields, eq and repr stay the dataclass's.
+@dataclass(frozen=True, slots=True, kw_only=True, init=False)
 class PrefillWork:
     """A request queued on a prefill engine: ``cached`` tokens already in its KV (hits
     plus chunks computed so far), ``remaining`` tokens still to compute.
@@ -40,6 +43,12 @@ class PrefillWork:
     cached: int
     remaining: int
 
+    def __init__(self, *, request_id: int, cached: int, remaining: int) -> None:
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "cached", cached)
+        object.__setattr__(self, "remaining", remaining)
+        self.__post_init__()
+
     def __post_init__(self) -> None:
         if self.cached < 0 or self.remaining < 1:
             raise InvalidRequestError(
@@ -47,7 +56,7 @@ class PrefillWork:
             )
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, init=False)
 class Chunk:
     """Part of a request in a batch: compute ``new`` tokens on top of ``cached``;
     ``completes`` is false when a remainder continues in a later batch."""
@@ -57,8 +66,14 @@ class Chunk:
     new: int
     completes: bool
 
+    def __init__(self, *, request_id: int, cached: int, new: int, completes: bool) -> None:
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "cached", cached)
+        object.__setattr__(self, "new", new)
+        object.__setattr__(self, "completes", completes)
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+
+@dataclass(frozen=True, slots=True, kw_only=True, init=False)
 class PrefillBatch:
     """One batch: chunks in queue order (all complete but possibly the last), its
     predicted time, and ``over_quota`` when it is a lone minimal chunk that the quota
@@ -67,6 +82,11 @@ class PrefillBatch:
     chunks: tuple[Chunk, ...]
     predicted_s: float
     over_quota: bool
+
+    def __init__(self, *, chunks: tuple[Chunk, ...], predicted_s: float, over_quota: bool) -> None:
+        object.__setattr__(self, "chunks", chunks)
+        object.__setattr__(self, "predicted_s", predicted_s)
+        object.__setattr__(self, "over_quota", over_quota)
 
 
 def chunk_sizes(cached: int, remaining: int, block_tokens: int) -> range:

@@ -54,7 +54,10 @@ class ReadPath(str, Enum):  # noqa: UP042 - StrEnum would change str() of member
     SPLIT = "split"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+# The hot dataclasses below spell out ``__init__`` (``init=False``): mypyc compiles a written
+# ``__init__`` natively, ~15x faster than the one ``dataclasses`` generates (a simulated
+# rollout builds tens of millions of these); fields, eq and repr stay the dataclass's.
+@dataclass(frozen=True, slots=True, kw_only=True, init=False)
 class PendingRequest:
     """A request waiting to be placed.
 
@@ -80,6 +83,26 @@ class PendingRequest:
     block_tokens: int = 64
     staged_node: int = -1  # agent-aware prefetch: the node holding a staged copy of its hits (-1: none)
 
+    def __init__(
+        self,
+        *,
+        request_id: int,
+        prompt_tokens: int,
+        hit_tokens: int,
+        total_len: int,
+        forced_side: ReadSide | None = None,
+        block_tokens: int = 64,
+        staged_node: int = -1,
+    ) -> None:
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "prompt_tokens", prompt_tokens)
+        object.__setattr__(self, "hit_tokens", hit_tokens)
+        object.__setattr__(self, "total_len", total_len)
+        object.__setattr__(self, "forced_side", forced_side)
+        object.__setattr__(self, "block_tokens", block_tokens)
+        object.__setattr__(self, "staged_node", staged_node)
+        self.__post_init__()
+
     def __post_init__(self) -> None:
         if self.hit_tokens < 0:
             raise InvalidRequestError(self.request_id, f"negative hit_tokens {self.hit_tokens}")
@@ -102,7 +125,7 @@ class PendingRequest:
         return -(-self.prompt_tokens // self.block_tokens)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, init=False)
 class Assignment:
     """One placement decision, with the charges the cluster state applies for it.
 
@@ -124,6 +147,29 @@ class Assignment:
     decode_tokens: int
     read_tokens: int
     de_split_tokens: int = 0
+
+    def __init__(
+        self,
+        *,
+        request_id: int,
+        prefill_engine: int,
+        decode_engine: int,
+        read_side: ReadSide,
+        read_node: int,
+        prefill_tokens: int,
+        decode_tokens: int,
+        read_tokens: int,
+        de_split_tokens: int = 0,
+    ) -> None:
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "prefill_engine", prefill_engine)
+        object.__setattr__(self, "decode_engine", decode_engine)
+        object.__setattr__(self, "read_side", read_side)
+        object.__setattr__(self, "read_node", read_node)
+        object.__setattr__(self, "prefill_tokens", prefill_tokens)
+        object.__setattr__(self, "decode_tokens", decode_tokens)
+        object.__setattr__(self, "read_tokens", read_tokens)
+        object.__setattr__(self, "de_split_tokens", de_split_tokens)
 
     @property
     def read_split(self) -> tuple[int, int]:
