@@ -217,6 +217,7 @@ class SchedulerCore:
 
     def __init__(self, policy: Policy, config: CoreConfig = CoreConfig()) -> None:
         self.policy, self.cfg = policy, config
+        self.pass_window = config.pass_window  # a driver may adapt it between passes (the simulator does)
         self.members = Membership()
         self.order = QueueOrder(  # the queue and its order (scheduler_queue)
             history_credit=config.history_credit,
@@ -576,7 +577,7 @@ class SchedulerCore:
         if state is None:
             return
         queue = self.order.items
-        window = [cast("_Request", t).pending for t in queue.head(self.cfg.pass_window)]
+        window = [cast("_Request", t).pending for t in queue.head(self.pass_window)]
         for a in self.policy.schedule(window, state):
             t = cast("_Request", queue.popleft())  # it holds only the core's requests
             assert t.num == a.request_id, "the policy places a FIFO prefix"

@@ -15,7 +15,7 @@ library's passes); this driver does in virtual time what the service does over N
 - commands out: ``ReserveSlot``, ``Dispatch`` (handed to the cluster), ``FreeSlot``,
   ``FailRequest`` and ``RejectRequest`` (counted; a failed turn ends its agent).
 
-The pass window (``CoreConfig.pass_window``: how much of the queue a pass hands the
+The pass window (``SchedulerCore.pass_window``, from ``CoreConfig.pass_window``: how much of the queue a pass hands the
 policy, which places a FIFO prefix of it) adapts: it doubles while passes place all of it
 (another pass follows at once) and shrinks to twice what the last pass placed otherwise, so
 a pass costs in proportion to what it can place. Decisions do not change: the policy never
@@ -29,7 +29,6 @@ them. Engine expiry is off (no engine dies in a simulation).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
 from dualpath.core.scheduler import CoreConfig, SchedulerCore
 from dualpath.core.scheduler_events import (
@@ -156,13 +155,13 @@ class SimScheduler:
         # else: paused by back-pressure, the pass would place nothing (and with engine expiry
         # off, TimeAdvanced would change nothing else): skip the event, keep its timing
         placed = before - len(core.queue)
-        window = core.cfg.pass_window
+        window = core.pass_window
         if placed >= window and core.queue and self.back_pressure == refused:
-            core.cfg = replace(core.cfg, pass_window=min(WINDOW_MAX, 2 * window))
+            core.pass_window = min(WINDOW_MAX, 2 * window)
             self._scheduled = True
             self.loop.at(self.loop.now, self._pass)
-        elif window != max(WINDOW_MIN, 2 * placed):
-            core.cfg = replace(core.cfg, pass_window=max(WINDOW_MIN, min(WINDOW_MAX, 2 * placed)))
+        else:
+            core.pass_window = max(WINDOW_MIN, min(WINDOW_MAX, 2 * placed))
 
     def _apply(self, cmds: list) -> None:
         handle, now = self.core.handle, self.loop.now
