@@ -299,3 +299,14 @@ def test_max_min_rates_equal_a_plain_progressive_filling(seed):
     assert [f.rate for f in flows] == pytest.approx([expected[f] for f in flows], rel=1e-12)
     for link in links:  # feasible: no link over its capacity
         assert sum(f.rate for f in link.flows) <= link.capacity * (1 + 1e-12)
+
+
+def test_a_run_stopped_at_a_time_goes_on_from_there():
+    """``run(until)`` twice is one run: the agents start once (their turns are not submitted again)."""
+    whole, halves = small("dualpath"), small("dualpath")
+    m = whole.run()
+    halves.run(until=whole.end_time / 2)
+    assert 0 < halves.metrics.turns_done < m.turns_done
+    m2 = halves.run()
+    assert m2.turns_done == m.turns_done and halves.end_time == pytest.approx(whole.end_time)
+    assert halves.scheduler.core.queued == 0 and halves.scheduler.core.running == 0

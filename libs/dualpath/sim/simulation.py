@@ -83,6 +83,7 @@ class Simulation:
         self.agents = agents if agents is not None else build_agents(workload, cfg.block_tokens)
         self._gap = gap_sampler(workload.tool_gap_s, workload.seed)
         self._next_rid = 0
+        self._started = False  # the agents' first turns are scheduled (run goes on from where it stopped)
         self.agents_done = 0
         self.agents_failed = 0
         self.end_time = 0.0
@@ -237,9 +238,12 @@ class Simulation:
 
     # -- run -------------------------------------------------------------------------------
     def run(self, until: float = float("inf"), tick: Callable[[Simulation], None] | None = None) -> Metrics:
-        """Run every agent to its end (or ``until``); returns the metrics."""
-        for agent in self.agents:
-            self.loop.at(agent.arrival, self._submit, agent)
+        """Run every agent to its end (or ``until``; a later call goes on from there);
+        returns the metrics."""
+        if not self._started:
+            self._started = True
+            for agent in self.agents:
+                self.loop.at(agent.arrival, self._submit, agent)
         t0, c0 = time.perf_counter(), time.process_time()
         # Millions of live objects and no reference cycles among them (a test checks that a
         # run leaves no cyclic garbage in every mode): the cyclic collector would only walk
