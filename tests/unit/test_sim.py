@@ -310,3 +310,31 @@ def test_a_run_stopped_at_a_time_goes_on_from_there():
     m2 = halves.run()
     assert m2.turns_done == m.turns_done and halves.end_time == pytest.approx(whole.end_time)
     assert halves.scheduler.core.queued == 0 and halves.scheduler.core.running == 0
+
+
+def test_a_deadline_moved_later_keeps_its_event_and_runs_in_the_place_it_took():
+    """``Deadline``: moving later re-arms when the old event fires (no stale event per move);
+    the owner acts once, at the last time set; moved earlier, it arms anew."""
+    from dualpath.sim.clock import Deadline
+
+    loop = EventLoop()
+    ran: list[tuple[str, float]] = []
+
+    def owner(ticket: int) -> None:
+        if d.fire(ticket):
+            ran.append(("owner", loop.now))
+
+    d = Deadline(loop, owner)
+    d.set(1.0)
+    d.set(3.0)  # later: the event at 1.0 stays and re-arms at 3.0
+    loop.at(3.0, lambda _: ran.append(("other", loop.now)))
+    d.set(2.0)  # later than 1.0 still: no new event
+    d.set(2.5)
+    loop.run()
+    assert ran == [("owner", 2.5), ("other", 3.0)]
+    assert loop.events == 3  # the event at 1.0, its re-arm at 2.5, the other one
+    d.set(4.0)
+    d.set(3.5)  # earlier than the armed 4.0: armed anew, the 4.0 event goes stale
+    d.clear()  # and then nothing is due: the 3.5 event fires and is dropped
+    loop.run()
+    assert ran == [("owner", 2.5), ("other", 3.0)]

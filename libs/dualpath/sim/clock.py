@@ -17,7 +17,9 @@ from collections.abc import Callable
 from heapq import heappop, heappush
 from typing import Any
 
-__all__ = ["EventLoop"]
+__all__ = ["Deadline", "EventLoop"]
+
+_INF = float("inf")
 
 
 class EventLoop:
@@ -79,3 +81,53 @@ class EventLoop:
                     next_tick += tick_every
         finally:
             self.events += count
+
+
+class Deadline:
+    """The next event of an owner whose time keeps moving (a decode batch's next leave, a
+    storage link's next completion).
+
+    ``set(t)`` moves it to ``t``. An earlier time arms a new event (the armed one goes stale);
+    a later one keeps the armed event, and when that fires early it re-arms at ``t`` in the
+    place ``set`` reserved (``EventLoop.reserve``): same-instant events run in the order they
+    would have had the owner rescheduled at every move, with one event per move fewer. The
+    owner's callback gets a ticket and acts only when ``fire(ticket)`` says the time is now.
+    """
+
+    __slots__ = ("_armed", "_fn", "_loop", "_seq", "_ticket", "at")
+
+    def __init__(self, loop: EventLoop, fn: Callable[[int], None]) -> None:
+        self._loop, self._fn = loop, fn
+        self.at = _INF  # when the owner's next event is due (infinite: none)
+        self._armed = _INF  # the time of the live event
+        self._seq = 0
+        self._ticket = 0
+
+    def set(self, t: float) -> None:
+        """The owner's next event is due at ``t`` (earlier than now: now)."""
+        loop = self._loop
+        if t < loop.now:
+            t = loop.now
+        self.at, self._seq = t, loop.reserve()
+        if t < self._armed:
+            self._armed = t
+            self._ticket += 1
+            loop.at_seq(t, self._seq, self._fn, self._ticket)
+
+    def clear(self) -> None:
+        """No next event (the armed one, if any, fires and is dropped)."""
+        self.at = _INF
+
+    def fire(self, ticket: int) -> bool:
+        """The callback ran with ``ticket``: True when the owner's event is due now; False when
+        the ticket is stale (an earlier one is armed) or the event re-armed at a later time."""
+        if ticket != self._ticket:
+            return False
+        at = self.at
+        if self._loop.now < at:
+            self._armed = at
+            if at < _INF:
+                self._loop.at_seq(at, self._seq, self._fn, ticket)
+            return False
+        self._armed = _INF
+        return True

@@ -26,14 +26,12 @@ from typing import Protocol
 
 from dualpath.core.decode_batcher import DecodeBatcher
 from dualpath.cost.model import CostModel
-from dualpath.sim.clock import EventLoop
+from dualpath.sim.clock import Deadline, EventLoop
 from dualpath.sim.config import SimConfig
 from dualpath.sim.network import Link
 from dualpath.sim.request import SimRequest
 
 __all__ = ["DecodeEngineSim", "DecodeHost"]
-
-_INF = float("inf")
 
 
 class DecodeHost(Protocol):
@@ -54,18 +52,16 @@ class DecodeEngineSim:
         "_seq",
         "_step_totals",
         "a",
-        "armed",
         "b",
         "batcher",
         "below",
         "busy_s",
         "cnic_in",
         "cnic_out",
-        "due",
-        "due_seq",
         "engine_id",
         "heap",
         "keys0",
+        "leave",
         "loop",
         "n",
         "name",
@@ -74,7 +70,6 @@ class DecodeEngineSim:
         "sat",
         "sim",
         "t",
-        "ticket",
         "topk",
         "waiting",
     )
@@ -98,13 +93,7 @@ class DecodeEngineSim:
         self._seq = 0
         self.a = 0.0  # step time at ``progress``
         self.b = 0.0  # its slope per step over the current segment
-        # The next leave: ``due`` (its place ``due_seq`` among same-instant events); ``armed``
-        # the time of the live event (``ticket`` names it). A join makes the leave later: the
-        # event stays and, firing early, re-arms at ``due`` in its place (as FluidNetwork's
-        # flows do), instead of leaving a stale event behind at every join.
-        self.due = self.armed = _INF
-        self.due_seq = 0
-        self.ticket = 0
+        self.leave = Deadline(self.loop, self._leave)  # the next leave (a join makes it later: no stale event)
         self.busy_s = 0.0
 
     # -- step time ---------------------------------------------------------------------
@@ -146,7 +135,7 @@ class DecodeEngineSim:
     def _reschedule(self) -> None:
         if not self.n:
             self.a = self.b = 0.0
-            self.due = _INF
+            self.leave.clear()
             return
         x = self.progress
         m = self.heap[0][0] - x
@@ -156,16 +145,7 @@ class DecodeEngineSim:
         else:
             m, b = max(m, 0.0), 0.0
             self.b = 0.0
-        loop = self.loop
-        now = loop.now
-        due = now + a * m + b * m * m / 2
-        if due < now:
-            due = now  # as EventLoop.at would run it
-        self.due, self.due_seq = due, loop.reserve()
-        if due < self.armed:
-            self.armed = due
-            self.ticket += 1
-            loop.at_seq(due, self.due_seq, self._leave, self.ticket)
+        self.leave.set(self.loop.now + a * m + b * m * m / 2)
 
     # -- membership ----------------------------------------------------------------------
     def add(self, req: SimRequest) -> None:
@@ -196,14 +176,8 @@ class DecodeEngineSim:
         return joined
 
     def _leave(self, ticket: int) -> None:
-        if ticket != self.ticket:
-            return  # a leave came earlier: a newer event is armed
-        if self.loop.now < self.due:  # members joined since: re-arm at the leave, in its place
-            self.armed = due = self.due
-            if due < _INF:
-                self.loop.at_seq(due, self.due_seq, self._leave, ticket)
-            return
-        self.armed = _INF
+        if not self.leave.fire(ticket):
+            return  # stale, or members joined since and it re-armed at the leave
         self._settle()
         heap = self.heap
         if heap and self.progress < heap[0][0]:

@@ -17,34 +17,16 @@ from collections.abc import Callable
 from heapq import heappop, heappush
 from typing import Any
 
-from dualpath.sim.clock import EventLoop
+from dualpath.sim.clock import Deadline, EventLoop
 from dualpath.sim.series import Series
 
 __all__ = ["SharedLink"]
-
-_INF = float("inf")
 
 
 class SharedLink:
     """Equal sharing of ``capacity`` bytes/s among the flows started on it (module docstring)."""
 
-    __slots__ = (
-        "_armed",
-        "_due",
-        "_due_seq",
-        "_heap",
-        "_n",
-        "_seq",
-        "_t",
-        "_ticket",
-        "_v",
-        "capacity",
-        "flows_done",
-        "loop",
-        "moved",
-        "name",
-        "series",
-    )
+    __slots__ = ("_heap", "_n", "_next", "_seq", "_t", "_v", "capacity", "flows_done", "loop", "moved", "name", "series")
 
     def __init__(self, loop: EventLoop, name: str, capacity: float, series: Series | None = None) -> None:
         if not capacity > 0:
@@ -57,13 +39,7 @@ class SharedLink:
         self._v = 0.0  # bytes each active flow has received so far (virtual clock)
         self._t = 0.0  # real time of ``_v``
         self._seq = 0
-        # The next completion: ``_due`` (``_due_seq`` its place among same-instant events),
-        # ``_armed`` the time of the live event (``_ticket`` names it). A start usually makes
-        # the next completion later: the event stays and, firing early, re-arms at ``_due``
-        # in its place (as FluidNetwork's flows do) instead of leaving a stale event behind.
-        self._due = self._armed = _INF
-        self._due_seq = 0
-        self._ticket = 0
+        self._next = Deadline(loop, self._fire)  # the next completion (a start makes it later: no stale event)
 
     @property
     def active(self) -> int:
@@ -95,28 +71,16 @@ class SharedLink:
 
     def _arm(self) -> None:
         if not self._heap:
-            self._due = _INF
+            self._next.clear()
             return
         left = self._heap[0][0] - self._v
         if left < 0.0:  # max(left, 0.0) without the call
             left = 0.0
-        loop = self.loop
-        due = self._due = loop.now + left * self._n / self.capacity
-        self._due_seq = loop.reserve()
-        if due < self._armed:
-            self._armed = due
-            self._ticket += 1
-            loop.at_seq(due, self._due_seq, self._fire, self._ticket)
+        self._next.set(self.loop.now + left * self._n / self.capacity)
 
     def _fire(self, ticket: int) -> None:
-        if ticket != self._ticket:
-            return  # the completion came earlier: a newer event is armed
-        if self.loop.now < self._due:  # flows started since: re-arm at the completion, in its place
-            self._armed = due = self._due
-            if due < _INF:
-                self.loop.at_seq(due, self._due_seq, self._fire, ticket)
-            return
-        self._armed = _INF
+        if not self._next.fire(ticket):
+            return  # stale, or flows started since and it re-armed at the completion
         self._advance()
         heap, done = self._heap, []
         limit = self._v + 1e-6 * max(1.0, self._v * 1e-9)  # float slack: a millionth of a byte per GB served
