@@ -156,7 +156,7 @@ class DecodeEngineSim:
         joined = self._admit()
         self._reschedule()
         for r in joined:
-            r.ttst = self.a
+            r.ttst = self.loop.now - r.t_first + self.a  # the hand-off (HBM copy, admission) and its first step
 
     def _admit(self) -> list[SimRequest]:
         joined = []
@@ -194,6 +194,6 @@ class DecodeEngineSim:
         joined = self._admit()
         self._reschedule()
         for r in joined:
-            r.ttst = self.a
+            r.ttst = self.loop.now - r.t_first + self.a  # the hand-off (HBM copy, admission) and its first step
         for req in done:
             self.sim.decode_done(req, self)
