@@ -86,6 +86,10 @@ class RankedQueue:
         """The queued requests in order (a sorted copy: O(n log n), for views and tests)."""
         return iter([e[2] for e in sorted(self._live())])
 
+    def members(self) -> list[Queued]:
+        """The queued requests in no particular order (O(n))."""
+        return [e[2] for e in self._live()]
+
     def _live(self) -> list[_Entry]:
         return [e for e in self._heap if e[2].tie == e[1]]
 
@@ -197,7 +201,7 @@ class QueueOrder:
         history = self.history
         t.rank_base = now - self.decode_credit_s * max_tokens
         t.by_prior = bool(session) and not history.knows(session)
-        self._enqueue(t, t.rank_base - self.history_credit * history.predict(session))
+        self.items.push(t, t.rank_base - self.history_credit * history.predict(session))
         if session:
             turns = self._turns
             turns.pop(session, None)
@@ -226,11 +230,7 @@ class QueueOrder:
             if not self._waiting(t, attempt) or not t.by_credit:
                 continue  # placed meanwhile (a retry is at the head already)
             self.items.remove(t)
-            self._enqueue(t, since - _URGENT_S)  # ahead of every credit, behind the urgent ones queued before it
-
-    def _enqueue(self, t: Queued, rank: float) -> None:
-        """Queue ``t`` by ``rank``, after every request of a rank at most its own."""
-        self.items.push(t, rank)
+            self.items.push(t, since - _URGENT_S)  # ahead of every credit, behind the urgent ones queued before it
 
     def _rerank(self, session: str) -> None:
         """The session's prediction changed: its request still waiting (the agent's next
@@ -246,7 +246,7 @@ class QueueOrder:
         rank = t.rank_base - self.history_credit * self.history.predict(session)
         if rank != t.rank:
             self.items.remove(t)
-            self._enqueue(t, rank)
+            self.items.push(t, rank)
 
     def _rerank_priors(self) -> None:
         """The prior moved by a fifth or more since the queued requests of unmeasured
@@ -260,7 +260,7 @@ class QueueOrder:
         self._prior = prior
         credit = self.history_credit * prior
         moved = False
-        for t in self.items:
+        for t in self.items.members():  # rerank sorts them
             if t.by_prior and t.by_credit:
                 t.rank = t.rank_base - credit
                 moved = True

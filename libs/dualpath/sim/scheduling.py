@@ -15,8 +15,8 @@ library's passes); this driver does in virtual time what the service does over N
 - commands out: ``ReserveSlot``, ``Dispatch`` (handed to the cluster), ``FreeSlot``,
   ``FailRequest`` and ``RejectRequest`` (counted; a failed turn ends its agent).
 
-The pass window (``SchedulerCore.pass_window``, from ``CoreConfig.pass_window``: how much of the queue a pass hands the
-policy, which places a FIFO prefix of it) adapts: it doubles while passes place all of it
+The pass window (``SchedulerCore.pass_window``, from ``CoreConfig.pass_window``: how much
+of the queue a pass hands the policy, which places a FIFO prefix of it) adapts: it doubles while passes place all of it
 (another pass follows at once) and shrinks to twice what the last pass placed otherwise, so
 a pass costs in proportion to what it can place. Decisions do not change: the policy never
 reaches the requests beyond a prefix it cannot place.
