@@ -395,15 +395,19 @@ def schedule_dualpath(
     """One DualPath scheduling pass: assignments for the longest FIFO prefix of
     ``waiting`` that every stage could place. Does not mutate ``state``."""
     # Stages 1 and 2 advance together and stop where either stops (neither depends on the
-    # other; each request's choice depends only on those before it). Stage 2 goes first: a
-    # head that fits no decode engine stops the pass before stage 1 does any work.
+    # other; each request's choice depends only on those before it).
+    if not waiting or waiting[0].total_len > state.max_decode_free():
+        # The head fits no decode engine now (stage 2 would stop at it): nothing to place.
+        # Checked here rather than by running stage 2 first: stage 2 is the dearer stage, and
+        # stage 1 stops a pass (beta) more often than it (measured: 2P4D 24.2 s against 17-20 s).
+        return []
     prefill: list[int] = []
     groups: list[NodeState] = []
     # Not zip(): mypyc's zip over two compiled generators fails when one of them ends.
-    prefill_engines = _prefill_engines(waiting, state, thresholds)
-    for group in _decode_groups(waiting, state):
-        pe = next(prefill_engines, None)
-        if pe is None:
+    decode_groups = _decode_groups(waiting, state)
+    for pe in _prefill_engines(waiting, state, thresholds):
+        group = next(decode_groups, None)
+        if group is None:
             break
         if not prefill and not choose_read_sides(
             waiting[:1], [pe], [group.engines[0].engine_id], state, read_path, hold_tokens=thresholds.hold_tokens
