@@ -313,18 +313,13 @@ def test_a_run_stopped_at_a_time_goes_on_from_there():
 
 
 def test_a_deadline_moved_later_keeps_its_event_and_runs_in_the_place_it_took():
-    """``Deadline``: moving later re-arms when the old event fires (no stale event per move);
-    the owner acts once, at the last time set; moved earlier, it arms anew."""
+    """``Deadline``: moving later re-arms when the old event fires (no event per move); the
+    owner acts once, at the last time set; moved earlier, the one event moves up in place."""
     from dualpath.sim.clock import Deadline
 
     loop = EventLoop()
     ran: list[tuple[str, float]] = []
-
-    def owner(ticket: int) -> None:
-        if d.fire(ticket):
-            ran.append(("owner", loop.now))
-
-    d = Deadline(loop, owner)
+    d = Deadline(loop, lambda: ran.append(("owner", loop.now)))
     d.set(1.0)
     d.set(3.0)  # later: the event at 1.0 stays and re-arms at 3.0
     loop.at(3.0, lambda _: ran.append(("other", loop.now)))
@@ -334,7 +329,49 @@ def test_a_deadline_moved_later_keeps_its_event_and_runs_in_the_place_it_took():
     assert ran == [("owner", 2.5), ("other", 3.0)]
     assert loop.events == 3  # the event at 1.0, its re-arm at 2.5, the other one
     d.set(4.0)
-    d.set(3.5)  # earlier than the armed 4.0: armed anew, the 4.0 event goes stale
-    d.clear()  # and then nothing is due: the 3.5 event fires and is dropped
+    loop.at(3.7, lambda _: ran.append(("other", loop.now)))
+    d.set(3.5)  # earlier than the scheduled 4.0: the event moves up (nothing stale is left)
+    assert loop.pending == 2
     loop.run()
-    assert ran == [("owner", 2.5), ("other", 3.0)]
+    assert ran == [("owner", 2.5), ("other", 3.0), ("owner", 3.5), ("other", 3.7)]
+    d.set(5.0)
+    d.clear()  # and then nothing is due: the 5.0 event fires and is dropped
+    loop.run()
+    assert ran[-1] == ("other", 3.7) and loop.pending == 0
+
+
+def test_the_event_heap_runs_events_in_time_then_scheduling_order():
+    """The loop's own heap (moves in place included) against a sort by (time, seq)."""
+    import random
+
+    from dualpath.sim.clock import Event
+
+    rnd = random.Random(7)
+    loop = EventLoop()
+    ran: list[int] = []
+
+    class Tagged(Event):
+        __slots__ = ("tag",)
+
+        def __init__(self, tag: int) -> None:
+            super().__init__()
+            self.tag = tag
+
+        def fire(self) -> None:
+            ran.append(self.tag)
+
+    expect: dict[int, tuple[float, int]] = {}
+    events = [Tagged(i) for i in range(300)]
+    for ev in events:
+        seq = loop.reserve()
+        t = float(rnd.randint(0, 40))  # many same-instant events
+        loop.schedule(ev, t, seq)
+        expect[ev.tag] = (t, seq)
+    for ev in rnd.sample(events, 100):  # move some, in place
+        seq = loop.reserve()
+        t = max(0.0, ev.t + rnd.randint(-10, 10))
+        loop.schedule(ev, t, seq)
+        expect[ev.tag] = (t, seq)
+    loop.run()
+    assert ran == sorted(expect, key=expect.__getitem__)
+    assert loop.pending == 0 and all(ev.pos == -1 for ev in events)

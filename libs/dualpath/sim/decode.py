@@ -175,9 +175,7 @@ class DecodeEngineSim:
             joined.append(req)
         return joined
 
-    def _leave(self, ticket: int) -> None:
-        if not self.leave.fire(ticket):
-            return  # stale, or members joined since and it re-armed at the leave
+    def _leave(self) -> None:
         self._settle()
         heap = self.heap
         if heap and self.progress < heap[0][0]:

@@ -13,13 +13,13 @@ share a link with it, filled max-min over what flows further away leave of each 
 keep their rates until an event touches one of their own links). A storage read touches one
 SNIC, so its neighbourhood is exactly that link's flows and the share is exact; for flows
 over two CNICs this is local max-min, always feasible (no link is ever over capacity), and
-bounded in work however large the cluster. Each flow's completion is an event in the loop;
-only a flow whose rate changed is rescheduled. A flow that slowed down keeps its armed event
-(the loop has no cancellation, and a flow sharing a busy link slows down at every arrival):
-when it fires before the flow's new end it re-arms there, in the place in the order of
-same-instant events it took when its rate changed (``EventLoop.reserve``), so runs are the
-same as rescheduling at every change, with fewer events. A flow that sped up is armed anew
-and its earlier event is ignored (its ticket is stale).
+bounded in work however large the cluster. A flow is an event in the loop, for its
+completion (``clock.Event``); only a flow whose rate changed is rescheduled. A flow that sped
+up moves earlier in the loop's heap in place; one that slowed down keeps its place (a flow
+sharing a busy link slows down at every arrival) and, when it fires before its new end, goes
+back in there, in the place in the order of same-instant events it took when its rate
+changed (``EventLoop.reserve``): runs are the same as rescheduling at every change, with
+fewer events.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from heapq import heapify, heappop, heappush
 from typing import Any
 
-from dualpath.sim.clock import EventLoop
+from dualpath.sim.clock import Event, EventLoop
 from dualpath.sim.series import Series
 
 __all__ = ["HIGH", "LOW", "Flow", "FluidNetwork", "Link"]
@@ -58,16 +58,22 @@ class Link:
 _INF = float("inf")
 
 
-class Flow:
+class Flow(Event):
     """Bytes in transit over ``links``; ``on_done(arg)`` runs when the last byte arrives.
 
-    ``due`` is when it ends at its current rate (``seq`` its place among same-instant
-    events); ``armed`` the time of its live completion event (``ticket`` names it; infinite:
-    none); ``version`` counts its rate changes."""
+    ``due`` is when it ends at its current rate (``place`` its place among same-instant
+    events); as an ``Event`` it is scheduled at most once, at ``t`` (earlier than ``due``
+    when it slowed down since); ``version`` counts its rate changes."""
 
-    __slots__ = ("arg", "armed", "cls", "due", "last", "links", "on_done", "rate", "remaining", "seq", "size", "ticket", "version")
+    __slots__ = ("arg", "cls", "due", "last", "links", "net", "on_done", "place", "rate", "remaining", "size", "version")
 
-    def __init__(self, links: tuple[Link, ...], nbytes: float, cls: int, on_done: Callable[[Any], None], arg: Any) -> None:
+    def __init__(
+        self, net: FluidNetwork, links: tuple[Link, ...], nbytes: float, cls: int, on_done: Callable[[Any], None], arg: Any
+    ) -> None:
+        self.t = _INF
+        self.seq = 0
+        self.pos = -1
+        self.net = net
         self.links = links
         self.size = nbytes
         self.remaining = float(nbytes)
@@ -78,9 +84,10 @@ class Flow:
         self.last = 0.0
         self.version = 0
         self.due = _INF
-        self.seq = 0
-        self.armed = _INF
-        self.ticket = 0
+        self.place = 0
+
+    def fire(self) -> None:
+        self.net._finish(self)
 
 
 class FluidNetwork:
@@ -99,7 +106,7 @@ class FluidNetwork:
         if nbytes <= 0 or not links:
             self.loop.at(self.loop.now, on_done, arg)
             return None
-        flow = Flow(links, nbytes, cls, on_done, arg)
+        flow = Flow(self, links, nbytes, cls, on_done, arg)
         flow.last = self.loop.now
         if cls == HIGH:
             self.high += 1
@@ -210,12 +217,10 @@ class FluidNetwork:
         f.last = now
         f.version += 1
         if f.rate > 0:
-            f.seq = loop.reserve()
+            f.place = loop.reserve()
             due = f.due = now + f.remaining / f.rate
-            if due < f.armed:
-                f.armed = due
-                f.ticket += 1
-                loop.at_seq(due, f.seq, self._finish, (f, f.ticket))
+            if f.pos < 0 or due < f.t:  # not scheduled, or sooner: (re)scheduled in place
+                loop.schedule(f, due, f.place)
         else:
             f.due = _INF
 
@@ -303,14 +308,10 @@ class FluidNetwork:
                         k += 1
                         heappush(heap, (residual[link] / n, place[link], k, link))
 
-    def _finish(self, token: tuple[Flow, int]) -> None:
-        flow, ticket = token
-        if ticket != flow.ticket:
-            return  # it sped up: a newer event is armed
-        if self.loop.now < flow.due:  # it slowed down since: re-arm at its end, in its place
-            flow.armed = due = flow.due
-            if due < _INF:
-                self.loop.at_seq(due, flow.seq, self._finish, token)
+    def _finish(self, flow: Flow) -> None:
+        if self.loop.now < flow.due:  # it slowed down since it was scheduled: back in at its end, in its place
+            if flow.due < _INF:
+                self.loop.schedule(flow, flow.due, flow.place)
             return
         self._settle(flow, flow.rate)
         flow.remaining = 0.0

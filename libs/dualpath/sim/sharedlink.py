@@ -78,9 +78,7 @@ class SharedLink:
             left = 0.0
         self._next.set(self.loop.now + left * self._n / self.capacity)
 
-    def _fire(self, ticket: int) -> None:
-        if not self._next.fire(ticket):
-            return  # stale, or flows started since and it re-armed at the completion
+    def _fire(self) -> None:
         self._advance()
         heap, done = self._heap, []
         limit = self._v + 1e-6 * max(1.0, self._v * 1e-9)  # float slack: a millionth of a byte per GB served
