@@ -53,6 +53,7 @@ MODULES = (
     "dualpath.policy.values",
     "dualpath.sim.clock",
     "dualpath.sim.decode",
+    "dualpath.sim.metrics",
     "dualpath.sim.network",
     "dualpath.sim.prefetch",
     "dualpath.sim.prefill",

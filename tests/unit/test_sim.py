@@ -281,20 +281,25 @@ def _reference_max_min(links: list[Link], flows: list) -> dict:
     return rates
 
 
+@pytest.mark.parametrize("n_links", [8, 40])
 @pytest.mark.parametrize("seed", range(20))
-def test_max_min_rates_equal_a_plain_progressive_filling(seed):
-    """The network's max-min (a heap of link shares) against the textbook loop, on random
-    flows over one to three of eight links of mixed capacities."""
+def test_max_min_rates_equal_a_plain_progressive_filling(seed, n_links):
+    """The network's max-min against the textbook loop, on random flows over one to three
+    links of mixed capacities: a scan for the bottleneck over a few links, a heap of link
+    shares over many (more than ``_SCAN_LINKS``)."""
     import random
 
+    from dualpath.sim import network
+
     rng = random.Random(seed)
-    links = [Link(f"l{i}", rng.choice([1.0, 2.0, 3.0, 5.0])) for i in range(8)]
+    links = [Link(f"l{i}", rng.choice([1.0, 2.0, 3.0, 5.0])) for i in range(n_links)]
     net = FluidNetwork(EventLoop())
     flows = []
-    for _ in range(rng.randint(2, 14)):
+    for _ in range(rng.randint(2, 14) * n_links // 8):
         path = tuple(rng.sample(links, rng.randint(1, 3)))
         flows.append(net.start(path, 1e9, lambda _: None))
     expected = _reference_max_min(links, flows)
+    assert (sum(1 for link in links if link.flows) > network._SCAN_LINKS) == (n_links == 40)  # one case for each fill
     FluidNetwork._max_min([link for link in links if link.flows], {f: None for f in flows}, any_high=False)
     assert [f.rate for f in flows] == pytest.approx([expected[f] for f in flows], rel=1e-12)
     for link in links:  # feasible: no link over its capacity
@@ -341,37 +346,27 @@ def test_a_deadline_moved_later_keeps_its_event_and_runs_in_the_place_it_took():
 
 
 def test_the_event_heap_runs_events_in_time_then_scheduling_order():
-    """The loop's own heap (moves in place included) against a sort by (time, seq)."""
+    """The loop's own heap, moves in place (earlier and later) included, against a sort by
+    (time, seq). The events are ``Deadline``s moved by ``schedule`` (compiled, the loop's
+    ``Event`` takes no interpreted subclass)."""
     import random
 
-    from dualpath.sim.clock import Event
+    from dualpath.sim.clock import Deadline
 
     rnd = random.Random(7)
     loop = EventLoop()
     ran: list[int] = []
-
-    class Tagged(Event):
-        __slots__ = ("tag",)
-
-        def __init__(self, tag: int) -> None:
-            super().__init__()
-            self.tag = tag
-
-        def fire(self) -> None:
-            ran.append(self.tag)
-
     expect: dict[int, tuple[float, int]] = {}
-    events = [Tagged(i) for i in range(300)]
-    for ev in events:
-        seq = loop.reserve()
-        t = float(rnd.randint(0, 40))  # many same-instant events
+    events = [Deadline(loop, lambda i=i: ran.append(i)) for i in range(300)]
+    for i, ev in enumerate(events):
+        ev.set(float(rnd.randint(0, 40)))  # many same-instant events
+        expect[i] = (ev.t, ev.seq)
+    for i in rnd.sample(range(300), 150):  # moved either way, in place
+        ev, seq = events[i], loop.reserve()
+        ev.at = t = max(0.0, ev.t + rnd.randint(-10, 10))
         loop.schedule(ev, t, seq)
-        expect[ev.tag] = (t, seq)
-    for ev in rnd.sample(events, 100):  # move some, in place
-        seq = loop.reserve()
-        t = max(0.0, ev.t + rnd.randint(-10, 10))
-        loop.schedule(ev, t, seq)
-        expect[ev.tag] = (t, seq)
+        expect[i] = (t, seq)
+    assert loop.pending == 300
     loop.run()
     assert ran == sorted(expect, key=expect.__getitem__)
     assert loop.pending == 0 and all(ev.pos == -1 for ev in events)

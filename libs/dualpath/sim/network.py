@@ -56,6 +56,7 @@ class Link:
 
 
 _INF = float("inf")
+_SCAN_LINKS = 12  # _max_min finds the bottleneck by a scan up to this many links, by a heap beyond
 
 
 class Flow(Event):
@@ -277,9 +278,12 @@ class FluidNetwork:
                 for f in active:
                     for link in f.links:
                         count[link] = count.get(link, 0) + 1
+            if len(count) <= _SCAN_LINKS:
+                FluidNetwork._fill_scan(active, residual, count)
+                continue
             # The bottleneck is the link of least fair share, the first counted among equals:
             # a heap by (share, place in ``count``), an entry stale once its link's share moved
-            # (a linear scan per step was quadratic in the neighbourhood's links).
+            # (a linear scan per step is quadratic in the neighbourhood's links).
             place = {link: i for i, link in enumerate(count)}  # only links with unfixed flows are counted
             heap = [(residual[link] / n, place[link], 0, link) for link, n in count.items()]
             heapify(heap)
@@ -307,6 +311,31 @@ class FluidNetwork:
                     if n:
                         k += 1
                         heappush(heap, (residual[link] / n, place[link], k, link))
+
+    @staticmethod
+    def _fill_scan(active: dict[Flow, None], residual: dict[Link, float], count: dict[Link, int]) -> None:
+        """``_max_min``'s fill for a few links: the bottleneck by a scan of ``count`` (in its
+        order, the first among equals, as the heap orders them)."""
+        while active:
+            bottleneck: Link | None = None
+            share = _INF
+            for link, n in count.items():
+                s = residual[link] / n
+                if s < share:
+                    share, bottleneck = s, link
+            if bottleneck is None:
+                return
+            for f in bottleneck.flows:
+                if f in active:
+                    f.rate = share
+                    del active[f]
+                    for link in f.links:
+                        residual[link] -= share
+                        n = count[link] - 1
+                        if n:
+                            count[link] = n
+                        else:
+                            del count[link]
 
     def _finish(self, flow: Flow) -> None:
         if self.loop.now < flow.due:  # it slowed down since it was scheduled: back in at its end, in its place
