@@ -51,6 +51,7 @@ MODULES = (
     "dualpath.policy.state",
     "dualpath.policy.thresholds",
     "dualpath.policy.values",
+    "dualpath.sim.agent",
     "dualpath.sim.clock",
     "dualpath.sim.decode",
     "dualpath.sim.metrics",

@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING
 from dualpath.policy import ReadSide
 
 if TYPE_CHECKING:
+    from dualpath.sim.agent import Agent
     from dualpath.sim.request import SimRequest
     from dualpath.sim.simulation import Simulation
     from dualpath.sim.storage import NodeStorage
-    from dualpath.sim.workload import Agent
 
 __all__ = ["NodePrefetch", "SimPrefetch"]
 

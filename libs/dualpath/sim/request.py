@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dualpath.policy import ReadSide
-from dualpath.sim.workload import Agent
+from dualpath.sim.agent import Agent
 
 if TYPE_CHECKING:
     from dualpath.sim.storage import NodeStorage

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dualpath.core.scheduler_events import Dispatch
 from dualpath.cost import cost_model
 from dualpath.policy import ReadSide, Role, Thresholds, get_policy
+from dualpath.sim.agent import Agent
 from dualpath.sim.clock import EventLoop
 from dualpath.sim.config import SimConfig
 from dualpath.sim.decode import DecodeEngineSim
@@ -40,7 +41,7 @@ from dualpath.sim.scheduling import SimScheduler
 from dualpath.sim.series import Series
 from dualpath.sim.sharedlink import SharedLink
 from dualpath.sim.storage import NodeStorage
-from dualpath.sim.workload import Agent, Workload, build_agents, gap_sampler
+from dualpath.sim.workload import Workload, build_agents, gap_sampler
 
 __all__ = ["Simulation"]
 

@@ -15,38 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dualpath.sim.agent import Agent
 from loadgen.arrivals import arrival_times
 from loadgen.dataset import load_dataset
 
 __all__ = ["Agent", "Workload", "build_agents"]
-
-
-class Agent:
-    """One agent's turns and its progress through them."""
-
-    __slots__ = ("appends", "arrival", "ctx", "done_at", "gens", "index", "persisted", "system", "turn")
-
-    def __init__(self, index: int, system: int, appends: array, gens: array, arrival: float) -> None:
-        self.index = index
-        self.system = system
-        self.appends = appends
-        self.gens = gens
-        self.arrival = arrival
-        self.turn = 0  # next turn to submit
-        self.ctx = system  # tokens of context before the next turn's append
-        self.persisted = 0  # tokens of its context whose Full Blocks are in storage
-        self.done_at = -1.0
-
-    @property
-    def turns(self) -> int:
-        return len(self.gens)
-
-    def fresh(self) -> Agent:
-        """A copy for another run: its own progress, the same turn arrays (no run changes
-        them; ``copy.deepcopy`` of 48K agents would copy ~60 MB of them)."""
-        a = Agent(self.index, self.system, self.appends, self.gens, self.arrival)
-        a.turn, a.ctx, a.persisted, a.done_at = self.turn, self.ctx, self.persisted, self.done_at
-        return a
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
