@@ -3,11 +3,11 @@ every engine: at 1,152 GPUs, rebuilding a heap of 384 prefill engines on every p
 more than the whole rest of a decision.
 
 ``LazyIndex`` is a min-heap of ``(key, member)`` that the ``ClusterState`` keeps current:
-it marks a member dirty when its key changes, and the next walk pushes one fresh entry
-per dirty member (lazy deletion: an entry is stale when its key no longer equals the
-member's key). ``walk`` then enumerates the valid entries in ascending order without
-popping (a best-first walk over the heap array), so a pass only reads the state; the
-flush is a cache refresh that changes no observable value.
+it marks a member dirty when its key changes, and the next walk reads the key of each dirty
+member once and pushes a fresh entry (lazy deletion: an entry is stale when its key no
+longer equals the member's key as of that flush). ``walk`` then enumerates the valid entries
+in ascending order without popping (a best-first walk over the heap array), so a pass only
+reads the state; the flush is a cache refresh that changes no observable value.
 
 ``Candidates`` is a pass's tentative view on top of a walk: entries whose key the pass
 raised (a tentative assignment) move to a small local heap; the rest are pulled from the
@@ -27,18 +27,22 @@ Entry = tuple[int, int]  # (key, member id); ties go to the lower member id
 class LazyIndex:
     """Min-index of members (ints) by an integer key read through ``key_of``."""
 
-    __slots__ = ("_dirty", "_heap", "_key_of", "_members")
+    __slots__ = ("_dirty", "_heap", "_key", "_key_of", "_members")
 
     def __init__(self, members: Iterable[int], key_of: Callable[[int], int]) -> None:
         self._members = tuple(members)
         self._key_of = key_of
         self._heap: list[Entry] = []
+        self._key: dict[int, int] = {}  # each member's key as of the last flush (a walk reads it, not key_of)
         self._dirty: set[int] = set()
         self.rebuild()
 
     def rebuild(self) -> None:
         """Drop every stale entry: one fresh entry per member."""
-        self._heap = [(self._key_of(m), m) for m in self._members]
+        key_of, keys = self._key_of, self._key
+        for m in self._members:
+            keys[m] = key_of(m)
+        self._heap = [(keys[m], m) for m in self._members]
         heapify(self._heap)
         self._dirty.clear()
 
@@ -53,12 +57,13 @@ class LazyIndex:
         return self._dirty.add
 
     def _flush(self) -> None:
-        heap, key_of = self._heap, self._key_of
+        heap, key_of, keys = self._heap, self._key_of, self._key
         for member in self._dirty:
-            heappush(heap, (key_of(member), member))
+            key = keys[member] = key_of(member)
+            heappush(heap, (key, member))
         self._dirty.clear()
         # Stale entries at the top would be walked past by every pass: drop them now.
-        while key_of(heap[0][1]) != heap[0][0]:
+        while keys[heap[0][1]] != heap[0][0]:
             heappop(heap)
         if len(heap) > 2 * len(self._members) + 8:
             self.rebuild()
@@ -74,7 +79,7 @@ class LazyIndex:
         not change while a walk is in progress (a pass only reads the state)."""
         if self._dirty:
             self._flush()
-        heap, key_of = self._heap, self._key_of
+        heap, keys = self._heap, self._key
         n = len(heap)
         if not n:
             return
@@ -91,7 +96,7 @@ class LazyIndex:
                 if child < n:
                     k, mem = heap[child]
                     heappush(frontier, (k, mem, child))
-            if member not in seen and key_of(member) == key:
+            if member not in seen and keys[member] == key:
                 seen.add(member)
                 yield heap[i]
 
