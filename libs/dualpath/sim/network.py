@@ -294,18 +294,7 @@ class FluidNetwork:
                 if not n or residual[bottleneck] / n != share:
                     continue  # stale: its share moved since (a fresher entry is in the heap)
                 touched: dict[Link, None] = {}
-                for f in bottleneck.flows:
-                    if f in active:
-                        f.rate = share
-                        del active[f]
-                        for link in f.links:
-                            residual[link] -= share
-                            n = count[link] - 1
-                            if n:
-                                count[link] = n
-                                touched[link] = None
-                            else:
-                                del count[link]
+                FluidNetwork._fix(bottleneck, share, active, residual, count, touched)
                 for link in touched:
                     n = count.get(link, 0)
                     if n:
@@ -325,17 +314,32 @@ class FluidNetwork:
                     share, bottleneck = s, link
             if bottleneck is None:
                 return
-            for f in bottleneck.flows:
-                if f in active:
-                    f.rate = share
-                    del active[f]
-                    for link in f.links:
-                        residual[link] -= share
-                        n = count[link] - 1
-                        if n:
-                            count[link] = n
-                        else:
-                            del count[link]
+            FluidNetwork._fix(bottleneck, share, active, residual, count, None)
+
+    @staticmethod
+    def _fix(
+        bottleneck: Link,
+        share: float,
+        active: dict[Flow, None],
+        residual: dict[Link, float],
+        count: dict[Link, int],
+        touched: dict[Link, None] | None,
+    ) -> None:
+        """The fill's step: the unfixed flows over ``bottleneck`` get ``share`` and leave the
+        residual and count of every link they cross (``touched`` collects those still counted)."""
+        for f in bottleneck.flows:
+            if f in active:
+                f.rate = share
+                del active[f]
+                for link in f.links:
+                    residual[link] -= share
+                    n = count[link] - 1
+                    if n:
+                        count[link] = n
+                        if touched is not None:
+                            touched[link] = None
+                    else:
+                        del count[link]
 
     def _finish(self, flow: Flow) -> None:
         if self.loop.now < flow.due:  # it slowed down since it was scheduled: back in at its end, in its place
