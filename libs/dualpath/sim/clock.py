@@ -178,7 +178,8 @@ class EventLoop:
 
 class Deadline(Event):
     """The next event of an owner whose time keeps moving (a decode batch's next leave, a
-    storage link's next completion): ``fn()`` runs once it is due.
+    storage link's next completion, a flow's end): ``due()`` runs once it is due, which calls
+    ``fn()`` (a subclass, such as ``network.Flow``, overrides ``due`` instead).
 
     ``set(t)`` moves it to ``t``: earlier, the event moves up in the loop's heap; later, it
     keeps its place and, when it fires early, goes back in at ``t`` in the place ``set``
@@ -187,7 +188,7 @@ class Deadline(Event):
 
     __slots__ = ("_fn", "_loop", "_seq", "at")
 
-    def __init__(self, loop: EventLoop, fn: Callable[[], None]) -> None:
+    def __init__(self, loop: EventLoop, fn: Callable[[], None] | None = None) -> None:
         self.t = _INF
         self.seq = 0
         self.pos = -1
@@ -214,4 +215,9 @@ class Deadline(Event):
             if at < _INF:
                 self._loop.schedule(self, at, self._seq)
             return
-        self._fn()
+        self.due()
+
+    def due(self) -> None:
+        """The owner's event is due now."""
+        if self._fn is not None:
+            self._fn()

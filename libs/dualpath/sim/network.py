@@ -13,13 +13,12 @@ share a link with it, filled max-min over what flows further away leave of each 
 keep their rates until an event touches one of their own links). A storage read touches one
 SNIC, so its neighbourhood is exactly that link's flows and the share is exact; for flows
 over two CNICs this is local max-min, always feasible (no link is ever over capacity), and
-bounded in work however large the cluster. A flow is an event in the loop, for its
-completion (``clock.Event``); only a flow whose rate changed is rescheduled. A flow that sped
-up moves earlier in the loop's heap in place; one that slowed down keeps its place (a flow
-sharing a busy link slows down at every arrival) and, when it fires before its new end, goes
-back in there, in the place in the order of same-instant events it took when its rate
-changed (``EventLoop.reserve``): runs are the same as rescheduling at every change, with
-fewer events.
+bounded in work however large the cluster. A flow is its own completion event, a
+``clock.Deadline``; only a flow whose rate changed is rescheduled. A flow that sped up moves
+earlier in the loop's heap in place; one that slowed down keeps its place (a flow sharing a
+busy link slows down at every arrival) and, when it fires before its new end, goes back in
+there, in the place in the order of same-instant events it took when its rate changed: runs
+are the same as rescheduling at every change, with fewer events.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from collections.abc import Callable
 from heapq import heapify, heappop, heappush
 from typing import Any
 
-from dualpath.sim.clock import Event, EventLoop
+from dualpath.sim.clock import Deadline, EventLoop
 from dualpath.sim.series import Series
 
 __all__ = ["HIGH", "LOW", "Flow", "FluidNetwork", "Link"]
@@ -59,21 +58,18 @@ _INF = float("inf")
 _SCAN_LINKS = 12  # _max_min finds the bottleneck by a scan up to this many links, by a heap beyond
 
 
-class Flow(Event):
+class Flow(Deadline):
     """Bytes in transit over ``links``; ``on_done(arg)`` runs when the last byte arrives.
 
-    ``due`` is when it ends at its current rate (``place`` its place among same-instant
-    events); as an ``Event`` it is scheduled at most once, at ``t`` (earlier than ``due``
-    when it slowed down since); ``version`` counts its rate changes."""
+    As a ``Deadline``, ``at`` is when it ends at its current rate (infinite: starved), and
+    its completion event moves with it; ``version`` counts its rate changes."""
 
-    __slots__ = ("arg", "cls", "due", "last", "links", "net", "on_done", "place", "rate", "remaining", "size", "version")
+    __slots__ = ("arg", "cls", "last", "links", "net", "on_done", "rate", "remaining", "size", "version")
 
     def __init__(
         self, net: FluidNetwork, links: tuple[Link, ...], nbytes: float, cls: int, on_done: Callable[[Any], None], arg: Any
     ) -> None:
-        self.t = _INF
-        self.seq = 0
-        self.pos = -1
+        super().__init__(net.loop)
         self.net = net
         self.links = links
         self.size = nbytes
@@ -84,10 +80,8 @@ class Flow(Event):
         self.rate = 0.0
         self.last = 0.0
         self.version = 0
-        self.due = _INF
-        self.place = 0
 
-    def fire(self) -> None:
+    def due(self) -> None:
         self.net._finish(self)
 
 
@@ -201,8 +195,7 @@ class FluidNetwork:
 
     def _rearm(self, f: Flow, rate: float) -> None:
         """``f``'s rate changed from ``rate``: settle it at the old rate and move its end."""
-        loop = self.loop
-        now = loop.now
+        now = self.loop.now
         dt = now - f.last
         if dt > 0 and rate > 0:  # _settle, inlined (the hottest call of a run)
             moved = rate * dt
@@ -218,12 +211,9 @@ class FluidNetwork:
         f.last = now
         f.version += 1
         if f.rate > 0:
-            f.place = loop.reserve()
-            due = f.due = now + f.remaining / f.rate
-            if f.pos < 0 or due < f.t:  # not scheduled, or sooner: (re)scheduled in place
-                loop.schedule(f, due, f.place)
+            f.set(now + f.remaining / f.rate)
         else:
-            f.due = _INF
+            f.clear()
 
     @staticmethod
     def _share_one(link: Link, flows: dict[Flow, None]) -> None:
@@ -342,10 +332,6 @@ class FluidNetwork:
                         del count[link]
 
     def _finish(self, flow: Flow) -> None:
-        if self.loop.now < flow.due:  # it slowed down since it was scheduled: back in at its end, in its place
-            if flow.due < _INF:
-                self.loop.schedule(flow, flow.due, flow.place)
-            return
         self._settle(flow, flow.rate)
         flow.remaining = 0.0
         flow.version += 1
