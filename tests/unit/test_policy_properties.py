@@ -240,11 +240,14 @@ def test_lazy_index_walks_members_in_ascending_key_order(initial, changes):
     assert list(index.walk()) == sorted((k, m) for m, k in keys.items())
 
 
-def test_lazy_index_stays_exact_across_many_walks_and_rebuilds():
-    keys = {0: 5, 1: 7, 2: 9}
+def test_lazy_index_stays_exact_across_many_in_place_moves():
+    keys = {m: (m * 37) % 11 for m in range(40)}  # five levels: entries move several places up and down
     index = LazyIndex(keys, keys.__getitem__)
-    for step in range(300):  # far more stale entries than the rebuild threshold (2n + 64)
-        member = step % 3
-        keys[member] = (keys[member] * 31 + step) % 97
-        index.update(member)
+    for step in range(600):
+        for member in (step % 40, (step * 7) % 40):  # some members change twice between walks
+            keys[member] = (keys[member] * 31 + step) % 23  # ties are common: broken by member id
+            index.update(member)
+        if step % 3:
+            continue  # several changes per flush
         assert list(index.walk()) == sorted((k, m) for m, k in keys.items())
+        assert index.top() == min((k, m) for m, k in keys.items())

@@ -4,10 +4,10 @@ more than the whole rest of a decision.
 
 ``LazyIndex`` is a min-heap of ``(key, member)`` that the ``ClusterState`` keeps current:
 it marks a member dirty when its key changes, and the next walk reads the key of each dirty
-member once and pushes a fresh entry (lazy deletion: an entry is stale when its key no
-longer equals the member's key as of that flush). ``walk`` then enumerates the valid entries
-in ascending order without popping (a best-first walk over the heap array), so a pass only
-reads the state; the flush is a cache refresh that changes no observable value.
+member once and moves its one entry up or down in place (the heap keeps each member's
+position). ``walk`` then enumerates the entries in ascending order without popping (a
+best-first walk over the heap array), so a pass only reads the state; the flush is a cache
+refresh that changes no observable value.
 
 ``Candidates`` is a pass's tentative view on top of a walk: entries whose key the pass
 raised (a tentative assignment) move to a small local heap; the rest are pulled from the
@@ -27,28 +27,26 @@ Entry = tuple[int, int]  # (key, member id); ties go to the lower member id
 class LazyIndex:
     """Min-index of members (ints) by an integer key read through ``key_of``."""
 
-    __slots__ = ("_dirty", "_heap", "_key", "_key_of", "_members")
+    __slots__ = ("_dirty", "_heap", "_key_of", "_members", "_pos")
 
     def __init__(self, members: Iterable[int], key_of: Callable[[int], int]) -> None:
         self._members = tuple(members)
         self._key_of = key_of
-        self._heap: list[Entry] = []
-        self._key: dict[int, int] = {}  # each member's key as of the last flush (a walk reads it, not key_of)
+        self._heap: list[Entry] = []  # one entry per member, ordered by (key, member)
+        self._pos: dict[int, int] = {}  # each member's place in ``_heap``
         self._dirty: set[int] = set()
         self.rebuild()
 
     def rebuild(self) -> None:
-        """Drop every stale entry: one fresh entry per member."""
-        key_of, keys = self._key_of, self._key
-        for m in self._members:
-            keys[m] = key_of(m)
-        self._heap = [(keys[m], m) for m in self._members]
-        heapify(self._heap)
+        """Read every member's key afresh (a sorted list is a heap)."""
+        key_of = self._key_of
+        self._heap = heap = sorted([(key_of(m), m) for m in self._members])
+        self._pos = {entry[1]: i for i, entry in enumerate(heap)}
         self._dirty.clear()
 
     def update(self, member: int) -> None:
-        """Record that ``member``'s key changed. O(1): the entry is pushed when the next
-        walk starts, once however often the key changed in between."""
+        """Record that ``member``'s key changed. O(1): its entry moves when the next walk
+        starts, once however often the key changed in between."""
         self._dirty.add(member)
 
     def marker(self) -> Callable[[int], None]:
@@ -57,35 +55,71 @@ class LazyIndex:
         return self._dirty.add
 
     def _flush(self) -> None:
-        heap, key_of, keys = self._heap, self._key_of, self._key
+        heap, pos, key_of = self._heap, self._pos, self._key_of
         for member in self._dirty:
-            key = keys[member] = key_of(member)
-            heappush(heap, (key, member))
+            i = pos[member]
+            key = key_of(member)
+            old = heap[i][0]
+            if key < old:
+                self._up(i, key, member)
+            elif key > old:
+                self._down(i, key, member)
         self._dirty.clear()
-        # Stale entries at the top would be walked past by every pass: drop them now.
-        while keys[heap[0][1]] != heap[0][0]:
-            heappop(heap)
-        if len(heap) > 2 * len(self._members) + 8:
-            self.rebuild()
+
+    def _up(self, i: int, key: int, member: int) -> None:
+        """Put ``(key, member)`` at ``i`` or above, moving larger parents down."""
+        heap, pos = self._heap, self._pos
+        while i:
+            parent = (i - 1) >> 1
+            above = heap[parent]
+            k = above[0]
+            if k < key or (k == key and above[1] < member):
+                break
+            heap[i] = above
+            pos[above[1]] = i
+            i = parent
+        heap[i] = (key, member)
+        pos[member] = i
+
+    def _down(self, i: int, key: int, member: int) -> None:
+        """Put ``(key, member)`` at ``i`` or below, moving smaller children up."""
+        heap, pos = self._heap, self._pos
+        n = len(heap)
+        child = 2 * i + 1
+        while child < n:
+            low = heap[child]
+            right = child + 1
+            if right < n:
+                other = heap[right]
+                if other[0] < low[0] or (other[0] == low[0] and other[1] < low[1]):
+                    child, low = right, other
+            k = low[0]
+            if key < k or (key == k and member < low[1]):
+                break
+            heap[i] = low
+            pos[low[1]] = i
+            i = child
+            child = 2 * i + 1
+        heap[i] = (key, member)
+        pos[member] = i
 
     def top(self) -> Entry | None:
-        """The lowest valid entry (None without members)."""
+        """The lowest entry (None without members)."""
         if self._dirty:
             self._flush()
         return self._heap[0] if self._heap else None
 
     def walk(self) -> Iterator[Entry]:
-        """Valid entries in ascending ``(key, member)`` order, each member once. Keys must
-        not change while a walk is in progress (a pass only reads the state)."""
+        """Entries in ascending ``(key, member)`` order, each member once. Keys must not
+        change while a walk is in progress (a pass only reads the state)."""
         if self._dirty:
             self._flush()
-        heap, keys = self._heap, self._key
+        heap = self._heap
         n = len(heap)
         if not n:
             return
         key, member = heap[0]
         frontier = [(key, member, 0)]  # (key, member, position in heap): flat tuples compare fastest
-        seen: set[int] = set()
         while frontier:
             key, member, i = heappop(frontier)
             child = 2 * i + 1
@@ -96,9 +130,7 @@ class LazyIndex:
                 if child < n:
                     k, mem = heap[child]
                     heappush(frontier, (k, mem, child))
-            if member not in seen and keys[member] == key:
-                seen.add(member)
-                yield heap[i]
+            yield heap[i]
 
 
 def _empty_lists(n: int) -> list[list[Entry]]:
