@@ -9,8 +9,10 @@ tree:
     dualpath compiled build     # what scripts/setup.sh runs (with --if-stale)
     dualpath compiled status    # which code this process runs, and why
 
-The extensions live in ``<venv>/dualpath-compiled/`` with a manifest of the SHA-256 of every
-source they were built from. ``activate()`` (called when ``dualpath`` is imported) installs
+The same build compiles the hand-written C extensions in ``NATIVE`` (the simulator's heap
+on huge pages, ``dualpath.sim.hugepages``). The extensions live in
+``<venv>/dualpath-compiled/`` with a manifest of the SHA-256 of every source they were
+built from. ``activate()`` (called when ``dualpath`` is imported) installs
 an import hook that loads them only while every hash still matches: an edited source runs as
 pure Python until the next build, never as a stale extension. ``DUALPATH_COMPILED=0``
 turns the hook off (pure Python everywhere).
@@ -66,6 +68,9 @@ MODULES = (
     "dualpath.sim.storage",
 )
 
+#: Hand-written C extensions built with them (dotted name -> source, relative to ``libs``).
+NATIVE = {"dualpath.sim._hugepages": "dualpath/sim/_hugepages.c"}
+
 GROUP = "dualpath_compiled"  # mypyc's shared library of the group: <GROUP>__mypyc
 ENV = "DUALPATH_COMPILED"  # "0": never load the extensions
 DIR_ENV = "DUALPATH_COMPILED_DIR"  # where they are built and loaded from (default: in the venv)
@@ -110,8 +115,12 @@ def _stale(manifest: dict) -> str:
     """Why ``manifest`` does not describe the sources and interpreter here ('' if it does)."""
     if manifest.get("python") != sys.implementation.cache_tag:
         return f"built for {manifest.get('python')}, this is {sys.implementation.cache_tag}"
-    if tuple(manifest.get("modules", {})) != MODULES:
+    if tuple(manifest.get("modules", {})) != MODULES or tuple(manifest.get("native", {})) != tuple(NATIVE):
         return "the list of compiled modules changed"
+    for module, digest in manifest.get("native_sources", {}).items():
+        path = _SOURCE_ROOT / NATIVE[module]
+        if not path.is_file() or _digest(path) != digest:
+            return f"{NATIVE[module]} changed since the build"
     for module, digest in manifest.get("sources", {}).items():
         path = _source(module)
         if not path.is_file() or _digest(path) != digest:
@@ -128,7 +137,9 @@ def _check(root: Path) -> tuple[str, dict[str, Path]]:
         return "not built", {}
     try:
         why = _stale(manifest)
-        files = {} if why else {name: root / rel for name, rel in {**manifest["modules"], **manifest["group"]}.items()}
+        files = (
+            {} if why else {name: root / rel for name, rel in {**manifest["modules"], **manifest["native"], **manifest["group"]}.items()}
+        )
     except (KeyError, TypeError, AttributeError):
         return "its manifest is malformed", {}
     if not why and not all(f.is_file() for f in files.values()):
@@ -185,10 +196,12 @@ def compiled(module: str) -> bool:
 
 
 _SETUP = """\
-from setuptools import setup
+from setuptools import Extension, setup
 from mypyc.build import mypycify
 
-setup(name="{group}", ext_modules=mypycify({files!r} + ["--ignore-missing-imports"], opt_level="3", multi_file=True, group_name="{group}"))
+compiled = mypycify({files!r} + ["--ignore-missing-imports"], opt_level="3", multi_file=True, group_name="{group}")
+native = [Extension(name, [source], extra_compile_args=["-O2"]) for name, source in {native!r}.items()]
+setup(name="{group}", ext_modules=compiled + native)
 """
 
 
@@ -206,13 +219,14 @@ def build(out: Path | None = None, if_stale: bool = False) -> Path:
         print(f"[compiled] up to date in {out}", flush=True)
         return out
     sources = {m: _digest(_source(m)) for m in _dependencies(MODULES)}
+    native_sources = {m: _digest(_SOURCE_ROOT / src) for m, src in NATIVE.items()}
     started = time.monotonic()
-    print(f"[compiled] mypyc: {len(MODULES)} modules -> {out} (~1-2 min)", flush=True)
+    print(f"[compiled] mypyc: {len(MODULES)} modules (and {len(NATIVE)} C extension) -> {out} (~1-2 min)", flush=True)
     with tempfile.TemporaryDirectory(prefix="dualpath-mypyc-") as tmp:
         stage = Path(tmp)
         shutil.copytree(_SOURCE_ROOT / "dualpath", stage / "dualpath", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
         files = [str(Path(*m.split(".")).with_suffix(".py")) for m in MODULES]
-        (stage / "setup.py").write_text(_SETUP.format(group=GROUP, files=files))
+        (stage / "setup.py").write_text(_SETUP.format(group=GROUP, files=files, native=NATIVE))
         log = stage / "build.log"
         with log.open("w") as f:  # -j: the shims in parallel; the one group library compiles serially
             rc = subprocess.call(
@@ -227,13 +241,21 @@ def build(out: Path | None = None, if_stale: bool = False) -> Path:
             raise RuntimeError(f"mypyc build failed (exit {rc}):\n{tail}")
         suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
         modules = {m: str(Path(*m.split(".")).with_suffix(suffix)) for m in MODULES}
+        native = {m: str(Path(*m.split(".")).with_suffix(suffix)) for m in NATIVE}
         group = {f"{GROUP}__mypyc": f"{GROUP}__mypyc{suffix}"}
         new = out.with_name(out.name + ".new")
         shutil.rmtree(new, ignore_errors=True)
-        for rel in [*modules.values(), *group.values()]:
+        for rel in [*modules.values(), *native.values(), *group.values()]:
             (new / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.move(stage / rel, new / rel)
-        manifest = {"python": sys.implementation.cache_tag, "modules": modules, "group": group, "sources": sources}
+        manifest = {
+            "python": sys.implementation.cache_tag,
+            "modules": modules,
+            "native": native,
+            "group": group,
+            "sources": sources,
+            "native_sources": native_sources,
+        }
         (new / MANIFEST).write_text(json.dumps(manifest, indent=1))
         shutil.rmtree(out, ignore_errors=True)
         new.rename(out)

@@ -82,16 +82,26 @@ def test_a_source_changed_after_the_build_runs_as_pure_python(tmp_path: Path):
         manifest = {
             "python": sys.implementation.cache_tag,
             "modules": {m: m.replace(".", "/") + suffix for m in compiled.MODULES},
+            "native": {m: m.replace(".", "/") + suffix for m in compiled.NATIVE},
             "group": {f"{compiled.GROUP}__mypyc": f"{compiled.GROUP}__mypyc{suffix}"},
             "sources": {},
+            "native_sources": {},
         }
         root.mkdir()
-    manifest["sources"]["dualpath.sim.network"] = "0" * 64
-    (root / compiled.MANIFEST).write_text(json.dumps(manifest))
+    spoiled = json.loads(json.dumps(manifest))
+    spoiled["sources"]["dualpath.sim.network"] = "0" * 64
+    (root / compiled.MANIFEST).write_text(json.dumps(spoiled))
     probe = "import dualpath.sim.network as n; from dualpath.compiled import status; print(status()); print(n.__file__)"
     state, file = _probe(probe, root).splitlines()
     assert state.startswith("pure Python: compiled build is stale (dualpath/sim/network.py changed since the build)")
     assert file.endswith("network.py")
+    # a hand-written C extension's source, likewise
+    spoiled = json.loads(json.dumps(manifest))
+    (name, source), *_ = compiled.NATIVE.items()
+    spoiled["native_sources"][name] = "0" * 64
+    (root / compiled.MANIFEST).write_text(json.dumps(spoiled))
+    probe = "from dualpath.compiled import status; print(status())"
+    assert _probe(probe, root).strip().startswith(f"pure Python: compiled build is stale ({source} changed since the build)")
 
 
 def test_no_build_is_pure_python_and_says_how_to_build(tmp_path: Path):

@@ -82,6 +82,10 @@ def _usage() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] == ["sim"]:  # this process is the simulator: its heap on huge pages
+        from dualpath.sim.hugepages import prepare
+
+        prepare()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())

@@ -186,7 +186,8 @@ def format_offline(result: dict) -> str:
         lines.append(f"stopped at {stopped[0]:g} virtual s (--until): JCT is that time, not the job's end")
     lines.append(
         f"wall {result['wall_s']:.1f} s (agents built in {result['agents_build_s']:.1f} s), "
-        f"peak memory {max(r['peak_memory_mb'] for r in result['modes'].values()):.0f} MiB, code: {result.get('code', '?')}"
+        f"peak memory {max(r['peak_memory_mb'] for r in result['modes'].values()):.0f} MiB, code: {result.get('code', '?')}, "
+        f"huge pages: {result.get('huge_pages', '?')}"
     )
     return "\n".join(lines)
 

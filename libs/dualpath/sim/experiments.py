@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from dualpath.compiled import status as compiled_status
+from dualpath.sim import hugepages
 from dualpath.sim.config import ABLATION, SimConfig
 from dualpath.sim.report import run_figures
 from dualpath.sim.simulation import Simulation
@@ -112,6 +113,7 @@ def run_offline(
         "wall_s": time.perf_counter() - t0,
         "agents_build_s": build_s,
         "code": compiled_status(),  # mypyc extensions or pure Python (same results, not the same speed)
+        "huge_pages": hugepages.status(),  # the heap on 2 MiB pages or not (same results, not the same speed)
     }
 
 
