@@ -300,7 +300,7 @@ def test_max_min_rates_equal_a_plain_progressive_filling(seed, n_links):
         flows.append(net.start(path, 1e9, lambda _: None))
     expected = _reference_max_min(links, flows)
     assert (sum(1 for link in links if link.flows) > network._SCAN_LINKS) == (n_links == 40)  # one case for each fill
-    FluidNetwork._max_min([link for link in links if link.flows], {f: None for f in flows}, any_high=False)
+    net._max_min([link for link in links if link.flows], flows, any_high=False)
     assert [f.rate for f in flows] == pytest.approx([expected[f] for f in flows], rel=1e-12)
     for link in links:  # feasible: no link over its capacity
         assert sum(f.rate for f in link.flows) <= link.capacity * (1 + 1e-12)

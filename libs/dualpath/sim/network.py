@@ -39,7 +39,7 @@ _EPS_BYTES = 1e-3
 class Link:
     """One direction of a NIC: ``capacity`` bytes/s; ``moved`` bytes carried so far."""
 
-    __slots__ = ("capacity", "flows", "moved", "name", "series")
+    __slots__ = ("capacity", "count", "flows", "mark", "moved", "name", "place", "residual", "series")
 
     def __init__(self, name: str, capacity: float, series: Series | None = None) -> None:
         if not capacity > 0:
@@ -49,6 +49,13 @@ class Link:
         self.flows: dict[Flow, None] = {}  # insertion-ordered: runs are deterministic
         self.moved = 0.0
         self.series = series  # bytes over time, for links whose utilisation is reported
+        # The max-min fill's scratch (valid during one FluidNetwork._max_min): the capacity
+        # left to the flows being filled, how many of them are unfixed, the link's place
+        # among the fill's links, and the walk that last listed it (_neighbourhood).
+        self.residual = 0.0
+        self.count = 0
+        self.place = 0
+        self.mark = 0
 
     def __repr__(self) -> str:
         return f"Link({self.name}, {len(self.flows)} flows)"
@@ -64,7 +71,7 @@ class Flow(Deadline):
     As a ``Deadline``, ``at`` is when it ends at its current rate (infinite: starved), and
     its completion event moves with it; ``version`` counts its rate changes."""
 
-    __slots__ = ("arg", "cls", "last", "links", "net", "on_done", "rate", "remaining", "size", "version")
+    __slots__ = ("arg", "cls", "last", "links", "mark", "net", "on_done", "rate", "remaining", "size", "version")
 
     def __init__(
         self, net: FluidNetwork, links: tuple[Link, ...], nbytes: float, cls: int, on_done: Callable[[Any], None], arg: Any
@@ -80,6 +87,7 @@ class Flow(Deadline):
         self.rate = 0.0
         self.last = 0.0
         self.version = 0
+        self.mark = 0  # the walk or fill that last marked it (FluidNetwork._epoch): in its set / unfixed
 
     def due(self) -> None:
         self.net._finish(self)
@@ -88,12 +96,13 @@ class Flow(Deadline):
 class FluidNetwork:
     """Flows over links in virtual time (see the module docstring)."""
 
-    __slots__ = ("flows_done", "high", "loop")
+    __slots__ = ("_epoch", "flows_done", "high", "loop")
 
     def __init__(self, loop: EventLoop) -> None:
         self.loop = loop
         self.flows_done = 0
         self.high = 0  # HIGH-class flows in progress (none: max-min has one class to fill)
+        self._epoch = 0  # marks of the current walk or fill (Link.mark, Flow.mark): no set to build
 
     def start(self, links: tuple[Link, ...], nbytes: float, on_done: Callable[[Any], None], arg: Any = None, cls: int = LOW) -> Flow | None:
         """Start moving ``nbytes`` over ``links``; ``on_done(arg)`` when done. An empty flow
@@ -111,17 +120,28 @@ class FluidNetwork:
         return flow
 
     # -- rates ---------------------------------------------------------------------------
-    @staticmethod
-    def _neighbourhood(seeds: tuple[Link, ...]) -> tuple[list[Link], dict[Flow, None]]:
-        """The flows on the seed links and every link they cross."""
-        flows: dict[Flow, None] = {}
+    def _neighbourhood(self, seeds: tuple[Link, ...]) -> tuple[list[Link], list[Flow]]:
+        """The flows on the seed links and every link they cross (each once, in the order
+        first met)."""
+        self._epoch += 1
+        mark = self._epoch
+        flows: list[Flow] = []
         for link in seeds:
-            flows.update(link.flows)
-        links: dict[Link, None] = {}
+            for f in link.flows:
+                if f.mark != mark:
+                    f.mark = mark
+                    flows.append(f)
+        return self._links_of(flows, mark), flows
+
+    @staticmethod
+    def _links_of(flows: list[Flow], mark: int) -> list[Link]:
+        links: list[Link] = []
         for f in flows:
             for link in f.links:
-                links[link] = None
-        return list(links), flows
+                if link.mark != mark:
+                    link.mark = mark
+                    links.append(link)
+        return links
 
     def _settle(self, flow: Flow, rate: float) -> None:
         """Advance ``flow``'s bytes to now at ``rate`` (the rate it had since ``flow.last``)."""
@@ -151,30 +171,25 @@ class FluidNetwork:
                 if f.rate != rate or not f.version:
                     self._rearm(f, rate)
                 return
-        if len(seeds) == 1:  # _neighbourhood, without copying the one link's flows (nothing here changes them)
-            flows = seeds[0].flows
-            seen: dict[Link, None] | None = None
-            for f in flows:
-                if len(f.links) > 1:
-                    seen = {}
-                    for g in flows:
-                        for link in g.links:
-                            seen[link] = None
-                    break
-            if seen is None:  # every flow crosses only this link: an equal share (one class) or _share_one
+        flows: list[Flow]
+        if len(seeds) == 1:  # _neighbourhood, knowing each flow is on the seed once
+            on = seeds[0].flows
+            if all(len(f.links) == 1 for f in on):  # every flow crosses only this link: an equal share (one class) or _share_one
                 if not self.high:
-                    self._equal_share(seeds[0], flows)
+                    self._equal_share(seeds[0], on)
                     return
-                links = [seeds[0]]
+                links, flows = [seeds[0]], list(on)
             else:
-                links = list(seen)
+                self._epoch += 1
+                flows = list(on)
+                links = self._links_of(flows, self._epoch)
         else:
             links, flows = self._neighbourhood(seeds)
         before = [f.rate for f in flows]
         if len(links) == 1:
             self._share_one(links[0], flows)
         elif len(flows) == 1:
-            self._alone(next(iter(flows)))
+            self._alone(flows[0])
         else:
             self._max_min(links, flows, self.high > 0)
         # Only a flow whose rate changed is settled (at its old rate) and rescheduled: the
@@ -216,7 +231,7 @@ class FluidNetwork:
             f.clear()
 
     @staticmethod
-    def _share_one(link: Link, flows: dict[Flow, None]) -> None:
+    def _share_one(link: Link, flows: list[Flow]) -> None:
         high = [f for f in flows if f.cls == HIGH]
         if not high:
             share = link.capacity / len(flows) if flows else 0.0
@@ -241,95 +256,110 @@ class FluidNetwork:
             rate = min(rate, left)
         flow.rate = rate if rate > 0 else 0.0
 
-    @staticmethod
-    def _max_min(links: list[Link], flows: dict[Flow, None], any_high: bool = True) -> None:
+    def _max_min(self, links: list[Link], flows: list[Flow], any_high: bool = True) -> None:
         """Progressive filling of ``flows``, class by class in priority order, over what the
-        flows outside the set leave of each link (they keep their rates)."""
-        residual: dict[Link, float] = {}
-        count: dict[Link, int] = {}
-        one_class = not any_high or all(f.cls == LOW for f in flows)
+        flows outside the set leave of each link (they keep their rates). ``links`` lists
+        every link the flows cross, each once. The fill's sets are marks: a flow is unfixed
+        while its ``mark`` is the class's epoch; a link's ``residual`` and ``count`` are
+        its capacity left and its unfixed flows."""
+        self._epoch += 1
+        mark = self._epoch
+        for f in flows:
+            f.mark = mark
         for link in links:
             left = link.capacity
             n = 0
             for f in link.flows:
-                if f in flows:
+                if f.mark == mark:
                     n += 1
                 else:
                     left -= f.rate
-            residual[link] = left if left > 0 else 0.0
-            count[link] = n  # ``links`` lists each link where one of ``flows`` first crosses it, as the fill counts them
-        classes = (LOW,) if one_class else (HIGH, LOW)
-        for cls in classes:
+            link.residual = left if left > 0 else 0.0
+            link.count = n
+        one_class = not any_high or all(f.cls == LOW for f in flows)
+        for cls in (LOW,) if one_class else (HIGH, LOW):
             if one_class:
-                active = dict(flows)
+                active, order = len(flows), links  # counted above, in the order of ``links``
             else:
-                active = {f: None for f in flows if f.cls == cls}
-                count = {}
-                for f in active:
-                    for link in f.links:
-                        count[link] = count.get(link, 0) + 1
-            if len(count) <= _SCAN_LINKS:
-                FluidNetwork._fill_scan(active, residual, count)
-                continue
-            # The bottleneck is the link of least fair share, the first counted among equals:
-            # a heap by (share, place in ``count``), an entry stale once its link's share moved
-            # (a linear scan per step is quadratic in the neighbourhood's links).
-            place = {link: i for i, link in enumerate(count)}  # only links with unfixed flows are counted
-            heap = [(residual[link] / n, place[link], 0, link) for link, n in count.items()]
-            heapify(heap)
-            k = 0  # a link pushed again at an unchanged share is a duplicate: the counter keeps links from being compared
-            while active and heap:
-                share, _, _, bottleneck = heappop(heap)
-                n = count.get(bottleneck, 0)
-                if not n or residual[bottleneck] / n != share:
-                    continue  # stale: its share moved since (a fresher entry is in the heap)
-                touched: dict[Link, None] = {}
-                FluidNetwork._fix(bottleneck, share, active, residual, count, touched)
-                for link in touched:
-                    n = count.get(link, 0)
-                    if n:
-                        k += 1
-                        heappush(heap, (residual[link] / n, place[link], k, link))
+                self._epoch += 1
+                mark = self._epoch
+                for link in links:
+                    link.count = 0
+                order = []  # the links the class's flows cross, in the order they are first met
+                active = 0
+                for f in flows:
+                    if f.cls == cls:
+                        f.mark = mark
+                        active += 1
+                        for link in f.links:
+                            if not link.count:
+                                order.append(link)
+                            link.count += 1
+            if len(order) <= _SCAN_LINKS:
+                FluidNetwork._fill_scan(order, active, mark)
+            else:
+                FluidNetwork._fill_heap(order, active, mark)
 
     @staticmethod
-    def _fill_scan(active: dict[Flow, None], residual: dict[Link, float], count: dict[Link, int]) -> None:
-        """``_max_min``'s fill for a few links: the bottleneck by a scan of ``count`` (in its
-        order, the first among equals, as the heap orders them)."""
+    def _fill_scan(order: list[Link], active: int, mark: int) -> None:
+        """The fill for a few links: the bottleneck (least fair share, the first in
+        ``order`` among equals) by a scan."""
         while active:
             bottleneck: Link | None = None
             share = _INF
-            for link, n in count.items():
-                s = residual[link] / n
-                if s < share:
-                    share, bottleneck = s, link
+            for link in order:
+                n = link.count
+                if n:
+                    s = link.residual / n
+                    if s < share:
+                        share, bottleneck = s, link
             if bottleneck is None:
                 return
-            FluidNetwork._fix(bottleneck, share, active, residual, count, None)
+            active -= FluidNetwork._fix(bottleneck, share, mark, None)
 
     @staticmethod
-    def _fix(
-        bottleneck: Link,
-        share: float,
-        active: dict[Flow, None],
-        residual: dict[Link, float],
-        count: dict[Link, int],
-        touched: dict[Link, None] | None,
-    ) -> None:
+    def _fill_heap(order: list[Link], active: int, mark: int) -> None:
+        """The fill for many links: the bottleneck from a heap by (share, place in
+        ``order``), an entry stale once its link's share moved (a scan per step is
+        quadratic in the neighbourhood's links)."""
+        heap = []
+        for i, link in enumerate(order):
+            link.place = i
+            if link.count:
+                heap.append((link.residual / link.count, i, 0, link))
+        heapify(heap)
+        k = 0  # a link pushed again at an unchanged share is a duplicate: the counter keeps links from being compared
+        while active and heap:
+            share, _, _, bottleneck = heappop(heap)
+            n = bottleneck.count
+            if not n or bottleneck.residual / n != share:
+                continue  # stale: its share moved since (a fresher entry is in the heap)
+            touched: dict[Link, None] = {}
+            active -= FluidNetwork._fix(bottleneck, share, mark, touched)
+            for link in touched:
+                n = link.count
+                if n:
+                    k += 1
+                    heappush(heap, (link.residual / n, link.place, k, link))
+
+    @staticmethod
+    def _fix(bottleneck: Link, share: float, mark: int, touched: dict[Link, None] | None) -> int:
         """The fill's step: the unfixed flows over ``bottleneck`` get ``share`` and leave the
-        residual and count of every link they cross (``touched`` collects those still counted)."""
+        residual and count of every link they cross (``touched`` collects those still
+        counted); returns how many were fixed."""
+        fixed = 0
         for f in bottleneck.flows:
-            if f in active:
+            if f.mark == mark:
                 f.rate = share
-                del active[f]
+                f.mark = 0
+                fixed += 1
                 for link in f.links:
-                    residual[link] -= share
-                    n = count[link] - 1
-                    if n:
-                        count[link] = n
-                        if touched is not None:
-                            touched[link] = None
-                    else:
-                        del count[link]
+                    link.residual -= share
+                    n = link.count - 1
+                    link.count = n
+                    if n and touched is not None:
+                        touched[link] = None
+        return fixed
 
     def _finish(self, flow: Flow) -> None:
         self._settle(flow, flow.rate)
