@@ -57,6 +57,7 @@ MODULES = (
     "dualpath.sim.clock",
     "dualpath.sim.decode",
     "dualpath.sim.metrics",
+    "dualpath.sim.minheap",
     "dualpath.sim.network",
     "dualpath.sim.prefetch",
     "dualpath.sim.prefill",

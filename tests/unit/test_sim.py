@@ -370,3 +370,36 @@ def test_the_event_heap_runs_events_in_time_then_scheduling_order():
     loop.run()
     assert ran == sorted(expect, key=expect.__getitem__)
     assert loop.pending == 0 and all(ev.pos == -1 for ev in events)
+
+
+def test_the_min_heap_gives_entries_in_end_then_seq_order():
+    """``minheap.MinHeap`` (the decode batches' and storage links' heap), pushes and pops
+    interleaved, with many equal ends, against a sort by (end, seq)."""
+    import random
+
+    from dualpath.sim.minheap import Entry, MinHeap
+
+    rnd = random.Random(11)
+    heap, out, pushed = MinHeap(), [], []
+    for seq in range(1, 2001):
+        e = Entry(float(rnd.randint(0, 60)), seq)
+        heap.push(e)
+        pushed.append(e)
+        if rnd.random() < 0.4:
+            out.append(heap.pop())
+    while len(heap):
+        out.append(heap.pop())
+    assert sorted(id(e) for e in out) == sorted(id(e) for e in pushed)  # each entry once
+    # every pop took the least (end, seq) of what was in the heap then: replay with a sort
+    rnd = random.Random(11)
+    live: list[tuple[float, int]] = []
+    expected = []
+    for seq in range(1, 2001):
+        live.append((float(rnd.randint(0, 60)), seq))
+        if rnd.random() < 0.4:
+            live.sort()
+            expected.append(live.pop(0))
+    expected += sorted(live)
+    assert [(e.end, e.seq) for e in out] == expected
+    with pytest.raises(IndexError):
+        heap.pop()

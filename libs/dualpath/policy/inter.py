@@ -262,7 +262,9 @@ def _pick_decode_engine(node: NodeState, need: int, z_num: int, tentative: dict[
     ``tok + need <= Z`` by smallest (seq, tok), else smallest tok; ties to the lower id.
     ``node.tok_sum`` in ``z_num`` is the pass-start sum, so Z stays fixed for the pass."""
     scale = 100 * len(node.engines)
-    preferred = fallback = None
+    preferred: EngineState | None = None
+    fallback: EngineState | None = None
+    best_seq = best_tok = fallback_tok = 0  # the preferred one's (seq, tok), the fallback's tok
     for engine in node.engines:  # ascending engine id
         over = tentative.get(engine.engine_id) if tentative else None
         if over is None:
@@ -272,13 +274,11 @@ def _pick_decode_engine(node: NodeState, need: int, z_num: int, tentative: dict[
         if free < need:
             continue
         if scale * (tok + need) <= z_num:
-            if preferred is None or (seq, tok) < preferred[:2]:
-                preferred = (seq, tok, engine)
-        elif fallback is None or tok < fallback[0]:
-            fallback = (tok, engine)
-    if preferred is not None:
-        return preferred[2]
-    return fallback[1] if fallback is not None else None
+            if preferred is None or seq < best_seq or (seq == best_seq and tok < best_tok):
+                preferred, best_seq, best_tok = engine, seq, tok
+        elif fallback is None or tok < fallback_tok:
+            fallback, fallback_tok = engine, tok
+    return preferred if preferred is not None else fallback
 
 
 def choose_read_sides(

@@ -21,17 +21,30 @@ quadratic. Events per request: one join, one leave, whatever the number of token
 from __future__ import annotations
 
 import math
-from heapq import heappop, heappush
-from typing import Protocol
+from typing import Protocol, cast
 
 from dualpath.core.decode_batcher import DecodeBatcher
 from dualpath.cost.model import CostModel
 from dualpath.sim.clock import Deadline, EventLoop
 from dualpath.sim.config import SimConfig
+from dualpath.sim.minheap import Entry, MinHeap
 from dualpath.sim.network import Link
 from dualpath.sim.request import SimRequest
 
 __all__ = ["DecodeEngineSim", "DecodeHost"]
+
+
+class _Running(Entry):
+    """A request in the batch: its last step ``end`` (progress), its place among equal ends
+    (``seq``: admission order) and ``v``, its keys at progress 0 (``prompt + 1 - x_join``)."""
+
+    __slots__ = ("req", "v")
+
+    def __init__(self, end: float, seq: int, req: SimRequest, v: int) -> None:
+        self.end = end
+        self.seq = seq
+        self.req = req
+        self.v = v
 
 
 class DecodeHost(Protocol):
@@ -89,7 +102,7 @@ class DecodeEngineSim:
         self.keys0 = 0  # Σ (prompt + 1 - x_join)
         self.sat = 0  # requests attending top_k keys (sparse attention)
         self.below: dict[str, int] = {}  # requests still under top_k: v = prompt + 1 - x_join
-        self.heap: list[tuple[float, int, SimRequest, int]] = []  # (x_end, seq, request, v)
+        self.heap = MinHeap()  # the batch (_Running) by (last step, admission)
         self._seq = 0
         self.a = 0.0  # step time at ``progress``
         self.b = 0.0  # its slope per step over the current segment
@@ -138,7 +151,7 @@ class DecodeEngineSim:
             self.leave.clear()
             return
         x = self.progress
-        m = self.heap[0][0] - x
+        m = self.heap.items[0].end - x
         self.a = a = self.step_time(x)
         if m > 1:
             self.b = b = max(0.0, (self.step_time(x + m) - a) / m)
@@ -171,20 +184,21 @@ class DecodeEngineSim:
             else:
                 self.sat += 1
             self._seq += 1
-            heappush(self.heap, (x + req.gen - 1, self._seq, req, v))
+            self.heap.push(_Running(x + req.gen - 1, self._seq, req, v))
             joined.append(req)
         return joined
 
     def _leave(self) -> None:
         self._settle()
-        heap = self.heap
-        if heap and self.progress < heap[0][0]:
-            self.progress = heap[0][0]  # this event is that request's last step
+        heap = self.heap.items
+        if heap and self.progress < heap[0].end:
+            self.progress = heap[0].end  # this event is that request's last step
         done = []
-        while heap and heap[0][0] <= self.progress + 1e-6:
-            _, _, req, v = heappop(heap)
+        while heap and heap[0].end <= self.progress + 1e-6:
+            m = cast("_Running", self.heap.pop())
+            req = m.req
             self.n -= 1
-            self.keys0 -= v
+            self.keys0 -= m.v
             if self.below.pop(req.key, None) is None:
                 self.sat -= 1
             self.batcher.evict(req.key)

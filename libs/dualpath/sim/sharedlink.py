@@ -14,13 +14,25 @@ with the number of flows sharing the link.
 from __future__ import annotations
 
 from collections.abc import Callable
-from heapq import heappop, heappush
-from typing import Any
+from typing import Any, cast
 
 from dualpath.sim.clock import Deadline, EventLoop
+from dualpath.sim.minheap import Entry, MinHeap
 from dualpath.sim.series import Series
 
 __all__ = ["SharedLink"]
+
+
+class _Transfer(Entry):
+    """A flow on the link: it ends when the virtual clock reaches ``end``; ``on_done(arg)``."""
+
+    __slots__ = ("arg", "on_done")
+
+    def __init__(self, end: float, seq: int, on_done: Callable[[Any], None], arg: Any) -> None:
+        self.end = end
+        self.seq = seq
+        self.on_done = on_done
+        self.arg = arg
 
 
 class SharedLink:
@@ -34,7 +46,7 @@ class SharedLink:
         self.loop, self.name, self.capacity, self.series = loop, name, capacity, series
         self.moved = 0.0
         self.flows_done = 0
-        self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []  # (virtual finish, seq, on_done, arg)
+        self._heap = MinHeap()  # the flows (_Transfer) by (virtual finish, start order)
         self._n = 0
         self._v = 0.0  # bytes each active flow has received so far (virtual clock)
         self._t = 0.0  # real time of ``_v``
@@ -65,30 +77,30 @@ class SharedLink:
             return
         self._advance()
         self._seq += 1
-        heappush(self._heap, (self._v + nbytes, self._seq, on_done, arg))
+        self._heap.push(_Transfer(self._v + nbytes, self._seq, on_done, arg))
         self._n += 1
         self._arm()
 
     def _arm(self) -> None:
-        if not self._heap:
+        heap = self._heap.items
+        if not heap:
             self._next.clear()
             return
-        left = self._heap[0][0] - self._v
+        left = heap[0].end - self._v
         if left < 0.0:  # max(left, 0.0) without the call
             left = 0.0
         self._next.set(self.loop.now + left * self._n / self.capacity)
 
     def _fire(self) -> None:
         self._advance()
-        heap, done = self._heap, []
+        heap, done = self._heap.items, []
         limit = self._v + 1e-6 * max(1.0, self._v * 1e-9)  # float slack: a millionth of a byte per GB served
-        if heap and heap[0][0] > limit:
-            limit = heap[0][0]  # this event was armed for the head: it is done
-        while heap and heap[0][0] <= limit:
-            _, _, on_done, arg = heappop(heap)
-            done.append((on_done, arg))
+        if heap and heap[0].end > limit:
+            limit = heap[0].end  # this event was armed for the head: it is done
+        while heap and heap[0].end <= limit:
+            done.append(cast("_Transfer", self._heap.pop()))
         self._n -= len(done)
         self.flows_done += len(done)
         self._arm()
-        for on_done, arg in done:
-            on_done(arg)
+        for t in done:
+            t.on_done(t.arg)
