@@ -21,18 +21,18 @@ order right as time passes:
 Retries (re-queued at the head, rank -inf) and urgent requests keep their places. No I/O,
 no clock of its own; the core owns the requests and says which are still waiting.
 
-The queue itself is a ``RankedQueue``: a heap by (rank, order of queueing) with lazy
-removal, so a re-rank or a promotion costs O(log n) however many requests wait (a sorted
-deque paid O(n) for each: at 48K agents submitting at once that was most of a simulated
-rollout's first minutes), and a pass reads its window without popping.
+The queue itself is a ``RankedQueue``: a heap by (rank, order of queueing) that keeps
+each request's place in it, so a re-rank or a promotion costs O(log n) however many
+requests wait (a sorted deque paid O(n) for each: at 48K agents submitting at once that was
+most of a simulated rollout's first minutes), and a pass reads its window without popping.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from heapq import heapify, heappop, heappush
-from operator import itemgetter
+from heapq import heappop, heappush
+from operator import attrgetter
 
 from dualpath.policy.history import DecodeHistory
 
@@ -45,11 +45,13 @@ _URGENT_S = 1e12  # an urgent request ranks this much earlier than its submissio
 class Queued:
     """What the order keeps of a request (the core's request type extends it)."""
 
-    __slots__ = ("by_prior", "rank", "rank_base", "tie")
+    __slots__ = ("at", "by_prior", "pos", "rank", "rank_base", "tie")
 
     def __init__(self, now: float) -> None:
         self.rank = now  # its place in the queue
-        self.tie = 0  # the tie of its live entry in a RankedQueue (0: not queued)
+        self.at = now  # the rank it is queued by (``rank`` may change first; ``RankedQueue.rerank`` catches up)
+        self.tie = 0  # its order among equal ranks in a RankedQueue (0: not queued)
+        self.pos = -1  # its index in the RankedQueue's heap (-1: not queued)
         self.rank_base = now  # its rank before the history credit (submission less any max_tokens credit)
         self.by_prior = False  # ranked by the history's prior (its session had no measured turn yet)
 
@@ -59,70 +61,113 @@ class Queued:
         return self.rank > self.rank_base - _URGENT_S / 2
 
 
-_Entry = tuple[float, int, Queued]  # (rank, tie, request): ties are unique, so requests are never compared
-_by_place = itemgetter(0, 1)
+_place = attrgetter("at", "tie")  # (rank queued by, tie): unique, the queue's order
+
+
+def _rank(t: Queued) -> float:
+    return t.rank
 
 
 class RankedQueue:
     """Requests sorted by ``rank``, first come first among equal ranks (``push``), or at
-    the very head (``push_front``: the newest such first). A heap with lazy removal: an
-    entry is live while its request's ``tie`` is the entry's (ties are unique and nonzero;
-    not tuple identity, which compiled code does not keep)."""
+    the very head (``push_front``: the newest such first). A heap of the requests by
+    ``(at, tie)`` (ties are unique) in which each request keeps its index (``pos``): a
+    removal moves the last request into its place, up or down."""
 
-    __slots__ = ("_heap", "_n", "_seq")
+    __slots__ = ("_heap", "_seq")
 
     def __init__(self) -> None:
-        self._heap: list[_Entry] = []
-        self._n = 0
+        self._heap: list[Queued] = []
         self._seq = 0
 
     def __len__(self) -> int:
-        return self._n
+        return len(self._heap)
 
     def __bool__(self) -> bool:
-        return self._n > 0
+        return len(self._heap) > 0
 
     def __iter__(self) -> Iterator[Queued]:
         """The queued requests in order (a sorted copy: O(n log n), for views and tests)."""
-        return iter([e[2] for e in sorted(self._live())])
+        return iter(sorted(self._heap, key=_place))
 
     def members(self) -> list[Queued]:
         """The queued requests in no particular order (O(n))."""
-        return [e[2] for e in self._live()]
-
-    def _live(self) -> list[_Entry]:
-        return [e for e in self._heap if e[2].tie == e[1]]
+        return list(self._heap)
 
     def push(self, t: Queued, rank: float) -> None:
         """Queue ``t`` by ``rank``, after every request queued before it at a rank at most its own."""
         self._seq += 1
-        t.rank = rank
+        t.rank = t.at = rank
         t.tie = self._seq
-        heappush(self._heap, (rank, self._seq, t))
-        self._n += 1
+        self._heap.append(t)
+        self._up(t, len(self._heap) - 1)
 
     def push_front(self, t: Queued) -> None:
         """Queue ``t`` at the head, ahead of every request (earlier ``push_front``s included)."""
         self._seq += 1
-        t.rank = -_INF
+        t.rank = t.at = -_INF
         t.tie = -self._seq
-        heappush(self._heap, (-_INF, -self._seq, t))
-        self._n += 1
+        self._heap.append(t)
+        self._up(t, len(self._heap) - 1)
 
     def remove(self, t: Queued) -> None:
         """Take ``t`` (queued) out of the queue."""
-        t.tie = 0
-        self._n -= 1
-        self._trim()
+        self._take(t.pos)
 
     def popleft(self) -> Queued:
         """The first request, taken out of the queue."""
-        self._trim()
-        t = heappop(self._heap)[2]
+        return self._take(0)
+
+    def _take(self, pos: int) -> Queued:
+        heap = self._heap
+        t = heap[pos]
+        t.pos = -1
         t.tie = 0
-        self._n -= 1
-        self._trim()
+        last = heap.pop()
+        if pos < len(heap):  # the last request fills the hole, then finds its place
+            if pos > 0:
+                p = heap[(pos - 1) >> 1]
+                if last.at < p.at or (last.at == p.at and last.tie < p.tie):
+                    self._up(last, pos)
+                    return t
+            self._down(last, pos)
         return t
+
+    def _up(self, t: Queued, pos: int) -> None:
+        heap = self._heap
+        at, tie = t.at, t.tie
+        while pos > 0:
+            parent = (pos - 1) >> 1
+            p = heap[parent]
+            if at < p.at or (at == p.at and tie < p.tie):
+                heap[pos] = p
+                p.pos = pos
+                pos = parent
+            else:
+                break
+        heap[pos] = t
+        t.pos = pos
+
+    def _down(self, t: Queued, pos: int) -> None:
+        heap = self._heap
+        n = len(heap)
+        at, tie = t.at, t.tie
+        child = 2 * pos + 1
+        while child < n:
+            c = heap[child]
+            right = child + 1
+            if right < n:
+                r = heap[right]
+                if r.at < c.at or (r.at == c.at and r.tie < c.tie):
+                    child, c = right, r
+            if at < c.at or (at == c.at and tie < c.tie):
+                break
+            heap[pos] = c
+            c.pos = pos
+            pos = child
+            child = 2 * pos + 1
+        heap[pos] = t
+        t.pos = pos
 
     def head(self, k: int) -> list[Queued]:
         """The first ``k`` requests in order, without taking them out (a best-first walk of
@@ -132,43 +177,32 @@ class RankedQueue:
         out: list[Queued] = []
         if not n or k <= 0:
             return out
-        frontier = [(heap[0][0], heap[0][1], 0)]
+        frontier = [(heap[0].at, heap[0].tie, 0)]
         while frontier:
             _, _, i = heappop(frontier)
-            e = heap[i]
-            if e[2].tie == e[1]:
-                out.append(e[2])
-                if len(out) == k:
-                    break
+            out.append(heap[i])
+            if len(out) == k:
+                break
             child = 2 * i + 1
             if child < n:
                 c = heap[child]
-                heappush(frontier, (c[0], c[1], child))
+                heappush(frontier, (c.at, c.tie, child))
                 if child + 1 < n:
                     c = heap[child + 1]
-                    heappush(frontier, (c[0], c[1], child + 1))
+                    heappush(frontier, (c.at, c.tie, child + 1))
         return out
 
     def rerank(self) -> None:
         """The requests' ``rank``s were changed in place: sort them again, keeping the current
         order among equal ranks (as a stable sort of the queue would)."""
-        live = sorted(self._live(), key=_by_place)  # the current order
-        live.sort(key=lambda e: e[2].rank)  # stable: equal ranks keep it
-        self._heap = heap = []
-        for e in live:
-            t = e[2]
+        live = sorted(self._heap, key=_place)  # the current order
+        live.sort(key=_rank)  # stable: equal ranks keep it
+        self._heap = live  # ascending: already a heap
+        for i, t in enumerate(live):
             self._seq += 1
             t.tie = self._seq
-            heap.append((t.rank, self._seq, t))  # ascending: already a heap
-
-    def _trim(self) -> None:
-        """Drop dead entries at the top, and compact when most entries are dead."""
-        heap = self._heap
-        while heap and heap[0][2].tie != heap[0][1]:
-            heappop(heap)
-        if len(heap) > 2 * self._n + 64:
-            self._heap = self._live()
-            heapify(self._heap)
+            t.at = t.rank
+            t.pos = i
 
 
 class QueueOrder:
