@@ -15,7 +15,7 @@ import pytest
 from dualpath.compiled import status as compiled_status
 from dualpath.sim import hugepages
 
-pytestmark = pytest.mark.skipif(
+needs_huge_pages = pytest.mark.skipif(
     bool(hugepages.available()) or not compiled_status().startswith("mypyc"),
     reason=f"huge pages: {hugepages.available() or 'available'}; compiled code: {compiled_status()}",
 )
@@ -26,6 +26,7 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+@needs_huge_pages
 def test_a_simulation_on_huge_pages_reports_the_same_figures():
     argv = [sys.executable, "-m", "dualpath.cli", "sim", "offline", "--topology", "2P4D", "--agents", "96", "--turns", "4"]
     argv += ["--modes", "basic,dualpath", "--progress", "never", "--json"]
@@ -39,6 +40,7 @@ def test_a_simulation_on_huge_pages_reports_the_same_figures():
         assert a["latency_s"] == b["latency_s"]
 
 
+@needs_huge_pages
 def test_arenas_are_reused_and_other_sizes_pass_through():
     # Object churn frees whole arenas (they are handed out again); deep recursion makes the
     # interpreter take frame-stack chunks through the same hook in other sizes (passed on
@@ -75,3 +77,10 @@ def test_off_says_why():
         timeout=60,
     )
     assert out.stdout.strip() == f"off: {hugepages.ENV}=0"
+
+
+def test_programs_the_simulator_starts_get_the_environment_without_its_tunable(monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", f"glibc.malloc.arena_max=2:{hugepages.TUNABLE}")
+    assert hugepages.plain_env()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+    monkeypatch.setenv("GLIBC_TUNABLES", hugepages.TUNABLE)
+    assert "GLIBC_TUNABLES" not in hugepages.plain_env()

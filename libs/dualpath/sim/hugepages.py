@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["ENV", "available", "enable", "prepare", "reexec", "stats", "status"]
+__all__ = ["ENV", "available", "enable", "plain_env", "prepare", "reexec", "stats", "status"]
 
 ENV = "DUALPATH_HUGE_PAGES"  # "0": neither part
 TUNABLE = "glibc.malloc.hugetlb=1"
@@ -70,6 +70,18 @@ def reexec() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
+def plain_env() -> dict[str, str]:
+    """This process's environment without the tunable ``reexec`` added: for programs it
+    starts that should run as they would on their own (the testbed ``validate`` runs)."""
+    env = dict(os.environ)
+    rest = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and t != TUNABLE]
+    if rest:
+        env["GLIBC_TUNABLES"] = ":".join(rest)
+    else:
+        env.pop("GLIBC_TUNABLES", None)
+    return env
 
 
 def enable(reserve_bytes: int = RESERVE_BYTES) -> str:

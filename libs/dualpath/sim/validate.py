@@ -10,7 +10,11 @@ The simulator is set up as the testbed stack is (``dualpath.cli.experiment.runne
 node's SNIC and buffer shrink to one GPU's share, the decode engine's KV capacity is the
 stack's ``kv_capacity_tokens`` (4M tokens) and its buffer the stack's (64 MiB at the byte
 scale 1000), the cost model's default expert parallelism, agents met mid-rollout with warm
-storage. The simulator does not model the emulation's own host overhead (Python, the bus),
+storage, and a node's storage reads served one after another: the testbed's emulated SNIC
+is a non-preemptive FIFO server of byte jobs (``dualpath.transfer.nic``) and each read
+queues all its chunks at once, so of the traffic manager's four reads in flight the first
+queued finishes first, where a real NIC (the simulator's default, ``storage_parallel`` 4)
+shares itself among them. The simulator does not model the emulation's own host overhead (Python, the bus),
 which the testbed reports as its ``overhead`` share.
 
 ``--recorded`` compares with testbed runs recorded in the README instead of running the
@@ -29,6 +33,7 @@ from pathlib import Path
 
 from dualpath.sim.config import SimConfig, parse_topology
 from dualpath.sim.experiments import run_offline
+from dualpath.sim.hugepages import plain_env
 from dualpath.sim.workload import Workload
 
 __all__ = ["RECORDED", "main", "sim_jcts"]
@@ -58,6 +63,7 @@ def testbed_config(topology: str, target: str = "ds27b") -> SimConfig:
         decode_ep=-1,
         hbm_tokens=TESTBED_KV_TOKENS,
         dram_buffer_gb=dram_gb,
+        storage_parallel=1,  # the emulated SNIC serves reads FIFO (module docstring)
     )
 
 
@@ -99,7 +105,7 @@ def testbed_jcts(
         "--out",
         str(out / topology),
     ]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=plain_env())  # the testbed as it runs on its own
     if proc.returncode != 0:
         raise RuntimeError(f"testbed {topology} exited {proc.returncode}: {proc.stderr.strip()[-400:]}")
     result = json.loads(proc.stdout)
