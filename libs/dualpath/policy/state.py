@@ -98,6 +98,14 @@ class _Live:
     prefill_pending: bool = True
 
 
+def _most_free(node: NodeState) -> int:
+    most = 0
+    for engine in node.engines:
+        if engine.free_hbm_tokens > most:
+            most = engine.free_hbm_tokens
+    return most
+
+
 class ClusterState:
     """Engines and nodes of a PD-disaggregated cluster plus the live requests' charges.
 
@@ -129,7 +137,9 @@ class ClusterState:
         self.prefill_index = LazyIndex((e.engine_id for e in self.prefill_engines), lambda m: engines[m].tok)
         self.decode_index = LazyIndex((e.engine_id for e in self.decode_engines), lambda m: engines[m].tok)
         self.decode_group_index = LazyIndex((n.node_id for n in self.decode_nodes), lambda m: by_node[m].tok_sum)
-        self.decode_free_index = LazyIndex((e.engine_id for e in self.decode_engines), lambda m: -engines[m].free_hbm_tokens)
+        # by decode node, the most free HBM of one of its engines (negated: a min-index): the
+        # cluster's most is its top, and a node's eight engines change it with one flush entry
+        self.decode_free_index = LazyIndex((n.node_id for n in self.decode_nodes), lambda m: -_most_free(by_node[m]))
         self._prefill_dirty = self.prefill_index.marker()
         self._decode_dirty = self.decode_index.marker()
         self._group_dirty = self.decode_group_index.marker()
@@ -187,7 +197,7 @@ class ClusterState:
         self._charge(pe, 1, a.prefill_tokens)
         self._charge(de, 1, a.decode_tokens)
         de.free_hbm_tokens -= a.decode_tokens
-        self._free_dirty(de.engine_id)
+        self._free_dirty(de.node_id)
         read_node.read_q += a.read_tokens
         read_node.reads_open += a.read_tokens
         self.assigned_total += 1
@@ -230,7 +240,7 @@ class ClusterState:
         self._charge(de, -1, -a.decode_tokens)
         free = de.free_hbm_tokens + a.decode_tokens
         de.free_hbm_tokens = free if free < de.hbm_tokens else de.hbm_tokens
-        self._free_dirty(de.engine_id)
+        self._free_dirty(de.node_id)
 
     def _release_read(self, live: _Live) -> None:
         if live.read_pending:
@@ -261,7 +271,7 @@ class ClusterState:
         if free_hbm_tokens is not None:
             free = max(0, min(engine.hbm_tokens, free_hbm_tokens))
             if free != engine.free_hbm_tokens and engine.role is _DECODE:
-                self._free_dirty(engine_id)
+                self._free_dirty(engine.node_id)
             engine.free_hbm_tokens = free
         if tok < 0:
             tok = 0
@@ -319,7 +329,7 @@ class ClusterState:
             free = engine.free_hbm_tokens + free_hbm_tokens
             engine.free_hbm_tokens = 0 if free < 0 else (free if free < engine.hbm_tokens else engine.hbm_tokens)
             if engine.role is _DECODE:
-                self._free_dirty(engine_id)
+                self._free_dirty(engine.node_id)
 
     def adjust_read_q(self, node_id: int, tokens: int) -> None:
         """Add ``tokens`` (negative: remove) to a node's read queue, clamped at zero.
