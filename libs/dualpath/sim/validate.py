@@ -17,8 +17,8 @@ queued finishes first, where a real NIC (the simulator's default, ``storage_para
 shares itself among them. The simulator does not model the emulation's own host overhead (Python, the bus),
 which the testbed reports as its ``overhead`` share.
 
-``--recorded`` compares with testbed runs recorded in the README instead of running the
-testbed (seconds: the CI form); ``--testbed-json DIR`` reuses result.json files of earlier
+``--recorded`` compares with the testbed JCTs of the last quick run recorded in the README
+instead of running the testbed (seconds: the CI form); ``--testbed-json DIR`` reuses result.json files of earlier
 ``dualpath experiment offline`` runs (``DIR/<topology>/result.json``).
 """
 
@@ -42,12 +42,15 @@ TESTBED_SCALE = 1000.0  # the testbed's default byte scale
 TESTBED_BUFFER_MIB = 64  # the stack's buffer floor (runner.stack_config): what one-engine nodes get
 TESTBED_KV_TOKENS = 1 << 22  # runner.stack_config's kv_capacity_tokens
 
-# Testbed runs recorded in the README (ds27b, 64K set, 64 agents x 3 turns, start-at 0.5, one
-# warm-up turn, one engine per node, slowdown 4, on the 2-core VM): modeled seconds.
+# The testbed's JCTs (modeled seconds) of the last ``dualpath sim validate --quick`` recorded in
+# the README (2026-12-03 at 90f8968, the 2-core VM with nothing else running): ds27b, 64K set,
+# RECORDED_AGENTS agents x RECORDED_TURNS turns, start-at 0.5, one engine per node, slowdown 6.
 RECORDED = {
-    "1P1D": {"basic": 20.9, "dualpath": 13.3, "oracle": 10.0},
-    "1P2D": {"basic": 21.3, "dualpath": 11.4, "oracle": 9.4},
+    "1P1D": {"basic": 4.215, "dualpath": 3.167},
+    "2P1D": {"basic": 3.284, "dualpath": 3.208},
+    "1P2D": {"basic": 4.116, "dualpath": 2.934},
 }
+RECORDED_AGENTS, RECORDED_TURNS = 16, 2
 
 
 def testbed_config(topology: str, target: str = "ds27b") -> SimConfig:
@@ -167,8 +170,8 @@ def main(argv: list[str]) -> int:
             if topo not in RECORDED:
                 print(f"dualpath sim validate: no recorded testbed run for {topo} (recorded: {', '.join(RECORDED)})", file=sys.stderr)
                 continue
-            testbed = {m: RECORDED[topo][m] for m in modes}
-            agents, turns = 64, 3
+            testbed = {m: RECORDED[topo][m] for m in modes if m in RECORDED[topo]}
+            agents, turns = RECORDED_AGENTS, RECORDED_TURNS
         elif ns.testbed_json:
             result = json.loads((Path(ns.testbed_json) / topo / "result.json").read_text())
             testbed = {m: r["jct_s"] for m, r in result["modes"].items() if m in modes}
