@@ -34,9 +34,12 @@ class MinHeap:
         return len(self.items)
 
     def push(self, e: Entry) -> None:
+        self.items.append(e)
+        self._up(e, len(self.items) - 1)
+
+    def _up(self, e: Entry, pos: int) -> None:
+        """Put ``e`` at ``pos`` (a hole) or above, moving later parents down."""
         heap = self.items
-        heap.append(e)
-        pos = len(heap) - 1
         end, seq = e.end, e.seq
         while pos > 0:
             parent = (pos - 1) >> 1
@@ -69,14 +72,5 @@ class MinHeap:
             heap[pos] = c
             pos = child
             child = 2 * pos + 1
-        end, seq = last.end, last.seq
-        while pos > 0:
-            parent = (pos - 1) >> 1
-            p = heap[parent]
-            if end < p.end or (end == p.end and seq < p.seq):
-                heap[pos] = p
-                pos = parent
-            else:
-                break
-        heap[pos] = last
+        self._up(last, pos)
         return top
