@@ -71,6 +71,9 @@ install(PyObject *self, PyObject *arg)
         PyErr_SetString(PyExc_ValueError, "reserve at least 2 MiB");
         return NULL;
     }
+#if !defined(MADV_HUGEPAGE) || !defined(MAP_NORESERVE)
+    return PyUnicode_FromString("this platform has no transparent huge pages (MADV_HUGEPAGE)");
+#else
     char *m = mmap(NULL, reserve + HUGE_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (m == MAP_FAILED)
         return PyUnicode_FromFormat("mmap of %llu bytes failed", reserve);
@@ -85,6 +88,7 @@ install(PyObject *self, PyObject *arg)
     PyObject_GetArenaAllocator(&previous);
     PyObject_SetArenaAllocator(&mine);
     return PyUnicode_FromString("");
+#endif
 }
 
 static PyObject *
@@ -104,7 +108,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "dualpath.sim._hugepages", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "dualpath.sim._hugepages", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC
 PyInit__hugepages(void)
