@@ -50,7 +50,7 @@ class Queued:
     def __init__(self, now: float) -> None:
         self.rank = now  # its place in the queue
         self.at = now  # the rank it is queued by (``rank`` may change first; ``RankedQueue.rerank`` catches up)
-        self.tie = 0  # its order among equal ranks in a RankedQueue (0: not queued)
+        self.tie = 0  # its order among equal ranks in a RankedQueue (set by each push)
         self.pos = -1  # its index in the RankedQueue's heap (-1: not queued)
         self.rank_base = now  # its rank before the history credit (submission less any max_tokens credit)
         self.by_prior = False  # ranked by the history's prior (its session had no measured turn yet)
@@ -122,7 +122,6 @@ class RankedQueue:
         heap = self._heap
         t = heap[pos]
         t.pos = -1
-        t.tie = 0
         last = heap.pop()
         if pos < len(heap):  # the last request fills the hole, then finds its place
             if pos > 0:
