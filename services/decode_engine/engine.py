@@ -57,6 +57,7 @@ from dualpath.protocol.timeouts import TIMEOUTS
 from dualpath.runtime import start_logged, wait_any
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.tracing import context_from, get_tracer
+from dualpath.testbed.modeled import HostPerStep
 from dualpath.transfer import MemoryRegion
 
 if TYPE_CHECKING:
@@ -129,6 +130,8 @@ class DecodeEngine:
         self.served_by = f"{cfg.engine_id}@{self.incarnation}"
         self._arrived_ns: dict[str, int] = {}  # task arrival, where decode.request spans start
         self.busy_s = 0.0  # wall time inside decode steps
+        # testbed: host time per step beyond the modeled GPU's, against batch size (reported in stats)
+        self.host = HostPerStep() if getattr(d, "modeled", False) else None
 
     # ---- intake ----------------------------------------------------------------------------
     async def on_task(self, task: m.DecodeTask) -> m.Ok:
@@ -412,12 +415,19 @@ class DecodeEngine:
             if step is None:
                 await self._leave(self.batcher.drain())
                 if self.batcher.next_step() is None and not self.batcher.admit_ready():
+                    if self.host is not None:
+                        self.host.idle()
                     await self._idle(stop)
                 continue
             t0 = time.perf_counter()
+            modeled0 = getattr(self.setup.decoder, "modeled_s", 0.0)
+            if self.host is not None:
+                self.host.started(t0)
             try:
                 logits = await self._run_step(step)
                 await self._process_result(step, logits)
+                if self.host is not None:
+                    self.host.ran(len(step.batch), self.setup.decoder.modeled_s - modeled0)
             except Exception as exc:
                 log.exception("decode_step_failed", requests=len(self.running))
                 for r in list(self.running.values()):
@@ -658,6 +668,7 @@ class DecodeEngine:
             stats={
                 "busy_s": self.busy_s,
                 "modeled_s": getattr(self.setup.decoder, "modeled_s", 0.0),
+                **(self.host.stats() if self.host is not None else {}),
                 **(self.setup.decoder.traffic.stats() if getattr(self.setup.decoder, "traffic", None) else {}),
             },
             ts=time.time(),

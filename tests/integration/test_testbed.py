@@ -84,6 +84,8 @@ def test_on_a_storage_bound_run_dualpath_beats_basic_by_reading_on_the_decode_no
         for mode, row in rows.items():
             assert row["turns_completed"] == 36 and not row["errors"], (mode, row)
             assert row["cache_hit_rate"] > 0.9  # the warm-up's KV is in storage: every timed turn is mostly hits
+            host = row["decode_host_per_step"]  # the decode engine's host time per step, measured (the simulator's input)
+            assert host["steps"] > 36 and host["mean_batch"] >= 1 and host["mean_s"] > 0, host
         assert rows["basic"]["snic_bytes_read"]["d0"] == 0  # basic loads through the prefill node only
         read = rows["dualpath"]["snic_bytes_read"]
         assert read["d0"] >= 0.25 * (read["d0"] + read["p0"]), read  # dualpath reads on the decode node too

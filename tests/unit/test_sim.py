@@ -56,8 +56,8 @@ def test_the_same_seed_gives_the_same_run_and_another_seed_does_not():
     assert c.end_time != a.end_time
 
 
-def one_request(mode: str, *, hit: int, prompt: int, gen: int) -> tuple[Simulation, Agent]:
-    cfg = SimConfig(target="ds27b", prefill_nodes=1, decode_nodes=1, engines_per_node=1, mode=mode)
+def one_request(mode: str, *, hit: int, prompt: int, gen: int, **kw) -> tuple[Simulation, Agent]:
+    cfg = SimConfig(target="ds27b", prefill_nodes=1, decode_nodes=1, engines_per_node=1, mode=mode, **kw)
     agent = Agent(0, prompt - 10, array("i", [10]), array("i", [gen]), 0.0)
     agent.persisted = hit
     return Simulation(cfg, Workload(agents=1), [agent]), agent
@@ -89,6 +89,19 @@ def test_one_requests_time_is_the_closed_form_sum_of_its_load_prefill_and_decode
     assert decode == pytest.approx(sum(steps), rel=2e-3)  # aggregated steps: secant of a near-linear step time
     assert m.tpot[0] == pytest.approx((h2d + sum(steps)) / (gen - 1), rel=2e-3)
     assert m.ttst[0] == pytest.approx(h2d + steps[0], rel=2e-3)  # the hand-off to the decode engine, then its first step
+
+
+def test_decode_host_time_adds_to_every_step_and_nothing_else():
+    """SimConfig.decode_host_s / decode_host_per_request_s: each of a lone request's gen - 1
+    steps takes fixed + per-request (batch 1) more; TTFT does not change."""
+    hit, prompt, gen = 8192, 8192 + 300, 40
+    base, _ = one_request("dualpath", hit=hit, prompt=prompt, gen=gen)
+    slow, _ = one_request("dualpath", hit=hit, prompt=prompt, gen=gen, decode_host_s=0.004, decode_host_per_request_s=0.001)
+    a, b = base.run(), slow.run()
+    assert b.ttft[0] == a.ttft[0]
+    assert b.e2e[0] - a.e2e[0] == pytest.approx((gen - 1) * 0.005, rel=1e-6)
+    with pytest.raises(ValueError, match="host"):
+        SimConfig(decode_host_s=-1e-3)
 
 
 def test_a_lone_dualpath_request_reads_on_the_prefill_side_when_both_queues_are_empty():

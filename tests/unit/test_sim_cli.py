@@ -132,6 +132,9 @@ def test_validate_against_recorded_testbed_runs_gives_both_jcts_within_10pct(cap
     for r in rows:
         assert r["testbed_jct"] > 0 and r["sim_jct"] > 0 and r["ratio"] == pytest.approx(r["sim_jct"] / r["testbed_jct"])
         assert r["within_10pct"], r
+        # the testbed's measured decode host time per step is the simulator's input: it only adds time
+        assert r["decode_host_per_step"]["fixed_s"] + r["decode_host_per_step"]["per_request_s"] > 0
+        assert r["sim_jct"] > r["sim_jct_gpu_only"] and r["ratio_gpu_only"] == pytest.approx(r["sim_jct_gpu_only"] / r["testbed_jct"])
 
 
 def test_plan_ranks_the_splits_of_a_budget_and_checks_the_paper_range(capsys):

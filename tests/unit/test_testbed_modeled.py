@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dualpath.cost import cost_model
-from dualpath.testbed import ModeledDecoder
+from dualpath.testbed import HostPerStep, ModeledDecoder, fit_host_per_step
 
 
 def test_sub_millisecond_steps_keep_the_modeled_rate_while_the_thread_mostly_sleeps():
@@ -96,3 +96,37 @@ def test_an_awaited_decode_step_keeps_the_event_loop_free_while_it_lasts():
     assert logits.shape == (8, 512)
     assert elapsed >= 0.8 * dec.modeled_s  # the step took its modeled (slowed) time ...
     assert len(ticks) >= 3  # ... during which the loop ran other tasks
+
+
+def test_host_time_per_step_is_the_period_beyond_the_modeled_time_fitted_against_batch_size():
+    """Back-to-back steps of batch b and host time 1 ms + 0.2 ms * b (period = modeled + host)
+    give that line back, in modeled seconds (divided by the slowdown); a step followed by an
+    idle wait counts for nothing; two engines' sums add up."""
+    engines = []
+    for batches in ([1, 4, 9, 2, 7], [3, 3, 8, 5]):
+        h, t = HostPerStep(), 100.0
+        for b in batches:
+            h.started(t)
+            modeled = 0.01 * b
+            h.ran(b, modeled)
+            t += modeled + 0.001 + 0.0002 * b
+        h.idle()  # the engine waits: the last step's period is not a host time
+        h.started(t + 5.0)
+        h.ran(1, 0.01)
+        engines.append(h.stats())
+    assert [e["host_steps"] for e in engines] == [4, 3]
+    fit = fit_host_per_step(engines, scale=4.0)
+    assert fit["steps"] == 7
+    assert fit["fixed_s"] == pytest.approx(0.001 / 4) and fit["per_request_s"] == pytest.approx(0.0002 / 4)
+    assert fit_host_per_step([]) is None and fit_host_per_step([HostPerStep().stats()]) is None
+
+
+def test_a_host_time_falling_with_batch_size_fits_a_constant_not_a_negative_slope():
+    h, t = HostPerStep(), 0.0
+    for b in (1, 2, 3, 4, 5, 6):
+        h.started(t)
+        h.ran(b, 0.0)
+        t += 0.002 - 0.0002 * b
+    h.started(t)
+    fit = fit_host_per_step([h.stats()])
+    assert fit["per_request_s"] == 0.0 and fit["fixed_s"] == pytest.approx(fit["mean_s"])

@@ -60,6 +60,13 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hbm-tokens", type=int, default=0, help="decode KV capacity per engine in tokens (0: the cost model's)")
     g.add_argument("--max-running", type=int, default=1024, help="decode: most requests batched together")
     g.add_argument(
+        "--decode-host-ms",
+        type=float,
+        default=0.0,
+        help="decode: host time per step the GPU waits for (scheduling, sampling, streaming); 0: steps back to back",
+    )
+    g.add_argument("--decode-host-per-request-ms", type=float, default=0.0, help="decode: host time per step per running request")
+    g.add_argument(
         "--collective-share",
         type=float,
         default=0.0,
@@ -105,6 +112,8 @@ def _config(ns: argparse.Namespace, mode: str = "dualpath"):
             max_running=ns.max_running,
             mode=mode,
             collective_share=ns.collective_share,
+            decode_host_s=ns.decode_host_ms / 1000,
+            decode_host_per_request_s=ns.decode_host_per_request_ms / 1000,
         )
     except ValueError as exc:
         raise _Fail(str(exc)) from None

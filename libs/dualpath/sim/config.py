@@ -94,6 +94,11 @@ class SimConfig:
     persist: bool = True  # decode persists full blocks (next turn's hits); False: hits are free
     prefetch_gb: float = PREFETCH_CACHE_GB  # mode prefetch: the prefetch cache per node, GB, in DRAM beside the buffer
     prefetch_ttl_s: float = 60.0  # mode prefetch: seconds a staged copy waits for its agent's next turn
+    # decode: host time per step the GPU waits for (scheduling, sampling, streaming), fixed + per
+    # running request; 0 = steps back to back (the cost model's calibration). Validate sets it
+    # from the testbed's measured figure (dualpath.testbed.HostPerStep).
+    decode_host_s: float = 0.0
+    decode_host_per_request_s: float = 0.0
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +108,8 @@ class SimConfig:
             raise ValueError("node, GPU, block, storage-parallel and max-running counts must be at least 1")
         if min(self.snic_gbps, self.cnic_gbps, self.dram_buffer_gb, self.prefetch_gb, self.quota_s, self.pass_interval_s) <= 0:
             raise ValueError("bandwidths, buffer and prefetch cache sizes, quota and pass interval must be positive")
+        if min(self.decode_host_s, self.decode_host_per_request_s) < 0:
+            raise ValueError("decode host times must be >= 0")
         if not 0 <= self.collective_share < 1:
             raise ValueError(f"collective_share must be in [0, 1), got {self.collective_share}")
         if self.engines_per_node < 0 or self.engines_per_node > self.gpus_per_node:

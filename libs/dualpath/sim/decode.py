@@ -73,6 +73,8 @@ class DecodeEngineSim:
         "cnic_out",
         "engine_id",
         "heap",
+        "host_per_request_s",
+        "host_s",
         "keys0",
         "leave",
         "loop",
@@ -96,6 +98,7 @@ class DecodeEngineSim:
         self.topk = sim.decode_cost.target.sparse_topk
         self.loop = sim.loop
         self._step_totals = sim.decode_cost.decode_step_time_totals
+        self.host_s, self.host_per_request_s = sim.cfg.decode_host_s, sim.cfg.decode_host_per_request_s
         self.progress = 0.0  # steps since start (fluid)
         self.t = 0.0  # virtual time of ``progress``
         self.n = 0
@@ -123,7 +126,10 @@ class DecodeEngineSim:
                 attended += sum(min(v + xi, topk) for v in self.below.values())
         else:
             attended = keys
-        return self._step_totals(n, keys, attended)
+        step = self._step_totals(n, keys, attended)
+        if self.host_s or self.host_per_request_s:  # host time per step (SimConfig.decode_host_s)
+            step += self.host_s + self.host_per_request_s * n
+        return step
 
     def _settle(self) -> None:
         now = self.loop.now

@@ -14,8 +14,14 @@ storage, and a node's storage reads served one after another: the testbed's emul
 is a non-preemptive FIFO server of byte jobs (``dualpath.transfer.nic``) and each read
 queues all its chunks at once, so of the traffic manager's four reads in flight the first
 queued finishes first, where a real NIC (the simulator's default, ``storage_parallel`` 4)
-shares itself among them. The simulator does not model the emulation's own host overhead (Python, the bus),
-which the testbed reports as its ``overhead`` share.
+shares itself among them. The emulation's own host time per decode step (sampling, streaming, admission, a loaded
+host's late wake-ups: time the modeled GPU waits for) is what the testbed's decode engines
+measure (``dualpath.testbed.HostPerStep``, the result's ``decode_host_per_step``: a fixed part
+and a part per running request, modeled seconds); the simulator takes that figure as its
+``decode_host_s`` / ``decode_host_per_request_s``, and the rows also give the JCT it simulates
+without it (``sim_jct_gpu_only``: steps back to back). It is measured, not fitted to the JCT:
+a step's host time against its batch size, the way Vidur profiles the CPU overhead of the
+engine it models. Prefill host time is not modeled (the testbed's TTFTs match without it).
 
 ``--recorded`` compares with the testbed JCTs of the last quick run recorded in the README
 instead of running the testbed (seconds: the CI form); ``--testbed-json DIR`` reuses result.json files of earlier
@@ -36,25 +42,28 @@ from dualpath.sim.experiments import run_offline
 from dualpath.sim.hugepages import plain_env
 from dualpath.sim.workload import Workload
 
-__all__ = ["RECORDED", "main", "sim_jcts"]
+__all__ = ["RECORDED", "main", "sim_jcts", "testbed_config", "testbed_runs"]
 
 TESTBED_SCALE = 1000.0  # the testbed's default byte scale
 TESTBED_BUFFER_MIB = 64  # the stack's buffer floor (runner.stack_config): what one-engine nodes get
 TESTBED_KV_TOKENS = 1 << 22  # runner.stack_config's kv_capacity_tokens
 
-# The testbed's JCTs (modeled seconds) of the last ``dualpath sim validate --quick`` recorded in
-# the README (2026-12-03 at 90f8968, the 2-core VM with nothing else running): ds27b, 64K set,
-# RECORDED_AGENTS agents x RECORDED_TURNS turns, start-at 0.5, one engine per node, slowdown 6.
-RECORDED = {
-    "1P1D": {"basic": 4.215, "dualpath": 3.167},
-    "2P1D": {"basic": 3.284, "dualpath": 3.208},
-    "1P2D": {"basic": 4.116, "dualpath": 2.934},
+# The testbed's JCTs (modeled seconds) and decode host time per step (fixed, per request;
+# modeled seconds) of the last ``dualpath sim validate --quick`` recorded in the README
+# (RECORDED_AT): ds27b, 64K set, RECORDED_AGENTS agents x RECORDED_TURNS turns, start-at 0.5, one
+# engine per node, slowdown 6.
+RECORDED_AT = "2026-12-03, 3f780c2 + the batched greedy sampler and the host-time measurement"
+RECORDED: dict[str, dict[str, tuple[float, float, float]]] = {
+    "1P1D": {"basic": (4.225, 5.774e-05, 7.538e-06), "dualpath": (3.130, 3.796e-05, 1.058e-05)},
+    "2P1D": {"basic": (3.411, 3.217e-05, 1.164e-05), "dualpath": (3.142, 2.380e-05, 1.417e-05)},
+    "1P2D": {"basic": (4.137, 3.261e-05, 1.470e-05), "dualpath": (2.895, 1.403e-05, 2.691e-05)},
 }
 RECORDED_AGENTS, RECORDED_TURNS = 16, 2
 
 
-def testbed_config(topology: str, target: str = "ds27b") -> SimConfig:
-    """The simulator configured as the testbed stack runs ``topology`` (module docstring)."""
+def testbed_config(topology: str, target: str = "ds27b", host: dict | None = None) -> SimConfig:
+    """The simulator configured as the testbed stack runs ``topology`` (module docstring), with
+    ``host`` (a testbed run's ``decode_host_per_step``) as its decode host time per step."""
     p, d = parse_topology(topology)
     share = 1 / 8
     dram_gb = TESTBED_BUFFER_MIB * 2**20 * TESTBED_SCALE / 1e9 / share
@@ -67,23 +76,39 @@ def testbed_config(topology: str, target: str = "ds27b") -> SimConfig:
         hbm_tokens=TESTBED_KV_TOKENS,
         dram_buffer_gb=dram_gb,
         storage_parallel=1,  # the emulated SNIC serves reads FIFO (module docstring)
+        decode_host_s=host["fixed_s"] if host else 0.0,
+        decode_host_per_request_s=host["per_request_s"] if host else 0.0,
     )
 
 
-def sim_jcts(topology: str, modes: list[str], *, agents: int, turns: int, target: str = "ds27b", seed: int = 0) -> dict[str, float]:
-    result = run_offline(
-        testbed_config(topology, target),
-        Workload(dataset="64k", agents=agents, turns=turns, start_at=0.5, seed=seed),
-        modes,
-        progress=False,
-    )
-    return {m: r["jct_s"] for m, r in result["modes"].items()}
-
-
-def testbed_jcts(
-    topology: str, modes: list[str], *, agents: int, turns: int, out: Path, slowdown: float, target: str = "ds27b", seed: int = 0
+def sim_jcts(
+    topology: str,
+    modes: list[str],
+    *,
+    agents: int,
+    turns: int,
+    target: str = "ds27b",
+    seed: int = 0,
+    hosts: dict[str, dict | None] | None = None,
 ) -> dict[str, float]:
-    """Run ``dualpath experiment offline`` (minutes per mode) and return its JCTs."""
+    """Simulated JCTs of ``modes``; ``hosts`` (mode -> a testbed run's ``decode_host_per_step``)
+    gives each mode's decode host time per step (none: steps back to back)."""
+    workload = Workload(dataset="64k", agents=agents, turns=turns, start_at=0.5, seed=seed)
+    if not hosts or not any(hosts.values()):
+        result = run_offline(testbed_config(topology, target), workload, modes, progress=False)
+        return {m: r["jct_s"] for m, r in result["modes"].items()}
+    out = {}
+    for mode in modes:
+        result = run_offline(testbed_config(topology, target, hosts.get(mode)), workload, [mode], progress=False)
+        out[mode] = result["modes"][mode]["jct_s"]
+    return out
+
+
+def testbed_runs(
+    topology: str, modes: list[str], *, agents: int, turns: int, out: Path, slowdown: float, target: str = "ds27b", seed: int = 0
+) -> dict[str, dict]:
+    """Run ``dualpath experiment offline`` (minutes per mode) and return its per-mode figures
+    (``jct_s``, ``decode_host_per_step``, ...)."""
     cmd = [
         sys.executable,
         "-m",
@@ -111,34 +136,43 @@ def testbed_jcts(
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=plain_env())  # the testbed as it runs on its own
     if proc.returncode != 0:
         raise RuntimeError(f"testbed {topology} exited {proc.returncode}: {proc.stderr.strip()[-400:]}")
-    result = json.loads(proc.stdout)
-    return {m: r["jct_s"] for m, r in result["modes"].items()}
+    return json.loads(proc.stdout)["modes"]
 
 
-def _rows(topology: str, testbed: dict[str, float], sim: dict[str, float]) -> list[dict]:
+def _rows(topology: str, testbed: dict[str, dict], sim: dict[str, float], gpu_only: dict[str, float]) -> list[dict]:
     rows = []
     for mode, tb in testbed.items():
+        tb_jct, host = tb["jct_s"], tb.get("decode_host_per_step")
         sm = sim.get(mode)
-        ratio = sm / tb if sm is not None and tb else None
+        ratio = sm / tb_jct if sm is not None and tb_jct else None
         rows.append(
             {
                 "topology": topology,
                 "mode": mode,
-                "testbed_jct": tb,
+                "testbed_jct": tb_jct,
                 "sim_jct": sm,
                 "ratio": ratio,
                 "within_10pct": ratio is not None and abs(ratio - 1) <= 0.10,
+                "decode_host_per_step": host,  # the testbed's, the simulator's input (modeled seconds)
+                "sim_jct_gpu_only": gpu_only.get(mode),
+                "ratio_gpu_only": gpu_only[mode] / tb_jct if mode in gpu_only and tb_jct else None,
             }
         )
     return rows
 
 
 def format_rows(rows: list[dict]) -> str:
-    out = [f"{'topology':<9} {'mode':<9} {'testbed JCT':>11} {'sim JCT':>8} {'sim/testbed':>11}  within 10%"]
+    out = [
+        f"{'topology':<9} {'mode':<9} {'testbed JCT':>11} {'sim JCT':>8} {'sim/testbed':>11}  within 10%"
+        f"  {'decode host ms/step':>19} {'GPU-only sim/testbed':>20}"
+    ]
     for r in rows:
+        host = r["decode_host_per_step"]
+        host_text = f"{1e3 * host['fixed_s']:.3f}+{1e3 * host['per_request_s']:.4f}/req" if host else "-"
+        gpu = f"{r['ratio_gpu_only']:.3f}" if r["ratio_gpu_only"] is not None else "-"
         out.append(
             f"{r['topology']:<9} {r['mode']:<9} {r['testbed_jct']:>11.2f} {r['sim_jct']:>8.2f} {r['ratio']:>11.3f}  "
-            f"{'yes' if r['within_10pct'] else 'NO'}"
+            f"{'yes' if r['within_10pct'] else 'NO':<10}  {host_text:>19} {gpu:>20}"
         )
     return "\n".join(out)
 
@@ -170,15 +204,22 @@ def main(argv: list[str]) -> int:
             if topo not in RECORDED:
                 print(f"dualpath sim validate: no recorded testbed run for {topo} (recorded: {', '.join(RECORDED)})", file=sys.stderr)
                 continue
-            testbed = {m: RECORDED[topo][m] for m in modes if m in RECORDED[topo]}
+            testbed: dict[str, dict] = {
+                m: {"jct_s": jct, "decode_host_per_step": {"fixed_s": fixed, "per_request_s": per} if fixed or per else None}
+                for m, (jct, fixed, per) in RECORDED[topo].items()
+                if m in modes
+            }
             agents, turns = RECORDED_AGENTS, RECORDED_TURNS
         elif ns.testbed_json:
             result = json.loads((Path(ns.testbed_json) / topo / "result.json").read_text())
-            testbed = {m: r["jct_s"] for m, r in result["modes"].items() if m in modes}
+            testbed = {m: r for m, r in result["modes"].items() if m in modes}  # runs before the host figure: none
             agents, turns = result["agents"], result["turns"]
         else:
-            testbed = testbed_jcts(topo, modes, agents=agents, turns=turns, out=Path(ns.out), slowdown=slowdown)
-        rows += _rows(topo, testbed, sim_jcts(topo, list(testbed), agents=agents, turns=turns))
+            testbed = testbed_runs(topo, modes, agents=agents, turns=turns, out=Path(ns.out), slowdown=slowdown)
+        hosts: dict[str, dict | None] = {m: tb.get("decode_host_per_step") for m, tb in testbed.items()}
+        gpu_only = sim_jcts(topo, list(testbed), agents=agents, turns=turns)
+        sim = sim_jcts(topo, list(testbed), agents=agents, turns=turns, hosts=hosts) if any(hosts.values()) else gpu_only
+        rows += _rows(topo, testbed, sim, gpu_only)
     wall = time.perf_counter() - t0
     result = {
         "rows": rows,

@@ -6,7 +6,7 @@ NICs of the profile's bandwidth divided by the scale factor, with KV bytes per t
 by the same factor, so transfer times are the cluster's while a laptop moves the bytes.
 """
 
-from dualpath.testbed.modeled import ModeledDecoder
+from dualpath.testbed.modeled import HostPerStep, ModeledDecoder, fit_host_per_step
 from dualpath.testbed.profile import HardwareProfile, scaled_bytes_per_token_layer
 
-__all__ = ["HardwareProfile", "ModeledDecoder", "scaled_bytes_per_token_layer"]
+__all__ = ["HardwareProfile", "HostPerStep", "ModeledDecoder", "fit_host_per_step", "scaled_bytes_per_token_layer"]

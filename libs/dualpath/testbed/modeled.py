@@ -33,11 +33,83 @@ from dualpath.cost import CostModel
 if TYPE_CHECKING:
     from dualpath.testbed.collectives import ModelTraffic
 
-__all__ = ["ModeledDecoder"]
+__all__ = ["HostPerStep", "ModeledDecoder", "fit_host_per_step"]
 
 _MAX_DEBT_S = 0.02  # host seconds of lateness a decoder pays back at most (see ``_sleep``)
 _MAX_LATE_S = 0.002  # the earliest a sleep aims before its deadline
 _LATE_GAIN = 0.1  # weight of the newest sample in the running mean of time.sleep's lateness
+
+
+class HostPerStep:
+    """A decode engine's host time per step beyond the modeled GPU time, against batch size.
+
+    The engine loop calls ``started`` as a step begins, ``ran`` when the step and its result
+    processing are done (with the batch size and the modeled seconds the step asked for) and
+    ``idle`` when it waits for work. For two back-to-back steps, the first one's host time is
+    the time from its start to the next one's start minus its modeled seconds: sampling,
+    streaming, admission, persistence and late wake-ups of a loaded host, the part of a step
+    period the modeled GPU does not account for. ``stats`` gives the sums of a least-squares
+    line ``host = fixed + per_request * batch`` (``fit_host_per_step``), so that reports of
+    several engines add up; the simulator's ``decode_host_s`` / ``decode_host_per_request_s``
+    take its result (``dualpath sim validate``).
+    """
+
+    __slots__ = ("_open", "_t", "n", "sb", "sbb", "sbh", "sh")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.sb = self.sbb = self.sh = self.sbh = 0.0
+        self._t = 0.0
+        self._open: tuple[float, int, float] | None = None  # (start, batch, modeled seconds) of the step before
+
+    def started(self, t: float) -> None:
+        if self._open is not None:
+            t0, batch, modeled = self._open
+            host = t - t0 - modeled
+            self.n += 1
+            self.sb += batch
+            self.sbb += batch * batch
+            self.sh += host
+            self.sbh += batch * host
+            self._open = None
+        self._t = t
+
+    def ran(self, batch: int, modeled_s: float) -> None:
+        self._open = (self._t, batch, modeled_s)
+
+    def idle(self) -> None:
+        self._open = None
+
+    def stats(self) -> dict[str, float]:
+        return {"host_steps": self.n, "host_sb": self.sb, "host_sbb": self.sbb, "host_sh": self.sh, "host_sbh": self.sbh}
+
+
+def fit_host_per_step(stats: Sequence[dict], scale: float = 1.0) -> dict[str, float] | None:
+    """The line ``host = fixed_s + per_request_s * batch`` through the steps that ``stats``
+    (``HostPerStep.stats`` of one or more engines) summed, in seconds divided by ``scale``
+    (the testbed's slowdown: modeled seconds), with the steps' count and mean; None without
+    steps. Both coefficients stay non-negative: where the best line has a negative one, the
+    other alone is fitted."""
+    n = sum(s.get("host_steps", 0) for s in stats)
+    if not n:
+        return None
+    sb, sbb, sh, sbh = (sum(s.get(k, 0.0) for s in stats) for k in ("host_sb", "host_sbb", "host_sh", "host_sbh"))
+    det = n * sbb - sb * sb
+    fixed, per = sh / n, 0.0
+    if det > 1e-9 * n * sbb:
+        per = (n * sbh - sb * sh) / det
+        fixed = (sh - per * sb) / n
+        if per < 0:
+            fixed, per = sh / n, 0.0
+        elif fixed < 0:
+            fixed, per = 0.0, (sbh / sbb if sbb else 0.0)
+    return {
+        "steps": n,
+        "mean_s": sh / n / scale,
+        "fixed_s": max(0.0, fixed) / scale,
+        "per_request_s": max(0.0, per) / scale,
+        "mean_batch": sb / n,
+    }
 
 
 class _ModeledConfig:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dualpath.cli.experiment.runner import ModeResult
 from dualpath.policy import max_over_avg
+from dualpath.testbed.modeled import fit_host_per_step
 
 __all__ = ["cpu_groups", "mode_figures", "snic_series"]
 
@@ -50,6 +51,8 @@ def mode_figures(r: ModeResult) -> dict:
         # how long prefill layer loops waited for their KV (fetch or store on the NICs), and computed, modeled seconds
         "prefill_kv_wait_s": sum(s.get("kv_wait_s", 0.0) for s in prefill.values()) / r.slowdown,
         "prefill_modeled_s": sum(s.get("modeled_s", 0.0) for s in prefill.values()) / r.slowdown,
+        # decode engines' host time per step beyond the modeled GPU's (modeled seconds): fixed + per request
+        "decode_host_per_step": fit_host_per_step(list(decode.values()), r.slowdown),
         "loadgen_exit": r.loadgen_exit,
         "kv_lookup_failures": r.extra.get("kv_lookup_failures", 0),  # hits lost to index lookup timeouts
         "host_cpu_s": cpu_groups(r.extra.get("cpu_s") or {}),
