@@ -13,19 +13,23 @@ import numpy as np
 __all__ = ["arrival_times", "interarrival_stats"]
 
 
-def arrival_times(agents: int, *, rate: float | None, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+def arrival_times(agents: int, *, rate: float | None, burstiness: float = 1.0, seed: int = 0, stagger: float = 0.0) -> np.ndarray:
     """Arrival offsets in seconds from the start, ascending, one per agent.
 
-    ``rate`` None means offline (every agent at 0). The first agent arrives one
-    inter-arrival gap after the start, so ``agents / times[-1]`` estimates the rate
+    ``rate`` None means offline: every agent at 0, or agent ``i`` at ``i * stagger`` (a burst
+    spaced just enough that a server sees it in the agents' order). The first agent arrives
+    one inter-arrival gap after the start, so ``agents / times[-1]`` estimates the rate
     without bias from a free first arrival.
 
-    Raises ValueError for agents < 0, rate <= 0 or burstiness <= 0.
+    Raises ValueError for agents < 0, rate <= 0, burstiness <= 0, stagger < 0, or a stagger
+    with a rate.
     """
     if agents < 0:
         raise ValueError(f"agents must be >= 0, got {agents}")
+    if not stagger >= 0 or (stagger and rate is not None):
+        raise ValueError(f"stagger must be >= 0 and spaces offline starts only, got stagger={stagger} rate={rate}")
     if rate is None:
-        return np.zeros(agents)
+        return stagger * np.arange(agents, dtype=np.float64)
     if rate <= 0 or burstiness <= 0:
         raise ValueError(f"rate and burstiness must be > 0, got rate={rate} burstiness={burstiness}")
     rng = np.random.default_rng(seed)

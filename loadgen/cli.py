@@ -67,6 +67,14 @@ def build_parser(prog: str = "dualpath loadgen") -> argparse.ArgumentParser:
     mode.add_argument("--rate", type=float, help="online: agents arrive at this many per second (the sweep's start rate)")
     mode.add_argument("--offline", action="store_true", help="offline: every agent starts at once (the default)")
     p.add_argument("--burstiness", type=float, default=1.0, help="Gamma arrival shape: 1 = Poisson, < 1 burstier")
+    p.add_argument(
+        "--stagger",
+        type=float,
+        default=0.0,
+        help="offline: start agent i at i x this many seconds instead of all at once, so the server sees the first "
+        "turns in the agents' order (a burst sent at once reaches a scheduler in whatever order the server's "
+        "concurrent handling gives)",
+    )
     p.add_argument("--duration", type=float, help="stop arrivals after this many seconds and end the run (online)")
     p.add_argument("--drain", type=float, default=0.0, help="seconds after --duration that running agents may continue")
     p.add_argument("--slo-ttft", type=float, default=4.0, help="TTFT bound of the SLO, seconds")
@@ -119,6 +127,10 @@ def _check(args: argparse.Namespace) -> None:
         raise InputError("--drain must be >= 0, --max-errors and --sweep-probes >= 1")
     if args.sweep and args.offline:
         raise InputError("--sweep probes arrival rates; it cannot be combined with --offline")
+    if not args.stagger >= 0:
+        raise InputError("--stagger must be >= 0")
+    if args.stagger and (args.rate is not None or args.sweep):
+        raise InputError("--stagger spaces an offline run's starts; online runs have --rate")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _spec(args, endpoint, trajectories, *, rate: float | None, seed: int) -> LoadSpec:
-    arrivals = arrival_times(len(trajectories), rate=rate, burstiness=args.burstiness, seed=seed)
+    arrivals = arrival_times(
+        len(trajectories), rate=rate, burstiness=args.burstiness, seed=seed, stagger=args.stagger if rate is None else 0.0
+    )
     return LoadSpec(
         endpoint=endpoint,
         trajectories=tuple(trajectories),

@@ -49,3 +49,11 @@ def test_schedules_are_sorted_and_reproducible_from_the_seed() -> None:
 def test_non_positive_rate_or_burstiness_is_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         arrival_times(10, **kwargs)
+
+
+def test_an_offline_stagger_spaces_the_starts_in_agent_order_and_needs_no_rate() -> None:
+    assert arrival_times(4, rate=None).tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert arrival_times(4, rate=None, stagger=0.5).tolist() == [0.0, 0.5, 1.0, 1.5]
+    for bad in ({"rate": None, "stagger": -0.1}, {"rate": 2.0, "stagger": 0.1}):
+        with pytest.raises(ValueError, match="stagger"):
+            arrival_times(3, **bad)

@@ -140,6 +140,19 @@ def test_untimed_lead_in_turns_run_but_are_not_counted(instant: str, tmp_path: P
     assert "leaves no timed turn" in capsys.readouterr().err
 
 
+def test_a_staggered_offline_run_starts_the_agents_in_order_that_far_apart(instant: str, tmp_path: Path, capsys) -> None:
+    argv = ["--url", instant, "--agents", "6", "--turns", "1", "--scale", "0.002", "--stagger", "0.05"]
+    code, _, _ = _run(argv, tmp_path, capsys)
+    assert code == 0
+    starts = sorted((t["t_start"], t["agent"]) for t in _turns(tmp_path))
+    assert [a for _, a in starts] == list(range(6))
+    assert all(t >= 0.05 * i - 0.005 for i, (t, _) in enumerate(starts)), starts  # never before its time
+    assert starts[-1][0] < 2.0, starts  # and not much after it (a loaded host wakes late)
+    for bad in (["--stagger", "-1"], ["--stagger", "0.1", "--rate", "2"]):
+        assert main(["--url", instant, "--agents", "1", *bad, "--out", str(tmp_path / "bad")]) == 2
+    assert "--stagger" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["--api", "chat"], ["--transport", "httpx"]])
 def test_chat_api_and_httpx_transport_complete_a_small_run(instant: str, tmp_path: Path, capsys, argv) -> None:
     code, report, _ = _run(["--url", instant, "--agents", "5", "--turns", "3", "--scale", "0.002", *argv], tmp_path, capsys)

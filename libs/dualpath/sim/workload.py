@@ -28,7 +28,8 @@ class Workload:
 
     ``dataset``: 32k, 48k, 64k (synthetic, the paper's statistics) or a trajectory JSONL
     file; ``turns`` caps each agent (None: the whole trajectory); ``start_at`` meets agents
-    that far through their trajectories; ``rate`` None is offline (all at 0).
+    that far through their trajectories; ``rate`` None is offline (all at 0, or agent ``i`` at
+    ``i * stagger_s``: the testbed's ``--stagger-ms``).
     """
 
     dataset: str = "64k"
@@ -43,6 +44,7 @@ class Workload:
     duration_s: float | None = None  # online: arrivals stop after this (agents beyond are dropped)
     append_scale: float = 1.0  # every append multiplied by this (the paper's append-length sweep)
     warm: bool | None = None  # the context an agent starts with is already in storage (None: when start_at > 0)
+    stagger_s: float = 0.0  # offline: agent i starts at i x this
 
 
 def build_agents(w: Workload, block_tokens: int = 64) -> list[Agent]:
@@ -54,7 +56,7 @@ def build_agents(w: Workload, block_tokens: int = 64) -> list[Agent]:
     """
     warm = w.start_at > 0 if w.warm is None else w.warm
     trajectories = load_dataset(w.dataset, agents=w.agents, seed=w.seed, turns=w.turns, scale=w.scale, start_at=w.start_at)
-    times = arrival_times(len(trajectories), rate=w.rate, burstiness=w.burstiness, seed=w.seed + 7919)
+    times = arrival_times(len(trajectories), rate=w.rate, burstiness=w.burstiness, seed=w.seed + 7919, stagger=w.stagger_s)
     out = []
     for i, t in enumerate(trajectories):
         at = float(times[i])

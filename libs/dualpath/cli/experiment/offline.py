@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="untimed first turns per agent (their KV is then in storage, as mid-rollout); 0 = time from scratch",
     )
+    p.add_argument(
+        "--stagger-ms",
+        type=float,
+        default=0.0,
+        help="start agent i at i x this many modeled ms instead of all at once, so the scheduler sees the first turns "
+        "in the agents' order (a burst reaches it in whatever order the gateway's concurrent handling gives)",
+    )
     p.add_argument("--stream-interval", type=int, default=16, help="decode tokens per streamed event (JCT needs no per-token events)")
     p.add_argument("--out", default="runs/offline", help="result.json, PNGs and per-mode logs")
     p.add_argument("--json", action="store_true", help="print result.json instead of the table")
@@ -134,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     if not ns.slowdown > 0:
         print(f"dualpath experiment offline: --slowdown must be positive, got {ns.slowdown}", file=sys.stderr)
         return 2
+    if not ns.stagger_ms >= 0:
+        print(f"dualpath experiment offline: --stagger-ms must be >= 0, got {ns.stagger_ms}", file=sys.stderr)
+        return 2
     if not 0 <= ns.start_at < 1:
         print(f"dualpath experiment offline: --start-at must be in [0, 1), got {ns.start_at}", file=sys.stderr)
         return 2
@@ -143,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup_turns=ns.warmup_turns,
         stream_interval=ns.stream_interval,
         slowdown=ns.slowdown,
-        extra_loadgen=("--start-at", str(ns.start_at)),
+        extra_loadgen=("--start-at", str(ns.start_at), "--stagger", repr(ns.stagger_ms / 1000 * ns.slowdown)),  # host seconds
     )
     if prepared is None:
         return 2
@@ -168,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "turns": ns.turns,
         "warmup_turns": ns.warmup_turns,
         "start_at": ns.start_at,
+        "stagger_ms": ns.stagger_ms,
         "scale": ns.scale,
         "modes": rows,
         "ratios": {
