@@ -175,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _spec(args, endpoint, trajectories, *, rate: float | None, seed: int) -> LoadSpec:
     arrivals = arrival_times(
-        len(trajectories), rate=rate, burstiness=args.burstiness, seed=seed, stagger=args.stagger if rate is None else 0.0
+        len(trajectories),
+        rate=rate,
+        burstiness=args.burstiness,
+        seed=seed,
+        stagger=args.stagger,  # 0 with a rate (main checks)
     )
     return LoadSpec(
         endpoint=endpoint,

@@ -420,14 +420,13 @@ class DecodeEngine:
                     await self._idle(stop)
                 continue
             t0 = time.perf_counter()
-            modeled0 = getattr(self.setup.decoder, "modeled_s", 0.0)
             if self.host is not None:
-                self.host.started(t0)
+                self.host.started(t0, self.setup.decoder.modeled_s)
             try:
                 logits = await self._run_step(step)
                 await self._process_result(step, logits)
                 if self.host is not None:
-                    self.host.ran(len(step.batch), self.setup.decoder.modeled_s - modeled0)
+                    self.host.ran(len(step.batch), self.setup.decoder.modeled_s)
             except Exception as exc:
                 log.exception("decode_step_failed", requests=len(self.running))
                 for r in list(self.running.values()):

@@ -104,15 +104,16 @@ def test_host_time_per_step_is_the_period_beyond_the_modeled_time_fitted_against
     idle wait counts for nothing; two engines' sums add up."""
     engines = []
     for batches in ([1, 4, 9, 2, 7], [3, 3, 8, 5]):
-        h, t = HostPerStep(), 100.0
+        h, t, total = HostPerStep(), 100.0, 3.0  # total: the decoder's cumulative modeled_s
         for b in batches:
-            h.started(t)
+            h.started(t, total)
             modeled = 0.01 * b
-            h.ran(b, modeled)
+            total += modeled
+            h.ran(b, total)
             t += modeled + 0.001 + 0.0002 * b
         h.idle()  # the engine waits: the last step's period is not a host time
-        h.started(t + 5.0)
-        h.ran(1, 0.01)
+        h.started(t + 5.0, total)
+        h.ran(1, total + 0.01)
         engines.append(h.stats())
     assert [e["host_steps"] for e in engines] == [4, 3]
     fit = fit_host_per_step(engines, scale=4.0)
@@ -124,9 +125,9 @@ def test_host_time_per_step_is_the_period_beyond_the_modeled_time_fitted_against
 def test_a_host_time_falling_with_batch_size_fits_a_constant_not_a_negative_slope():
     h, t = HostPerStep(), 0.0
     for b in (1, 2, 3, 4, 5, 6):
-        h.started(t)
+        h.started(t, 0.0)
         h.ran(b, 0.0)
         t += 0.002 - 0.0002 * b
-    h.started(t)
+    h.started(t, 0.0)
     fit = fit_host_per_step([h.stats()])
     assert fit["per_request_s"] == 0.0 and fit["fixed_s"] == pytest.approx(fit["mean_s"])

@@ -115,8 +115,8 @@ def sample(
     raw = logits.float()
     logprobs = torch.log_softmax(raw, dim=-1)  # [B, V]
     eos = torch.tensor(sorted(i for i in eos_ids if 0 <= i < vocab), dtype=torch.long, device=raw.device)
-    plain = [i for i, p in enumerate(params) if cons[i] is None and p.temperature < _GREEDY_BELOW and not p.top_logprobs]
-    if len(plain) == batch:  # the common decode batch: every row greedy and unconstrained, in a few batched ops
+    if all(c is None and p.temperature < _GREEDY_BELOW and not p.top_logprobs for c, p in zip(cons, params)):
+        # the common decode batch: every row greedy and unconstrained, in a few batched ops
         return _greedy_rows(raw, logprobs, eos, suppress)
     out = []
     for i, p in enumerate(params):

@@ -43,9 +43,9 @@ _LATE_GAIN = 0.1  # weight of the newest sample in the running mean of time.slee
 class HostPerStep:
     """A decode engine's host time per step beyond the modeled GPU time, against batch size.
 
-    The engine loop calls ``started`` as a step begins, ``ran`` when the step and its result
-    processing are done (with the batch size and the modeled seconds the step asked for) and
-    ``idle`` when it waits for work. For two back-to-back steps, the first one's host time is
+    The engine loop calls ``started`` as a step begins and ``ran`` when the step and its result
+    processing are done (each with the decoder's ``modeled_s`` then; ``ran`` with the batch
+    size too) and ``idle`` when it waits for work. For two back-to-back steps, the first one's host time is
     the time from its start to the next one's start minus its modeled seconds: sampling,
     streaming, admission, persistence and late wake-ups of a loaded host, the part of a step
     period the modeled GPU does not account for. ``stats`` gives the sums of a least-squares
@@ -54,15 +54,15 @@ class HostPerStep:
     take its result (``dualpath sim validate``).
     """
 
-    __slots__ = ("_open", "_t", "n", "sb", "sbb", "sbh", "sh")
+    __slots__ = ("_m", "_open", "_t", "n", "sb", "sbb", "sbh", "sh")
 
     def __init__(self) -> None:
         self.n = 0
         self.sb = self.sbb = self.sh = self.sbh = 0.0
-        self._t = 0.0
+        self._t = self._m = 0.0  # the current step's start and the decoder's modeled_s then
         self._open: tuple[float, int, float] | None = None  # (start, batch, modeled seconds) of the step before
 
-    def started(self, t: float) -> None:
+    def started(self, t: float, modeled_s: float) -> None:
         if self._open is not None:
             t0, batch, modeled = self._open
             host = t - t0 - modeled
@@ -72,10 +72,10 @@ class HostPerStep:
             self.sh += host
             self.sbh += batch * host
             self._open = None
-        self._t = t
+        self._t, self._m = t, modeled_s
 
     def ran(self, batch: int, modeled_s: float) -> None:
-        self._open = (self._t, batch, modeled_s)
+        self._open = (self._t, batch, modeled_s - self._m)
 
     def idle(self) -> None:
         self._open = None
