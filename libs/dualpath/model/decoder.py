@@ -1,9 +1,28 @@
-"""``Decoder``: a Qwen2 / Llama decoder with layer-wise forward over externally held KV.
+"""``Decoder``: the supported decoder families with a layer-wise forward over externally held KV.
 
 The engines own the KV cache (it arrives from storage, another engine, or their own
 earlier steps); the decoder owns only weights. ``forward_layer`` runs one layer for the new
-tokens of several sequences at once: the linear layers see all ``N`` tokens as one matrix,
-attention runs per sequence over ``past_i ++ new_i`` with a causal mask.
+tokens of several sequences at once: the linear layers (and the MoE experts) see all ``N``
+tokens as one matrix, attention runs per sequence over ``past_i ++ new_i`` with a causal
+mask.
+
+A layer is an attention part and an MLP part, each chosen by ``config.json``:
+
+- ``_GqaAttention``: q/k/v projections (fused into one matmul), optional biases, optional
+  per-head q/k RMSNorm (Qwen3), RoPE, grouped-query attention. A token keeps K and V.
+- ``_MlaAttention``: multi-head latent attention (DeepSeek-V2/V3). A token keeps only the
+  normalised latent ``c`` (``kv_lora_rank``) and the rotary key ``k_pe`` (``qk_rope_head_dim``,
+  shared by every head). Attention either expands the latents per head (``kv_b_proj``; cheap
+  when many queries share few keys, as in a prefill) or absorbs ``kv_b_proj`` into the
+  queries and the output (no per-token expansion; cheap in decode). Both are exact; the
+  cheaper one by FLOPs is taken per sequence.
+- ``_Mlp``: SwiGLU, gate and up fused. ``_Moe``: a router (softmax or sigmoid scores,
+  optional correction bias, grouped top-k), tokens grouped by expert (one matmul per active
+  expert, never a loop over tokens), weights normalised and scaled as the config says,
+  plus the shared experts.
+
+The KV one token keeps per layer is described by ``config.kv_spec`` (``KvSpec``): what
+``forward_layer`` returns as ``(k, v)`` and accepts as ``past``.
 """
 
 from __future__ import annotations
@@ -15,29 +34,214 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dualpath.model.config import ModelConfig
+from dualpath.model.config import KvSpec, MoeConfig, ModelConfig
 from dualpath.model.errors import ModelInputError
-from dualpath.model.rope import RotaryEmbedding
+from dualpath.model.rope import RotaryEmbedding, mla_softmax_scale
 from dualpath.model.weights import expected_shapes, locate_tensors, read_tensors
 
 __all__ = ["Decoder", "PastKV"]
 
-PastKV = tuple[torch.Tensor, torch.Tensor] | None  # (k, v) each [P, kv_heads, head_dim]
+PastKV = tuple[torch.Tensor, torch.Tensor] | None  # (k, v): [P, *kv_spec.k_shape], [P, *kv_spec.v_shape]
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # In float32 then back, as transformers' RMSNorm modules do.
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _causal_mask(n: int, past_len: int, device: torch.device) -> torch.Tensor | None:
+    """Query ``j`` (absolute ``past_len + j``) sees keys ``0..past_len + j``; None for one query."""
+    if n == 1:
+        return None
+    cols = torch.arange(past_len + n, device=device)
+    rows = torch.arange(n, device=device) + past_len
+    return cols[None, :] <= rows[:, None]  # [n, P + n]
+
+
+class _GqaAttention:
+    def __init__(self, cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, rope: RotaryEmbedding) -> None:
+        names = ("q_proj", "k_proj", "v_proj")
+        self.qkv = torch.cat([t[f"{p}{n}.weight"] for n in names])  # [(heads + 2 kvh) * hd, H]
+        self.qkv_bias = torch.cat([t[f"{p}{n}.bias"] for n in names]) if cfg.attention_bias else None
+        self.o = t[p + "o_proj.weight"]  # [H, heads * hd]
+        self.o_bias = t.get(p + "o_proj.bias")
+        self.q_norm = t.get(p + "q_norm.weight")
+        self.k_norm = t.get(p + "k_norm.weight")
+        self.heads, self.kv_heads, self.hd, self.eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+        self.rope = rope
+
+    def __call__(self, x, cos, sin, segments, past):
+        n, hd = x.shape[0], self.hd
+        qkv = F.linear(x, self.qkv, self.qkv_bias)  # [N, (heads + 2 kvh) * hd]
+        q, k, v = qkv.split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
+        q, k = q.reshape(n, self.heads, hd), k.reshape(n, self.kv_heads, hd)
+        if self.q_norm is not None:
+            q, k = _rms_norm(q, self.q_norm, self.eps), _rms_norm(k, self.k_norm, self.eps)
+        q = self.rope.rotate(q, cos, sin)  # [N, heads, hd]
+        k = self.rope.rotate(k, cos, sin)  # [N, kvh, hd]
+        v = v.reshape(n, self.kv_heads, hd).contiguous()  # [N, kvh, hd]
+        attn = torch.empty_like(q)  # [N, heads, hd]
+        for (start, length), cached in zip(segments, past):
+            if length:
+                end = start + length
+                attn[start:end] = self._attend(q[start:end], k[start:end], v[start:end], cached)
+        return F.linear(attn.reshape(n, -1), self.o, self.o_bias), k, v
+
+    def _attend(self, q, k, v, cached: PastKV):
+        """Causal GQA attention of ``q [n, heads, hd]`` over ``cached ++ (k, v)``."""
+        n, past_len = q.shape[0], 0
+        if cached is not None:
+            past_len = cached[0].shape[0]
+            k, v = torch.cat((cached[0], k)), torch.cat((cached[1], v))  # [P + n, kvh, hd]
+        mask = _causal_mask(n, past_len, q.device)
+        gqa = self.heads != self.kv_heads
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=gqa)
+        return out.transpose(0, 1)  # [n, heads, hd]
+
+
+class _MlaAttention:
+    def __init__(self, cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, rope: RotaryEmbedding) -> None:
+        m = cfg.mla
+        assert m is not None
+        self.m, self.heads, self.eps, self.rope = m, cfg.num_attention_heads, cfg.rms_norm_eps, rope
+        bias = cfg.attention_bias
+        kv_a, kv_a_bias = t[p + "kv_a_proj_with_mqa.weight"], t.get(p + "kv_a_proj_with_mqa.bias") if bias else None
+        if m.q_lora_rank is None:
+            # q and the latent from one matmul: [heads * qk_head + r + d, H]
+            self.down = torch.cat((t[p + "q_proj.weight"], kv_a))
+            self.down_bias = None if kv_a_bias is None else torch.cat((torch.zeros(self.heads * m.qk_head_dim, dtype=kv_a.dtype, device=kv_a.device), kv_a_bias))
+            self.q_split = self.heads * m.qk_head_dim
+            self.q_a_norm = self.q_b = None
+        else:
+            self.down = torch.cat((t[p + "q_a_proj.weight"], kv_a))  # [q_lora + r + d, H]
+            self.down_bias = None if not bias else torch.cat((t[p + "q_a_proj.bias"], kv_a_bias))
+            self.q_split = m.q_lora_rank
+            self.q_a_norm, self.q_b = t[p + "q_a_layernorm.weight"], t[p + "q_b_proj.weight"]
+        self.kv_a_norm = t[p + "kv_a_layernorm.weight"]
+        kv_b = t[p + "kv_b_proj.weight"]  # [heads * (nope + v), r]
+        self.kv_b = kv_b
+        w = kv_b.view(self.heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        self.w_uk = w[:, : m.qk_nope_head_dim].contiguous()  # [heads, nope, r]: q_nope -> latent space
+        self.w_uv_t = w[:, m.qk_nope_head_dim :].transpose(1, 2).contiguous()  # [heads, r, v]: latent -> v
+        self.o, self.o_bias = t[p + "o_proj.weight"], t.get(p + "o_proj.bias") if bias else None
+        self.scale = mla_softmax_scale(m.qk_head_dim, cfg.rope_scaling)
+
+    def __call__(self, x, cos, sin, segments, past):
+        m, n, heads = self.m, x.shape[0], self.heads
+        down = F.linear(x, self.down, self.down_bias)
+        q_in, latent = down.split([self.q_split, m.kv_lora_rank + m.qk_rope_head_dim], dim=-1)
+        q = q_in if self.q_b is None else F.linear(_rms_norm(q_in, self.q_a_norm, self.eps), self.q_b)
+        q = q.reshape(n, heads, m.qk_head_dim)
+        q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = latent.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        c = _rms_norm(c_kv, self.kv_a_norm, self.eps).reshape(n, 1, m.kv_lora_rank)  # what a token keeps
+        q_pe = self.rope.rotate(q_pe, cos, sin)  # [N, heads, d]
+        k_pe = self.rope.rotate(k_pe.reshape(n, 1, m.qk_rope_head_dim), cos, sin)  # [N, 1, d]
+        attn = x.new_empty((n, heads, m.v_head_dim))
+        for (start, length), cached in zip(segments, past):
+            if length:
+                end = start + length
+                attn[start:end] = self._attend(q_nope[start:end], q_pe[start:end], c[start:end], k_pe[start:end], cached)
+        return F.linear(attn.reshape(n, -1), self.o, self.o_bias), c, k_pe
+
+    def _attend(self, q_nope, q_pe, c, k_pe, cached: PastKV):
+        """Causal MLA of ``n`` queries over ``cached ++ (c, k_pe)``: ``[n, heads, v_head_dim]``."""
+        m, n, past_len = self.m, q_nope.shape[0], 0
+        if cached is not None:
+            past_len = cached[0].shape[0]
+            c, k_pe = torch.cat((cached[0], c)), torch.cat((cached[1], k_pe))  # [T, 1, r], [T, 1, d]
+        t = past_len + n
+        mask = _causal_mask(n, past_len, q_nope.device)
+        r, nope, vd = m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim
+        expanded_flops = t * r * (nope + vd) + n * t * (nope + m.qk_rope_head_dim + vd)
+        absorbed_flops = n * r * (nope + vd) + n * t * (2 * r + m.qk_rope_head_dim)
+        if expanded_flops <= absorbed_flops:
+            kv = F.linear(c[:, 0], self.kv_b).view(t, self.heads, nope + vd)  # [T, heads, nope + v]
+            k_nope, v = kv.split([nope, vd], dim=-1)
+            k = torch.cat((k_nope, k_pe.expand(t, self.heads, -1)), dim=-1)  # [T, heads, qk_head]
+            q = torch.cat((q_nope, q_pe), dim=-1)  # [n, heads, qk_head]
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=self.scale)
+            return out.transpose(0, 1)
+        q_abs = torch.bmm(q_nope.transpose(0, 1), self.w_uk)  # [heads, n, r]
+        q = torch.cat((q_abs, q_pe.transpose(0, 1)), dim=-1)  # [heads, n, r + d]
+        k = torch.cat((c, k_pe), dim=-1).transpose(0, 1)  # [1, T, r + d]
+        out = F.scaled_dot_product_attention(q, k, c.transpose(0, 1), attn_mask=mask, scale=self.scale, enable_gqa=True)  # [heads, n, r]
+        return torch.bmm(out, self.w_uv_t).transpose(0, 1)  # [n, heads, v]
+
+
+class _Mlp:
+    def __init__(self, t: dict[str, torch.Tensor], p: str) -> None:
+        self.gate_up = torch.cat((t[p + "gate_proj.weight"], t[p + "up_proj.weight"]))  # [2 I, H]
+        self.down = t[p + "down_proj.weight"]  # [H, I]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down)
+
+
+class _Moe:
+    def __init__(self, moe: MoeConfig, t: dict[str, torch.Tensor], p: str) -> None:
+        self.cfg = moe
+        gate = t[p + "gate.weight"]  # [E, H]
+        self.router = gate.float() if moe.router_fp32 else gate
+        self.bias = t[p + "gate.e_score_correction_bias"].float() if moe.correction_bias else None
+        self.experts = [_Mlp(t, f"{p}experts.{e}.") for e in range(moe.num_experts)]
+        self.shared = _Mlp(t, p + "shared_experts.") if moe.shared_intermediate_size else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [N, H]`` -> ``(weights [N, k], experts [N, k])``, as the config's router computes them."""
+        m = self.cfg
+        logits = F.linear(x.float() if m.router_fp32 else x, self.router)  # [N, E]
+        scores = logits.softmax(-1, dtype=torch.float32) if m.scoring == "softmax" else logits.float().sigmoid()
+        choice = scores if self.bias is None else scores + self.bias
+        if m.topk_method != "greedy" and m.n_group > 1:
+            grouped = choice.view(-1, m.n_group, m.num_experts // m.n_group)
+            if m.topk_method == "noaux_tc":
+                group_scores = grouped.topk(2, dim=-1)[0].sum(-1)  # [N, groups]
+            else:
+                group_scores = grouped.max(-1).values
+            keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(m.topk_group, dim=-1, sorted=False)[1], 1.0)
+            keep = keep.bool()[:, :, None].expand_as(grouped).reshape(-1, m.num_experts)
+            choice = choice.masked_fill(~keep, float("-inf") if m.topk_method == "noaux_tc" else 0.0)
+        experts = choice.topk(m.experts_per_token, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if m.norm_topk_prob and m.experts_per_token > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if m.router_fp32 else 0.0))
+        return weights * m.routed_scaling_factor, experts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = x.shape[0], self.cfg.experts_per_token
+        weights, experts = self.route(x)
+        flat = experts.reshape(-1)  # [N k]
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()
+        tokens = order // k  # the token of each (token, expert) pair, grouped by expert
+        xs = x.index_select(0, tokens)  # [N k, H]
+        w = weights.reshape(-1).index_select(0, order).to(x.dtype)[:, None]
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, count in enumerate(counts):  # one matmul per active expert
+            if count:
+                ys[start : start + count] = self.experts[e](xs[start : start + count])
+                start += count
+        out = torch.zeros_like(x).index_add_(0, tokens, ys * w)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
 
 
 @dataclass(frozen=True, slots=True)
 class _Layer:
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, H]
-    qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
-    o: torch.Tensor  # [H, heads * head_dim]
-    gate_up: torch.Tensor  # [2 * I, H]
-    down: torch.Tensor  # [H, I]
+    attention: _GqaAttention | _MlaAttention
+    mlp: _Mlp | _Moe
     input_norm: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [H]
 
 
 class Decoder:
-    """Qwen2/Llama decoder: RMSNorm, RoPE (rope_theta), GQA attention, SwiGLU MLP.
+    """A decoder of any supported family (see ``dualpath.model.config``).
 
     Tied or untied embeddings. Loads any HF-layout checkpoint directory (``config.json``
     plus one or more ``*.safetensors``, including ``model.safetensors.index.json``
@@ -51,13 +255,13 @@ class Decoder:
         self.dtype = tensors["model.embed_tokens.weight"].dtype
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
+        self.kv_spec: KvSpec = config.kv_spec
+        self.kv_heads, self.head_dim = self.kv_spec.k_shape  # GQA: K's (kv_heads, head_dim)
         self._embed = tensors["model.embed_tokens.weight"]  # [V, H]
         self._lm_head = self._embed if config.tie_word_embeddings else tensors["lm_head.weight"]  # [V, H]
         self._norm = tensors["model.norm.weight"]  # [H]
-        self._layers = [self._fuse(tensors, f"model.layers.{i}.") for i in range(self.num_layers)]
         self._rope = RotaryEmbedding(config, device)
+        self._layers = [self._layer(tensors, i) for i in range(self.num_layers)]
 
     @classmethod
     def load(cls, path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Decoder:
@@ -78,18 +282,13 @@ class Decoder:
         tensors = dict(read_tensors(locate_tensors(path), shapes, device=device, dtype=dtype))
         return cls(config, tensors, device)
 
-    def _fuse(self, t: dict[str, torch.Tensor], p: str) -> _Layer:
-        # One [q; k; v] and one [gate; up] matmul per layer instead of five.
-        names = ("q_proj", "k_proj", "v_proj")
-        qkv = torch.cat([t[f"{p}self_attn.{n}.weight"] for n in names])
-        bias = torch.cat([t[f"{p}self_attn.{n}.bias"] for n in names]) if self.config.attention_bias else None
-        gate_up = torch.cat((t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]))
+    def _layer(self, t: dict[str, torch.Tensor], i: int) -> _Layer:
+        p, cfg = f"model.layers.{i}.", self.config
+        attention_cls = _MlaAttention if cfg.mla is not None else _GqaAttention
+        mlp = _Moe(cfg.moe, t, p + "mlp.") if cfg.moe is not None and cfg.is_moe_layer(i) else _Mlp(t, p + "mlp.")
         return _Layer(
-            qkv=qkv,
-            qkv_bias=bias,
-            o=t[p + "self_attn.o_proj.weight"],
-            gate_up=gate_up,
-            down=t[p + "mlp.down_proj.weight"],
+            attention=attention_cls(cfg, t, p + "self_attn.", self._rope),
+            mlp=mlp,
             input_norm=t[p + "input_layernorm.weight"],
             post_norm=t[p + "post_attention_layernorm.weight"],
         )
@@ -121,68 +320,41 @@ class Decoder:
 
         ``hidden [N, H]`` is the new tokens of all sequences concatenated, ``positions [N]``
         their absolute positions, ``segments[i] = (start, length)`` sequence ``i``'s rows,
-        ``past[i]`` its cached ``(k, v)``, each ``[P_i, kv_heads, head_dim]`` for positions
-        ``0..P_i-1`` (K with RoPE applied, as returned here; views such as ``unpack_kv``'s
-        are fine) or ``None``. Sequence ``i``'s queries attend causally to
-        ``past_i ++ new_i``.
+        ``past[i]`` its cached ``(k, v)`` for positions ``0..P_i-1``, shaped
+        ``[P_i, *kv_spec.k_shape]`` and ``[P_i, *kv_spec.v_shape]`` (as returned here; views
+        such as ``KvSpec.unpack``'s are fine) or ``None``. Sequence ``i``'s queries attend
+        causally to ``past_i ++ new_i``.
 
-        Returns ``(hidden_out [N, H], k_new [N, kvh, hd] with RoPE, v_new [N, kvh, hd])``.
+        Returns ``(hidden_out [N, H], k_new [N, *k_shape], v_new [N, *v_shape])``: GQA's K
+        (RoPE applied) and V, or MLA's latent and rotary key (RoPE applied).
 
         Raises:
             ModelInputError: shapes, dtypes or segments that do not fit (see ``_check``).
         """
         self._check(layer, hidden, positions, segments, past)
         w = self._layers[layer]
-        n, hd = hidden.shape[0], self.head_dim
-        x = self._rms_norm(hidden, w.input_norm)
-        qkv = F.linear(x, w.qkv, w.qkv_bias)  # [N, (heads + 2 kvh) * hd]
-        q, k, v = qkv.split([self.num_heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
+        eps = self.config.rms_norm_eps
         cos, sin = self._rope.cos_sin(positions, self.dtype)
-        q = RotaryEmbedding.apply(q.reshape(n, self.num_heads, hd), cos, sin)  # [N, heads, hd]
-        k = RotaryEmbedding.apply(k.reshape(n, self.kv_heads, hd), cos, sin)  # [N, kvh, hd]
-        v = v.reshape(n, self.kv_heads, hd).contiguous()  # [N, kvh, hd]
-        attn = torch.empty_like(q)  # [N, heads, hd]
-        for (start, length), cached in zip(segments, past):
-            if length:
-                end = start + length
-                attn[start:end] = self._attend(q[start:end], k[start:end], v[start:end], cached)
-        out = hidden + F.linear(attn.reshape(n, -1), w.o)
-        gate, up = F.linear(self._rms_norm(out, w.post_norm), w.gate_up).chunk(2, dim=-1)
-        out = out + F.linear(F.silu(gate) * up, w.down)
+        attn, k, v = w.attention(_rms_norm(hidden, w.input_norm, eps), cos, sin, segments, past)
+        out = hidden + attn
+        out = out + w.mlp(_rms_norm(out, w.post_norm, eps))
         return out, k, v
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: PastKV) -> torch.Tensor:
-        """Causal GQA attention of ``q [n, heads, hd]`` over ``cached ++ (k, v)``."""
-        n, past_len = q.shape[0], 0
-        if cached is not None:
-            past_len = cached[0].shape[0]
-            k, v = torch.cat((cached[0], k)), torch.cat((cached[1], v))  # [P + n, kvh, hd]
-        group = self.num_heads // self.kv_heads
-        keys = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, P + n, hd]
-        values = v.transpose(0, 1).repeat_interleave(group, dim=0)
-        mask = None
-        if n > 1:  # query j (absolute past_len + j) sees keys 0..past_len + j
-            cols = torch.arange(past_len + n, device=q.device)
-            rows = torch.arange(n, device=q.device) + past_len
-            mask = cols[None, :] <= rows[:, None]  # [n, P + n]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
-        return out.transpose(0, 1)  # [n, heads, hd]
 
     @torch.no_grad()
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's last RMSNorm: ``[M, H]`` -> ``[M, H]``, the input of the LM head."""
-        return self._rms_norm(hidden, self._norm)
+        return _rms_norm(hidden, self._norm, self.config.rms_norm_eps)
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``[M, H]`` -> ``[M, V]`` float32."""
-        return F.linear(self._rms_norm(hidden, self._norm), self._lm_head).float()
+        return F.linear(self.final_norm(hidden), self._lm_head).float()
 
     @torch.no_grad()
     def forward_full(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Reference full recompute of one sequence from position 0.
 
-        Returns ``(logits [T, V] float32, k [layers, T, kvh, hd], v [layers, T, kvh, hd])``.
+        Returns ``(logits [T, V] float32, k [layers, T, *k_shape], v [layers, T, *v_shape])``.
 
         Raises:
             ModelInputError: empty ``token_ids`` or an id outside the vocabulary.
@@ -198,12 +370,6 @@ class Decoder:
             ks.append(k)
             vs.append(v)
         return self.logits(hidden), torch.stack(ks), torch.stack(vs)
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # In float32 then back, as transformers' Qwen2RMSNorm / LlamaRMSNorm do.
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return weight * x32.to(x.dtype)
 
     def _check(
         self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, segments: Sequence[tuple[int, int]], past: Sequence[PastKV]
@@ -225,20 +391,22 @@ class Decoder:
             covered += length
         if covered != n:
             raise ModelInputError(f"segments cover {covered} tokens, hidden has {n}")
-        want = (self.kv_heads, self.head_dim)
+        spec = self.kv_spec
         for cached in past:
             if cached is None:
                 continue
             k, v = cached
             if (
                 k.dim() != 3
-                or k.shape[1:] != want
-                or v.shape != k.shape
+                or k.shape[1:] != spec.k_shape
+                or v.shape[1:] != spec.v_shape
+                or v.shape[0] != k.shape[0]
                 or k.dtype != self.dtype
                 or v.dtype != self.dtype
                 or k.device != hidden.device
                 or v.device != hidden.device
             ):
                 raise ModelInputError(
-                    f"past KV must be [P, {want[0]}, {want[1]}] {self.dtype}, got {tuple(k.shape)} {k.dtype} / {tuple(v.shape)} {v.dtype}"
+                    f"past KV must be [P, {spec.k_shape[0]}, {spec.k_shape[1]}] / [P, {spec.v_shape[0]}, {spec.v_shape[1]}] {self.dtype}, "
+                    f"got {tuple(k.shape)} {k.dtype} / {tuple(v.shape)} {v.dtype}"
                 )

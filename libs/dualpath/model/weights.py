@@ -26,28 +26,76 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape for every tensor the decoder reads."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    h = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
-        if cfg.attention_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q_out,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
-        shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+        shapes.update(_attention_shapes(cfg, p + "self_attn."))
+        shapes.update(_mlp_shapes(cfg, i, p + "mlp."))
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     return shapes
+
+
+def _attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    h, heads, bias = cfg.hidden_size, cfg.num_attention_heads, cfg.attention_bias
+    shapes: dict[str, tuple[int, ...]] = {}
+    if cfg.mla is not None:
+        m = cfg.mla
+        if m.q_lora_rank is None:
+            shapes[p + "q_proj.weight"] = (heads * m.qk_head_dim, h)
+        else:
+            shapes[p + "q_a_proj.weight"] = (m.q_lora_rank, h)
+            shapes[p + "q_a_layernorm.weight"] = (m.q_lora_rank,)
+            shapes[p + "q_b_proj.weight"] = (heads * m.qk_head_dim, m.q_lora_rank)
+            if bias:
+                shapes[p + "q_a_proj.bias"] = (m.q_lora_rank,)
+        shapes[p + "kv_a_proj_with_mqa.weight"] = (m.kv_lora_rank + m.qk_rope_head_dim, h)
+        shapes[p + "kv_a_layernorm.weight"] = (m.kv_lora_rank,)
+        shapes[p + "kv_b_proj.weight"] = (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+        shapes[p + "o_proj.weight"] = (h, heads * m.v_head_dim)
+        if bias:
+            shapes[p + "kv_a_proj_with_mqa.bias"] = (m.kv_lora_rank + m.qk_rope_head_dim,)
+            shapes[p + "o_proj.bias"] = (h,)
+        return shapes
+    hd = cfg.head_dim
+    q_out, kv_out = heads * hd, cfg.num_key_value_heads * hd
+    shapes[p + "q_proj.weight"] = (q_out, h)
+    shapes[p + "k_proj.weight"] = (kv_out, h)
+    shapes[p + "v_proj.weight"] = (kv_out, h)
+    shapes[p + "o_proj.weight"] = (h, q_out)
+    if bias:
+        shapes[p + "q_proj.bias"] = (q_out,)
+        shapes[p + "k_proj.bias"] = (kv_out,)
+        shapes[p + "v_proj.bias"] = (kv_out,)
+        if cfg.model_type != "qwen2":  # Llama and Qwen3 put attention_bias on o_proj too
+            shapes[p + "o_proj.bias"] = (h,)
+    if cfg.qk_norm:
+        shapes[p + "q_norm.weight"] = (hd,)
+        shapes[p + "k_norm.weight"] = (hd,)
+    return shapes
+
+
+def _mlp_shapes(cfg: ModelConfig, layer: int, p: str) -> dict[str, tuple[int, ...]]:
+    h = cfg.hidden_size
+    moe = cfg.moe
+    if moe is None or not cfg.is_moe_layer(layer):
+        return _swiglu(p, h, cfg.intermediate_size)
+    shapes = {p + "gate.weight": (moe.num_experts, h)}
+    if moe.correction_bias:
+        shapes[p + "gate.e_score_correction_bias"] = (moe.num_experts,)
+    for e in range(moe.num_experts):
+        shapes.update(_swiglu(f"{p}experts.{e}.", h, moe.intermediate_size))
+    if moe.shared_intermediate_size:
+        shapes.update(_swiglu(p + "shared_experts.", h, moe.shared_intermediate_size))
+    return shapes
+
+
+def _swiglu(p: str, h: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {p + "gate_proj.weight": (inter, h), p + "up_proj.weight": (inter, h), p + "down_proj.weight": (h, inter)}
 
 
 def locate_tensors(path: Path) -> dict[str, Path]:
