@@ -102,8 +102,7 @@ class DecodeEngine:
         d = setup.decoder
         self.memory = KvMemory(
             layers=d.num_layers,
-            kv_heads=d.kv_heads,
-            head_dim=d.head_dim,
+            spec=d.kv_spec,
             dtype=d.dtype,
             device=d.device,
             capacity_tokens=cfg.kv_capacity_tokens,
@@ -287,8 +286,9 @@ class DecodeEngine:
         kv = self.memory.allocate(n + 1)
         if not self.setup.oracle:
             slot = self._region(task.de_region_id).as_tensor(task.de_offset, nb * lay.block_bytes, d.dtype)
-            slot = slot.view(nb, lay.layers, lay.block_tokens, 2, d.kv_heads, d.head_dim)  # [blocks, layers, bt, 2, kvh, hd]
-            kv[:, :n].copy_(slot.permute(1, 0, 2, 3, 4, 5).reshape(lay.layers, nb * lay.block_tokens, 2, d.kv_heads, d.head_dim)[:, :n])
+            width = d.kv_spec.width
+            slot = slot.view(nb, lay.layers, lay.block_tokens, width)  # [blocks, layers, bt, width]
+            kv[:, :n].copy_(slot.permute(1, 0, 2, 3).reshape(lay.layers, nb * lay.block_tokens, width)[:, :n])
         params = SamplingParams(**task.sampling)
         gen = torch.Generator(device="cpu").manual_seed(params.seed + 1) if params.seed is not None else None
         seq = DecodeSequence(
@@ -353,7 +353,7 @@ class DecodeEngine:
             return
         r.chain.append(h)
         region = self._region(reply.region["region_id"])
-        dst = region.as_tensor(reply.offset, lay.block_bytes, d.dtype).view(lay.layers, bt, 2, d.kv_heads, d.head_dim)
+        dst = region.as_tensor(reply.offset, lay.block_bytes, d.dtype).view(lay.layers, bt, d.kv_spec.width)
         dst.copy_(r.seq.kv[:, b * bt : (b + 1) * bt])
         self._spawn_persist(
             r,

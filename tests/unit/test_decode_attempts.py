@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import anyio
 import torch
 
+from dualpath.model.config import KvSpec
+
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from services.decode_engine.engine import DecodeEngine
@@ -22,6 +24,7 @@ TOKEN = 7
 
 class FakeDecoder:
     num_layers, kv_heads, head_dim = 1, 1, 2
+    kv_spec = KvSpec("gqa", (1, 2), (1, 2))
     dtype, device = torch.float32, torch.device("cpu")
 
     async def decode_step_async(self, lens: list[int], inputs: list[int]) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The ``dualpath`` command: one entry point for serving, services, tools and benchmarks.
 
 dualpath up --model DIR --topology 1P1D [--port 8000] [--storage PATH]
-dualpath make-tiny-model DIR [--layers N --hidden H --heads A --kv-heads K --vocab V --seed S]
+dualpath make-tiny-model DIR [--arch qwen2|llama|qwen3|qwen3_moe|deepseek_v2|deepseek_v3 --layers N --hidden H ...]
 dualpath service NAME [service flags]      (gateway, scheduler, kv-persistence, traffic-manager,
                                             prefill-engine, decode-engine)
 dualpath demo                              (a multi-turn conversation against a fresh stack)
@@ -45,8 +45,11 @@ PASSTHROUGH = {
 
 
 def _make_tiny_model(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="dualpath make-tiny-model", description="write a tiny random Qwen2 checkpoint (HF layout)")
+    from dualpath.model.tiny import ARCHS
+
+    p = argparse.ArgumentParser(prog="dualpath make-tiny-model", description="write a tiny random checkpoint (HF layout) of a supported family")
     p.add_argument("dir", help="output directory")
+    p.add_argument("--arch", choices=ARCHS, default="qwen2", help="model family (config.json model_type)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
@@ -54,9 +57,17 @@ def _make_tiny_model(argv: list[str]) -> int:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-position", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=None, help="dense MLP width (default 2 x hidden)")
     p.add_argument("--tie-embeddings", action="store_true")
+    p.add_argument("--experts", type=int, default=8, help="MoE families: routed experts")
+    p.add_argument("--experts-per-token", type=int, default=2, help="MoE families: experts per token")
+    p.add_argument("--moe-intermediate", type=int, default=None, help="MoE families: width of one expert (default hidden)")
+    p.add_argument("--kv-lora-rank", type=int, default=32, help="DeepSeek: the latent a token keeps per layer")
+    p.add_argument("--q-lora-rank", type=int, default=None, help="DeepSeek: q's low-rank width (V2 default none, V3 hidden/2)")
+    p.add_argument("--rope-head-dim", type=int, default=8, help="DeepSeek: the rotary key a token keeps per layer")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ns = p.parse_args(argv)
-    from dualpath.model import make_tiny_model
+    from dualpath.model import ModelLoadError, make_tiny_model
 
     try:
         path = make_tiny_model(
@@ -69,8 +80,19 @@ def _make_tiny_model(argv: list[str]) -> int:
             seed=ns.seed,
             max_position=ns.max_position,
             tie_embeddings=ns.tie_embeddings,
+            intermediate=ns.intermediate,
+            torch_dtype=ns.dtype,
+            arch=ns.arch,
+            experts=ns.experts,
+            experts_per_token=ns.experts_per_token,
+            moe_intermediate=ns.moe_intermediate,
+            kv_lora_rank=ns.kv_lora_rank,
+            q_lora_rank=ns.q_lora_rank,
+            rope_head_dim=ns.rope_head_dim,
         )
     except (ValueError, OSError) as exc:
+        p.error(str(exc))
+    except ModelLoadError as exc:  # a combination of sizes config.json cannot express
         p.error(str(exc))
     print(f"wrote {path} (config.json, model.safetensors, tokenizer.json)")
     return 0

@@ -1,7 +1,8 @@
 """The decode engine's KV memory and its continuous-batching decode step (torch, no I/O).
 
-Each running sequence owns a KV tensor ``[layers, capacity, 2, kv_heads, head_dim]`` on the
-compute device (its share of "HBM"), grown a block at a time. A step feeds every running
+Each running sequence owns a KV tensor ``[layers, capacity, width]`` on the compute device
+(``width`` values per token per layer, as the model's ``KvSpec`` lays them out: K then V, or
+MLA's latent then rotary key) (its share of "HBM"), grown a block at a time. A step feeds every running
 sequence's last token through all layers at once (linear layers batched, attention per
 sequence over its own cache) and returns the logits.
 """
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dualpath.model.config import KvSpec
+
 __all__ = ["DecodeSequence", "KvMemory", "decode_step", "decode_step_async"]
 
 
@@ -21,7 +24,7 @@ class DecodeSequence:
 
     request_id: str
     tokens: list[int]
-    kv: torch.Tensor  # [layers, capacity, 2, kv_heads, head_dim]
+    kv: torch.Tensor  # [layers, capacity, width]
     kv_len: int
     generated: list[int] = field(default_factory=list)
 
@@ -37,14 +40,13 @@ class KvMemory:
         self,
         *,
         layers: int,
-        kv_heads: int,
-        head_dim: int,
+        spec: KvSpec,
         dtype: torch.dtype,
         device: torch.device,
         capacity_tokens: int,
         block_tokens: int,
     ) -> None:
-        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.layers, self.spec = layers, spec
         self.dtype, self.device = dtype, device
         self.capacity_tokens = capacity_tokens
         self.block_tokens = block_tokens
@@ -67,7 +69,7 @@ class KvMemory:
         if n > self.free_tokens:
             raise MemoryError(f"KV memory full: need {n} tokens, {self.free_tokens} free of {self.capacity_tokens}")
         self.used_tokens += n
-        return torch.zeros((self.layers, n, 2, self.kv_heads, self.head_dim), dtype=self.dtype, device=self.device)
+        return torch.zeros((self.layers, n, self.spec.width), dtype=self.dtype, device=self.device)
 
     def grow(self, seq: DecodeSequence, tokens: int) -> None:
         """Make room for ``tokens`` in ``seq`` (adds whole blocks, copies the used part).
@@ -122,13 +124,13 @@ def decode_step(decoder, memory: KvMemory, seqs: list[DecodeSequence], inputs: l
     token_t = torch.tensor(inputs, dtype=torch.long, device=device)
     pos_t = torch.tensor([s.kv_len for s in seqs], dtype=torch.long, device=device)
     segments = [(i, 1) for i in range(len(seqs))]
+    spec: KvSpec = decoder.kv_spec
     hidden = decoder.embed(token_t)
     for layer in range(decoder.num_layers):
-        past = [(s.kv[layer, : s.kv_len, 0], s.kv[layer, : s.kv_len, 1]) if s.kv_len else None for s in seqs]
+        past = [spec.unpack(s.kv[layer, : s.kv_len]) if s.kv_len else None for s in seqs]
         hidden, k, v = decoder.forward_layer(layer, hidden, pos_t, segments, past)
         for i, s in enumerate(seqs):
-            s.kv[layer, s.kv_len, 0].copy_(k[i])
-            s.kv[layer, s.kv_len, 1].copy_(v[i])
+            spec.pack_into(s.kv[layer, s.kv_len : s.kv_len + 1], k[i : i + 1], v[i : i + 1])
     for s in seqs:
         s.kv_len += 1
     return decoder.logits(hidden)

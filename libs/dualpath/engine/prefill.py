@@ -54,10 +54,10 @@ class PrefillResult:
 
 class LayerIO(Protocol):
     async def fetch(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        """Cached KV of ``layer`` per item (k, v each ``[start, kv_heads, head_dim]``) or None."""
+        """Cached KV of ``layer`` per item (``(k, v)`` shaped as the model's ``KvSpec`` says, ``start`` tokens) or None."""
 
     async def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Send the layer's KV of the batch's new tokens (``[N, kv_heads, head_dim]`` each)."""
+        """Send the layer's KV of the batch's new tokens (``k [N, *k_shape]``, ``v [N, *v_shape]``)."""
 
 
 async def run_prefill(decoder, items: Sequence[PrefillItem], io: LayerIO, *, layerwise: bool = True) -> PrefillResult:

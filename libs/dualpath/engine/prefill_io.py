@@ -5,7 +5,7 @@ Per layer, for every item of the batch:
 - fetch: the Layer Block runs of its cached tokens ``[0, start)`` are read from their source
   slot (PE buffer on the PE read path, DE buffer on the DE read path or for later chunks) into
   an input window of the engine region, in one batch per source; the window is viewed as
-  ``[start, 2, kv_heads, head_dim]`` (no copy) and moved to the compute device;
+  ``[start, width]`` and split into the model's ``(k, v)`` parts (``KvSpec``, no copy) and moved to the compute device;
 - store: the new tokens' KV is copied into an output window and written to the DE buffer slot
   together with, on the PE read path's first chunk, the cached tokens it fetched (PE read
   path: hit + miss; DE read path: miss only).
@@ -39,6 +39,7 @@ import torch
 from dualpath.engine.dataplane import EngineDataPlane
 from dualpath.engine.layout import SlotLayout
 from dualpath.engine.prefill import FETCH_AHEAD, PrefillItem
+from dualpath.model.config import KvSpec
 from dualpath.transfer import RegionDescriptor, TrafficClass, TransferEntry
 
 __all__ = ["BatchLayerIO", "IoItem", "LayerStats"]
@@ -91,8 +92,7 @@ class BatchLayerIO:
         items: list[IoItem],
         *,
         dtype: torch.dtype,
-        kv_heads: int,
-        head_dim: int,
+        spec: KvSpec,
         device: torch.device,
         owner: str,
         oracle: bool = False,
@@ -103,7 +103,7 @@ class BatchLayerIO:
         self._n_in = _IN_WINDOWS if layerwise else layout.layers
         self._n_out = 2 if layerwise else layout.layers
         self.oracle = oracle  # testbed upper bound: cached KV appears for free, nothing is sent
-        self.dtype, self.kv_heads, self.head_dim, self.device = dtype, kv_heads, head_dim, device
+        self.dtype, self.spec, self.device = dtype, spec, device
         bpt = layout.bytes_per_token_layer
         self.in_bytes = sum(io.item.start for io in items) * bpt
         self.out_bytes = sum(io.item.end - io.item.start for io in items) * bpt
@@ -130,11 +130,11 @@ class BatchLayerIO:
     def _view(self, offset: int, tokens: int) -> torch.Tensor:
         bpt = self.layout.bytes_per_token_layer
         flat = self.dp.region.as_tensor(offset, tokens * bpt, self.dtype)
-        return flat.view(tokens, 2, self.kv_heads, self.head_dim)  # [tokens, 2, kvh, hd]
+        return flat.view(tokens, self.spec.width)  # [tokens, width]
 
     def _free_past(self):
-        zero = torch.zeros((1, self.kv_heads, self.head_dim), dtype=self.dtype, device=self.device)
-        return [(zero.expand(io.item.start, -1, -1),) * 2 if io.item.start else None for io in self.items]
+        zero = torch.zeros((1, self.spec.width), dtype=self.dtype, device=self.device)
+        return [self.spec.unpack(zero.expand(io.item.start, -1)) if io.item.start else None for io in self.items]
 
     async def fetch(self, layer: int):
         if self.oracle:
@@ -164,8 +164,7 @@ class BatchLayerIO:
             if not n:
                 past.append(None)
                 continue
-            kv = self._view(off, n).to(self.device, non_blocking=True)
-            past.append((kv[:, 0], kv[:, 1]))
+            past.append(self.spec.unpack(self._view(off, n).to(self.device, non_blocking=True)))
         self.stats.fetch_s += time.perf_counter() - t0
         return past
 
@@ -178,7 +177,7 @@ class BatchLayerIO:
         out_base, in_base = self._out[layer % self._n_out], self._in[layer % self._n_in]
         n_new = k.shape[0]
         if n_new:
-            self._view(out_base, n_new).copy_(torch.stack((k, v), dim=1))  # D2H on GPU
+            self.spec.pack_into(self._view(out_base, n_new), k, v)  # D2H on GPU
         # The placeholder desc is replaced by the item's own before the entry is used.
         by_dest: dict[tuple[str, str], tuple[RegionDescriptor, list[TransferEntry]]] = defaultdict(
             lambda: (cast(RegionDescriptor, None), [])

@@ -94,8 +94,8 @@ def _timed_pass(decoder, cached: int, new: int) -> float:
     device = decoder.device
     ids = torch.arange(new, device=device) % max(1, decoder.config.vocab_size - 1)
     positions = torch.arange(cached, cached + new, device=device)
-    past_kv = torch.zeros((cached, decoder.kv_heads, decoder.head_dim), dtype=decoder.dtype, device=device) if cached else None
-    past = [(past_kv, past_kv) if past_kv is not None else None]
+    spec = decoder.kv_spec
+    past = [spec.unpack(torch.zeros((cached, spec.width), dtype=decoder.dtype, device=device)) if cached else None]
     _sync(device)
     t0 = time.perf_counter()
     hidden = decoder.embed(ids)

@@ -1,9 +1,14 @@
 """The per-token KV layout that storage, transfer and the engines share.
 
-Per token per layer the stored bytes are K then V, each ``[kv_heads, head_dim]`` in the
-decoder dtype, so a Full Block of ``T`` tokens is ``[layers, T, 2, kv_heads, head_dim]``
-and one layer of it (a Layer Block) is ``[T, 2, kv_heads, head_dim]``. K is stored with
-RoPE already applied, exactly as ``Decoder.forward_layer`` returns it.
+Per token per layer the stored values are the model's two KV parts back to back, in the
+decoder dtype (``KvSpec`` in ``dualpath.model.config`` says their shapes): for GQA models
+K then V, each ``[kv_heads, head_dim]``, K with RoPE already applied, exactly as
+``Decoder.forward_layer`` returns it; for MLA models the normalised latent
+``[kv_lora_rank]`` then the rotary key ``[qk_rope_head_dim]``. A Full Block of ``T`` tokens
+is ``[layers, T, width]`` and one layer of it (a Layer Block) is ``[T, width]``.
+
+``pack_kv`` / ``unpack_kv`` are the GQA case in its 4-D form ``[T, 2, kv_heads, head_dim]``
+(the same bytes as ``[T, width]``).
 """
 
 from __future__ import annotations

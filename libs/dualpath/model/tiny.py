@@ -1,4 +1,8 @@
-"""``make_tiny_model``: a small random Qwen2 checkpoint on disk, built for exactness tests.
+"""``make_tiny_model``: a small random checkpoint on disk, built for exactness tests.
+
+``arch`` picks the family: ``qwen2`` (the default), ``llama``, ``qwen3``, ``qwen3_moe``,
+``deepseek_v2`` or ``deepseek_v3``; the files are what transformers' own model class of that
+family reads (``config.json`` fields and tensor names), written without transformers.
 
 Cached KV and recomputed KV come from differently shaped matmuls and differ in the last
 bits, so a model whose greedy choices are near-ties would diverge between the two paths
@@ -25,6 +29,10 @@ greedy loops that forget the prompt). The weights are therefore constructed:
   40 prompts, 48 greedy tokens each: every model gave 40 different continuations, none had
   fewer than 24 distinct tokens, and margins under 1 nat were 0.02% of steps (worst model
   0.16%).
+- Other families get the same peaked head and loud MLP (every expert and shared expert is
+  such an MLP; routers are random). Llama and Qwen3 get the positional heads too (through
+  ``attention_bias``; Qwen3's q/k norms are set so the biases keep their scale). MLA has
+  no bias on its queries, so its heads are random, not positional.
 - ``tie_embeddings=True`` reuses the random embedding as the head: it loads and runs, but
   its outputs are neither peaked nor printable-only (use it for plumbing, not exactness).
 - The default ``torch_dtype`` is float32, so ``Decoder.load`` computes in float32 on CUDA
@@ -49,10 +57,20 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from dualpath.model.config import ModelConfig
+from dualpath.model.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from dualpath.model.rope import inverse_frequencies
 
-__all__ = ["GENERATED_ALPHABET", "SPECIAL_TOKENS", "make_tiny_model"]
+__all__ = ["ARCHS", "GENERATED_ALPHABET", "SPECIAL_TOKENS", "make_tiny_model"]
+
+ARCHS = SUPPORTED_MODEL_TYPES
+_ARCHITECTURES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256, 257, 258
 GENERATED_ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
@@ -83,8 +101,21 @@ def make_tiny_model(
     max_position: int = 4096,
     tie_embeddings: bool = False,
     torch_dtype: str = "float32",
+    arch: str = "qwen2",
+    experts: int = 8,
+    experts_per_token: int = 2,
+    moe_intermediate: int | None = None,
+    kv_lora_rank: int = 32,
+    q_lora_rank: int | None = None,
+    rope_head_dim: int = 8,
 ) -> Path:
-    """Write a random Qwen2 checkpoint with tokenizer to ``out_dir``; return its path.
+    """Write a random checkpoint of family ``arch`` with tokenizer to ``out_dir``; return its path.
+
+    MoE families use ``experts`` routed experts of ``moe_intermediate`` (default ``hidden``),
+    ``experts_per_token`` per token; DeepSeek adds one shared expert, makes layer 0 dense
+    and routes in 4 groups (V3: sigmoid scores with a correction bias, 2 groups kept). MLA
+    uses ``kv_lora_rank``, ``q_lora_rank`` (None: one q_proj; V3 defaults to ``hidden // 2``),
+    ``rope_head_dim`` and a no-rope / value head dim of ``hidden // heads``.
 
     Same arguments give byte-identical ``model.safetensors``. ``torch_dtype`` is written to
     ``config.json`` and is the dtype of the stored tensors ("float32" or "bfloat16").
@@ -94,6 +125,8 @@ def make_tiny_model(
             odd head dim, ``vocab`` below 259 (bytes + specials), ``layers < 1``,
             ``max_position < 16`` or an unknown dtype.
     """
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     if hidden % heads or heads % kv_heads or (hidden // heads) % 2:
         raise ValueError(f"bad shape: hidden={hidden} heads={heads} kv_heads={kv_heads}")
     if vocab < 256 + len(SPECIAL_TOKENS):
@@ -105,6 +138,11 @@ def make_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = _config(layers, hidden, heads, kv_heads, vocab, intermediate or 2 * hidden, max_position, tie_embeddings, torch_dtype)
+    if arch != "qwen2":
+        if arch == "deepseek_v3" and q_lora_rank is None:
+            q_lora_rank = hidden // 2
+        moe = (experts, experts_per_token, moe_intermediate or hidden)
+        config = _family_config(config, arch, moe, kv_lora_rank, q_lora_rank, rope_head_dim)
     tensors = _weights(config, torch.Generator().manual_seed(seed))
     dtype = torch.float32 if torch_dtype == "float32" else torch.bfloat16
     save_file({k: t.to(dtype).contiguous() for k, t in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -169,8 +207,39 @@ def _config(
     }
 
 
+def _family_config(base: dict, arch: str, moe: tuple[int, int, int], kv_lora_rank: int, q_lora_rank: int | None, rope_dim: int) -> dict:
+    """``base`` (a Qwen2 config) turned into family ``arch``'s config.json."""
+    cfg = {k: v for k, v in base.items() if k not in ("max_window_layers", "sliding_window", "use_sliding_window")}
+    cfg["architectures"], cfg["model_type"] = [_ARCHITECTURES[arch]], arch
+    experts, per_token, moe_inter = moe
+    heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    if arch in ("llama", "qwen3", "qwen3_moe"):
+        cfg["attention_bias"] = True  # the positional heads ride on the q/k biases
+        cfg["head_dim"] = cfg["hidden_size"] // heads
+    if arch == "qwen3_moe":
+        cfg.update(num_experts=experts, num_experts_per_tok=per_token, moe_intermediate_size=moe_inter)
+        cfg.update(decoder_sparse_step=1, mlp_only_layers=[0] if layers > 1 else [], norm_topk_prob=True)
+    if arch in ("deepseek_v2", "deepseek_v3"):
+        head = cfg["hidden_size"] // heads
+        cfg["num_key_value_heads"] = heads  # MLA keeps no KV heads; transformers reads the field as MHA
+        cfg.update(q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=head, qk_rope_head_dim=rope_dim, v_head_dim=head)
+        cfg.update(n_routed_experts=experts, num_experts_per_tok=per_token, moe_intermediate_size=moe_inter, n_shared_experts=1)
+        cfg.update(first_k_dense_replace=1 if layers > 1 else 0, moe_layer_freq=1, routed_scaling_factor=1.0, attention_bias=False)
+        groups = 4 if experts % 4 == 0 and experts // 4 * 2 >= per_token else 1
+        if arch == "deepseek_v3":
+            cfg.update(n_group=groups, topk_group=min(2, groups), topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True)
+            cfg.update(routed_scaling_factor=2.5, rope_interleave=True)
+        else:
+            method = "group_limited_greedy" if groups > 1 else "greedy"
+            cfg.update(n_group=groups, topk_group=min(2, groups), topk_method=method, scoring_func="softmax", norm_topk_prob=False)
+        cfg["rope_theta"] = rope_theta_for(rope_dim, cfg["max_position_embeddings"])
+    return cfg
+
+
 def _weights(cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """All tensors, in float32, drawn from ``gen`` in a fixed order."""
+    if cfg["model_type"] != "qwen2":
+        return _family_weights(cfg, gen)
     h, v, inter = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = h // nh
@@ -210,6 +279,68 @@ def _weights(cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
         targets = torch.tensor([ord(c) for c in GENERATED_ALPHABET])
         directions = unit_rows(randn(len(targets), h, std=1.0), LOGIT_SCALE)  # [62, H]
         head = torch.zeros(v, h)  # [V, H]; zero rows keep other ids ~2.5 * LOGIT_SCALE below the top
+        head[targets] = (directions.double() @ _whitener(cfg, t, targets, gen)).float()
+        t["lm_head.weight"] = head
+    return t
+
+
+def _family_weights(cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The tensors of any family by name (``expected_shapes``), drawn in sorted-name order:
+    the Qwen2 recipe where the tensor has a Qwen2 twin, MLPs and experts loud, the head
+    whitened."""
+    from dualpath.model.weights import expected_shapes
+
+    model = ModelConfig.from_dict(cfg)
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+
+    def randn(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    positional = model.mla is None and model.attention_bias
+    if positional:
+        nh, nkv, hd = model.num_attention_heads, model.num_key_value_heads, model.head_dim
+        q_bias, k_bias = _positional_biases(hd, nh, nkv, cfg["max_position_embeddings"], cfg["rope_theta"])
+    t: dict[str, torch.Tensor] = {}
+    for name, shape in sorted(expected_shapes(model).items()):
+        leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
+        if name == "model.embed_tokens.weight":
+            x = randn(*shape, std=1.0)
+            t[name] = x * (math.sqrt(h) / x.norm(dim=-1, keepdim=True))
+        elif name == "lm_head.weight":
+            continue  # whitened below, from the finished model
+        elif name.endswith("norm.weight") and leaf in ("q_norm", "k_norm"):
+            # Qwen3 normalises q and k per head: scale them back to the biases' size.
+            layer_q = q_bias(0).view(nh, hd)
+            rms = float(layer_q.pow(2).mean(-1).sqrt().mean()) if leaf == "q_norm" else float(k_bias.view(nkv, hd).pow(2).mean(-1).sqrt().mean())
+            t[name] = torch.full(shape, rms)
+        elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            t[name] = 1.0 + randn(*shape, std=0.05)
+        elif name.endswith("e_score_correction_bias"):
+            t[name] = randn(*shape, std=0.1)
+        elif name.endswith(".bias"):
+            layer = int(name.split(".")[2])
+            if positional and leaf == "q_proj":
+                t[name] = q_bias(layer)
+            elif positional and leaf == "k_proj":
+                t[name] = k_bias.clone()
+            elif leaf == "o_proj":
+                t[name] = torch.zeros(shape)
+            else:
+                t[name] = randn(*shape, std=0.1)
+        elif positional and leaf in ("q_proj", "k_proj"):
+            t[name] = randn(*shape, std=QK_NOISE / math.sqrt(h))
+        elif leaf == "down_proj":
+            t[name] = randn(*shape, std=MLP_GAIN / math.sqrt(shape[1]))
+        elif leaf == "o_proj":
+            heads_in = shape[1] // max(1, model.num_attention_heads)
+            t[name] = randn(*shape, std=1.0 / math.sqrt(heads_in))
+        else:
+            t[name] = randn(*shape, std=1.0 / math.sqrt(shape[1]))
+    if not cfg["tie_word_embeddings"]:
+        targets = torch.tensor([ord(c) for c in GENERATED_ALPHABET])
+        directions = randn(len(targets), h, std=1.0)
+        directions = directions * (LOGIT_SCALE / directions.norm(dim=-1, keepdim=True))
+        head = torch.zeros(v, h)
         head[targets] = (directions.double() @ _whitener(cfg, t, targets, gen)).float()
         t["lm_head.weight"] = head
     return t

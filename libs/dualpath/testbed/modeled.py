@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from dualpath.cost import CostModel
+from dualpath.model.config import KvSpec
 
 if TYPE_CHECKING:
     from dualpath.testbed.collectives import ModelTraffic
@@ -138,6 +139,8 @@ class ModeledDecoder:
         self.num_layers = cost.target.layers
         self.kv_heads = 1
         self.head_dim = bytes_per_token_layer // 2
+        # Bytes stand for the target's KV: the two parts fill bytes_per_token_layer exactly.
+        self.kv_spec = KvSpec("modeled", (1, self.head_dim), (1, bytes_per_token_layer - self.head_dim))
         self.config = _ModeledConfig(vocab_size, bytes_per_token_layer, max_position)
         self.modeled_s = 0.0  # time the cost model asked for (times slowdown: host seconds)
         self.busy_s = 0.0  # time the calls actually took
@@ -241,9 +244,9 @@ class ModeledDecoder:
         n = hidden.shape[0]
         comm = self.traffic.start(layer, n) if self.traffic is not None else None  # MoE all-to-all, overlapped
         pattern = (positions.to(torch.int64) * 31 + layer) % 251  # [N]
-        kv = pattern.to(torch.uint8).view(n, 1, 1).expand(n, 2, self.head_dim).contiguous()
+        k, v = self.kv_spec.unpack(pattern.to(torch.uint8).view(n, 1).expand(n, self.kv_spec.width).contiguous())
         self.compute_charged_s += seconds
-        return seconds, comm, (hidden, kv[:, 0].unsqueeze(1), kv[:, 1].unsqueeze(1))
+        return seconds, comm, (hidden, k, v)
 
     def decode_step(self, context_lens: Sequence[int], inputs: Sequence[int]) -> torch.Tensor:
         """One decode step of the whole batch in one call: the modeled time, then the logits."""
