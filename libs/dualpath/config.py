@@ -128,7 +128,11 @@ class EngineConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EmulationConfig:
     compute: str = opt("torch", "compute backend: torch (real model) or modeled (cost-model time, no math)", "DUALPATH_COMPUTE")
-    target: str = opt("ds27b", "modeled target model: ds27b, ds660b, qwen32b, dsv3", "DUALPATH_TARGET")
+    target: str = opt(
+        "ds27b",
+        "modeled target model: a name (ds660b, ds27b, qwen32b, dsv3) or a path to a model's config.json (any supported architecture)",
+        "DUALPATH_TARGET",
+    )
     gpu: str = opt("h800", "modeled GPU: h800, h100", "DUALPATH_GPU")
     scale: float = opt(
         1000.0,

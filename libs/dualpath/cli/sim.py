@@ -31,7 +31,11 @@ class _Fail(Exception):
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of the simulated cluster and workload (every sub-command but paper/validate)."""
     g = p.add_argument_group("cluster")
-    g.add_argument("--target", default="ds660b", help="modeled model: ds660b, ds27b, qwen32b, dsv3")
+    g.add_argument(
+        "--target",
+        default="ds660b",
+        help="modeled model: a name (ds660b, ds27b, qwen32b, dsv3) or a path to a model's config.json (any supported architecture)",
+    )
     g.add_argument("--gpu", default="h800", help="modeled GPU: h800, h100")
     g.add_argument("--topology", default="2P4D", help="xPyD prefill and decode nodes")
     g.add_argument("--gpus-per-node", type=int, default=8)
@@ -84,11 +88,13 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _config(ns: argparse.Namespace, mode: str = "dualpath"):
-    from dualpath.cost import TARGETS
+    from dualpath.cost import CostModelError, resolve_target
     from dualpath.sim import SimConfig, parse_topology
 
-    if ns.target not in TARGETS:
-        raise _Fail(f"--target must be one of {', '.join(TARGETS)}, got {ns.target!r}")
+    try:
+        target = resolve_target(ns.target)
+    except CostModelError as exc:
+        raise _Fail(f"--target: {exc}") from None
     try:
         p, d = parse_topology(ns.topology)
         decode_ep = {"auto": 0, "target": -1}.get(ns.decode_ep)
@@ -97,7 +103,7 @@ def _config(ns: argparse.Namespace, mode: str = "dualpath"):
             if decode_ep < 1:
                 raise ValueError(f"--decode-ep must be auto, target or a positive integer, got {ns.decode_ep!r}")
         return SimConfig(
-            target=ns.target,
+            target=target,
             gpu=ns.gpu,
             prefill_nodes=p,
             decode_nodes=d,

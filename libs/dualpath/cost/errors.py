@@ -4,6 +4,7 @@ Hierarchy::
 
     CostModelError
     ├── UnknownTargetError   (also a LookupError)
+    ├── TargetConfigError    (also a LookupError)
     ├── UnknownGpuError      (also a LookupError)
     ├── InvalidWorkloadError (also a ValueError)
     └── ModelDoesNotFitError
@@ -15,6 +16,7 @@ __all__ = [
     "CostModelError",
     "InvalidWorkloadError",
     "ModelDoesNotFitError",
+    "TargetConfigError",
     "UnknownGpuError",
     "UnknownTargetError",
 ]
@@ -25,12 +27,23 @@ class CostModelError(Exception):
 
 
 class UnknownTargetError(CostModelError, LookupError):
-    """Raised when a target model name is not in ``TARGETS``; the message lists valid names."""
+    """Raised when a target is neither a name in ``TARGETS`` nor an existing path; the
+    message lists valid names."""
 
     def __init__(self, name: str, valid: list[str]) -> None:
         self.name = name
         self.valid = sorted(valid)
-        super().__init__(f"unknown target model {name!r}; valid targets: {', '.join(self.valid)}")
+        super().__init__(f"unknown target model {name!r}; valid targets: {', '.join(self.valid)}, or a path to a config.json")
+
+
+class TargetConfigError(CostModelError, LookupError):
+    """Raised when a target's ``config.json`` is missing or unreadable, or describes an
+    architecture ``ModelConfig`` does not support; ``reason`` says which."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"target {path}: {reason}")
 
 
 class UnknownGpuError(CostModelError, LookupError):

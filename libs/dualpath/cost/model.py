@@ -11,15 +11,16 @@ e.g. 58 x 428 us = 24.8 ms per step at EP 32), which two-micro-batch overlap can
 decode batch sizes and without which the paper's 660B TPOT (36-39 ms) is not reached.
 Activation bytes are not modelled either (small next to weights and KV).
 
-FLOPs (one multiply-add = 2 FLOPs), per layer, for ``n`` new tokens:
+FLOPs (one multiply-add = 2 FLOPs), per layer, for ``n`` new tokens (``ModelTarget``,
+``dualpath.cost.arch``, derives each term from the target's ``config.json``):
 
 - projections: ``2 n P_attn``; GQA ``P_attn = 2 h (H d) + 2 h (H_kv d)`` (q, o and k, v);
   MLA ``P_attn = h r_q + r_q H (d_nope + d_rope) + h (r_kv + d_rope)
   + r_kv H (d_nope + d_v) + H d_v h`` (the ``r_kv H (d_nope + d_v)`` up-projection is
   absorbed into the query and the output, costing the same per token), plus the
   indexer's ``r_q H_i d_i + h d_i + h H_i`` where there is one.
-- dense MLP (SwiGLU): ``2 n * 3 h I``; MoE: ``2 n ((k + s) 3 h I_e + h E)`` (top-``k``
-  routed and ``s`` shared experts, the router).
+- dense MLP (SwiGLU): ``2 n * 3 h I``; MoE: ``2 n (k 3 h I_e + 3 h I_s + h E)`` (top-``k``
+  routed experts, the shared experts' fused width ``I_s``, the router).
 - attention, per query-key pair: GQA ``2 H (d + d)`` (QK^T and PV);
   MLA in the weight-absorbed (MQA) form ``2 H ((r_kv + d_rope) + r_kv)`` = 2 H 1088.
   A new token at position ``c + i`` (``i`` = 1..n after ``c`` cached) attends to
@@ -51,9 +52,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from dualpath.cost.arch import ModelTarget
 from dualpath.cost.errors import InvalidWorkloadError, ModelDoesNotFitError
 from dualpath.cost.gpu import GpuProfile, get_gpu
-from dualpath.cost.targets import ModelTarget, get_target
+from dualpath.cost.targets import get_target
 
 __all__ = ["CostModel", "cost_model"]
 
@@ -110,8 +112,7 @@ class CostModel:
         self._hbm_rate = gpu.hbm_bytes_per_s * gpu.hbm_efficiency
         # Replicated weights of one layer: [dense layer, MoE layer]
         t = target
-        moe_replicated = t.shared_experts * t.expert_params() + t.hidden * t.routed_experts
-        self._replicated = (t.attn_proj_params() + t.dense_mlp_params(), t.attn_proj_params() + moe_replicated)
+        self._replicated = (t.attn_proj_params() + t.dense_mlp_params(), t.attn_proj_params() + t.moe_replicated_params())
         self._pairs: dict[tuple[int, int], tuple[int, int, int]] = {}  # (cached, new) -> (attn, index, dense KV) sums
         # Every factor of _total_time that does not depend on the batch, computed once with the
         # same operations as the per-layer methods, so the fused form gives the same floats.
@@ -121,10 +122,10 @@ class CostModel:
             self._hbm_rate,
             self._gemm_rate,
             gpu.layer_overhead_s,
-            self._pair_flops(),
+            t.attention_pair_flops(),
             gpu.bf16_flops * gpu.mfu_attention,
             t.kv_bytes_per_token_layer,
-            2 * t.index_heads * t.index_head_dim,
+            t.index_pair_flops(),
             gpu.fp8_flops * gpu.mfu_attention,
             t.index_bytes_per_token_layer,
             rep0,
@@ -135,7 +136,7 @@ class CostModel:
             self._local_experts,
             t.expert_params(),
             wb,
-            t.layers - t.moe_layers,
+            t.dense_layers,
             t.moe_layers,
             t.vocab * t.hidden,
             t.vocab * t.hidden * wb / self._hbm_rate,
@@ -226,13 +227,6 @@ class CostModel:
         a = 2 * w.heads_out * head_params / gemm
         return dense_layers * dense + moe_layers * moe + (a if a >= head_s else head_s)
 
-    def _pair_flops(self) -> int:
-        """FLOPs per (query token, key) pair of attention, summed over heads."""
-        t = self.target
-        if t.attention == "gqa":
-            return 2 * t.heads * (2 * t.head_dim)
-        return 2 * t.heads * ((t.kv_lora_rank + t.qk_rope_dim) + t.kv_lora_rank)
-
     # -- public API ---------------------------------------------------------------------
     def prefill_flops(self, cached: int, new: int) -> float:
         """FLOPs to prefill ``new`` tokens of one request on top of ``cached`` ones (all layers).
@@ -242,11 +236,9 @@ class CostModel:
         """
         t = self.target
         w = self._prefill_work([(cached, new)])
-        mlp = (t.layers - t.moe_layers) * self._replicated[False] + t.moe_layers * (
-            self._replicated[True] + t.experts_per_token * t.expert_params()
-        )
-        per_layer_attn = self._pair_flops() * w.attn_pairs + 2 * t.index_heads * t.index_head_dim * w.index_pairs
-        return float(2 * new * mlp + t.layers * per_layer_attn + 2 * t.vocab * t.hidden)
+        gemm = sum(t.layer_gemm_flops_per_token(layer) for layer in range(t.layers))
+        per_layer_attn = t.attention_pair_flops() * w.attn_pairs + t.index_pair_flops() * w.index_pairs
+        return float(new * gemm + t.layers * per_layer_attn + t.lm_head_flops_per_token())
 
     def prefill_layer_time(self, batch: Sequence[tuple[int, int]], *, layer: int | None = None) -> float:
         """Seconds for one layer of a prefill batch of ``(cached, new)`` requests.
@@ -265,8 +257,7 @@ class CostModel:
             raise InvalidWorkloadError("layer index", layer)
         if not batch:
             return 0.0
-        moe = bool(t.routed_experts) and layer >= t.dense_layers
-        return self._layer_time(self._prefill_work(batch), moe=moe)
+        return self._layer_time(self._prefill_work(batch), moe=t.is_moe_layer(layer))
 
     def prefill_head_time(self, batch: Sequence[tuple[int, int]]) -> float:
         """Seconds of the LM head of a prefill batch (one row per request): with the layers'
@@ -380,10 +371,12 @@ class CostModel:
 
 
 def cost_model(target: str, gpu: str = "h800", *, ep: int | None = None) -> CostModel:
-    """Build the cost model of target ``target`` on GPU ``gpu`` (names from TARGETS, GPUS).
+    """Build the cost model of target ``target`` (a name of TARGETS or a path to a
+    ``config.json``) on GPU ``gpu`` (a name of GPUS).
 
     Raises:
-        UnknownTargetError: ``target`` is not a known target.
+        UnknownTargetError: ``target`` is neither a known name nor an existing path.
+        TargetConfigError: the path's ``config.json`` cannot be used.
         UnknownGpuError: ``gpu`` is not a known GPU profile.
         InvalidWorkloadError: ``ep`` is smaller than 1.
     """

@@ -56,15 +56,16 @@ class ModelTraffic:
         loop: asyncio.AbstractEventLoop,
         *,
         bytes_per_token_layer: float,
-        dense_layers: int = 0,
+        moe_layers: frozenset[int] | None = None,
         byte_scale: float = 1.0,
     ) -> None:
         """``bytes_per_token_layer``: the real cluster's volume; divided by ``byte_scale``
-        like the KV bytes, so its time on the scaled NIC is the cluster's."""
+        like the KV bytes, so its time on the scaled NIC is the cluster's. ``moe_layers``:
+        the layers that send it (None: every layer)."""
         self.nic = nic
         self.loop = loop
         self.per_token = bytes_per_token_layer / byte_scale
-        self.dense_layers = dense_layers
+        self.moe_layers = moe_layers
         self.count = 0
         self.bytes = 0
         self.actual_s = 0.0  # sum of completion times (issue -> both directions sent)
@@ -73,7 +74,7 @@ class ModelTraffic:
     def start(self, layer: int | None, tokens: int, layers: int = 1) -> concurrent.futures.Future[None] | None:
         """Queue the all-to-all of ``tokens`` through ``layers`` MoE layers (``layer``: the
         layer index, None for a whole decode step); None when there is nothing to send."""
-        if layer is not None and layer < self.dense_layers:
+        if layer is not None and self.moe_layers is not None and layer not in self.moe_layers:
             return None
         nbytes = int(tokens * layers * self.per_token)
         if nbytes <= 0:
@@ -125,7 +126,7 @@ def attach_model_traffic(decoder: ModeledDecoder, nic: DuplexNic, emu: Emulation
     if per_token <= 0:
         return None
     traffic = ModelTraffic(
-        nic, asyncio.get_running_loop(), bytes_per_token_layer=per_token, dense_layers=cost.target.dense_layers, byte_scale=emu.byte_scale()
+        nic, asyncio.get_running_loop(), bytes_per_token_layer=per_token, moe_layers=cost.target.moe_layer_ids, byte_scale=emu.byte_scale()
     )
     decoder.traffic = traffic
     return traffic

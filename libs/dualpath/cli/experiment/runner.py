@@ -19,6 +19,7 @@ from dualpath.cli.launcher.stack import Stack, StackConfig
 from dualpath.cli.launcher.topology import Topology, parse_topology
 from dualpath.cli.launcher.up import ensure_model
 from dualpath.config import EmulationConfig
+from dualpath.cost import resolve_target
 
 __all__ = [
     "ABLATION",
@@ -329,7 +330,11 @@ def _count_in_log(path: Path, event: str) -> int:
 
 def add_cluster_arguments(p) -> None:
     """Flags every testbed experiment shares: the modeled cluster and the emulation scale."""
-    p.add_argument("--target", default="ds27b", help="modeled model: ds27b, ds660b, qwen32b, dsv3")
+    p.add_argument(
+        "--target",
+        default="ds27b",
+        help="modeled model: a name (ds660b, ds27b, qwen32b, dsv3) or a path to a model's config.json (any supported architecture)",
+    )
     p.add_argument("--topology", default="1P1D", help="xPyD nodes")
     p.add_argument(
         "--read-policy",
@@ -373,9 +378,10 @@ def prepare(ns, prog: str, **spec_fields) -> tuple[TestbedSpec, list[str]] | Non
         if bad:
             raise ValueError(f"unknown mode(s) {bad}; choose from {sorted(MODES)}")
         _check_load(ns)
+        target = resolve_target(ns.target)  # a path made absolute for the services
         EmulationConfig(
             compute="modeled",
-            target=ns.target,
+            target=target,
             scale=ns.scale,
             gpus_per_node=ns.gpus_per_node,
             engines_per_node=ns.engines_per_node,
@@ -390,7 +396,7 @@ def prepare(ns, prog: str, **spec_fields) -> tuple[TestbedSpec, list[str]] | Non
     spec = TestbedSpec(
         model=ensure_model("", str(out), long_context=True),
         topology=topology,
-        target=ns.target,
+        target=target,
         scale=ns.scale,
         gpus_per_node=ns.gpus_per_node,
         snic_gbps=ns.snic_gbps,

@@ -93,7 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("torch", "modeled"),
         help="real torch model or cost-model time",
     )
-    t.add_argument("--target", default=default_of(EmulationConfig, "target"), help="modeled target: ds27b, ds660b, qwen32b, dsv3")
+    t.add_argument(
+        "--target",
+        default=default_of(EmulationConfig, "target"),
+        help="modeled target: a name (ds660b, ds27b, qwen32b, dsv3) or a path to a model's config.json (any supported architecture)",
+    )
     t.add_argument(
         "--scale", type=float, default=default_of(EmulationConfig, "scale"), help="testbed scale factor (bytes and bandwidths / scale)"
     )
@@ -127,13 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
 def emulation_from(ns):
     """The ``EmulationConfig`` the flags describe (None for a plain real-model deployment)."""
     from dualpath.config import EmulationConfig
+    from dualpath.cost import resolve_target
 
     if ns.compute != "modeled" and not ns.snic_gbps and not ns.cnic_gbps and ns.mode != "oracle":
         return None
     modeled = ns.compute == "modeled"
     return EmulationConfig(
         compute=ns.compute,
-        target=ns.target,
+        target=resolve_target(ns.target) if modeled else ns.target,  # a path made absolute for the services
         scale=ns.scale if modeled else 1.0,
         gpus_per_node=ns.gpus_per_node,
         engines_per_node=ns.engines_per_node,
