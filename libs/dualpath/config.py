@@ -260,6 +260,14 @@ class GatewayConfig:
     tool_parser: str = opt(
         "auto", "tool-call format of the model's output: auto (from the chat template), hermes, llama3_json", "DUALPATH_TOOL_PARSER"
     )
+    reasoning_parser: str = opt(
+        "",
+        "split <think>…</think> off chat answers as reasoning: deepseek_r1, qwen3 ('' = none)",
+        "DUALPATH_REASONING_PARSER",
+    )
+    responses_ttl_s: float = opt(
+        7 * 24 * 3600.0, "seconds a stored /v1/responses answer is kept (the shared JetStream bucket's TTL)", "DUALPATH_RESPONSES_TTL_S"
+    )
 
 
 def parse_bool(text: str) -> bool:

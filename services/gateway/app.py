@@ -1,10 +1,13 @@
 """The gateway's HTTP app: OpenAI ``/v1/completions`` and ``/v1/chat/completions`` (SSE or not),
-``/v1/models``, ``/health``, and ``/metrics`` (Prometheus text, cluster-level figures).
+``/v1/models``, ``/health``, and ``/metrics`` (Prometheus text, cluster-level figures); Anthropic's
+``/v1/messages`` (``anthropic_api``) and OpenAI's ``/v1/responses`` (``responses_api``), which
+translate to the same chat path.
 
 A request is tokenized, its block hash chain looked up in kv-persistence (the hit), submitted
 to the scheduler, and answered from its token stream. A chat answer with tools is parsed into
-``tool_calls`` (streamed as OpenAI-style deltas, ``finish_reason: "tool_calls"``). Errors use
-OpenAI's JSON error body, and every error status a route can answer is declared in the OpenAPI
+``tool_calls`` (streamed as OpenAI-style deltas, ``finish_reason: "tool_calls"``); with a
+reasoning parser its ``<think>`` part becomes ``reasoning_content``. Errors use
+OpenAI's JSON error body (Anthropic's on ``/v1/messages``), and every error status a route can answer is declared in the OpenAPI
 document (``/openapi.json``), whose request ``model`` field is pinned to the served model.
 
 With an API key set, every route but ``/health`` (liveness/readiness probes) needs
@@ -28,7 +31,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dualpath.chat.stream import StreamingToolParser
+from services.gateway import anthropic_api, responses_api
+from services.gateway.answer import AnswerDeltas, parse_answer, session_of
 from services.gateway.api_types import ERROR_RESPONSES, REQUEST_ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
 from services.gateway.core import ApiError, Gateway, Prepared
 from services.gateway.metrics_page import render_metrics
@@ -37,6 +41,7 @@ __all__ = ["build_app"]
 
 
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key: the probes' route
+ANTHROPIC_PATHS = ("/v1/messages",)  # errors in Anthropic's shape
 
 _STREAM_200: dict[int | str, dict[str, Any]] = {
     200: {"description": "the answer: JSON, or Server-Sent Events when stream is true", "content": {"text/event-stream": {}}}
@@ -44,11 +49,20 @@ _STREAM_200: dict[int | str, dict[str, Any]] = {
 
 
 def _error(
-    status: int, message: str, *, etype: str = "invalid_request_error", param: str | None = None, headers: Mapping[str, str] | None = None
+    status: int,
+    message: str,
+    *,
+    etype: str = "invalid_request_error",
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    path: str = "",
 ) -> JSONResponse:
+    """The error answer in the shape of the route's protocol (Anthropic's under ``/v1/messages``)."""
     headers = dict(headers or {})
     if status in (429, 503):
         headers["Retry-After"] = "1"  # overloaded or failing over: come back shortly
+    if path.startswith(ANTHROPIC_PATHS):
+        return anthropic_api.error_response(status, message, headers)
     return JSONResponse(
         status_code=status, content={"error": {"message": message, "type": etype, "param": param, "code": status}}, headers=headers
     )
@@ -64,32 +78,36 @@ def build_app(gw: Gateway) -> FastAPI:
     app = FastAPI(title="DualPath gateway", lifespan=gw.lifespan, **own)
 
     @app.exception_handler(RequestValidationError)
-    async def on_validation(_req: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_validation(req: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         field = ".".join(loc) or None
         if first.get("type") == "json_invalid":
-            return _error(400, f"malformed JSON body: {first.get('msg', '')}")
+            return _error(400, f"malformed JSON body: {first.get('msg', '')}", path=req.url.path)
         return _error(
             422 if first.get("type") != "missing" else 400,
             f"{'field ' + repr(field) + ': ' if field else ''}{first.get('msg', 'invalid request')}",
             param=field,
+            path=req.url.path,
         )
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http(req: Request, exc: StarletteHTTPException) -> JSONResponse:
         etype = "not_found" if exc.status_code == 404 else "invalid_request_error"
-        return _error(exc.status_code, str(exc.detail), etype=etype, headers=exc.headers)  # a 405 keeps its Allow header
+        # a 405 keeps its Allow header
+        return _error(exc.status_code, str(exc.detail), etype=etype, headers=exc.headers, path=req.url.path)
 
     @app.exception_handler(ApiError)
-    async def on_api_error(_req: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc.status, exc.message, etype=exc.etype, param=exc.param)
+    async def on_api_error(req: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, exc.message, etype=exc.etype, param=exc.param, path=req.url.path)
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
+        # Authorization: Bearer (OpenAI clients) or x-api-key (Anthropic clients), on every route
         if gw.cfg.api_key and request.url.path not in OPEN_PATHS:
-            if request.headers.get("authorization", "") != f"Bearer {gw.cfg.api_key}":
-                return _error(401, "invalid or missing API key", etype="authentication_error")
+            bearer = request.headers.get("authorization", "") == f"Bearer {gw.cfg.api_key}"
+            if not bearer and request.headers.get("x-api-key", "") != gw.cfg.api_key:
+                return _error(401, "invalid or missing API key", etype="authentication_error", path=request.url.path)
         return await call_next(request)
 
     @app.get("/health", responses={503: {"description": "no scheduler, or no prefill or no decode engine"}, 405: ERROR_RESPONSES[405]})
@@ -132,6 +150,9 @@ def build_app(gw: Gateway) -> FastAPI:
         prep = await run_in_threadpool(gw.prepare_chat, body)
         return await _answer(gw, prep, request, chat=True)
 
+    anthropic_api.add_routes(app, gw)
+    responses_api.add_routes(app, gw)
+
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             app.openapi_schema = _pinned_openapi(
@@ -147,6 +168,9 @@ def build_app(gw: Gateway) -> FastAPI:
     return app
 
 
+_MODEL_PINNED = ("CompletionRequest", "MessagesRequest", "CountTokensRequest", "ResponsesRequest")
+
+
 def _pinned_openapi(app: FastAPI, model_name: str, *, templates: list[str], vocab: int, secured: bool) -> dict[str, Any]:
     """FastAPI's document, with what this checkpoint decides pinned: each request's ``model`` an
     enum of the one served model (any other name is a 404: a client or fuzzer reading the
@@ -156,7 +180,7 @@ def _pinned_openapi(app: FastAPI, model_name: str, *, templates: list[str], voca
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     for name, comp in schema.get("components", {}).get("schemas", {}).items():
         props = comp.get("properties", {})
-        if name.endswith("CompletionRequest") and "model" in props:
+        if name.endswith(_MODEL_PINNED) and "model" in props:
             props["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
         if "chat_template_name" in props:
             props["chat_template_name"] = {
@@ -176,12 +200,6 @@ def _pinned_openapi(app: FastAPI, model_name: str, *, templates: list[str], voca
                 for op in ops.values():
                     op["security"] = [{"bearer": []}]
     return schema
-
-
-def session_of(prep: Prepared, request: Request) -> str:
-    """The agent session: the ``dualpath_session`` extension, else ``X-Session-ID`` (aiperf
-    ``--session-header``), else the OpenAI ``user`` field; "" when none says (at most 256 chars)."""
-    return prep.session or request.headers.get("x-session-id", "")[:256] or prep.user[:256]
 
 
 async def _answer(gw: Gateway, prep: Prepared, request: Request, *, chat: bool):
@@ -243,14 +261,16 @@ def _finish_reason(finish: str, has_calls: bool) -> str:
 def _full_body(gw: Gateway, rid: str, prep: Prepared, result, chat: bool) -> dict[str, Any]:
     created = int(time.time())
     if chat:
-        content, calls = prep.tool_format.parse(result.text) if prep.tool_format is not None else (result.text, [])
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [c.to_openai() for c in calls]
+        parsed = parse_answer(prep, result.text)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning
+        if parsed.calls:
+            message["tool_calls"] = [c.to_openai() for c in parsed.calls]
         choice = {
             "index": 0,
             "message": message,
-            "finish_reason": _finish_reason(result.finish_reason, bool(calls)),
+            "finish_reason": _finish_reason(result.finish_reason, bool(parsed.calls)),
             "logprobs": _logprobs_chat(gw, result.token_ids, result.logprobs, result.top_logprobs) if prep.want_logprobs else None,
         }
         obj = "chat.completion"
@@ -276,7 +296,7 @@ def _full_body(gw: Gateway, rid: str, prep: Prepared, result, chat: bool) -> dic
 async def _sse(gw: Gateway, rid: str, prep: Prepared, request: Request, chat: bool):
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
-    tools = StreamingToolParser(prep.tool_format) if chat and prep.tool_format is not None else None
+    tools = AnswerDeltas(prep) if chat and (prep.tool_format is not None or prep.reasoning is not None) else None
 
     def chunk(
         delta_text: str | None, finish: str | None, ids=(), lps=(), tops=(), extra: dict | None = None, delta: dict | None = None

@@ -16,6 +16,7 @@ from opentelemetry import trace
 from dualpath.bus import Bus, BusTimeoutError
 from dualpath.chat.errors import ChatError
 from dualpath.chat.plan import plan_chat
+from dualpath.chat.reasoning import ReasoningFormat, reasoning_format
 from dualpath.chat.tools import ToolFormat, format_for_template, tool_format
 from dualpath.config import BusConfig, GatewayConfig, ModelConfigSpec
 from dualpath.kv import block_hashes, model_digest, pack_hashes
@@ -30,6 +31,7 @@ from dualpath.telemetry.tracing import carrier, flush_tracing, get_tracer
 from services.gateway.api_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.detok import Detokenizer
 from services.gateway.observe import RequestTelemetry
+from services.gateway.response_store import ResponseStore
 from services.gateway.streams import Restarted, StreamOverflowError, TokenStreams, stream_key
 
 __all__ = ["ApiError", "Gateway", "Prepared", "StreamPart"]
@@ -69,6 +71,9 @@ class Prepared:
     session: str = ""  # agent session id: dualpath_session, else the X-Session-ID header (app), else the OpenAI user field
     user: str = ""  # the OpenAI user field
     constrained: bool = False  # a grammar constrains the answer (structured output or forced tool call)
+    reasoning: ReasoningFormat | None = None  # split <think>…</think> off the answer with it (chat, unconstrained)
+    in_reasoning: bool = False  # the answer starts inside the reasoning (the prompt opened it)
+    hit_tokens: int = 0  # prompt tokens found persisted at admission (the engines report the final figure)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -78,6 +83,7 @@ class Result:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list = field(default_factory=list)
     finish_reason: str = "stop"
+    stop_string: str = ""  # the stop string that ended the answer ("" : none did)
     cached_tokens: int = 0
     info: dict = field(default_factory=dict)
 
@@ -111,6 +117,7 @@ class Gateway:
                 self.tool_format = tool_format("hermes")
         else:
             self.tool_format = tool_format(cfg.tool_parser)  # ValueError names the known ones
+        self.reasoning_format = reasoning_format(cfg.reasoning_parser)  # ValueError names the known ones
         self.model_name = model.model_name or Path(model.model).resolve().name
         self.model_digest = model_digest(self.model_name)
         self.block_tokens = model.block_tokens
@@ -120,6 +127,7 @@ class Gateway:
         self.telemetry = RequestTelemetry()
         self.bus: Bus | None = None
         self._tasks: TaskGroup | None = None
+        self._responses: ResponseStore | None = None  # stored /v1/responses answers (JetStream KV), once connected
         self._submitted: dict[str, m.SubmitRequest] = {}  # admitted and not finished: resubmitted after a failover
         self._schedulers: dict[str, None] = {}  # scheduler instances heard from, oldest first (``_scheduler_seen``)
 
@@ -130,6 +138,7 @@ class Gateway:
             anyio.create_task_group() as tasks,
         ):
             self.bus, self._tasks = bus, tasks
+            self._responses = ResponseStore(bus.nc.jetstream(), self.subjects.responses, ttl_s=self.cfg.responses_ttl_s)
             await bus.subscribe_raw(self.subjects.tokens_wildcard(self.cfg.gateway_id), self.streams.on_message)
             await bus.subscribe_raw(self.subjects.sched_alive, self._on_scheduler_alive)
             await bus.subscribe_raw(self.subjects.engine_lost, self._on_engine_lost)
@@ -155,6 +164,21 @@ class Gateway:
         if self.bus is None:
             raise ApiError(503, "the gateway is not connected to the bus yet", etype="server_error")
         return self.bus
+
+    def response_store(self) -> ResponseStore:
+        """The shared store of ``/v1/responses`` answers.
+
+        Raises:
+            ApiError: 503 before the gateway is connected.
+        """
+        self._connected()
+        assert self._responses is not None  # set with the bus
+        return self._responses
+
+    def store_limit(self) -> int:
+        """Bytes of input a stored response may hold: a share of the server's max payload, so
+        the entry (input, output, response fields) fits in one JetStream message."""
+        return int(self._connected().nc.max_payload * 0.75)
 
     # ---- preparation -----------------------------------------------------------------------
     def _check_model(self, name: str) -> None:
@@ -189,6 +213,7 @@ class Gateway:
         *,
         grammar: str | None = None,
         tool_fmt: ToolFormat | None = None,
+        clamp: bool = False,
     ) -> Prepared:
         if not tokens:
             raise ApiError(400, "the prompt is empty", param="prompt")
@@ -201,6 +226,8 @@ class Gateway:
             )
         room = self.max_context - len(tokens)
         asked = body.max_completion_tokens or body.max_tokens
+        if clamp and asked is not None:
+            asked = min(asked, room)  # an upper bound (Messages, Responses): agents ask for more than a context holds
         if asked is not None and asked > room:
             raise ApiError(
                 400,
@@ -237,8 +264,10 @@ class Gateway:
         top = body.logprobs or 0
         return self._finish_prepare(body, tokens, body.logprobs is not None, top, t_start_ns)
 
-    def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
+    def prepare_chat(self, body: ChatCompletionRequest, *, clamp: bool = False) -> Prepared:
         """Render the conversation with the checkpoint's template and plan tools / structured output.
+
+        ``clamp``: a ``max_tokens`` beyond the context's room is cut to it instead of refused.
 
         Raises:
             ApiError: 400 naming the field for a bad message, tool, tool_choice or schema.
@@ -273,7 +302,7 @@ class Gateway:
             )
         except ChatError as exc:
             raise ApiError(400, exc.message, param=exc.param) from None
-        return self._finish_prepare(
+        prep = self._finish_prepare(
             body,
             self.tokenizer.encode(plan.prompt),
             body.logprobs,
@@ -281,7 +310,11 @@ class Gateway:
             t_start_ns,
             grammar=plan.grammar,
             tool_fmt=plan.tool_format,
+            clamp=clamp,
         )
+        if self.reasoning_format is not None and plan.grammar is None:  # a grammar's answer has no reasoning part
+            prep.reasoning, prep.in_reasoning = self.reasoning_format, self.reasoning_format.opens_in_reasoning(plan.prompt)
+        return prep
 
     # ---- submission ------------------------------------------------------------------------
     async def _lookup(self, hashes: list[int]) -> int:
@@ -331,6 +364,7 @@ class Gateway:
             hit = await self._lookup(hashes)
             # The last prompt token must be computed (its logits give the first token).
             hit = min(hit, (len(prep.prompt_tokens) - 1) // self.block_tokens)
+            prep.hit_tokens = hit * self.block_tokens
             if span.is_recording():
                 span.set_attributes({"blocks": len(hashes), "hit_blocks": hit})
             self.streams.open(rid, restartable=not prep.stream)  # nothing is shown before the end: a new run may start over
@@ -538,7 +572,7 @@ class Gateway:
                 if detok.stopped:
                     self.telemetry.outcome(rid, "stop", info=ev.info, cached_tokens=ev.cached_tokens)
                     await self.cancel(rid, "stop string")
-                    res.text = detok.emitted
+                    res.text, res.stop_string = detok.emitted, detok.matched
                     res.cached_tokens, res.info = ev.cached_tokens, ev.info
                     yield StreamPart(
                         text=text,

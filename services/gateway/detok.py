@@ -19,6 +19,7 @@ class Detokenizer:
         self.ids: list[int] = []
         self.emitted = ""  # text already released
         self.stopped = False
+        self.matched = ""  # the stop string that stopped the answer
         self._stable_ids = 0  # ids[:_stable_ids] decode to _stable_text and end on a clean boundary
         self._stable_text = ""
 
@@ -53,7 +54,7 @@ class Detokenizer:
         for s in self._stops:
             cut = text.find(s, max(0, len(self.emitted) - len(s)))
             if cut != -1:
-                self.stopped = True
+                self.stopped, self.matched = True, s
                 delta = text[len(self.emitted) : cut] if cut >= len(self.emitted) else ""
                 self.emitted += delta
                 return delta

@@ -7,6 +7,7 @@ import sys
 
 import uvicorn
 
+from dualpath.chat.reasoning import REASONING_PARSERS
 from dualpath.chat.tools import FORMATS
 from dualpath.config import (
     BusConfig,
@@ -23,7 +24,7 @@ from services.gateway.core import Gateway
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dualpath service gateway", description="OpenAI-compatible HTTP gateway")
+    p = argparse.ArgumentParser(prog="dualpath service gateway", description="OpenAI- and Anthropic-compatible HTTP gateway")
     add_arguments(p, BusConfig)
     add_arguments(p, GatewayConfig)
     add_arguments(p, ModelConfigSpec, skip=("device", "dtype"))
@@ -35,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     parser_name = from_args(GatewayConfig, ns).tool_parser
     if parser_name not in ("", "auto", *FORMATS):
         print(f"gateway: --tool-parser must be auto or one of {', '.join(sorted(FORMATS))}, got {parser_name!r}", file=sys.stderr)
+        return 2
+    reasoning = from_args(GatewayConfig, ns).reasoning_parser
+    if reasoning not in ("", "none", *REASONING_PARSERS):
+        print(f"gateway: --reasoning-parser must be one of {', '.join(sorted(REASONING_PARSERS))}, got {reasoning!r}", file=sys.stderr)
         return 2
     configure_logging("gateway")
     configure_tracing("gateway")

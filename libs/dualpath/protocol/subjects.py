@@ -57,6 +57,11 @@ class Subjects:
         """JetStream key-value bucket of the scheduler's leadership lease (bucket names take no dots)."""
         return f"{self.ns}_sched_leader"
 
+    @property
+    def responses(self) -> str:
+        """JetStream key-value bucket of the gateways' stored ``/v1/responses`` answers."""
+        return f"{self.ns}_responses"
+
     # scheduler
     @property
     def submit(self) -> str:

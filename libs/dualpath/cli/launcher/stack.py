@@ -26,7 +26,7 @@ import httpx
 
 from dualpath.cli.launcher.supervisor import Supervisor, SupervisorEvent
 from dualpath.cli.launcher.topology import Topology
-from dualpath.config import EmulationConfig, NodeConfig, default_of
+from dualpath.config import EmulationConfig, GatewayConfig, NodeConfig, default_of
 
 __all__ = ["Stack", "StackConfig", "StackError"]
 
@@ -58,6 +58,8 @@ class StackConfig:
     kv_capacity_tokens: int = 65536
     api_key: str = ""
     prefix_cache: bool = True
+    tool_parser: str = default_of(GatewayConfig, "tool_parser")
+    reasoning_parser: str = default_of(GatewayConfig, "reasoning_parser")
     emulation: EmulationConfig | None = None  # testbed: modeled compute, emulated NICs, oracle
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -232,7 +234,11 @@ class Stack:
         self._spawn(
             "gateway",
             "services.gateway",
-            [*model, "--host", c.host, "--port", str(c.port), "--api-key", c.api_key, "--prefix-cache", str(c.prefix_cache).lower()],
+            [
+                *model,
+                *("--host", c.host, "--port", str(c.port), "--api-key", c.api_key, "--prefix-cache", str(c.prefix_cache).lower()),
+                *("--tool-parser", c.tool_parser, "--reasoning-parser", c.reasoning_parser),
+            ],
         )
 
     def _wait_ready(self, timeout: float) -> None:

@@ -81,7 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill compute quota per batch, ms (paper §6.2): FIFO packing while the predicted batch time fits",
     )
     p.add_argument("--nats-url", default="", help="use this NATS server instead of an embedded one")
-    p.add_argument("--api-key", default="", help="require this bearer token on /v1/*")
+    p.add_argument("--api-key", default="", help="require this key on /v1/* (Authorization: Bearer or x-api-key)")
+    p.add_argument(
+        "--tool-parser",
+        default=default_of(GatewayConfig, "tool_parser"),
+        help="tool-call format: auto (from the template), hermes, llama3_json",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=default_of(GatewayConfig, "reasoning_parser"),
+        choices=("", "deepseek_r1", "qwen3"),
+        help="return <think>…</think> apart from the content: deepseek_r1, qwen3 (default: none)",
+    )
     p.add_argument("--replicas", type=int, default=1, help="schedulers and kv-persistence replicas (2+: no single point of failure)")
     p.add_argument("--nats-cluster", type=int, default=1, choices=(1, 3, 5), help="local nats-servers (3 or 5: a JetStream cluster)")
     p.add_argument("--no-restart", action="store_true", help="do not restart services that die (stop the stack instead)")
@@ -98,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=default_of(EmulationConfig, "target"),
         help="modeled target: a name (ds660b, ds27b, qwen32b, dsv3) or a path to a model's config.json (any supported architecture)",
     )
+    t.add_argument("--gpu", default=default_of(EmulationConfig, "gpu"), help="modeled GPU: h800, h100")
     t.add_argument(
         "--scale", type=float, default=default_of(EmulationConfig, "scale"), help="testbed scale factor (bytes and bandwidths / scale)"
     )
@@ -139,6 +151,7 @@ def emulation_from(ns):
     return EmulationConfig(
         compute=ns.compute,
         target=resolve_target(ns.target) if modeled else ns.target,  # a path made absolute for the services
+        gpu=ns.gpu,
         scale=ns.scale if modeled else 1.0,
         gpus_per_node=ns.gpus_per_node,
         engines_per_node=ns.engines_per_node,
@@ -215,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         compute_quota_ms=ns.compute_quota_ms,
         nats_url=ns.nats_url,
         api_key=ns.api_key,
+        tool_parser=ns.tool_parser,
+        reasoning_parser=ns.reasoning_parser,
         emulation=emu,
         replicas=ns.replicas,
         nats_cluster=ns.nats_cluster,
