@@ -67,6 +67,7 @@ class TestbedSpec:
     topology: Topology
     target: str
     scale: float
+    gpu: str = "h800"  # the modeled GPU profile (dualpath.cost.GPUS)
     gpus_per_node: int
     snic_gbps: float
     cnic_gbps: float
@@ -110,6 +111,7 @@ def _emulation(spec: TestbedSpec, oracle: bool, slowdown: float) -> EmulationCon
     return EmulationConfig(
         compute="modeled",
         target=spec.target,
+        gpu=spec.gpu,
         scale=spec.scale,
         gpus_per_node=spec.gpus_per_node,
         engines_per_node=spec.topology.engines_per_node,
@@ -144,7 +146,7 @@ def stack_config(spec: TestbedSpec, m: Mode, emu: EmulationConfig, out: Path) ->
         emulation=emu,
         buffer_mb=buffer_mb,
         prefetch_mb=max(1, emu.profile().prefetch_cache_bytes(spec.topology.engines_per_node) >> 20) if m.prefetch else 0,
-        kv_capacity_tokens=decode_hbm_tokens(spec.target),
+        kv_capacity_tokens=decode_hbm_tokens(spec.target, spec.gpu),
         # Fewer, larger token events: the 2-core emulation host's CPU goes to the
         # modeled cluster, not to per-token messaging (TTFT is unaffected).
         extra_env={
@@ -335,6 +337,7 @@ def add_cluster_arguments(p) -> None:
         default="ds27b",
         help="modeled model: a name (ds660b, ds27b, qwen32b, dsv3) or a path to a model's config.json (any supported architecture)",
     )
+    p.add_argument("--gpu", default="h800", help="modeled GPU: h800, h100")
     p.add_argument("--topology", default="1P1D", help="xPyD nodes")
     p.add_argument(
         "--read-policy",
@@ -382,6 +385,7 @@ def prepare(ns, prog: str, **spec_fields) -> tuple[TestbedSpec, list[str]] | Non
         EmulationConfig(
             compute="modeled",
             target=target,
+            gpu=ns.gpu,
             scale=ns.scale,
             gpus_per_node=ns.gpus_per_node,
             engines_per_node=ns.engines_per_node,
@@ -397,6 +401,7 @@ def prepare(ns, prog: str, **spec_fields) -> tuple[TestbedSpec, list[str]] | Non
         model=ensure_model("", str(out), long_context=True),
         topology=topology,
         target=target,
+        gpu=ns.gpu,
         scale=ns.scale,
         gpus_per_node=ns.gpus_per_node,
         snic_gbps=ns.snic_gbps,
