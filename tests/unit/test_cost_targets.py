@@ -213,3 +213,17 @@ def test_the_sim_cli_accepts_a_config_path_as_target(tmp_path, capsys):
     assert out["target"] == str(path.resolve())
     assert main(["offline", "--target", str(tmp_path / "missing.json"), "--agents", "4"]) == 2
     assert "--target" in capsys.readouterr().err
+
+
+def test_the_kv_cache_format_is_deployment_not_architecture():
+    """The same published DeepSeek-V3 file: as a path target its KV is bf16 (what the torch
+    engine stores, 576 values x 2 B); as the named target FlashMLA's FP8 layout (656 B)."""
+    as_path = get_target(str(CONFIG_DIR / "dsv3.json"))
+    assert as_path.kv_bytes_per_token_layer == (512 + 64) * 2
+    assert get_target("dsv3").kv_bytes_per_token_layer == 512 + 4 * (512 // 128) + 2 * 64
+    assert as_path.weight_bytes == get_target("dsv3").weight_bytes == 1  # quantization_config: fp8
+    assert as_path.total_params() == get_target("dsv3").total_params()
+    qwen_fp8 = load_target(CONFIG_DIR / "qwen32b.json", kv_cache_dtype="fp8")
+    assert qwen_fp8.kv_bytes_per_token_layer == 2 * 8 * 128  # one byte per K and V value
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        load_target(CONFIG_DIR / "qwen32b.json", kv_cache_dtype="int4")
