@@ -3,7 +3,8 @@
 The gateway is where a request starts and ends, so it owns the request's root span
 (``request``, attribute ``request_id``: ``dualpath trace show`` finds the trace by it) and
 measures what the client sees: TTFT (arrival to first token) and TPOT (mean gap between the
-following tokens), exported as histograms, plus prompt and cached tokens (the KV hit rate).
+following tokens), exported as histograms, plus prompt and cached tokens (the KV hit rate),
+also logged once per request (``request_finished``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 
 from dualpath.protocol.messages import TokenEvent
+from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.metrics import SECONDS_BUCKETS, get_meter, observe
 from dualpath.telemetry.tracing import get_tracer
 from services.gateway.metrics_page import ClusterFigures
@@ -23,6 +25,7 @@ from services.gateway.metrics_page import ClusterFigures
 __all__ = ["RequestTelemetry"]
 
 tracer = get_tracer("dualpath.gateway")
+log = get_logger("gateway")
 _READ_PATH_NAMES = {0: "auto", 1: "pe", 2: "de"}
 
 
@@ -117,6 +120,10 @@ class RequestTelemetry:
             return
         out = live.outcome or {"finish_reason": "abandoned", "info": {}, "cached_tokens": 0, "error": ""}
         reason = out["finish_reason"]
+        # one line per answered request: what a client's usage figures say, from the gateway's side
+        log.info(
+            "request_finished", request_id=rid, finish_reason=reason, prompt_tokens=live.prompt_tokens, cached_tokens=out["cached_tokens"]
+        )
         attrs = {"finish_reason": reason, "completion_tokens": live.tokens}
         if live.t_first_ns:
             ttft = (live.t_first_ns - live.t_start_ns) / 1e9

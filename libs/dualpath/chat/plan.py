@@ -36,6 +36,7 @@ from dualpath.structured.grammar import (
 __all__ = ["ChatPlan", "plan_chat"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_UNIMPLEMENTED = "Unimplemented keys"  # llguidance: valid JSON Schema it cannot turn into a grammar
 
 
 @dataclass(slots=True, kw_only=True)
@@ -67,7 +68,8 @@ def plan_chat(
         GrammarError: a schema (``response_format`` or a tool's parameters) that does not compile.
         ChatTemplateError: the chat template refuses the messages.
     """
-    tools = _check_tools(tools)
+    may_force = tool_choice not in (None, "none", "auto") or (response_format or {}).get("type") not in (None, "text")
+    tools = _check_tools(tools, forcible=may_force)
     choice = _choice(tool_choice, tools)
     as_text = template.arguments_as_text(template_name, tools=bool(tools))
     history = _check_history(messages, as_text)
@@ -86,7 +88,10 @@ def plan_chat(
     return ChatPlan(prompt=prompt, grammar=grammar, tool_format=tool_format if tools and choice != "none" else None, forced=forced)
 
 
-def _check_tools(tools: list[dict] | None) -> list[dict]:
+def _check_tools(tools: list[dict] | None, *, forcible: bool) -> list[dict]:
+    """The tools, checked; a parameters schema must compile, except that when no grammar will
+    force a call (``forcible`` false) one using JSON Schema keywords the grammar engine does not
+    implement is accepted (agents' tools use them: nothing needs enforcing)."""
     if not tools:
         return []
     seen = set()
@@ -105,7 +110,11 @@ def _check_tools(tools: list[dict] | None) -> list[dict]:
         if params is not None:
             if not isinstance(params, dict):
                 raise ToolSpecError(f"{where}.function.parameters must be a JSON schema object", param=f"{where}.function.parameters")
-            check_grammar(json_schema_grammar(params, param=f"{where}.function.parameters"), None, param=f"{where}.function.parameters")
+            try:
+                check_grammar(json_schema_grammar(params, param=f"{where}.function.parameters"), None, param=f"{where}.function.parameters")
+            except GrammarError as exc:
+                if forcible or _UNIMPLEMENTED not in exc.message:
+                    raise
     return [{**t, "type": "function"} for t in tools]
 
 
