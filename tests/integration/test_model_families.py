@@ -41,14 +41,23 @@ def _config(family: str):
     if family == "qwen3":
         return transformers.Qwen3Config(**common, num_key_value_heads=2, head_dim=24)
     if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=16, num_experts=8, norm_topk_prob=True, mlp_only_layers=[0], **MOE)
+        return transformers.Qwen3MoeConfig(
+            **common, num_key_value_heads=2, head_dim=16, num_experts=8, norm_topk_prob=True, mlp_only_layers=[0], **MOE
+        )
     if family == "deepseek_v2":  # V2-Lite's shape: no q_lora_rank, softmax routing
         return transformers.DeepseekV2Config(
             **common, q_lora_rank=None, n_routed_experts=8, n_shared_experts=2, first_k_dense_replace=1,
             topk_method="group_limited_greedy", n_group=4, topk_group=2, **MLA, **MOE,
         )  # fmt: skip
     # V3's shape: q_lora_rank, sigmoid routing with a correction bias, YaRN RoPE with mscale
-    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+    rope = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 256,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "rope_theta": 10000.0,
+    }
     return transformers.DeepseekV3Config(
         **common, q_lora_rank=32, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
         routed_scaling_factor=2.5, rope_parameters=rope, **MLA, **MOE,
@@ -89,7 +98,10 @@ def test_family_written_by_transformers_is_served_exactly_on_both_read_paths(tin
     s = start_stack(ckpt, tmp_path / "storage", tmp_path / "run")
     rows = []
     try:
-        for path, text in (("pe", b"Agents call tools, then read the results. " * 4), ("de", b"A second agent edits files and runs tests. " * 4)):
+        for path, text in (
+            ("pe", b"Agents call tools, then read the results. " * 4),
+            ("de", b"A second agent edits files and runs tests. " * 4),
+        ):
             prompt = list(text)
             for turn in (1, 2):
                 r = httpx.post(
@@ -102,14 +114,17 @@ def test_family_written_by_transformers_is_served_exactly_on_both_read_paths(tin
                 body = r.json()
                 got = body["choices"][0]["logprobs"]
                 expected = _greedy(model, prompt, tok.eos_token_ids)
-                rows.append((path, turn, body["usage"]["prompt_tokens_details"]["cached_tokens"], body["dualpath"]["read_path"], got, expected))
+                rows.append(
+                    (path, turn, body["usage"]["prompt_tokens_details"]["cached_tokens"], body["dualpath"]["read_path"], got, expected)
+                )
                 prompt = prompt + [t for t, _ in expected] + list(b" Tool result: ok, next step please.")
     finally:
         s.stop()
     for path, turn, cached, read_path, got, expected in rows:
+        same = got["tokens"] == [tok.decode([t]) for t, _ in expected]
         worst = max(abs(a - b) for a, (_, b) in zip(got["token_logprobs"], expected))
-        print(f"{family:12s} {path} turn {turn}: cached {cached:4d} tokens equal {got['tokens'] == [tok.decode([t]) for t, _ in expected]} max |dlogprob| {worst:.2e}")
-        assert got["tokens"] == [tok.decode([t]) for t, _ in expected], (path, turn)
-        assert max(abs(a - b) for a, (_, b) in zip(got["token_logprobs"], expected)) < 2e-3, (path, turn)
+        print(f"{family:12s} {path} turn {turn}: cached {cached:4d} tokens equal {same} max |dlogprob| {worst:.2e}")
+        assert same, (path, turn)
+        assert worst < 2e-3, (path, turn)
         if turn == 2:
             assert cached >= 128 and read_path == path, (path, cached, read_path)

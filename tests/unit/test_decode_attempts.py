@@ -13,7 +13,6 @@ import anyio
 import torch
 
 from dualpath.model.config import KvSpec
-
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from services.decode_engine.engine import DecodeEngine

@@ -47,7 +47,9 @@ PASSTHROUGH = {
 def _make_tiny_model(argv: list[str]) -> int:
     from dualpath.model.tiny import ARCHS
 
-    p = argparse.ArgumentParser(prog="dualpath make-tiny-model", description="write a tiny random checkpoint (HF layout) of a supported family")
+    p = argparse.ArgumentParser(
+        prog="dualpath make-tiny-model", description="write a tiny random checkpoint (HF layout) of a supported family"
+    )
     p.add_argument("dir", help="output directory")
     p.add_argument("--arch", choices=ARCHS, default="qwen2", help="model family (config.json model_type)")
     p.add_argument("--layers", type=int, default=2)

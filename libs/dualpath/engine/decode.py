@@ -124,13 +124,10 @@ def decode_step(decoder, memory: KvMemory, seqs: list[DecodeSequence], inputs: l
     token_t = torch.tensor(inputs, dtype=torch.long, device=device)
     pos_t = torch.tensor([s.kv_len for s in seqs], dtype=torch.long, device=device)
     segments = [(i, 1) for i in range(len(seqs))]
-    spec: KvSpec = decoder.kv_spec
     hidden = decoder.embed(token_t)
     for layer in range(decoder.num_layers):
-        past = [spec.unpack(s.kv[layer, : s.kv_len]) if s.kv_len else None for s in seqs]
-        hidden, k, v = decoder.forward_layer(layer, hidden, pos_t, segments, past)
-        for i, s in enumerate(seqs):
-            spec.pack_into(s.kv[layer, s.kv_len : s.kv_len + 1], k[i : i + 1], v[i : i + 1])
+        # The new token's parts land in each sequence's own memory; attention reads them there.
+        hidden, _, _ = decoder.forward_layer(layer, hidden, pos_t, segments, None, caches=[(s.kv[layer], s.kv_len) for s in seqs])
     for s in seqs:
         s.kv_len += 1
     return decoder.logits(hidden)

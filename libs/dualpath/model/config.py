@@ -369,7 +369,9 @@ def _check_moe(f: _Fields, moe: MoeConfig) -> MoeConfig:
     if moe.experts_per_token > moe.num_experts:
         raise ModelLoadError(f.source, f"field 'num_experts_per_tok': {moe.experts_per_token} exceeds {moe.num_experts} experts")
     if moe.num_experts % moe.n_group or not 1 <= moe.topk_group <= moe.n_group:
-        raise ModelLoadError(f.source, f"fields 'n_group'/'topk_group': {moe.n_group}/{moe.topk_group} do not fit {moe.num_experts} experts")
+        raise ModelLoadError(
+            f.source, f"fields 'n_group'/'topk_group': {moe.n_group}/{moe.topk_group} do not fit {moe.num_experts} experts"
+        )
     if moe.topk_method != "greedy" and moe.experts_per_token > moe.topk_group * (moe.num_experts // moe.n_group):
         raise ModelLoadError(f.source, "field 'num_experts_per_tok': more experts than the chosen groups hold")
     return moe

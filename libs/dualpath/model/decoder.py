@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dualpath.model.config import KvSpec, MoeConfig, ModelConfig
+from dualpath.model.config import KvSpec, ModelConfig, MoeConfig
 from dualpath.model.errors import ModelInputError
 from dualpath.model.rope import RotaryEmbedding, mla_softmax_scale
 from dualpath.model.weights import expected_shapes, locate_tensors, read_tensors
@@ -60,6 +60,60 @@ def _causal_mask(n: int, past_len: int, device: torch.device) -> torch.Tensor | 
     return cols[None, :] <= rows[:, None]  # [n, P + n]
 
 
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: int, scale: float, gqa: bool = False, causal: bool = True
+) -> torch.Tensor:
+    """Attention of ``q [H, n, E]`` over ``k [Hk, T, E]``, ``v [Hk, T, Ev]`` -> ``[H, n, Ev]``;
+    query ``j`` is position ``past_len + j`` and sees keys up to it (``causal=False``: all keys).
+
+    Shaped for the fused kernels (flash on CPU and GPU): 4-D inputs, one head dim for q, k
+    and v (v is zero-padded; its extra columns are sliced off), ``is_causal`` instead of a
+    mask when there is no past. A 3-D call, a mask or unequal head dims fall back to the
+    unfused math kernel, several times slower.
+    """
+    n, e, ev = q.shape[1], q.shape[-1], v.shape[-1]
+    if n == 1 or not causal:
+        return _attend_all(q, k, v, scale)
+    if ev < e:
+        v = F.pad(v, (0, e - ev))
+    elif ev > e:
+        q, k = F.pad(q, (0, ev - e)), F.pad(k, (0, ev - e))
+    mask = _causal_mask(n, past_len, q.device) if past_len else None
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=not past_len, scale=scale, enable_gqa=gqa)[0]
+    return out[..., :ev] if ev < out.shape[-1] else out
+
+
+def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Every query sees every key (a decode step's one query per head): two batched matmuls
+    per KV head, its query heads as the rows. Faster than the fused kernel for one query
+    (no tiling, no threads to wake) and as exact; softmax in float32 as transformers does."""
+    heads, n, kv_heads = q.shape[0], q.shape[1], k.shape[0]
+    g = heads // kv_heads
+    rows = q.reshape(kv_heads, g * n, q.shape[-1])  # query heads of one KV head, then their queries
+    scores = torch.bmm(rows, k.transpose(1, 2)) * scale  # [Hk, g n, T]
+    probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(probs, v).reshape(heads, n, v.shape[-1])
+
+
+# Where a layer's KV comes from, per sequence: ``past`` (cached parts, the new ones are
+# appended by a copy) or ``caches`` (the caller's ``[capacity, width]`` buffer with ``P``
+# tokens in it: the new parts are written in place after them, nothing is copied).
+Caches = Sequence[tuple[torch.Tensor, int]] | None
+
+
+def _kv_all(spec: KvSpec, i: int, k_new: torch.Tensor, v_new: torch.Tensor, past: Sequence[PastKV], caches: Caches):
+    """Sequence ``i``'s parts for every position, the new ``k_new``/``v_new`` last."""
+    if caches is not None:
+        buf, plen = caches[i]
+        n = k_new.shape[0]
+        spec.pack_into(buf[plen : plen + n], k_new, v_new)
+        return spec.unpack(buf[: plen + n])
+    cached = past[i]
+    if cached is None:
+        return k_new, v_new
+    return torch.cat((cached[0], k_new)), torch.cat((cached[1], v_new))
+
+
 class _GqaAttention:
     def __init__(self, cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, rope: RotaryEmbedding) -> None:
         names = ("q_proj", "k_proj", "v_proj")
@@ -67,37 +121,31 @@ class _GqaAttention:
         self.qkv_bias = torch.cat([t[f"{p}{n}.bias"] for n in names]) if cfg.attention_bias else None
         self.o = t[p + "o_proj.weight"]  # [H, heads * hd]
         self.o_bias = t.get(p + "o_proj.bias")
-        self.q_norm = t.get(p + "q_norm.weight")
-        self.k_norm = t.get(p + "k_norm.weight")
+        self.qk_norm = (t[p + "q_norm.weight"], t[p + "k_norm.weight"]) if cfg.qk_norm else None  # Qwen3: per head
         self.heads, self.kv_heads, self.hd, self.eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
-        self.rope = rope
+        self.rope, self.spec = rope, cfg.kv_spec
 
-    def __call__(self, x, cos, sin, segments, past):
+    def __call__(self, x, cos, sin, segments, past, caches: Caches = None):
         n, hd = x.shape[0], self.hd
         qkv = F.linear(x, self.qkv, self.qkv_bias)  # [N, (heads + 2 kvh) * hd]
         q, k, v = qkv.split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
         q, k = q.reshape(n, self.heads, hd), k.reshape(n, self.kv_heads, hd)
-        if self.q_norm is not None:
-            q, k = _rms_norm(q, self.q_norm, self.eps), _rms_norm(k, self.k_norm, self.eps)
+        if self.qk_norm is not None:
+            q, k = _rms_norm(q, self.qk_norm[0], self.eps), _rms_norm(k, self.qk_norm[1], self.eps)
         q = self.rope.rotate(q, cos, sin)  # [N, heads, hd]
         k = self.rope.rotate(k, cos, sin)  # [N, kvh, hd]
         v = v.reshape(n, self.kv_heads, hd).contiguous()  # [N, kvh, hd]
         attn = torch.empty_like(q)  # [N, heads, hd]
-        for (start, length), cached in zip(segments, past):
+        for i, (start, length) in enumerate(segments):
             if length:
                 end = start + length
-                attn[start:end] = self._attend(q[start:end], k[start:end], v[start:end], cached)
+                attn[start:end] = self._attend(q[start:end], *_kv_all(self.spec, i, k[start:end], v[start:end], past, caches))
         return F.linear(attn.reshape(n, -1), self.o, self.o_bias), k, v
 
-    def _attend(self, q, k, v, cached: PastKV):
-        """Causal GQA attention of ``q [n, heads, hd]`` over ``cached ++ (k, v)``."""
-        n, past_len = q.shape[0], 0
-        if cached is not None:
-            past_len = cached[0].shape[0]
-            k, v = torch.cat((cached[0], k)), torch.cat((cached[1], v))  # [P + n, kvh, hd]
-        mask = _causal_mask(n, past_len, q.device)
-        gqa = self.heads != self.kv_heads
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=gqa)
+    def _attend(self, q, k, v):
+        """Causal GQA attention of ``q [n, heads, hd]`` (the last ``n`` positions) over ``k, v [T, kvh, hd]``."""
+        past_len = k.shape[0] - q.shape[0]
+        out = _sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), past_len, self.hd**-0.5, gqa=self.heads != self.kv_heads)
         return out.transpose(0, 1)  # [n, heads, hd]
 
 
@@ -107,18 +155,23 @@ class _MlaAttention:
         assert m is not None
         self.m, self.heads, self.eps, self.rope = m, cfg.num_attention_heads, cfg.rms_norm_eps, rope
         bias = cfg.attention_bias
-        kv_a, kv_a_bias = t[p + "kv_a_proj_with_mqa.weight"], t.get(p + "kv_a_proj_with_mqa.bias") if bias else None
+        kv_a = t[p + "kv_a_proj_with_mqa.weight"]
+        kv_a_bias = t[p + "kv_a_proj_with_mqa.bias"] if bias else None
+        self.q_lora: tuple[torch.Tensor, torch.Tensor] | None = None  # (q_a_layernorm, q_b_proj)
         if m.q_lora_rank is None:
             # q and the latent from one matmul: [heads * qk_head + r + d, H]
             self.down = torch.cat((t[p + "q_proj.weight"], kv_a))
-            self.down_bias = None if kv_a_bias is None else torch.cat((torch.zeros(self.heads * m.qk_head_dim, dtype=kv_a.dtype, device=kv_a.device), kv_a_bias))
+            self.down_bias = (
+                None
+                if kv_a_bias is None
+                else torch.cat((torch.zeros(self.heads * m.qk_head_dim, dtype=kv_a.dtype, device=kv_a.device), kv_a_bias))
+            )
             self.q_split = self.heads * m.qk_head_dim
-            self.q_a_norm = self.q_b = None
         else:
             self.down = torch.cat((t[p + "q_a_proj.weight"], kv_a))  # [q_lora + r + d, H]
-            self.down_bias = None if not bias else torch.cat((t[p + "q_a_proj.bias"], kv_a_bias))
+            self.down_bias = None if kv_a_bias is None else torch.cat((t[p + "q_a_proj.bias"], kv_a_bias))
             self.q_split = m.q_lora_rank
-            self.q_a_norm, self.q_b = t[p + "q_a_layernorm.weight"], t[p + "q_b_proj.weight"]
+            self.q_lora = (t[p + "q_a_layernorm.weight"], t[p + "q_b_proj.weight"])
         self.kv_a_norm = t[p + "kv_a_layernorm.weight"]
         kv_b = t[p + "kv_b_proj.weight"]  # [heads * (nope + v), r]
         self.kv_b = kv_b
@@ -127,12 +180,13 @@ class _MlaAttention:
         self.w_uv_t = w[:, m.qk_nope_head_dim :].transpose(1, 2).contiguous()  # [heads, r, v]: latent -> v
         self.o, self.o_bias = t[p + "o_proj.weight"], t.get(p + "o_proj.bias") if bias else None
         self.scale = mla_softmax_scale(m.qk_head_dim, cfg.rope_scaling)
+        self.spec = cfg.kv_spec
 
-    def __call__(self, x, cos, sin, segments, past):
+    def __call__(self, x, cos, sin, segments, past, caches: Caches = None):
         m, n, heads = self.m, x.shape[0], self.heads
         down = F.linear(x, self.down, self.down_bias)
         q_in, latent = down.split([self.q_split, m.kv_lora_rank + m.qk_rope_head_dim], dim=-1)
-        q = q_in if self.q_b is None else F.linear(_rms_norm(q_in, self.q_a_norm, self.eps), self.q_b)
+        q = q_in if self.q_lora is None else F.linear(_rms_norm(q_in, self.q_lora[0], self.eps), self.q_lora[1])
         q = q.reshape(n, heads, m.qk_head_dim)
         q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = latent.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
@@ -140,34 +194,42 @@ class _MlaAttention:
         q_pe = self.rope.rotate(q_pe, cos, sin)  # [N, heads, d]
         k_pe = self.rope.rotate(k_pe.reshape(n, 1, m.qk_rope_head_dim), cos, sin)  # [N, 1, d]
         attn = x.new_empty((n, heads, m.v_head_dim))
-        for (start, length), cached in zip(segments, past):
+        for i, (start, length) in enumerate(segments):
             if length:
                 end = start + length
-                attn[start:end] = self._attend(q_nope[start:end], q_pe[start:end], c[start:end], k_pe[start:end], cached)
+                c_all, k_pe_all = _kv_all(self.spec, i, c[start:end], k_pe[start:end], past, caches)
+                attn[start:end] = self._attend(q_nope[start:end], q_pe[start:end], c_all, k_pe_all)
         return F.linear(attn.reshape(n, -1), self.o, self.o_bias), c, k_pe
 
-    def _attend(self, q_nope, q_pe, c, k_pe, cached: PastKV):
-        """Causal MLA of ``n`` queries over ``cached ++ (c, k_pe)``: ``[n, heads, v_head_dim]``."""
-        m, n, past_len = self.m, q_nope.shape[0], 0
-        if cached is not None:
-            past_len = cached[0].shape[0]
-            c, k_pe = torch.cat((cached[0], c)), torch.cat((cached[1], k_pe))  # [T, 1, r], [T, 1, d]
-        t = past_len + n
-        mask = _causal_mask(n, past_len, q_nope.device)
+    def _attend(self, q_nope, q_pe, c, k_pe):
+        """Causal MLA of the last ``n`` positions' queries over ``c [T, 1, r]``, ``k_pe [T, 1, d]``:
+        ``[n, heads, v_head_dim]``."""
+        m, n, t = self.m, q_nope.shape[0], c.shape[0]
         r, nope, vd = m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim
         expanded_flops = t * r * (nope + vd) + n * t * (nope + m.qk_rope_head_dim + vd)
         absorbed_flops = n * r * (nope + vd) + n * t * (2 * r + m.qk_rope_head_dim)
-        if expanded_flops <= absorbed_flops:
-            kv = F.linear(c[:, 0], self.kv_b).view(t, self.heads, nope + vd)  # [T, heads, nope + v]
-            k_nope, v = kv.split([nope, vd], dim=-1)
-            k = torch.cat((k_nope, k_pe.expand(t, self.heads, -1)), dim=-1)  # [T, heads, qk_head]
-            q = torch.cat((q_nope, q_pe), dim=-1)  # [n, heads, qk_head]
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=self.scale)
-            return out.transpose(0, 1)
+        attend = self.attend_expanded if expanded_flops <= absorbed_flops else self.attend_absorbed
+        return attend(q_nope, q_pe, c, k_pe)
+
+    def attend_expanded(self, q_nope, q_pe, c, k_pe):
+        """Keys and values per head from the latents (``kv_b_proj``), then plain attention.
+        ``c [T, 1, r]``, ``k_pe [T, 1, d]`` hold every position; the queries are the last ``n``."""
+        m, n, t = self.m, q_nope.shape[0], c.shape[0]
+        nope, vd = m.qk_nope_head_dim, m.v_head_dim
+        kv = F.linear(c[:, 0], self.kv_b).view(t, self.heads, nope + vd)  # [T, heads, nope + v]
+        k_nope, v = kv.split([nope, vd], dim=-1)
+        k = torch.cat((k_nope, k_pe.expand(t, self.heads, -1)), dim=-1)  # [T, heads, qk_head]
+        q = torch.cat((q_nope, q_pe), dim=-1)  # [n, heads, qk_head]
+        return _sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), t - n, self.scale).transpose(0, 1)
+
+    def attend_absorbed(self, q_nope, q_pe, c, k_pe):
+        """``kv_b_proj`` folded into the queries (``W_uk``) and the output (``W_uv``): attention
+        runs in the latent space, one shared key per token, nothing expanded per position."""
+        n, t = q_nope.shape[0], c.shape[0]
         q_abs = torch.bmm(q_nope.transpose(0, 1), self.w_uk)  # [heads, n, r]
         q = torch.cat((q_abs, q_pe.transpose(0, 1)), dim=-1)  # [heads, n, r + d]
         k = torch.cat((c, k_pe), dim=-1).transpose(0, 1)  # [1, T, r + d]
-        out = F.scaled_dot_product_attention(q, k, c.transpose(0, 1), attn_mask=mask, scale=self.scale, enable_gqa=True)  # [heads, n, r]
+        out = _sdpa(q, k, c.transpose(0, 1), t - n, self.scale, gqa=True)  # [heads, n, r]; one shared key per token
         return torch.bmm(out, self.w_uv_t).transpose(0, 1)  # [n, heads, v]
 
 
@@ -212,7 +274,7 @@ class _Moe:
         return weights * m.routed_scaling_factor, experts
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n, k = x.shape[0], self.cfg.experts_per_token
+        k = self.cfg.experts_per_token
         weights, experts = self.route(x)
         flat = experts.reshape(-1)  # [N k]
         order = torch.argsort(flat, stable=True)
@@ -314,7 +376,9 @@ class Decoder:
         hidden: torch.Tensor,
         positions: torch.Tensor,
         segments: Sequence[tuple[int, int]],
-        past: Sequence[PastKV],
+        past: Sequence[PastKV] | None,
+        *,
+        caches: Caches = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run layer ``layer`` for the new tokens of several sequences.
 
@@ -323,7 +387,10 @@ class Decoder:
         ``past[i]`` its cached ``(k, v)`` for positions ``0..P_i-1``, shaped
         ``[P_i, *kv_spec.k_shape]`` and ``[P_i, *kv_spec.v_shape]`` (as returned here; views
         such as ``KvSpec.unpack``'s are fine) or ``None``. Sequence ``i``'s queries attend
-        causally to ``past_i ++ new_i``.
+        causally to ``past_i ++ new_i``. Instead of ``past``, ``caches[i] = (buf, P_i)`` names a
+        ``[capacity, kv_spec.width]`` buffer holding sequence ``i``'s first ``P_i`` tokens of
+        this layer: the new tokens' parts are written into it in place and attention reads it
+        there (the decode engine's memory; no copy of the past per step).
 
         Returns ``(hidden_out [N, H], k_new [N, *k_shape], v_new [N, *v_shape])``: GQA's K
         (RoPE applied) and V, or MLA's latent and rotary key (RoPE applied).
@@ -331,11 +398,14 @@ class Decoder:
         Raises:
             ModelInputError: shapes, dtypes or segments that do not fit (see ``_check``).
         """
+        if caches is not None:
+            self._check_caches(hidden, segments, caches)
+        past = [None] * len(segments) if past is None else past
         self._check(layer, hidden, positions, segments, past)
         w = self._layers[layer]
         eps = self.config.rms_norm_eps
         cos, sin = self._rope.cos_sin(positions, self.dtype)
-        attn, k, v = w.attention(_rms_norm(hidden, w.input_norm, eps), cos, sin, segments, past)
+        attn, k, v = w.attention(_rms_norm(hidden, w.input_norm, eps), cos, sin, segments, past, caches)
         out = hidden + attn
         out = out + w.mlp(_rms_norm(out, w.post_norm, eps))
         return out, k, v
@@ -370,6 +440,15 @@ class Decoder:
             ks.append(k)
             vs.append(v)
         return self.logits(hidden), torch.stack(ks), torch.stack(vs)
+
+    def _check_caches(self, hidden: torch.Tensor, segments: Sequence[tuple[int, int]], caches: Sequence[tuple[torch.Tensor, int]]) -> None:
+        if len(caches) != len(segments):
+            raise ModelInputError(f"{len(segments)} segments but {len(caches)} caches")
+        for (_, length), (buf, plen) in zip(segments, caches):
+            if buf.dim() != 2 or buf.shape[1] != self.kv_spec.width or buf.dtype != self.dtype or buf.device != hidden.device:
+                raise ModelInputError(f"a cache must be [capacity, {self.kv_spec.width}] {self.dtype}, got {tuple(buf.shape)} {buf.dtype}")
+            if plen < 0 or plen + length > buf.shape[0]:
+                raise ModelInputError(f"a cache of {buf.shape[0]} tokens cannot hold {plen} + {length}")
 
     def _check(
         self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, segments: Sequence[tuple[int, int]], past: Sequence[PastKV]

@@ -311,7 +311,11 @@ def _family_weights(cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
         elif name.endswith("norm.weight") and leaf in ("q_norm", "k_norm"):
             # Qwen3 normalises q and k per head: scale them back to the biases' size.
             layer_q = q_bias(0).view(nh, hd)
-            rms = float(layer_q.pow(2).mean(-1).sqrt().mean()) if leaf == "q_norm" else float(k_bias.view(nkv, hd).pow(2).mean(-1).sqrt().mean())
+            rms = (
+                float(layer_q.pow(2).mean(-1).sqrt().mean())
+                if leaf == "q_norm"
+                else float(k_bias.view(nkv, hd).pow(2).mean(-1).sqrt().mean())
+            )
             t[name] = torch.full(shape, rms)
         elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
             t[name] = 1.0 + randn(*shape, std=0.05)

@@ -84,7 +84,7 @@ def _mlp_shapes(cfg: ModelConfig, layer: int, p: str) -> dict[str, tuple[int, ..
     moe = cfg.moe
     if moe is None or not cfg.is_moe_layer(layer):
         return _swiglu(p, h, cfg.intermediate_size)
-    shapes = {p + "gate.weight": (moe.num_experts, h)}
+    shapes: dict[str, tuple[int, ...]] = {p + "gate.weight": (moe.num_experts, h)}
     if moe.correction_bias:
         shapes[p + "gate.e_score_correction_bias"] = (moe.num_experts,)
     for e in range(moe.num_experts):
