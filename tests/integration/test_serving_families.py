@@ -1,4 +1,4 @@
-"""The paper's model families served exactly: checkpoints written by transformers' own classes.
+"""Every supported family served exactly: checkpoints written by transformers' own classes.
 
 For each family a tiny random model is built by transformers (``AutoModelForCausalLM``),
 saved with ``save_pretrained`` in several safetensors shards and served by a real stack.
@@ -38,6 +38,12 @@ def _config(family: str):
         bos_token_id=256,
         eos_token_id=258,
     )
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common, num_key_value_heads=2)
+    if family == "llama":  # Llama 3's RoPE scaling
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128, "rope_theta": 500000.0}  # fmt: skip
+        return transformers.LlamaConfig(**common, num_key_value_heads=1, rope_parameters=rope)
     if family == "qwen3":
         return transformers.Qwen3Config(**common, num_key_value_heads=2, head_dim=24)
     if family == "qwen3_moe":
@@ -76,7 +82,7 @@ def _greedy(model, prompt: list[int], eos_ids) -> list[tuple[int, float]]:
     return out
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2", "qwen3", "qwen3_moe", "qwen2", "llama"])
 def test_family_written_by_transformers_is_served_exactly_on_both_read_paths(tiny_model, tmp_path, family):
     torch.manual_seed(3)
     model = transformers.AutoModelForCausalLM.from_config(_config(family)).eval()
