@@ -28,8 +28,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from services.gateway import anthropic_api, responses_api
 from services.gateway.answer import AnswerDeltas, parse_answer, session_of
@@ -94,8 +96,10 @@ def build_app(gw: Gateway) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def on_http(req: Request, exc: StarletteHTTPException) -> JSONResponse:
         etype = "not_found" if exc.status_code == 404 else "invalid_request_error"
-        # a 405 keeps its Allow header
-        return _error(exc.status_code, str(exc.detail), etype=etype, headers=exc.headers, path=req.url.path)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # Starlette's Allow names the first route on the path only: name every one
+            headers["Allow"] = ", ".join(_allowed(app, req))
+        return _error(exc.status_code, str(exc.detail), etype=etype, headers=headers, path=req.url.path)
 
     @app.exception_handler(ApiError)
     async def on_api_error(req: Request, exc: ApiError) -> JSONResponse:
@@ -166,6 +170,15 @@ def build_app(gw: Gateway) -> FastAPI:
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _allowed(app: FastAPI, req: Request) -> list[str]:
+    """Every method some route of ``app`` answers on ``req``'s path."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        if isinstance(route, APIRoute) and route.matches({**req.scope, "method": "GET"})[0] != Match.NONE:
+            methods |= route.methods or set()
+    return sorted(methods)
 
 
 _MODEL_PINNED = ("CompletionRequest", "MessagesRequest", "CountTokensRequest", "ResponsesRequest")

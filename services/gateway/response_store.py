@@ -71,6 +71,7 @@ class ResponseStore:
             info = await self.js.stream_info(f"KV_{self.bucket}")
             if info.config.max_age != self.ttl_s:  # the TTL is the deployment's: the latest gateway's setting wins
                 info.config.max_age = self.ttl_s
+                info.config.duplicate_window = min(info.config.duplicate_window or self.ttl_s, self.ttl_s)  # JetStream requires it
                 await self.js.update_stream(info.config)
         except (BucketNotFoundError, NotFoundError):
             kv = None

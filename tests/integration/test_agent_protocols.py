@@ -54,7 +54,7 @@ def stack(tiny_model, tmp_path_factory):
     cfg["chat_template"] = QWEN_TEMPLATE.read_text(encoding="utf-8")
     (model / "tokenizer_config.json").write_text(json.dumps(cfg))
     s = start_stack(model, base / "storage", base / "run")
-    s.model_dir = model  # type: ignore[attr-defined]
+    s.model_dir = model
     try:
         yield s
     finally:

@@ -1,5 +1,6 @@
 """Hostile input at the gateway: schemathesis, driven by the gateway's own OpenAPI document
-(``/openapi.json``), fuzzes a real stack (NATS + one process per service, tiny model) with an
+(``/openapi.json``: the OpenAI routes, Anthropic's ``/v1/messages`` with its own error shape, and
+the Responses routes), fuzzes a real stack (NATS + one process per service, tiny model) with an
 API key set, running every schemathesis check.
 
 The document pins each request's ``model`` to the served model, so generated bodies pass the
@@ -62,6 +63,11 @@ def test_every_route_but_health_refuses_a_request_without_the_key(stack):
         ("GET", "/v1/models"),
         ("POST", "/v1/completions"),
         ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/messages"),  # Anthropic's error shape: {"type": "error", "error": {"type": ...}}
+        ("POST", "/v1/messages/count_tokens"),
+        ("POST", "/v1/responses"),
+        ("GET", "/v1/responses/resp_1"),
+        ("DELETE", "/v1/responses/resp_1"),
         ("GET", "/no/such/route"),
     ]:
         r = httpx.request(method, stack.url + path, json={}, timeout=30)
@@ -73,14 +79,17 @@ def test_every_route_but_health_refuses_a_request_without_the_key(stack):
 def test_the_openapi_document_pins_the_model_and_declares_the_error_answers(stack):
     doc = httpx.get(stack.url + "/openapi.json", headers=AUTH, timeout=30).json()
     served = httpx.get(stack.url + "/v1/models", headers=AUTH, timeout=30).json()["data"][0]["id"]
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    for name in ("CompletionRequest", "ChatCompletionRequest", "MessagesRequest", "CountTokensRequest", "ResponsesRequest"):
         assert doc["components"]["schemas"][name]["properties"]["model"]["enum"] == [served]
     post = doc["paths"]["/v1/completions"]["post"]
     assert {"400", "401", "404", "422", "429", "503"} <= set(post["responses"])
     assert "text/event-stream" in post["responses"]["200"]["content"]
     assert post["security"] == [{"bearer": []}] and "security" not in doc["paths"]["/health"]["get"]
+    assert {"400", "401", "404"} <= set(doc["paths"]["/v1/messages"]["post"]["responses"])
     r = httpx.put(stack.url + "/v1/models", headers=AUTH, timeout=30)
     assert r.status_code == 405 and r.headers["allow"] == "GET"
+    r = httpx.put(stack.url + "/v1/responses/resp_1", headers=AUTH, timeout=30)
+    assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET"  # every method of the path, not the first route's
 
 
 def _served_requests(stack) -> int:
