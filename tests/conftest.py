@@ -1,8 +1,12 @@
-"""Shared fixtures: a tiny checkpoint on disk, a real nats-server, a whole DualPath stack."""
+"""Shared fixtures: a tiny checkpoint on disk, a real nats-server, a whole DualPath stack, and a
+listener on the scheduler's submit subject."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -85,6 +89,47 @@ def pytest_runtest_makereport(item, call):
                 report.sections.append((f"service logs {folder}", _service_log_digest(folder)))
     if call.when == "teardown":
         _STACK_LOGS[:] = [(m, f) for m, f in _STACK_LOGS if m == module]  # the module's stack may serve its next test
+
+
+class SubmitTap:
+    """Listens to the scheduler's submit subject: the sessions requests reach the scheduler with."""
+
+    def __init__(self, stack) -> None:
+        from dualpath.protocol.subjects import Subjects
+
+        self.url, self.subject = stack.nats_url, Subjects(stack.namespace).submit
+        self.sessions: dict[str, str] = {}  # request id -> session
+        self._ready, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    async def _run(self) -> None:
+        import nats
+
+        from dualpath.protocol.codec import decode
+        from dualpath.protocol.messages import SubmitRequest
+
+        nc = await nats.connect(self.url)
+
+        async def on(msg) -> None:
+            req = decode(msg.data, SubmitRequest)
+            self.sessions[req.request_id] = req.session
+
+        await nc.subscribe(self.subject, cb=on)
+        await nc.flush()
+        self._ready.set()
+        while not self._stop.is_set():
+            await asyncio.sleep(0.05)
+        await nc.close()
+
+    def __enter__(self) -> SubmitTap:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        time.sleep(0.2)
+        self._stop.set()
+        self._thread.join(10)
 
 
 def converse(

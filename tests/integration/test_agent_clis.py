@@ -23,7 +23,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import start_stack
+from conftest import SubmitTap, start_stack
 
 from dualpath.model import make_tiny_model
 
@@ -149,17 +149,20 @@ def test_claude_code_runs_a_two_turn_session_and_its_second_request_is_a_cache_h
     }
     before = len(finished_requests(stack))
     claude = [str(clis / "claude"), "-p", "--output-format", "json", "--model", MODEL]
-    first = run([*claude, "List the files in this directory."], env, work)
-    assert first.returncode == 0, first.stderr
-    out1 = json.loads(first.stdout)
-    assert out1["is_error"] is False and out1["result"]
-    second = run([*claude, "--resume", out1["session_id"], "Now summarise them."], env, work)
-    assert second.returncode == 0, second.stderr
+    with SubmitTap(stack) as tap:
+        first = run([*claude, "List the files in this directory."], env, work)
+        assert first.returncode == 0, first.stderr
+        out1 = json.loads(first.stdout)
+        assert out1["is_error"] is False and out1["result"]
+        second = run([*claude, "--resume", out1["session_id"], "Now summarise them."], env, work)
+        assert second.returncode == 0, second.stderr
     out2 = json.loads(second.stdout)
     assert out2["is_error"] is False and out2["session_id"] == out1["session_id"]
     reqs = check_turns(stack, before, "claude code")
     usage = out2["usage"]  # what Claude Code itself reports for its second run
     assert usage["cache_read_input_tokens"] == reqs[-1]["cached_tokens"]
+    sessions = {tap.sessions[r["request_id"]] for r in reqs}  # metadata.user_id, the same on both turns
+    assert len(sessions) == 1 and out1["session_id"] in sessions.pop()
 
 
 def _codex_home(home: Path, url: str) -> dict[str, str]:
@@ -182,11 +185,14 @@ def test_codex_exec_runs_a_two_turn_session_and_its_second_request_is_a_cache_hi
     env = _codex_home(home, stack.url)
     before = len(finished_requests(stack))
     codex = [str(clis / "codex"), "exec", "--skip-git-repo-check"]
-    first = run([*codex, "List the files in this directory."], env, work)
-    assert first.returncode == 0, first.stderr
-    second = run([*codex, "resume", "--last", "--skip-git-repo-check", "Now summarise them."], env, work)
-    assert second.returncode == 0, second.stderr
-    check_turns(stack, before, "codex")
+    with SubmitTap(stack) as tap:
+        first = run([*codex, "List the files in this directory."], env, work)
+        assert first.returncode == 0, first.stderr
+        second = run([*codex, "resume", "--last", "--skip-git-repo-check", "Now summarise them."], env, work)
+        assert second.returncode == 0, second.stderr
+    reqs = check_turns(stack, before, "codex")
+    sessions = {tap.sessions[r["request_id"]] for r in reqs}  # prompt_cache_key: Codex's thread id
+    assert len(sessions) == 1 and sessions.pop()
 
 
 @pytest.mark.anyio
@@ -204,8 +210,10 @@ async def test_agents_sdk_default_model_runs_two_turns_on_the_responses_api(stac
         model_settings=agents.ModelSettings(max_tokens=200, temperature=0.0),
     )
     before = len(finished_requests(stack))
-    first = await agents.Runner.run(agent, "List the files.")
-    second = await agents.Runner.run(agent, "Now summarise them.", previous_response_id=first.last_response_id)
+    with SubmitTap(stack) as tap:
+        first = await agents.Runner.run(agent, "List the files.")
+        second = await agents.Runner.run(agent, "Now summarise them.", previous_response_id=first.last_response_id)
+    assert tap.sessions[first.last_response_id] == tap.sessions[second.last_response_id] == first.last_response_id
     assert isinstance(agent.model, str) and first.final_output and second.final_output
     reqs = check_turns(stack, before, "agents sdk")
     assert second.raw_responses[-1].usage.input_tokens_details.cached_tokens == reqs[-1]["cached_tokens"]

@@ -10,25 +10,19 @@ answers start inside the reasoning), which is what shows where it goes in each p
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
-import nats
 import pytest
-from conftest import start_stack
+from conftest import SubmitTap, start_stack
 
 from dualpath.bus.embedded import free_port
-from dualpath.protocol.codec import decode
-from dualpath.protocol.messages import SubmitRequest
-from dualpath.protocol.subjects import Subjects
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -107,40 +101,6 @@ def _anthropic(url: str):
 
 def _openai(url: str):
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-class SubmitTap:
-    """Listens to the scheduler's submit subject: the sessions requests reach the scheduler with."""
-
-    def __init__(self, stack) -> None:
-        self.url, self.subject = stack.nats_url, Subjects(stack.namespace).submit
-        self.sessions: dict[str, str] = {}  # request id -> session
-        self._ready, self._stop = threading.Event(), threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    async def _run(self) -> None:
-        nc = await nats.connect(self.url)
-
-        async def on(msg) -> None:
-            req = decode(msg.data, SubmitRequest)
-            self.sessions[req.request_id] = req.session
-
-        await nc.subscribe(self.subject, cb=on)
-        await nc.flush()
-        self._ready.set()
-        while not self._stop.is_set():
-            await asyncio.sleep(0.05)
-        await nc.close()
-
-    def __enter__(self) -> SubmitTap:
-        self._thread.start()
-        assert self._ready.wait(10)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        time.sleep(0.2)
-        self._stop.set()
-        self._thread.join(10)
 
 
 # ---- Anthropic Messages ----------------------------------------------------------------------------
