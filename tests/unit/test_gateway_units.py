@@ -158,3 +158,40 @@ def test_unknown_tool_parser_flag_is_a_one_line_error_with_exit_code_2(tiny_mode
     assert main(["--model", str(tiny_model), "--tool-parser", "mistral"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "hermes" in err[0] and "mistral" in err[0]
+
+
+def test_unknown_reasoning_parser_flag_is_a_one_line_error_with_exit_code_2(tiny_model, capsys):
+    from services.gateway.service import main
+
+    assert main(["--model", str(tiny_model), "--reasoning-parser", "granite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "deepseek_r1" in err[0] and "granite" in err[0]
+
+
+def test_reasoning_parsing_applies_to_unconstrained_answers_and_knows_whether_the_prompt_opened_it(tiny_model, tmp_path):
+    from services.gateway.api_types import ChatCompletionRequest
+
+    opens = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}assistant: <think>\n"
+    gw = _gateway(tiny_model, tmp_path / "a", opens, reasoning_parser="qwen3")
+    hi = [{"role": "user", "content": "hi"}]
+    prep = gw.prepare_chat(ChatCompletionRequest(model=gw.model_name, messages=hi))
+    assert prep.reasoning is not None and prep.reasoning.name == "qwen3" and prep.in_reasoning
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    forced = gw.prepare_chat(ChatCompletionRequest(model=gw.model_name, messages=hi, tools=tools, tool_choice="required"))
+    assert forced.reasoning is None  # the grammar's answer is the call itself
+    plain = _gateway(tiny_model, tmp_path / "b", None, reasoning_parser="qwen3").prepare_chat(
+        ChatCompletionRequest(model=gw.model_name, messages=hi)
+    )
+    assert plain.reasoning is not None and not plain.in_reasoning
+
+
+def test_messages_and_responses_cut_max_tokens_to_the_context_where_chat_refuses_it(tiny_model, tmp_path):
+    from services.gateway.api_types import ChatCompletionRequest
+    from services.gateway.core import ApiError
+
+    gw = _gateway(tiny_model, tmp_path, None)
+    body = ChatCompletionRequest(model=gw.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=10**6)
+    with pytest.raises(ApiError, match="exceeds the maximum context"):
+        gw.prepare_chat(body)
+    prep = gw.prepare_chat(body, clamp=True)
+    assert prep.sampling["max_tokens"] == gw.max_context - len(prep.prompt_tokens)
