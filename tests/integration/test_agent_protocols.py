@@ -163,6 +163,17 @@ def test_anthropic_sdk_tool_use_round_trip_streamed_and_not(stack):
     assert answer.stop_reason in ("end_turn", "max_tokens") and answer.content[0].type == "text"
 
 
+def test_anthropic_stop_sequence_ends_the_answer_and_is_named(stack):
+    client = _anthropic(stack.url)
+    ask = {"model": MODEL, "max_tokens": 12, "messages": [{"role": "user", "content": "Count."}], "extra_body": {"temperature": 0}}
+    text = client.messages.create(**ask).content[0].text
+    stop = next(text[i : i + 2] for i in range(3, 10) if text.find(text[i : i + 2]) == i)  # first seen at i
+    cut = client.messages.create(**ask, stop_sequences=[stop])
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop and cut.content[0].text == text[: text.find(stop)]
+    with client.messages.stream(**ask, stop_sequences=[stop]) as s:
+        assert "".join(s.text_stream) == cut.content[0].text and s.get_final_message().stop_reason == "stop_sequence"
+
+
 def test_anthropic_errors_use_anthropics_shape_and_status(stack):
     client = _anthropic(stack.url)
     with pytest.raises(anthropic.NotFoundError) as nf:
