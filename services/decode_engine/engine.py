@@ -321,6 +321,7 @@ class DecodeEngine:
             bytes_per_token_layer=lay.bytes_per_token_layer,
             dtype=self.setup.dtype,
             block_tokens=lay.block_tokens,
+            kv_layout=lay.kv_layout,
             free_after=True,
             attempt=t.attempt,
         )
@@ -368,6 +369,7 @@ class DecodeEngine:
                 bytes_per_token_layer=lay.bytes_per_token_layer,
                 dtype=self.setup.dtype,
                 block_tokens=bt,
+                kv_layout=lay.kv_layout,
                 free_after=True,
                 attempt=t.attempt,
             ),

@@ -242,6 +242,7 @@ class PrefillEngine:
                     bytes_per_token_layer=lay.bytes_per_token_layer,
                     dtype=self.setup.dtype,
                     block_tokens=lay.block_tokens,
+                    kv_layout=lay.kv_layout,
                     allocate=t.read_path == m.ReadPath.PE,
                     total_blocks=want,
                     attempt=t.attempt,

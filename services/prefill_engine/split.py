@@ -57,6 +57,7 @@ async def load_split(task: m.PrefillTask, layout: SlotLayout, dtype: str, load: 
         bytes_per_token_layer=layout.bytes_per_token_layer,
         dtype=dtype,
         block_tokens=layout.block_tokens,
+        kv_layout=layout.kv_layout,
         attempt=task.attempt,
     )
     pe_req = m.LoadRequest(hashes=task.block_hashes[:pe_blocks], allocate=True, total_blocks=pe_blocks, **common)

@@ -76,7 +76,9 @@ class Prefetcher:
                     h = decode_header(f.read(HEADER_BYTES))
             except (OSError, CorruptBlockError):
                 return None
-            self.fmt = BlockFormat(layers=h.layers, block_tokens=h.tokens, bytes_per_token_layer=h.bytes_per_token_layer, dtype=h.dtype)
+            self.fmt = BlockFormat(
+                layers=h.layers, block_tokens=h.tokens, bytes_per_token_layer=h.bytes_per_token_layer, dtype=h.dtype, kv_layout=h.kv_layout
+            )
         return self.fmt
 
     async def _one(self, req: m.PrefetchRequest, stop: asyncio.Event) -> None:
@@ -122,6 +124,7 @@ class Prefetcher:
                 bytes_per_token_layer=fmt.bytes_per_token_layer,
                 dtype=fmt.dtype,
                 dest=scratch,
+                kv_layout=fmt.kv_layout,
             )
         except (BlockMissingError, CorruptBlockError):
             return False  # the rest of the chain is a miss for the next turn too

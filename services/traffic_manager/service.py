@@ -257,7 +257,11 @@ class TrafficManager:
 
     async def _load(self, req: m.LoadRequest) -> m.LoadReply:
         fmt = BlockFormat(
-            layers=req.layers, block_tokens=req.block_tokens, bytes_per_token_layer=req.bytes_per_token_layer, dtype=req.dtype
+            layers=req.layers,
+            block_tokens=req.block_tokens,
+            bytes_per_token_layer=req.bytes_per_token_layer,
+            dtype=req.dtype,
+            kv_layout=req.kv_layout,
         )
         if self.prefetcher is not None:
             self.prefetcher.fmt = fmt
@@ -322,7 +326,11 @@ class TrafficManager:
 
     async def persist(self, req: m.PersistRequest) -> m.Ok:
         fmt = BlockFormat(
-            layers=req.layers, block_tokens=req.block_tokens, bytes_per_token_layer=req.bytes_per_token_layer, dtype=req.dtype
+            layers=req.layers,
+            block_tokens=req.block_tokens,
+            bytes_per_token_layer=req.bytes_per_token_layer,
+            dtype=req.dtype,
+            kv_layout=req.kv_layout,
         )
         if req.region_id != self.region.region_id:
             raise HandlerError(404, f"region {req.region_id} is not this node's buffer")

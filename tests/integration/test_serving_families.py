@@ -126,6 +126,17 @@ def test_family_written_by_transformers_is_served_exactly_on_both_read_paths(tin
                 prompt = prompt + [t for t, _ in expected] + list(b" Tool result: ok, next step please.")
     finally:
         s.stop()
+    # What storage holds per token: MLA's latent + rotary key, or per-head K and V; the header says which.
+    from dualpath.kv.block import HEADER_BYTES, KV_LAYOUTS, MAGIC, decode_header
+    from dualpath.model import ModelConfig
+
+    cfg = ModelConfig.from_dir(ckpt)
+    files = [f for f in (tmp_path / "storage").rglob("*") if f.is_file() and f.read_bytes()[:4] == MAGIC]
+    assert files
+    header = decode_header(files[0].read_bytes()[:HEADER_BYTES])
+    width = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim if cfg.mla else 2 * cfg.num_key_value_heads * cfg.head_dim
+    assert (header.bytes_per_token_layer, header.kv_layout) == (4 * width, KV_LAYOUTS[cfg.kv_spec.kind])
+    print(f"{family:12s} storage holds {header.bytes_per_token_layer * header.layers} bytes per token ({cfg.kv_spec.kind})")
     for path, turn, cached, read_path, got, expected in rows:
         same = got["tokens"] == [tok.decode([t]) for t, _ in expected]
         worst = max(abs(a - b) for a, (_, b) in zip(got["token_logprobs"], expected))

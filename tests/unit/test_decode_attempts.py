@@ -59,7 +59,9 @@ def _engine(bus: FakeBus, tasks, block_tokens: int = 512) -> DecodeEngine:
     bt = block_tokens
     setup = SimpleNamespace(
         decoder=FakeDecoder(),
-        layout=SimpleNamespace(block_tokens=bt, layers=1, block_bytes=64, bytes_per_token_layer=1, blocks_for=lambda n: -(-n // bt)),
+        layout=SimpleNamespace(
+            block_tokens=bt, layers=1, block_bytes=64, bytes_per_token_layer=1, kv_layout=0, blocks_for=lambda n: -(-n // bt)
+        ),
         nic=None,
         oracle=True,  # no buffer slot to read the prompt KV from
         eos_ids=[0],

@@ -121,12 +121,24 @@ def test_flipped_payload_byte_is_corrupt(store: BlockStore, offset: int) -> None
         {"tokens": TOKENS // 2},
         {"bytes_per_token_layer": BPT // 2},
         {"dtype": "float16"},
+        {"kv_layout": 1},  # MLA's latent + rotary key where per-head K/V was written
     ],
 )
 def test_header_fields_that_differ_from_the_expected_are_corrupt(store: BlockStore, expected: dict[str, object]) -> None:
     put(store, payload())
     with pytest.raises(CorruptBlockError, match="header fields"):
         read(store, **expected)
+
+
+def test_the_kv_layout_is_written_to_the_header_and_checked_on_read(store: BlockStore) -> None:
+    from dualpath.kv import decode_header
+
+    data = payload(3)
+    put(store, data, kv_layout=1)
+    assert decode_header(store.path_for(DIGEST, 0xB10C).read_bytes()).kv_layout == 1
+    assert bytes(read(store, kv_layout=1)) == data
+    with pytest.raises(CorruptBlockError, match="header fields"):
+        read(store)  # read as per-head K/V
 
 
 def test_a_file_at_another_blocks_path_is_corrupt_not_served(store: BlockStore) -> None:

@@ -166,7 +166,7 @@ def test_a_prefill_task_whose_kv_load_died_with_its_traffic_manager_fails_within
     engine = PrefillEngine.__new__(PrefillEngine)  # no model: only the load runs
     engine.bus, engine.subjects, engine.node_id = bus, Subjects("t"), "P"
     engine.cfg = SimpleNamespace(engine_id="pe0")
-    layout = SimpleNamespace(block_tokens=4, layers=2, bytes_per_token_layer=8)
+    layout = SimpleNamespace(block_tokens=4, layers=2, bytes_per_token_layer=8, kv_layout=0)
     engine.setup = SimpleNamespace(oracle=False, layout=layout, dtype="bf16")
     engine.jobs, engine.finished, engine._successors, engine.buffer_waits = {}, [], {}, 0
     task = m.PrefillTask(

@@ -11,6 +11,7 @@ import torch
 from dualpath.config import EmulationConfig, ModelConfigSpec, NodeConfig
 from dualpath.engine.dataplane import EngineDataPlane
 from dualpath.engine.layout import SlotLayout
+from dualpath.kv.block import KV_LAYOUTS
 from dualpath.model import Decoder, Tokenizer
 from dualpath.model.config import dtype_from_name
 from dualpath.model.sampling import warm_grammar_vocabulary
@@ -100,6 +101,7 @@ async def build_engine(
         layers=decoder.num_layers,
         block_tokens=model.block_tokens,
         bytes_per_token_layer=decoder.config.kv_bytes_per_token_layer(decoder.dtype),
+        kv_layout=KV_LAYOUTS[decoder.kv_spec.kind],
     )
     nic = emu.profile().cnic(namespace, engine_id, one_class=emu.nic_classes == 1) if emu.cnic_gbps else None  # the GPU's CNIC
     if nic is not None and emu.modeled and emu.model_traffic != "off":  # MoE all-to-all on the CNIC (testbed)

@@ -25,6 +25,7 @@ class SlotLayout:
     layers: int
     block_tokens: int
     bytes_per_token_layer: int
+    kv_layout: int = 0  # what a token's bytes are (dualpath.kv.block.KV_LAYOUTS); travels with loads and persists
 
     @property
     def layer_bytes(self) -> int:

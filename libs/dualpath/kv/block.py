@@ -5,7 +5,8 @@ A block file is a fixed 64-byte header followed by the payload::
     offset  size  field
     0       4     magic b"DPKV"
     4       2     format version (u16)
-    6       2     reserved, 0
+    6       2     KV layout (u16): what a token's bytes are (``KV_LAYOUTS``; 0 in files
+                  written before the field existed, which were all per-head K/V)
     8       8     model digest (u64)
     16      8     block hash (u64)
     24      4     layers (u32)
@@ -32,6 +33,7 @@ from dualpath.kv.hashing import check_u64
 __all__ = [
     "FORMAT_VERSION",
     "HEADER_BYTES",
+    "KV_LAYOUTS",
     "MAGIC",
     "BlockHeader",
     "decode_header",
@@ -40,6 +42,9 @@ __all__ = [
 
 MAGIC = b"DPKV"
 FORMAT_VERSION = 1
+# What one token's ``bytes_per_token_layer`` hold: per-head K then V (GQA, MHA, MQA), MLA's
+# latent then rotary key, or the testbed's modeled stand-in bytes (not KV at all).
+KV_LAYOUTS = {"gqa": 0, "mla": 1, "modeled": 2}
 _DTYPE_BYTES = 16
 _BODY = struct.Struct("<4sHHQQIIIQ16s")  # everything the header CRC covers
 _CRC = struct.Struct("<I")
@@ -69,6 +74,7 @@ class BlockHeader:
     bytes_per_token_layer: int
     dtype: str
     checksum: int
+    kv_layout: int = 0  # KV_LAYOUTS
 
     def __post_init__(self) -> None:
         if not isinstance(self.version, int) or not 0 <= self.version <= _U16_MAX:
@@ -79,6 +85,8 @@ class BlockHeader:
             value = getattr(self, name)
             if not isinstance(value, int) or not 1 <= value <= _U32_MAX:
                 raise ValueError(f"{name} must be in [1, 2**32), got {value!r}")
+        if self.kv_layout not in KV_LAYOUTS.values():
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         if not (isinstance(self.dtype, str) and 1 <= len(self.dtype) <= _DTYPE_BYTES and self.dtype.isascii() and self.dtype.isprintable()):
             raise ValueError(f"dtype must be 1..16 printable ASCII chars, got {self.dtype!r}")
 
@@ -109,7 +117,7 @@ def encode_header(h: BlockHeader) -> bytes:
     body = _BODY.pack(
         MAGIC,
         h.version,
-        0,
+        h.kv_layout,
         h.model_digest,
         h.block_hash,
         h.layers,
@@ -135,7 +143,7 @@ def decode_header(raw: bytes | bytearray | memoryview) -> BlockHeader:
     (crc,) = _CRC.unpack(view[_BODY.size :])
     if zlib.crc32(body) != crc:
         raise CorruptBlockError(None, "header CRC mismatch")
-    magic, version, _reserved, digest, block_hash, layers, tokens, bpt, checksum, dtype = _BODY.unpack(body)
+    magic, version, kv_layout, digest, block_hash, layers, tokens, bpt, checksum, dtype = _BODY.unpack(body)
     if magic != MAGIC:
         raise CorruptBlockError(None, f"bad magic {magic!r}")
     if version != FORMAT_VERSION:
@@ -150,6 +158,7 @@ def decode_header(raw: bytes | bytearray | memoryview) -> BlockHeader:
             bytes_per_token_layer=bpt,
             dtype=dtype.rstrip(b"\0").decode("ascii"),
             checksum=checksum,
+            kv_layout=kv_layout,
         )
     except (ValueError, UnicodeDecodeError) as exc:
         raise CorruptBlockError(None, f"impossible header field: {exc}") from exc

@@ -93,10 +93,12 @@ class BlockStore:
         bytes_per_token_layer: int,
         dtype: str,
         payload: bytes | bytearray | memoryview,
+        kv_layout: int = 0,
     ) -> int:
         """Atomically write one Full Block; return the bytes written (header + payload).
 
-        ``payload`` is ``[layers, tokens, bytes_per_token_layer]`` bytes, layer-major.
+        ``payload`` is ``[layers, tokens, bytes_per_token_layer]`` bytes, layer-major;
+        ``kv_layout`` says what a token's bytes are (``KV_LAYOUTS``).
         Re-writing an existing block replaces it atomically (idempotent for equal content).
 
         Raises:
@@ -114,6 +116,7 @@ class BlockStore:
             bytes_per_token_layer=bytes_per_token_layer,
             dtype=dtype,
             checksum=xxhash.xxh3_64_intdigest(data),
+            kv_layout=kv_layout,
         )
         if len(data) != header.payload_bytes:
             raise ValueError(f"payload is {len(data)} bytes, header says {header.payload_bytes}")
@@ -160,6 +163,7 @@ class BlockStore:
         bytes_per_token_layer: int,
         dtype: str,
         dest: bytearray | memoryview,
+        kv_layout: int = 0,
     ) -> int:
         """Read a block's payload straight into ``dest``; return the payload size.
 
@@ -176,7 +180,7 @@ class BlockStore:
         """
         view = _as_bytes_view(dest, writable=True)
         path = self.path_for(model_digest, block_hash)
-        expected = (model_digest, block_hash, layers, tokens, bytes_per_token_layer, dtype)
+        expected = (model_digest, block_hash, layers, tokens, bytes_per_token_layer, dtype, kv_layout)
         if min(layers, tokens, bytes_per_token_layer) < 1:
             raise ValueError("layers, tokens and bytes_per_token_layer must be >= 1")
         size = layers * tokens * bytes_per_token_layer
@@ -193,7 +197,7 @@ class BlockStore:
             except CorruptBlockError as exc:
                 raise CorruptBlockError(path, exc.reason) from None
             found = (header.model_digest, header.block_hash, header.layers, header.tokens,
-                     header.bytes_per_token_layer, header.dtype)  # fmt: skip
+                     header.bytes_per_token_layer, header.dtype, header.kv_layout)  # fmt: skip
             if found != expected:
                 raise CorruptBlockError(path, f"header fields {found} != expected {expected}")
             file_size = os.fstat(f.fileno()).st_size

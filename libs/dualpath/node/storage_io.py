@@ -22,12 +22,14 @@ __all__ = ["BlockFormat", "ReadResult", "StorageIO"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BlockFormat:
-    """Shape of one Full Block: ``[layers, block_tokens, bytes_per_token_layer]`` of ``dtype``."""
+    """Shape of one Full Block: ``[layers, block_tokens, bytes_per_token_layer]`` of ``dtype``,
+    a token's bytes laid out as ``kv_layout`` says (``dualpath.kv.block.KV_LAYOUTS``)."""
 
     layers: int
     block_tokens: int
     bytes_per_token_layer: int
     dtype: str
+    kv_layout: int = 0
 
     @property
     def block_bytes(self) -> int:
@@ -127,6 +129,7 @@ class StorageIO:
                     bytes_per_token_layer=fmt.bytes_per_token_layer,
                     dtype=fmt.dtype,
                     dest=dest[(first + i) * bb : (first + i + 1) * bb],
+                    kv_layout=fmt.kv_layout,
                 )
             except (BlockMissingError, CorruptBlockError):
                 return i, h
@@ -155,6 +158,7 @@ class StorageIO:
                     bytes_per_token_layer=fmt.bytes_per_token_layer,
                     dtype=fmt.dtype,
                     payload=payload,
+                    kv_layout=fmt.kv_layout,
                 )
             await sleep_until(end)  # the last block has crossed the SNIC
         finally:

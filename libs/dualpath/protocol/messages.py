@@ -240,6 +240,7 @@ class LoadRequest(Wire):
     dtype: str
     block_tokens: int
     allocate: bool = False
+    kv_layout: int = 0  # what a token's bytes are (dualpath.kv.block.KV_LAYOUTS)
     total_blocks: int = 0  # slot size when allocating
     first_block: int = 0  # hashes[0] is block ``first_block`` of the slot (a split read's DE share: the last blocks)
     attempt: int = 0  # the slot is the one of (request_id, attempt)
@@ -292,6 +293,7 @@ class PersistRequest(Wire):
     dtype: str
     block_tokens: int
     free_after: bool = False
+    kv_layout: int = 0  # what a token's bytes are (dualpath.kv.block.KV_LAYOUTS)
     attempt: int = 0  # the slot is the one of (request_id, attempt)
 
 
