@@ -140,7 +140,14 @@ def build_app(gw: Gateway) -> FastAPI:
         return {
             "object": "list",
             "data": [
-                {"id": gw.model_name, "object": "model", "created": gw.started, "owned_by": "dualpath", "max_model_len": gw.max_context}
+                {
+                    "id": gw.model_name,
+                    "object": "model",
+                    "created": gw.started,
+                    "owned_by": "dualpath",
+                    "max_model_len": gw.max_context,
+                    "dualpath": gw.model_config.describe(gw.model_config.serving_dtype(gw.model_spec.device, gw.model_spec.dtype)),
+                }
             ],
         }
 

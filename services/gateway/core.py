@@ -109,6 +109,7 @@ class Gateway:
         self.subjects = Subjects(bus_cfg.namespace)
         self.tokenizer = Tokenizer.from_dir(model.model)
         self.model_config = ModelConfig.from_dir(model.model)
+        self.model_spec = model
         self.model_dir = str(Path(model.model).resolve())
         if cfg.tool_parser in ("", "auto"):
             try:

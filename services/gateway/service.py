@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dualpath service gateway", description="OpenAI- and Anthropic-compatible HTTP gateway")
     add_arguments(p, BusConfig)
     add_arguments(p, GatewayConfig)
-    add_arguments(p, ModelConfigSpec, skip=("device", "dtype"))
+    add_arguments(p, ModelConfigSpec)  # device and dtype: the engines', for the KV bytes /v1/models reports
     return p
 
 

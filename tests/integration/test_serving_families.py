@@ -104,6 +104,7 @@ def test_family_written_by_transformers_is_served_exactly_on_both_read_paths(tin
     s = start_stack(ckpt, tmp_path / "storage", tmp_path / "run")
     rows = []
     try:
+        described = httpx.get(s.url + "/v1/models", timeout=30).json()["data"][0]["dualpath"]
         for path, text in (
             ("pe", b"Agents call tools, then read the results. " * 4),
             ("de", b"A second agent edits files and runs tests. " * 4),
@@ -136,6 +137,8 @@ def test_family_written_by_transformers_is_served_exactly_on_both_read_paths(tin
     header = decode_header(files[0].read_bytes()[:HEADER_BYTES])
     width = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim if cfg.mla else 2 * cfg.num_key_value_heads * cfg.head_dim
     assert (header.bytes_per_token_layer, header.kv_layout) == (4 * width, KV_LAYOUTS[cfg.kv_spec.kind])
+    assert described["kv_bytes_per_token"] == header.bytes_per_token_layer * header.layers  # what /v1/models reports
+    assert (described["model_type"], described["kv_layout"], described["dtype"]) == (family, cfg.kv_spec.kind, "float32")
     print(f"{family:12s} storage holds {header.bytes_per_token_layer * header.layers} bytes per token ({cfg.kv_spec.kind})")
     for path, turn, cached, read_path, got, expected in rows:
         same = got["tokens"] == [tok.decode([t]) for t, _ in expected]

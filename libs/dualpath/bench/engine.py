@@ -11,7 +11,8 @@ the other:
   step; transformers: ``model(next_ids, past_key_values=cache, logits_to_keep=1)``). Both
   start from the KV of a prefill of the same tokens.
 
-Each figure is the median of ``--repeats`` timed runs after one warm-up. ``prefill_ratio`` and
+Each figure is the median of ``--repeats`` timed runs after one warm-up, ours and
+transformers' runs alternating. ``prefill_ratio`` and
 ``decode_ratio`` are ours / transformers (above 1: ours is faster). Without ``--model``,
 ``--arch`` makes a checkpoint of ~100M-parameter shape (12 layers, hidden 768) with
 ``make_tiny_model`` in a temporary folder.
@@ -37,19 +38,30 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device, repeats: int, setup=lambda: None) -> float:
-    """Median seconds of ``fn(setup())`` over ``repeats`` runs after a warm-up; ``setup`` is not timed."""
-    fn(setup())  # warm-up (allocator, kernels, caches)
-    times = []
+def _once(fn, setup, device) -> float:
+    state = setup()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn(state)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _compare(ours, theirs, device, repeats: int) -> tuple[float, float]:
+    """Median seconds of each ``(fn, setup)`` pair (``fn(setup())``, setup not timed) over
+    ``repeats`` runs after a warm-up each, the two alternating so that a noisy neighbour
+    slows both alike."""
+    for fn, setup in (ours, theirs):
+        _once(fn, setup, device)  # warm-up (allocator, kernels, caches)
+    a, b = [], []
     for _ in range(repeats):
-        state = setup()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn(state)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        del state
-    return statistics.median(times)
+        a.append(_once(ours[0], ours[1], device))
+        b.append(_once(theirs[0], theirs[1], device))
+    return statistics.median(a), statistics.median(b)
+
+
+def _none() -> None:
+    return None
 
 
 def make_bench_model(out: Path, arch: str) -> Path:
@@ -111,10 +123,8 @@ def run_bench(
         def theirs_prefill(_):
             return theirs(ids[None], use_cache=True, logits_to_keep=1).logits
 
-        say(f"prefill {prefill_tokens} tokens: ours")
-        t_ours = _timed(ours_prefill, dev, repeats)
-        say(f"prefill {prefill_tokens} tokens: transformers")
-        t_theirs = _timed(theirs_prefill, dev, repeats)
+        say(f"prefill {prefill_tokens} tokens: ours and transformers, {repeats} runs each")
+        t_ours, t_theirs = _compare((ours_prefill, _none), (theirs_prefill, _none), dev, repeats)
         result.update(
             prefill_tok_s_ours=round(prefill_tokens / t_ours, 1),
             prefill_tok_s_transformers=round(prefill_tokens / t_theirs, 1),
@@ -168,10 +178,8 @@ def run_bench(
                 cache = step.past_key_values
                 nxt = step.logits[:, -1].argmax(-1, keepdim=True)
 
-        say(f"decode {batch} x {context} context, {decode_steps} steps: ours")
-        d_ours = _timed(ours_decode, dev, repeats, ours_setup)
-        say(f"decode {batch} x {context} context, {decode_steps} steps: transformers")
-        d_theirs = _timed(theirs_decode, dev, repeats, theirs_setup)
+        say(f"decode {batch} x {context} context, {decode_steps} steps: ours and transformers, {repeats} runs each")
+        d_ours, d_theirs = _compare((ours_decode, ours_setup), (theirs_decode, theirs_setup), dev, repeats)
         tokens = batch * decode_steps
         result.update(
             decode_tok_s_ours=round(tokens / d_ours, 1),

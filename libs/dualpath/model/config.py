@@ -280,6 +280,28 @@ class ModelConfig:
         MLA ``(kv_lora_rank + qk_rope_head_dim) * itemsize``."""
         return self.kv_spec.bytes_per_token_layer(dtype)
 
+    def serving_dtype(self, device: str, dtype: str = "") -> str:
+        """The dtype an engine on ``device`` computes and keeps KV in: ``dtype`` when given,
+        else float32 on CPU (half precision is slow and inexact there) and the checkpoint's
+        ``torch_dtype`` elsewhere (what ``Decoder.load`` does)."""
+        if dtype:
+            return dtype
+        return "float32" if device.split(":")[0] == "cpu" else self.torch_dtype
+
+    def describe(self, dtype: str) -> dict[str, Any]:
+        """What a client may want to know of the architecture: ``/v1/models``' ``dualpath`` object."""
+        spec = self.kv_spec
+        return {
+            "model_type": self.model_type,
+            "attention": self.attention,
+            "moe": self.moe is not None,
+            "layers": self.num_hidden_layers,
+            "kv_layout": spec.kind,
+            "kv_values_per_token_layer": spec.width,
+            "dtype": dtype,
+            "kv_bytes_per_token": spec.bytes_per_token_layer(dtype_from_name(dtype)) * self.num_hidden_layers,
+        }
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.layers
 

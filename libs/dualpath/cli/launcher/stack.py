@@ -236,6 +236,7 @@ class Stack:
             "services.gateway",
             [
                 *model,
+                *("--device", c.device),  # the engines' device: their dtype, so the KV bytes /v1/models reports
                 *("--host", c.host, "--port", str(c.port), "--api-key", c.api_key, "--prefix-cache", str(c.prefix_cache).lower()),
                 *("--tool-parser", c.tool_parser, "--reasoning-parser", c.reasoning_parser),
             ],
