@@ -91,14 +91,41 @@ def pytest_runtest_makereport(item, call):
         _STACK_LOGS[:] = [(m, f) for m, f in _STACK_LOGS if m == module]  # the module's stack may serve its next test
 
 
+def prefetch_counters(nats_url: str, namespace: str) -> dict[str, dict]:
+    """The latest prefetch counters each traffic manager reports."""
+
+    import nats
+
+    from dualpath.protocol.codec import decode
+    from dualpath.protocol.messages import NodeReport
+
+    async def collect() -> dict[str, dict]:
+        nc = await nats.connect(nats_url)
+        seen: dict[str, dict] = {}
+
+        async def on(msg) -> None:
+            r = decode(msg.data, NodeReport)
+            seen[r.node_id] = r.prefetch
+
+        await nc.subscribe(f"{namespace}.sched.node_report", cb=on)
+        await asyncio.sleep(1.0)
+        await nc.close()
+        return seen
+
+    return asyncio.run(collect())
+
+
 class SubmitTap:
-    """Listens to the scheduler's submit subject: the sessions requests reach the scheduler with."""
+    """Listens to the scheduler's submit subject (the sessions requests reach the scheduler with)
+    and to the traffic managers' prefetch hints (the sessions the scheduler stages blocks for)."""
 
     def __init__(self, stack) -> None:
         from dualpath.protocol.subjects import Subjects
 
         self.url, self.subject = stack.nats_url, Subjects(stack.namespace).submit
         self.sessions: dict[str, str] = {}  # request id -> session
+        self.prefetch_subjects = Subjects(stack.namespace).tm_every_node("prefetch")
+        self.prefetched: list[str] = []  # the session of each prefetch hint, in order
         self._ready, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
@@ -106,7 +133,7 @@ class SubmitTap:
         import nats
 
         from dualpath.protocol.codec import decode
-        from dualpath.protocol.messages import SubmitRequest
+        from dualpath.protocol.messages import PrefetchRequest, SubmitRequest
 
         nc = await nats.connect(self.url)
 
@@ -114,7 +141,11 @@ class SubmitTap:
             req = decode(msg.data, SubmitRequest)
             self.sessions[req.request_id] = req.session
 
+        async def on_hint(msg) -> None:
+            self.prefetched.append(decode(msg.data, PrefetchRequest).session)
+
         await nc.subscribe(self.subject, cb=on)
+        await nc.subscribe(self.prefetch_subjects, cb=on_hint)
         await nc.flush()
         self._ready.set()
         while not self._stop.is_set():

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SubmitTap, start_stack
+from conftest import SubmitTap, prefetch_counters, start_stack
 
 from dualpath.bus.embedded import free_port
 
@@ -47,7 +47,7 @@ def stack(tiny_model, tmp_path_factory):
     cfg = json.loads((model / "tokenizer_config.json").read_text())
     cfg["chat_template"] = QWEN_TEMPLATE.read_text(encoding="utf-8")
     (model / "tokenizer_config.json").write_text(json.dumps(cfg))
-    s = start_stack(model, base / "storage", base / "run")
+    s = start_stack(model, base / "storage", base / "run", prefetch_mb=16)  # agent-aware prefetch on
     s.model_dir = model
     try:
         yield s
@@ -214,6 +214,33 @@ def test_metadata_user_id_is_the_session_the_scheduler_sees(stack):
             model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}], metadata={"user_id": "agent-42"}
         )
     assert tap.sessions[r.id] == "agent-42"
+
+
+def test_sessions_from_the_protocols_are_prefetched_between_turns_without_a_session_header(stack):
+    """A Messages conversation with ``metadata.user_id`` and a Responses chain: when a turn ends,
+    the scheduler hints the session's blocks to the prefill node; one without a session gets none."""
+    client, responses = _anthropic(stack.url), _openai(stack.url)
+
+    def two_turns(text: str, **session) -> None:
+        messages: list[dict] = [{"role": "user", "content": text * 8}]
+        first = client.messages.create(model=MODEL, max_tokens=8, system=SYSTEM, messages=messages, **session)
+        time.sleep(1.5)  # the tool runs
+        messages += [{"role": "assistant", "content": first.content[0].text}, {"role": "user", "content": "Tool result: 3 failed."}]
+        assert client.messages.create(model=MODEL, max_tokens=8, system=SYSTEM, messages=messages, **session).usage.cache_read_input_tokens
+
+    with SubmitTap(stack) as tap:
+        two_turns("No session here. ")
+        none = list(tap.prefetched)
+        two_turns("Read the failing test and explain it. ", metadata={"user_id": "agent-pf"})
+        turn = responses.responses.create(model=MODEL, instructions=SYSTEM, input="Explain the stack trace. " * 8, max_output_tokens=8)
+        time.sleep(1.5)
+        later = responses.responses.create(
+            model=MODEL, instructions=SYSTEM, input="Tool result: fixed.", previous_response_id=turn.id, max_output_tokens=8
+        )
+    assert none == [] and tap.prefetched.count("agent-pf") == 2 and tap.prefetched.count(turn.id) == 2, tap.prefetched
+    assert later.usage.input_tokens_details.cached_tokens > 0
+    used = sum(c.get("prefetch_used_bytes", 0) for c in prefetch_counters(stack.nats_url, stack.namespace).values())
+    assert used > 0  # later turns loaded blocks from the prefetch cache
 
 
 # ---- OpenAI Responses ------------------------------------------------------------------------------

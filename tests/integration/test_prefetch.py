@@ -4,15 +4,10 @@ of the same conversation without prefetch (PE and DE read paths alike read the c
 
 from __future__ import annotations
 
-import asyncio
-
-import nats
 import pytest
-from conftest import converse, start_stack
+from conftest import converse, prefetch_counters, start_stack
 
 from dualpath.model import make_tiny_model
-from dualpath.protocol.codec import decode
-from dualpath.protocol.messages import NodeReport
 
 pytestmark = pytest.mark.slow
 
@@ -23,25 +18,6 @@ TURNS = [
 ]
 MAX_TOKENS = 16
 TOOL_GAP_S = 1.5  # the agent "runs a tool": the prefetch has time to stage the blocks
-
-
-def prefetch_counters(nats_url: str, namespace: str) -> dict[str, dict]:
-    """The latest prefetch counters each traffic manager reports."""
-
-    async def collect() -> dict[str, dict]:
-        nc = await nats.connect(nats_url)
-        seen: dict[str, dict] = {}
-
-        async def on(msg) -> None:
-            r = decode(msg.data, NodeReport)
-            seen[r.node_id] = r.prefetch
-
-        await nc.subscribe(f"{namespace}.sched.node_report", cb=on)
-        await asyncio.sleep(1.0)
-        await nc.close()
-        return seen
-
-    return asyncio.run(collect())
 
 
 @pytest.mark.parametrize("read_path", ["pe", "de"])

@@ -102,6 +102,10 @@ class Subjects:
         """``alloc``, ``free``, ``load``, ``persist``, ``describe``, ``claim``, ``prefetch``, ``probe`` of one node's traffic manager."""
         return f"{self.ns}.tm.{check_id(node_id, 'node id')}.{topic}"
 
+    def tm_every_node(self, topic: str) -> str:
+        """``topic`` of every node's traffic manager (a subscription wildcard)."""
+        return f"{self.ns}.tm.*.{topic}"
+
     # engines
     def prefill(self, engine_id: str) -> str:
         return f"{self.ns}.engine.{check_id(engine_id, 'engine id')}.prefill"
