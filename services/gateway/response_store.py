@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, NotFoundError
@@ -28,11 +29,11 @@ _KEY = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")  # what our ids look like (and NAT
 
 
 class StoreError(Exception):
-    """Raised when JetStream refuses a write (the entry is larger than the server's max payload,
-    or the bucket is unavailable): ``reason`` says which."""
+    """Raised when the bucket cannot be used (no JetStream on the server, a timeout) or refuses
+    a write (the entry is larger than the server's max payload): ``reason`` says which."""
 
     def __init__(self, reason: str) -> None:
-        super().__init__(f"the response could not be stored: {reason}")
+        super().__init__(f"the stored-responses bucket is unavailable: {reason}")
         self.reason = reason
 
 
@@ -64,8 +65,20 @@ class ResponseStore:
         self._kv: KeyValue | None = None
 
     async def _bucket(self) -> KeyValue:
+        """The bucket, opened (or created) on first use.
+
+        Raises:
+            StoreError: JetStream did not answer or refused (e.g. the server runs without it).
+        """
         if self._kv is not None:
             return self._kv
+        try:
+            self._kv = await self._open()
+        except (NatsError, TimeoutError) as exc:
+            raise StoreError(str(exc) or type(exc).__name__) from None
+        return self._kv
+
+    async def _open(self) -> KeyValue:
         try:
             kv = await self.js.key_value(self.bucket)
             info = await self.js.stream_info(f"KV_{self.bucket}")
@@ -84,7 +97,6 @@ class ResponseStore:
                         raise
                     log.info("responses_bucket_replicas", replicas=replicas, error=str(exc))
         assert kv is not None
-        self._kv = kv
         return kv
 
     async def put(self, rid: str, entry: StoredResponse) -> None:
@@ -96,25 +108,39 @@ class ResponseStore:
         try:
             await (await self._bucket()).put(rid, entry.to_json())
         except MaxPayloadError:
-            raise StoreError("larger than the NATS server's max payload; send it with store: false") from None
-        except (APIError, TimeoutError) as exc:
+            raise StoreError("the response is larger than the NATS server's max payload; send it with store: false") from None
+        except (NatsError, TimeoutError) as exc:
             raise StoreError(str(exc) or type(exc).__name__) from None
 
     async def get(self, rid: str) -> StoredResponse | None:
-        """The entry stored under ``rid``; None when there is none (never stored, deleted, expired)."""
+        """The entry stored under ``rid``; None when there is none (never stored, deleted, expired).
+
+        Raises:
+            StoreError: the bucket is unavailable.
+        """
         if not _KEY.match(rid):
             return None
+        kv = await self._bucket()
         try:
-            entry = await (await self._bucket()).get(rid)
+            entry = await kv.get(rid)
         except KeyNotFoundError:  # KeyDeletedError included
             return None
+        except (NatsError, TimeoutError) as exc:
+            raise StoreError(str(exc) or type(exc).__name__) from None
         return StoredResponse.from_json(entry.value) if entry.value else None
 
     async def delete(self, rid: str) -> bool:
-        """Delete ``rid``'s entry; False when there was none."""
+        """Delete ``rid``'s entry; False when there was none.
+
+        Raises:
+            StoreError: the bucket is unavailable.
+        """
         if await self.get(rid) is None:
             return False
-        await (await self._bucket()).purge(rid)
+        try:
+            await (await self._bucket()).purge(rid)
+        except (NatsError, TimeoutError) as exc:
+            raise StoreError(str(exc) or type(exc).__name__) from None
         return True
 
     async def chain(self, rid: str, *, limit: int = 10_000) -> list[StoredResponse] | None:

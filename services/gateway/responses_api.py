@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request
@@ -67,6 +69,15 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
+
+
+@contextmanager
+def _store_errors() -> Iterator[None]:
+    """The shared store being unavailable is a 503 (the gateway keeps serving everything else)."""
+    try:
+        yield
+    except StoreError as exc:
+        raise ApiError(503, str(exc), etype="server_error") from None
 
 
 def _bad(message: str, where: str) -> ApiError:
@@ -460,12 +471,14 @@ def add_routes(app: FastAPI, gw: Gateway) -> None:
     lookups = {
         **ERROR_RESPONSES,
         404: {**ERROR_RESPONSES[404], "description": "no such stored response (never stored, deleted or expired)"},
+        503: REQUEST_ERROR_RESPONSES[503],
     }
 
     @app.post("/v1/responses", responses=responses)
     async def create(body: ResponsesRequest, request: Request):
         store = gw.response_store()
-        turn = await _prepare(gw, store, body, request)
+        with _store_errors():
+            turn = await _prepare(gw, store, body, request)
         await gw.submit(turn.rid, turn.prep)
         if turn.prep.stream:
             return StreamingResponse(
@@ -479,14 +492,13 @@ def add_routes(app: FastAPI, gw: Gateway) -> None:
             gw.finish(turn.rid)
         parsed = parse_answer(turn.prep, result.text)
         response = _finished(turn.shell, _output(gw, parsed), _usage(gw, turn.prep, result, parsed.reasoning), result.finish_reason)
-        try:
+        with _store_errors():
             await turn.keep(store, response)
-        except StoreError as exc:
-            raise ApiError(503, str(exc), etype="server_error") from None
         return JSONResponse(content=response, headers={"X-Request-Id": turn.rid})
 
     async def stored(rid: str) -> StoredResponse:
-        entry = await gw.response_store().get(rid)
+        with _store_errors():
+            entry = await gw.response_store().get(rid)
         if entry is None:
             raise ApiError(404, f"response {rid!r} not found (never stored, deleted or expired)", etype="not_found_error")
         return entry
@@ -497,7 +509,9 @@ def add_routes(app: FastAPI, gw: Gateway) -> None:
 
     @app.delete("/v1/responses/{response_id}", responses=lookups)
     async def delete(response_id: str) -> dict:
-        if not await gw.response_store().delete(response_id):
+        with _store_errors():
+            deleted = await gw.response_store().delete(response_id)
+        if not deleted:
             raise ApiError(404, f"response {response_id!r} not found (never stored, deleted or expired)", etype="not_found_error")
         return {"id": response_id, "object": "response", "deleted": True}
 
@@ -508,7 +522,8 @@ def add_routes(app: FastAPI, gw: Gateway) -> None:
         order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
         after: str | None = None,
     ) -> dict:
-        chain = await gw.response_store().chain(response_id)
+        with _store_errors():
+            chain = await gw.response_store().chain(response_id)
         if chain is None:
             raise ApiError(404, f"response {response_id!r} not found (never stored, deleted or expired)", etype="not_found_error")
         items = [item for entry in chain[:-1] for item in (*entry.input_items, *entry.response.get("output", []))] + chain[-1].input_items

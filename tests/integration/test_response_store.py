@@ -13,8 +13,6 @@ import pytest
 from dualpath.bus.embedded import EmbeddedNats, free_port
 from services.gateway.response_store import ResponseStore, StoredResponse, StoreError
 
-pytestmark = pytest.mark.anyio
-
 
 @pytest.fixture()
 def server(tmp_path):
@@ -39,6 +37,7 @@ async def _store(url: str, ttl_s: float = 60.0) -> tuple[nats.NATS, ResponseStor
     return nc, ResponseStore(nc.jetstream(), "test_responses", ttl_s=ttl_s)
 
 
+@pytest.mark.anyio
 async def test_what_one_replica_stores_another_reads_and_a_chain_rebuilds_the_conversation(server):
     nc_a, a = await _store(server.url)
     nc_b, b = await _store(server.url)
@@ -55,6 +54,7 @@ async def test_what_one_replica_stores_another_reads_and_a_chain_rebuilds_the_co
     await nc_b.close()
 
 
+@pytest.mark.anyio
 async def test_entries_expire_after_the_ttl_and_a_new_ttl_applies_to_the_bucket(server):
     nc, store = await _store(server.url, ttl_s=60.0)
     await store.put("resp_old", _entry(1, None))
@@ -69,6 +69,7 @@ async def test_entries_expire_after_the_ttl_and_a_new_ttl_applies_to_the_bucket(
     await nc.close()
 
 
+@pytest.mark.anyio
 async def test_stored_responses_survive_a_nats_server_restart(tmp_path):
     port, js = free_port(), str(tmp_path / "js")
     server = EmbeddedNats(port=port, jetstream_dir=js).start()
@@ -86,6 +87,7 @@ async def test_stored_responses_survive_a_nats_server_restart(tmp_path):
         server.stop()
 
 
+@pytest.mark.anyio
 async def test_an_entry_larger_than_the_max_payload_is_a_store_error(server):
     nc, store = await _store(server.url)
     big = _entry(1, None)
@@ -93,3 +95,24 @@ async def test_an_entry_larger_than_the_max_payload_is_a_store_error(server):
     with pytest.raises(StoreError, match="max payload"):
         await store.put("resp_big", big)
     await nc.close()
+
+
+def test_without_jetstream_stored_response_routes_answer_503_naming_the_bucket(nats_server, tiny_model):
+    """A NATS server without JetStream (the fixture's): the gateway serves on, and the routes
+    that need the shared store say why they cannot."""
+    from fastapi.testclient import TestClient
+
+    from dualpath.config import BusConfig, GatewayConfig, ModelConfigSpec
+    from services.gateway.app import build_app
+    from services.gateway.core import Gateway
+
+    gw = Gateway(GatewayConfig(), BusConfig(nats_url=nats_server.url), ModelConfigSpec(model=str(tiny_model)))
+    with TestClient(build_app(gw)) as client:
+        for method, path in (
+            ("GET", "/v1/responses/resp_1"),
+            ("DELETE", "/v1/responses/resp_1"),
+            ("GET", "/v1/responses/resp_1/input_items"),
+        ):
+            r = client.request(method, path)
+            assert r.status_code == 503 and "stored-responses bucket is unavailable" in r.json()["error"]["message"], r.text
+        assert client.get("/v1/models").status_code == 200
