@@ -416,5 +416,4 @@ def add_routes(app: FastAPI, gw: Gateway) -> None:
     @app.post("/v1/messages/count_tokens", responses=ANTHROPIC_ERROR_RESPONSES)
     async def count_tokens(body: CountTokensRequest) -> dict:
         chat = to_chat(body)
-        prep = await run_in_threadpool(lambda: gw.prepare_chat(chat, clamp=True))
-        return {"input_tokens": len(prep.prompt_tokens)}
+        return {"input_tokens": await run_in_threadpool(gw.count_chat, chat)}

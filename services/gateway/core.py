@@ -15,7 +15,7 @@ from opentelemetry import trace
 
 from dualpath.bus import Bus, BusTimeoutError
 from dualpath.chat.errors import ChatError
-from dualpath.chat.plan import plan_chat
+from dualpath.chat.plan import ChatPlan, plan_chat
 from dualpath.chat.reasoning import ReasoningFormat, reasoning_format
 from dualpath.chat.tools import ToolFormat, format_for_template, tool_format
 from dualpath.config import BusConfig, GatewayConfig, ModelConfigSpec
@@ -274,6 +274,30 @@ class Gateway:
             ApiError: 400 naming the field for a bad message, tool, tool_choice or schema.
         """
         t_start_ns = time.time_ns()
+        plan = self._plan_chat(body)
+        prep = self._finish_prepare(
+            body,
+            self.tokenizer.encode(plan.prompt),
+            body.logprobs,
+            body.top_logprobs or 0,
+            t_start_ns,
+            grammar=plan.grammar,
+            tool_fmt=plan.tool_format,
+            clamp=clamp,
+        )
+        if self.reasoning_format is not None and plan.grammar is None:  # a grammar's answer has no reasoning part
+            prep.reasoning, prep.in_reasoning = self.reasoning_format, self.reasoning_format.opens_in_reasoning(plan.prompt)
+        return prep
+
+    def count_chat(self, body: ChatCompletionRequest) -> int:
+        """The prompt tokens ``body`` renders to, however long (``/v1/messages/count_tokens``).
+
+        Raises:
+            ApiError: as ``prepare_chat`` for a bad message, tool or schema.
+        """
+        return len(self.tokenizer.encode(self._plan_chat(body).prompt))
+
+    def _plan_chat(self, body: ChatCompletionRequest) -> ChatPlan:
         self._check_model(body.model)
         messages = [msg.model_dump(exclude_none=True) for msg in body.messages]
         for msg, raw in zip(messages, body.messages):
@@ -303,19 +327,7 @@ class Gateway:
             )
         except ChatError as exc:
             raise ApiError(400, exc.message, param=exc.param) from None
-        prep = self._finish_prepare(
-            body,
-            self.tokenizer.encode(plan.prompt),
-            body.logprobs,
-            body.top_logprobs or 0,
-            t_start_ns,
-            grammar=plan.grammar,
-            tool_fmt=plan.tool_format,
-            clamp=clamp,
-        )
-        if self.reasoning_format is not None and plan.grammar is None:  # a grammar's answer has no reasoning part
-            prep.reasoning, prep.in_reasoning = self.reasoning_format, self.reasoning_format.opens_in_reasoning(plan.prompt)
-        return prep
+        return plan
 
     # ---- submission ------------------------------------------------------------------------
     async def _lookup(self, hashes: list[int]) -> int:

@@ -195,3 +195,14 @@ def test_messages_and_responses_cut_max_tokens_to_the_context_where_chat_refuses
         gw.prepare_chat(body)
     prep = gw.prepare_chat(body, clamp=True)
     assert prep.sampling["max_tokens"] == gw.max_context - len(prep.prompt_tokens)
+
+
+def test_count_tokens_counts_a_prompt_longer_than_the_context_that_serving_refuses(tiny_model, tmp_path):
+    from services.gateway.api_types import ChatCompletionRequest
+    from services.gateway.core import ApiError
+
+    gw = _gateway(tiny_model, tmp_path, None, max_prompt_tokens=50)
+    body = ChatCompletionRequest(model=gw.model_name, messages=[{"role": "user", "content": "x" * 200}])
+    with pytest.raises(ApiError, match="maximum context length"):
+        gw.prepare_chat(body)
+    assert gw.count_chat(body) > 200  # one token per byte, plus the template's
