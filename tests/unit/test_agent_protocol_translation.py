@@ -169,3 +169,54 @@ def test_responses_requests_it_cannot_serve_are_a_400_naming_the_field(kw, param
     with pytest.raises(ApiError) as err:
         responses_api.to_chat(body, [], responses_api.normalize_input(body.input), "")
     assert err.value.status == 400 and err.value.param == param
+
+
+def _sse(lines: list[str]) -> list[tuple[str, dict]]:
+    out = []
+    for chunk in lines:
+        head, data = chunk.strip().split("\n", 1)
+        out.append((head.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return out
+
+
+DELTAS = [
+    {"reasoning_content": "let me "},
+    {"reasoning_content": "see"},
+    {"content": "Calling."},
+    {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "w", "arguments": ""}}]},
+    {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+    {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]},
+]
+
+
+def test_anthropic_stream_opens_one_block_per_kind_in_order_and_closes_each():
+    blocks = anthropic_api._Blocks()
+    events = _sse([line for d in DELTAS for line in blocks.feed(d)] + blocks.finish())
+    starts = [(e["index"], e["content_block"]["type"]) for name, e in events if name == "content_block_start"]
+    assert starts == [(0, "thinking"), (1, "text"), (2, "tool_use")]
+    assert [e["index"] for name, e in events if name == "content_block_stop"] == [0, 1, 2]
+    deltas = [(e["index"], e["delta"]) for name, e in events if name == "content_block_delta"]
+    assert deltas[:3] == [
+        (0, {"type": "thinking_delta", "thinking": "let me "}),
+        (0, {"type": "thinking_delta", "thinking": "see"}),
+        (1, {"type": "text_delta", "text": "Calling."}),
+    ]
+    assert json.loads("".join(d["partial_json"] for i, d in deltas if i == 2)) == {"city": "Oslo"}
+    tool = next(e["content_block"] for name, e in events if name == "content_block_start" and e["index"] == 2)
+    assert tool == {"type": "tool_use", "id": "toolu_1", "name": "w", "input": {}}
+    empty = _sse(anthropic_api._Blocks().finish())  # an empty answer is one empty text block
+    assert [n for n, _ in empty] == ["content_block_start", "content_block_stop"] and empty[0][1]["content_block"]["type"] == "text"
+
+
+def test_responses_stream_builds_reasoning_message_and_call_items_with_their_done_events():
+    ev = responses_api._Events()
+    events = _sse([line for d in DELTAS for line in ev.feed(d)] + ev.finish())
+    assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
+    done = [e["item"] for name, e in events if name == "response.output_item.done"]
+    assert [i["type"] for i in done] == ["reasoning", "message", "function_call"] and ev.output == done
+    assert done[0]["content"] == [{"type": "reasoning_text", "text": "let me see"}]
+    assert done[1]["content"][0]["text"] == "Calling." and done[2]["arguments"] == '{"city": "Oslo"}' and done[2]["call_id"] == "call_1"
+    names = [n for n, _ in events]
+    for kind in ("response.reasoning_text.done", "response.output_text.done", "response.function_call_arguments.done"):
+        assert names.count(kind) == 1
+    assert [e["output_index"] for name, e in events if name == "response.output_item.added"] == [0, 1, 2]
