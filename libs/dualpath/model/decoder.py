@@ -60,19 +60,17 @@ def _causal_mask(n: int, past_len: int, device: torch.device) -> torch.Tensor | 
     return cols[None, :] <= rows[:, None]  # [n, P + n]
 
 
-def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: int, scale: float, gqa: bool = False, causal: bool = True
-) -> torch.Tensor:
-    """Attention of ``q [H, n, E]`` over ``k [Hk, T, E]``, ``v [Hk, T, Ev]`` -> ``[H, n, Ev]``;
-    query ``j`` is position ``past_len + j`` and sees keys up to it (``causal=False``: all keys).
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: int, scale: float, gqa: bool = False) -> torch.Tensor:
+    """Causal attention of ``q [H, n, E]`` over ``k [Hk, T, E]``, ``v [Hk, T, Ev]`` -> ``[H, n, Ev]``:
+    query ``j`` is position ``past_len + j`` and sees the keys up to it.
 
     Shaped for the fused kernels (flash on CPU and GPU): 4-D inputs, one head dim for q, k
     and v (v is zero-padded; its extra columns are sliced off), ``is_causal`` instead of a
     mask when there is no past. A 3-D call, a mask or unequal head dims fall back to the
-    unfused math kernel, several times slower.
+    unfused math kernel, several times slower. One query (a decode step) takes two matmuls.
     """
     n, e, ev = q.shape[1], q.shape[-1], v.shape[-1]
-    if n == 1 or not causal:
+    if n == 1:
         return _attend_all(q, k, v, scale)
     if ev < e:
         v = F.pad(v, (0, e - ev))
