@@ -16,8 +16,9 @@ template expects them), and the answer's reasoning, text and tool calls become `
   ``cache_creation_input_tokens`` the prompt's other full blocks (persisted by this request),
   ``input_tokens`` the rest.
 
-Not supported (a 400 ``invalid_request_error`` naming the block or tool): image, document and
-search-result blocks, server tools (``web_search_*``, ``bash_*``, ...), ``n``-style batching.
+Not supported (a 400 ``invalid_request_error`` naming the block, tool or field): image, document
+and search-result blocks, server tools (``web_search_*``, ``bash_*``, ...), ``mcp_servers``,
+``container``.
 Errors have Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``.
 """
 
@@ -39,6 +40,7 @@ from services.gateway.core import ApiError, Gateway, Prepared, Result
 __all__ = ["ANTHROPIC_ERROR_RESPONSES", "MessagesRequest", "add_routes", "error_response"]
 
 _MAX_SESSION = 256
+_UNSUPPORTED_FIELDS = ("mcp_servers", "container")
 _UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload", "server_tool_use", "web_search_tool_result")
 
 
@@ -220,6 +222,9 @@ def to_chat(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest
     Raises:
         ApiError: 400 naming the block, tool or field that cannot be translated.
     """
+    for name in _UNSUPPORTED_FIELDS:
+        if (body.model_extra or {}).get(name):
+            raise _bad("is not supported by this gateway (it runs no server-side tools or containers)", name)
     messages: list[dict[str, Any]] = []
     if body.system:
         messages.append({"role": "system", "content": _text(body.system, "system")})

@@ -17,7 +17,8 @@ tool calls become ``reasoning``, ``message`` and ``function_call`` output items.
   as is one carrying ``metadata.user_id``, ``prompt_cache_key`` or ``user``.
 
 Not supported (a 400 naming the field): ``background``, ``conversation``, ``prompt``
-templates, image / file / audio input parts, ``item_reference`` and hosted-tool call items.
+templates, image / file / audio input parts, ``item_reference`` and hosted-tool call items,
+``GET /v1/responses/{id}?stream=true``.
 """
 
 from __future__ import annotations
@@ -471,6 +472,7 @@ def add_routes(app: FastAPI, gw: Gateway) -> None:
     lookups = {
         **ERROR_RESPONSES,
         404: {**ERROR_RESPONSES[404], "description": "no such stored response (never stored, deleted or expired)"},
+        422: REQUEST_ERROR_RESPONSES[422],  # a bad query parameter (limit, order, stream)
         503: REQUEST_ERROR_RESPONSES[503],
     }
 
@@ -503,8 +505,10 @@ def add_routes(app: FastAPI, gw: Gateway) -> None:
             raise ApiError(404, f"response {rid!r} not found (never stored, deleted or expired)", etype="not_found_error")
         return entry
 
-    @app.get("/v1/responses/{response_id}", responses=lookups)
-    async def retrieve(response_id: str) -> JSONResponse:
+    @app.get("/v1/responses/{response_id}", responses={**lookups, 400: REQUEST_ERROR_RESPONSES[400]})
+    async def retrieve(response_id: str, stream: bool = False) -> JSONResponse:
+        if stream:
+            raise _bad("replaying a stored response as a stream is not supported; retrieve it without stream", "stream")
         return JSONResponse(content=(await stored(response_id)).response)
 
     @app.delete("/v1/responses/{response_id}", responses=lookups)

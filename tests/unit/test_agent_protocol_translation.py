@@ -220,3 +220,10 @@ def test_responses_stream_builds_reasoning_message_and_call_items_with_their_don
     for kind in ("response.reasoning_text.done", "response.output_text.done", "response.function_call_arguments.done"):
         assert names.count(kind) == 1
     assert [e["output_index"] for name, e in events if name == "response.output_item.added"] == [0, 1, 2]
+
+
+def test_anthropic_server_side_fields_are_a_400_naming_them():
+    for name, value in (("mcp_servers", [{"type": "url", "url": "http://x", "name": "x"}]), ("container", "c1")):
+        with pytest.raises(ApiError) as err:
+            anthropic_api.to_chat(_messages(messages=[{"role": "user", "content": "x"}], **{name: value}))
+        assert err.value.status == 400 and err.value.param == name
