@@ -87,6 +87,11 @@ class NodeConfig:
         "durability to the storage system; the testbed, whose SNIC models the write time)",
         "DUALPATH_STORAGE_FSYNC",
     )
+    storage_direct: bool = opt(
+        False,
+        "read and write block files with O_DIRECT (bypass the page cache; buffered where the filesystem has no direct I/O)",
+        "DUALPATH_STORAGE_DIRECT",
+    )
     buffer_mb: int = opt(1024, "node DRAM buffer size in MiB (PE buffer on prefill nodes, DE buffer on decode nodes)", "DUALPATH_BUFFER_MB")
     transport: str = opt("tcp", "data-plane transport between nodes: tcp or verbs", "DUALPATH_TRANSPORT")
     data_host: str = opt("127.0.0.1", "address the data-plane endpoint listens on and advertises", "DUALPATH_DATA_HOST")

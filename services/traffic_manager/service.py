@@ -479,7 +479,8 @@ def storage_io(cfg: NodeConfig, emu: EmulationConfig) -> StorageIO:
         chunk = profile.nic_chunk_bytes(rate)
         read_nic = EmulatedNic(rate, name=f"{cfg.node_id}-snic-read", chunk_bytes=chunk)
         write_nic = EmulatedNic(rate, name=f"{cfg.node_id}-snic-write", chunk_bytes=chunk)
-    return StorageIO(BlockStore(cfg.storage, fsync=cfg.storage_fsync), read_nic=read_nic, write_nic=write_nic, oracle=emu.oracle)
+    store = BlockStore(cfg.storage, fsync=cfg.storage_fsync, direct=cfg.storage_direct)
+    return StorageIO(store, read_nic=read_nic, write_nic=write_nic, oracle=emu.oracle)
 
 
 def main(argv: list[str] | None = None) -> int:

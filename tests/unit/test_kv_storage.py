@@ -24,9 +24,10 @@ def payload(seed: int = 0, size: int = PAYLOAD_BYTES) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> BlockStore:
-    return BlockStore(tmp_path / "kv")
+@pytest.fixture(params=[False, True], ids=["buffered", "direct"])
+def store(tmp_path: Path, request: pytest.FixtureRequest) -> BlockStore:
+    """Every test runs on buffered and on ``O_DIRECT`` I/O (buffered where the filesystem has no direct I/O)."""
+    return BlockStore(tmp_path / "kv", direct=request.param)
 
 
 def put(store: BlockStore, data: bytes, block_hash: int = 0xB10C, **shape: object) -> int:
