@@ -1,6 +1,7 @@
 """The ``dualpath`` command: one entry point for serving, services, tools and benchmarks.
 
 dualpath up --model DIR --topology 1P1D [--port 8000] [--storage PATH]
+dualpath netns up|status|link|shape|down   (the deployment across network namespaces, one per host; root)
 dualpath make-tiny-model DIR [--arch qwen2|llama|qwen3|qwen3_moe|deepseek_v2|deepseek_v3 --layers N --hidden H ...]
 dualpath service NAME [service flags]      (gateway, scheduler, kv-persistence, traffic-manager,
                                             prefill-engine, decode-engine)
@@ -35,6 +36,7 @@ PASSTHROUGH = {
     "service": None,
     "loadgen": "loadgen.cli",
     "up": "dualpath.cli.launcher.up",
+    "netns": "dualpath.cli.launcher.netns_up",
     "demo": "dualpath.cli.launcher.demo",
     "bench": "dualpath.bench",
     "experiment": "dualpath.cli.experiment",

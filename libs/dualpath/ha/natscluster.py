@@ -28,7 +28,10 @@ class NatsServerSpec:
     cmd: list[str]
 
 
-def _conf(name: str, host: str, port: int, store: Path, cluster_port: int | None, routes: list[int]) -> str:
+CLIENT_PORT, CLUSTER_PORT = 4222, 6222  # a server alone on its host takes NATS's standard ports
+
+
+def _conf(name: str, host: str, port: int, store: Path, cluster_port: int | None, routes: list[tuple[str, int]]) -> str:
     lines = [
         f"server_name: {name}",
         f"listen: {host}:{port}",
@@ -36,14 +39,15 @@ def _conf(name: str, host: str, port: int, store: Path, cluster_port: int | None
         f'jetstream {{ store_dir: "{store}", max_memory_store: 268435456, max_file_store: 4294967296 }}',
     ]
     if cluster_port is not None:
-        route_list = ", ".join(f"nats-route://{host}:{p}" for p in routes)
+        route_list = ", ".join(f"nats-route://{h}:{p}" for h, p in routes)
         lines.append(f"cluster {{ name: dualpath, listen: {host}:{cluster_port}, routes: [{route_list}] }}")
     return "\n".join(lines) + "\n"
 
 
-def nats_servers(n: int, run_dir: str | Path, *, host: str = "127.0.0.1") -> list[NatsServerSpec]:
+def nats_servers(n: int, run_dir: str | Path, *, host: str = "127.0.0.1", hosts: list[str] | None = None) -> list[NatsServerSpec]:
     """Write the configuration of ``n`` servers (1 = standalone, >= 3 = a JetStream cluster)
-    under ``<run_dir>/nats`` and return how to run each.
+    under ``<run_dir>/nats`` and return how to run each. All listen on ``host`` (free ports),
+    or server ``i`` alone on ``hosts[i]`` (a host of its own: the standard ports 4222 and 6222).
 
     Raises:
         ValueError: ``n`` is 2 (JetStream needs a majority: two servers do not survive a loss) or < 1.
@@ -54,8 +58,14 @@ def nats_servers(n: int, run_dir: str | Path, *, host: str = "127.0.0.1") -> lis
     binary = nats_server_binary()
     root = Path(run_dir) / "nats"
     root.mkdir(parents=True, exist_ok=True)
-    ports = [free_port(host) for _ in range(n)]
-    cluster_ports = [free_port(host) for _ in range(n)] if n > 1 else []
+    if hosts is not None:
+        if len(hosts) != n:
+            raise ValueError(f"{n} NATS servers need {n} hosts, got {len(hosts)}")
+        ports, cluster_ports = [CLIENT_PORT] * n, [CLUSTER_PORT] * n if n > 1 else []
+    else:
+        hosts = [host] * n
+        ports = [free_port(host) for _ in range(n)]
+        cluster_ports = [free_port(host) for _ in range(n)] if n > 1 else []
     specs = []
     for i in range(n):
         name = f"nats-{i}"
@@ -63,6 +73,7 @@ def nats_servers(n: int, run_dir: str | Path, *, host: str = "127.0.0.1") -> lis
         store.mkdir(parents=True, exist_ok=True)
         conf = root / f"{name}.conf"
         cport = cluster_ports[i] if n > 1 else None
-        conf.write_text(_conf(name, host, ports[i], store, cport, [p for j, p in enumerate(cluster_ports) if j != i]))
-        specs.append(NatsServerSpec(name=name, url=f"nats://{host}:{ports[i]}", cmd=[binary, "-c", str(conf)]))
+        routes = [(hosts[j], p) for j, p in enumerate(cluster_ports) if j != i]
+        conf.write_text(_conf(name, hosts[i], ports[i], store, cport, routes))
+        specs.append(NatsServerSpec(name=name, url=f"nats://{hosts[i]}:{ports[i]}", cmd=[binary, "-c", str(conf)]))
     return specs

@@ -9,6 +9,10 @@ the redundant form: two schedulers (one active, one standby behind a JetStream l
 kv-persistence replicas sharing an index replicated through JetStream. Stopping sends SIGTERM
 in stages (gateway first, NATS last), waits, then kills whatever is left, so no process
 outlives the stack.
+
+Where each service runs is a ``Placement``: ``LocalPlacement`` (the default) runs everything on
+this host's loopback; ``dualpath netns`` places each on a host of its own (a network namespace),
+bound to that host's address.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -28,7 +33,7 @@ from dualpath.cli.launcher.supervisor import Supervisor, SupervisorEvent
 from dualpath.cli.launcher.topology import Topology
 from dualpath.config import EmulationConfig, GatewayConfig, NodeConfig, default_of
 
-__all__ = ["Stack", "StackConfig", "StackError"]
+__all__ = ["LocalPlacement", "Placement", "Stack", "StackConfig", "StackError", "service_names"]
 
 
 class StackError(RuntimeError):
@@ -73,16 +78,63 @@ class StackConfig:
         return out
 
 
+class Placement(Protocol):
+    """Where each service of a stack runs (services are named as ``Stack`` names its children)."""
+
+    def address(self, service: str) -> str:
+        """The address ``service`` binds (its HTTP or data-plane listener) and advertises."""
+        ...
+
+    def command(self, service: str, cmd: list[str]) -> list[str]:
+        """``cmd`` as run on ``service``'s host (e.g. prefixed by ``ip netns exec``)."""
+        ...
+
+    def reachable(self, service: str, host: str, port: int) -> bool:
+        """True when ``host:port`` accepts a TCP connection as seen from ``service``'s host."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class LocalPlacement:
+    """Every service on this host: loopback, the gateway on ``gateway_host``."""
+
+    gateway_host: str = "127.0.0.1"
+
+    def address(self, service: str) -> str:
+        return self.gateway_host if service == "gateway" else "127.0.0.1"
+
+    def command(self, service: str, cmd: list[str]) -> list[str]:
+        return cmd
+
+    def reachable(self, service: str, host: str, port: int) -> bool:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return True
+        except OSError:
+            return False
+
+
 def replica_name(base: str, i: int) -> str:
     """``scheduler``, ``scheduler-1``, ...: the first replica keeps the plain name."""
     return base if i == 0 else f"{base}-{i}"
 
 
+def service_names(cfg: StackConfig) -> list[str]:
+    """The children a stack of ``cfg`` runs, by name, in start order."""
+    names = [f"nats-{i}" for i in range(cfg.nats_cluster)] if not cfg.nats_url else []
+    names += [replica_name("kv-persistence", i) for i in range(cfg.replicas)]
+    names += [replica_name("scheduler", i) for i in range(cfg.replicas)]
+    names += [f"traffic-manager-{node}" for node, _role in cfg.topology.nodes()]
+    names += [f"{role}-{engine}" for engine, _node, role in cfg.topology.engines()]
+    return [*names, "gateway"]
+
+
 class Stack:
-    def __init__(self, cfg: StackConfig, on_event=None) -> None:
+    def __init__(self, cfg: StackConfig, on_event=None, placement: Placement | None = None) -> None:
         if cfg.replicas < 1:
             raise StackError("replicas must be at least 1")
         self.cfg = cfg
+        self.placement: Placement = placement or LocalPlacement(cfg.host)
         self.namespace = cfg.namespace or f"dp{os.getpid()}x{int(time.time() * 1000) % 100000}"
         self.logs = Path(cfg.run_dir) / "logs"
         self.supervisor = Supervisor(logs=self.logs, on_event=on_event)
@@ -90,7 +142,7 @@ class Stack:
 
     @property
     def url(self) -> str:
-        return f"http://{self.cfg.host}:{self.cfg.port}"
+        return f"http://{self.placement.address('gateway')}:{self.cfg.port}"
 
     @property
     def nats_url(self) -> str:
@@ -122,27 +174,28 @@ class Stack:
     def _spawn(self, name: str, module: str, args: list[str]) -> None:
         env = {**os.environ, **self.cfg.env(), "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", module, "--nats-url", self.nats_url, "--namespace", self.namespace, *args]
-        self.supervisor.add(name, cmd, env)
+        self.supervisor.add(name, self.placement.command(name, cmd), env)
 
     def _start_nats(self, say) -> None:
         from dualpath.ha.natscluster import nats_servers
 
-        specs = nats_servers(self.cfg.nats_cluster, self.cfg.run_dir, host="127.0.0.1")
+        n = self.cfg.nats_cluster
+        hosts = [self.placement.address(f"nats-{i}") for i in range(n)]
+        if len(set(hosts)) == n > 1:  # one server per host: each on the standard ports of its own host
+            specs = nats_servers(n, self.cfg.run_dir, hosts=hosts)
+        else:
+            specs = nats_servers(n, self.cfg.run_dir, host=hosts[0])
         for spec in specs:
-            self.supervisor.add(spec.name, spec.cmd, dict(os.environ), watches_parent=False)
+            self.supervisor.add(spec.name, self.placement.command(spec.name, spec.cmd), dict(os.environ), watches_parent=False)
         self.nats_urls = [s.url for s in specs]
         deadline = time.monotonic() + 15.0
         for spec in specs:
             host, port = spec.url.rsplit("/", 1)[1].split(":")
-            while True:
+            while not self.placement.reachable(spec.name, host, int(port)):
                 self._check_alive()
-                try:
-                    with socket.create_connection((host, int(port)), timeout=0.2):
-                        break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise StackError(f"{spec.name} did not listen on {spec.url}; see {self.logs / spec.name}.log") from None
-                    time.sleep(0.05)
+                if time.monotonic() > deadline:
+                    raise StackError(f"{spec.name} did not listen on {spec.url}; see {self.logs / spec.name}.log")
+                time.sleep(0.05)
         say(f"nats-server on {self.nats_url}" + (f" (cluster of {len(specs)}, JetStream)" if len(specs) > 1 else " (JetStream)"))
 
     def start(self, timeout: float = 120.0, progress=None) -> Stack:
@@ -189,6 +242,8 @@ class Stack:
                 [
                     "--node-id",
                     node,
+                    "--data-host",
+                    self.placement.address(f"traffic-manager-{node}"),
                     "--storage",
                     c.storage,
                     "--buffer-mb",
@@ -210,6 +265,8 @@ class Stack:
                         engine,
                         "--node-id",
                         node,
+                        "--data-host",
+                        self.placement.address(f"{role}-{engine}"),
                         "--device",
                         c.device,
                         *(["--compute-quota-ms", str(c.compute_quota_ms)] if c.compute_quota_ms is not None else []),
@@ -225,6 +282,8 @@ class Stack:
                         engine,
                         "--node-id",
                         node,
+                        "--data-host",
+                        self.placement.address(f"{role}-{engine}"),
                         "--device",
                         c.device,
                         "--kv-capacity-tokens",
@@ -237,7 +296,8 @@ class Stack:
             [
                 *model,
                 *("--device", c.device),  # the engines' device: their dtype, so the KV bytes /v1/models reports
-                *("--host", c.host, "--port", str(c.port), "--api-key", c.api_key, "--prefix-cache", str(c.prefix_cache).lower()),
+                *("--host", self.placement.address("gateway"), "--port", str(c.port)),
+                *("--api-key", c.api_key, "--prefix-cache", str(c.prefix_cache).lower()),
                 *("--tool-parser", c.tool_parser, "--reasoning-parser", c.reasoning_parser),
             ],
         )

@@ -1,0 +1,296 @@
+"""Partitions on the deployment across network namespaces (``dualpath netns up --topology 2P2D
+--replicas 2``): every service on its own host, the data plane over TCP across veths, faults
+made by taking a host's link down or shaping it with ``tc`` inside its namespace.
+
+One deployment serves the module (started and removed through the CLI, as a user does); each
+test states the bound it checks and leaves the deployment whole; the last one runs ``down`` and
+checks the root namespace's addresses, routes and namespace list are as before ``up``.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from conftest import _STACK_LOGS
+from faultkit import Answer, complete, health, log_events, record, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.faults]
+
+PROMPTS = [f"agent {i} reports: the deploy failed on host {i}, the log says " + "retry the flaky step " * 10 for i in range(6)]
+DP = [sys.executable, "-m", "dualpath.cli", "netns"]
+
+
+def _netns_permitted() -> str:
+    """Why network namespaces cannot be used here ('' when they can)."""
+    if os.geteuid() != 0:
+        return "dualpath netns needs root (ip netns add)"
+    probe = f"dpprobe{uuid.uuid4().hex[:6]}"
+    try:
+        r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"no usable `ip` command: {exc}"
+    if r.returncode != 0:
+        return f"`ip netns add` is not permitted here: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return ""
+
+
+_WHY = _netns_permitted() if sys.platform.startswith("linux") else "network namespaces are Linux only"
+pytestmark.append(pytest.mark.skipif(bool(_WHY), reason=_WHY or "ok"))
+
+
+def _ip_state() -> dict[str, list[str]]:
+    out = {}
+    for key, cmd in (("addr", ["ip", "-br", "addr"]), ("route", ["ip", "route"]), ("netns", ["ip", "netns", "list"])):
+        out[key] = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()
+    return out
+
+
+class Deployment:
+    """A running ``dualpath netns`` deployment, driven through the CLI."""
+
+    def __init__(self, run_dir: Path, url: str) -> None:
+        self.run_dir, self.url = run_dir, url
+        self.logs = run_dir / "logs"
+
+    def cli(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+        return subprocess.run([*DP, *args, "--run-dir", str(self.run_dir)], capture_output=True, text=True, timeout=timeout)
+
+    def status(self) -> dict:
+        r = self.cli("status", "--json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    def active(self) -> str:
+        a = self.status()["active_scheduler"]
+        return a if isinstance(a, str) else ""
+
+    def host_of(self, service: str) -> str:
+        return next(h["name"] for h in self.status()["hosts"] if service in h["services"])
+
+    def pids(self, module: str) -> list[int]:
+        """Process ids of every service process running ``module`` (e.g. ``services.prefill_engine``)."""
+        out = []
+        for h in self.status()["hosts"]:
+            for pid in subprocess.run(["ip", "netns", "pids", h["netns"]], capture_output=True, text=True).stdout.split():
+                try:
+                    if module in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0"):
+                        out.append(int(pid))
+                except OSError:
+                    pass
+        return out
+
+    def link(self, host: str, state: str) -> None:
+        r = self.cli("link", host, state)
+        assert r.returncode == 0, r.stderr
+
+
+@pytest.fixture(scope="module")
+def before() -> dict[str, list[str]]:
+    return _ip_state()
+
+
+@pytest.fixture(scope="module")
+def dep(tiny_model, tmp_path_factory, before):
+    run_dir = tmp_path_factory.mktemp("netns") / "run"
+    _STACK_LOGS.append((os.environ.get("PYTEST_CURRENT_TEST", "").split("::", 1)[0], run_dir / "logs"))
+    cmd = [*DP, "up", "--model", str(tiny_model), "--run-dir", str(run_dir), "--topology", "2P2D", "--replicas", "2"]
+    cmd += ["--env", "DUALPATH_REQUEST_TIMEOUT=45", "--ready-timeout", os.environ.get("DUALPATH_TEST_READY_TIMEOUT", "120")]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+        assert r.returncode == 0, f"dualpath netns up failed:\n{r.stdout}\n{r.stderr}"
+        url = r.stdout.strip().splitlines()[-1]
+        assert re.fullmatch(r"http://198\.1[89]\.\d+\.\d+:\d+", url), url  # the last line is the gateway URL
+        yield Deployment(run_dir, url)
+    finally:
+        subprocess.run([*DP, "down", "--run-dir", str(run_dir)], capture_output=True, timeout=90)
+
+
+@pytest.fixture(scope="module")
+def reference(dep) -> dict[str, Answer]:
+    """Undisturbed greedy answers to compare with."""
+    return {p: complete(dep, p, max_tokens=48) for p in PROMPTS}
+
+
+def _listeners(netns: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "exec", netns, "ss", "-Htln"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[3] for line in out.splitlines() if line.strip()]
+
+
+def test_up_puts_each_replica_on_its_own_host_and_every_service_binds_only_its_address(dep, reference):
+    st = dep.status()
+    hosts = {h["name"]: h for h in st["hosts"]}
+    assert hosts["gw"]["services"] == ["gateway"]
+    for group in (["scheduler", "scheduler-1"], ["kv-persistence", "kv-persistence-1"], ["nats-0", "nats-1", "nats-2"]):
+        owners = [dep.host_of(s) for s in group]
+        assert len(set(owners)) == len(group), (group, owners)  # cutting one host loses at most one of each
+        assert all(len(hosts[o]["services"]) == 1 for o in owners)
+    for node in ("p0", "p1", "d0", "d1"):
+        assert hosts[node]["services"][0] == f"traffic-manager-{node}" and len(hosts[node]["services"]) == 2
+    for h in hosts.values():
+        assert re.fullmatch(r"198\.1[89]\.\d+\.\d+", h["address"]) and h["link"] == "up"
+        bound = _listeners(h["netns"])
+        assert all(addr.rsplit(":", 1)[0] == h["address"] for addr in bound), (h["name"], bound)
+        if not h["name"].startswith(("s", "k")):  # schedulers and kv-persistence only dial out
+            assert bound, h["name"]
+    assert st["active_scheduler"] in ("scheduler", "scheduler-1")
+    # the data plane crosses the veths: a DE read has a connection between two node hosts
+    a = complete(dep, "the repository has these files and each of them matters " * 12, max_tokens=8, read_path="de")
+    assert a.error is None and a.info.get("read_path") in ("de", "none")
+    nodes = {hosts[n]["address"] for n in ("p0", "p1", "d0", "d1")}
+    conns = []
+    for n in ("d0", "d1"):
+        out = subprocess.run(["ip", "netns", "exec", hosts[n]["netns"], "ss", "-Htn"], capture_output=True, text=True).stdout
+        conns += [line.split()[3:5] for line in out.splitlines() if line.strip()]
+    assert any(loc.rsplit(":", 1)[0] in nodes and peer.rsplit(":", 1)[0] in nodes - {loc.rsplit(":", 1)[0]} for loc, peer in conns), conns
+    assert all(r.error is None and r.tokens == 48 for r in reference.values())
+
+
+def _tally(answers: list[Answer | None], reference: dict[str, Answer], prompts: list[str]) -> tuple[int, int, int]:
+    """(answered exactly, failed explicitly, lost): a wrong answer fails the test outright."""
+    answered = failed = lost = 0
+    for p, a in zip(prompts, answers):
+        if a is None:
+            lost += 1
+        elif a.error is not None:
+            failed += 1
+        else:
+            assert a.text == reference[p].text and a.tokens == reference[p].tokens, (p, a)
+            answered += 1
+    return answered, failed, lost
+
+
+def _ask_all(dep, prompts: list[str], *, during, hang_after: float = 70.0, **kw) -> list[Answer | None]:
+    """Send ``prompts`` concurrently, run ``during()`` once they are in flight; None for a client
+    still waiting ``hang_after`` seconds later (a hang)."""
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(complete, dep, p, max_tokens=48, timeout=hang_after - 5, **kw) for p in prompts]
+        wait_until(lambda: sum(health(dep).get(k, 0) for k in ("queued", "running")) > 0 or all(f.done() for f in futures), 10)
+        during()
+        out: list[Answer | None] = []
+        for f in futures:
+            try:
+                out.append(f.result(timeout=hang_after))
+            except cf.TimeoutError:
+                out.append(None)
+    return out
+
+
+def test_active_scheduler_host_cut_off_standby_takes_over_and_rejoins_as_standby_after_the_heal(dep, reference):
+    """The requests wait in the active scheduler's queue (both prefill engines paused past their
+    heartbeat) when its host is cut off. Bounds: the standby is active within 10 s of the cut
+    (lease TTL 3 s + a quarter of it; the cut-off leader stops acting at TTL - margin on its own
+    clock); every client gets its exact greedy answer or an explicit error within 30 s, none
+    hangs; each request finishes once at the gateway; after the heal the old leader is back as
+    standby within 40 s (it steps down, drains its dead connection, restarts under the
+    supervisor, reconnects) and one scheduler is active."""
+    old = dep.active()
+    assert old, dep.status()
+    host = dep.host_of(old)
+    finished_before = collections.Counter(e["request_id"] for e in log_events(dep, "gateway", "request_finished"))
+    marks: dict[str, float] = {}
+    prefills = dep.pids("services.prefill_engine")
+    assert len(prefills) == 2
+
+    def cut() -> None:
+        # every request accepted and queued (a precondition, not a bound)
+        wait_until(lambda: health(dep).get("queued", 0) == len(PROMPTS), 30, describe=lambda: health(dep))
+        marks["cut"], marks["cut_wall"] = time.monotonic(), time.time()
+        dep.link(host, "down")
+        for pid in prefills:
+            os.kill(pid, signal.SIGCONT)
+
+    for pid in prefills:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: health(dep).get("prefill_engines", 1) == 0, 20, describe=lambda: health(dep))  # nothing can be dispatched
+        answers = _ask_all(dep, PROMPTS, during=cut)
+        settled = time.monotonic() - marks["cut"]
+        wait_until(lambda: dep.active() not in ("", old), 20, describe=dep.status)
+        new = dep.active()
+        became = datetime.fromisoformat(log_events(dep, new, "scheduler_active")[-1]["timestamp"]).timestamp()
+        record("netns: active scheduler's host cut off (standby active)", became - marks["cut_wall"], 10.0)
+        fresh = complete(dep, PROMPTS[0], max_tokens=48, timeout=30)
+        assert fresh.error is None and fresh.text == reference[PROMPTS[0]].text
+    finally:
+        for pid in prefills:
+            os.kill(pid, signal.SIGCONT)
+        dep.link(host, "up")
+    answered, failed, lost = _tally(answers, reference, PROMPTS)
+    print(f"netns scheduler cut: answered {answered}, failed explicitly {failed}, lost {lost} (new leader {new})")
+    assert lost == 0 and answered + failed == len(PROMPTS)
+    record("netns: active scheduler's host cut off (every client settled)", settled, 30.0)
+    finished = collections.Counter(e["request_id"] for e in log_events(dep, "gateway", "request_finished")) - finished_before
+    assert all(n == 1 for n in finished.values()), finished  # no request finished twice
+    assert answered + 1 <= sum(finished.values()) <= len(PROMPTS) + 1  # the in-flight ones and the fresh one
+    rejoined = wait_until(
+        lambda: (
+            (st := dep.status())["active_scheduler"] == new
+            and next(h for h in st["hosts"] if h["name"] == host)["schedulers"][old] == "standby"
+        ),
+        60,
+        step=0.5,
+        describe=dep.status,
+    )
+    record("netns: cut-off scheduler healed (rejoined as standby)", rejoined, 40.0)
+    assert health(dep)["prefill_engines"] == 2 and health(dep)["decode_engines"] == 2
+
+
+def test_node_link_slowed_and_lossy_answers_stay_exact(dep, reference):
+    """Bound: with a decode node's link shaped (netem delay 50 ms and 1% loss each way where the
+    kernel has netem; else 1% loss each way at 100 Mbit/s, tbf-like shaping and a BPF drop filter)
+    every answer, half of them reading their KV over the DE path, is exact and each takes under
+    30 s; after the shaping is cleared the node serves as before."""
+    from dualpath.cli.launcher.netns import _has_netem
+
+    shape = ["--delay-ms", "50", "--loss", "1"] if _has_netem() else ["--loss", "1", "--rate-mbit", "100"]
+    r = dep.cli("shape", "d0", *shape)
+    assert r.returncode == 0, r.stderr
+    try:
+        t0 = time.monotonic()
+        with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            futures = [
+                pool.submit(complete, dep, p, max_tokens=48, timeout=60, read_path="de" if i % 2 else None) for i, p in enumerate(PROMPTS)
+            ]
+            answers: list[Answer | None] = []
+            for f in futures:
+                try:
+                    answers.append(f.result(timeout=70))
+                except cf.TimeoutError:
+                    answers.append(None)
+        took = time.monotonic() - t0
+    finally:
+        r = dep.cli("shape", "d0")
+    assert r.returncode == 0, r.stderr
+    answered, failed, lost = _tally(answers, reference, PROMPTS)
+    served_by_d0 = sum(1 for a in answers if a and a.info.get("decode_engine") == "d0e0")
+    print(f"netns d0 shaped {' '.join(shape)}: answered {answered}, failed {failed}, lost {lost}, {served_by_d0} decoded on d0")
+    assert (answered, failed, lost) == (len(PROMPTS), 0, 0)
+    assert max(a.seconds for a in answers if a) < 30.0
+    record(f"netns: decode node link shaped ({' '.join(shape)}) (all answered exactly)", took, 30.0)
+
+
+def test_down_removes_every_namespace_interface_and_route_it_made(dep, before):
+    st = dep.status()
+    r = dep.cli("down", timeout=90)
+    assert r.returncode == 0, r.stderr
+    after = _ip_state()
+    ours = re.compile(rf"{st['prefix']}|198\.1[89]\.{st['hosts'][0]['address'].split('.')[2]}\.")
+    for key in before:
+        assert not [line for line in after[key] if ours.search(line)], (key, after[key])
+        foreign = re.compile(r"dp[0-9a-z]+-|198\.1[89]\.")  # a concurrent deployment's lines may come and go
+        changed = set(before[key]) ^ set(after[key])
+        assert all(foreign.search(line) for line in changed), (key, changed)
+    assert dep.cli("down").returncode == 0  # idempotent
