@@ -16,6 +16,17 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e '.[test]'
   touch "$stamp"
 fi
+# fio and iperf3: what `dualpath bench storage` and `bench transfer` compare our I/O with (the
+# machine's own limits). Installed once where we are root on Debian (CI); elsewhere a hint.
+if ! command -v fio >/dev/null || ! command -v iperf3 >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[setup] installing fio and iperf3"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio iperf3; } >/dev/null ||
+      echo "[setup] apt-get could not install fio/iperf3: the storage and transfer benchmarks will say so"
+  else
+    echo "[setup] fio/iperf3 missing (benchmarks only): apt-get install -y fio iperf3"
+  fi
+fi
 # The simulator's hot path as mypyc extensions (same results, ~2x faster; skipped when fresh).
 # A failed build is not fatal: everything runs as pure Python. DUALPATH_COMPILED=0 skips it.
 if [ "${DUALPATH_COMPILED:-1}" != "0" ]; then

@@ -1,4 +1,4 @@
-"""``dualpath bench scheduler|transfer|loadgen|index|structured|engine [--json]``: benchmarks that print measured figures.
+"""``dualpath bench scheduler|transfer|storage|loadgen|index|structured|engine [--json]``: benchmarks that print measured figures.
 
 A benchmark is not a test: it asserts nothing, it measures and reports (compare ratios
 measured in the same run; absolute timings on shared machines are noisy).
@@ -66,12 +66,16 @@ def main(argv: list[str] | None = None) -> int:
         from dualpath.bench.structured import main as structured_bench
 
         return structured_bench(argv[1:])
+    if argv[:1] == ["storage"]:  # block reads and writes against fio has its own flags
+        from dualpath.bench.storage import main as storage_bench
+
+        return storage_bench(argv[1:])
     if argv[:1] == ["engine"]:  # our decoder against transformers' on one checkpoint
         from dualpath.bench.engine import main as engine_bench
 
         return engine_bench(argv[1:])
     p = argparse.ArgumentParser(prog="dualpath bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=sorted([*BENCHES, "loadgen", "index", "structured", "engine"]))
+    p.add_argument("what", choices=sorted([*BENCHES, "loadgen", "index", "structured", "engine", "storage"]))
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--engines", type=int, default=1152, help="scheduler: cluster size in GPUs (engines)")
     p.add_argument("--seconds", type=float, default=0.0, help="scheduler: virtual seconds measured (0 = the benchmark's default, 10)")

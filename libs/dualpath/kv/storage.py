@@ -15,6 +15,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
@@ -30,7 +31,7 @@ from dualpath.kv.direct import open_direct, read_direct, write_direct
 from dualpath.kv.errors import BlockMissingError, CorruptBlockError
 from dualpath.kv.hashing import hash_hex
 
-__all__ = ["BLOCK_SUFFIX", "TEMP_SUFFIX", "BlockStore"]
+__all__ = ["BLOCK_SUFFIX", "TEMP_SUFFIX", "BlockShape", "BlockStore"]
 
 BLOCK_SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
@@ -62,19 +63,42 @@ def _as_bytes_view(buf: object, *, writable: bool) -> memoryview:
 
 
 def _read_buffered(fd: int, target: memoryview, on_head: Callable[[memoryview], None]) -> int:
-    """Read the header (to ``on_head``, which may raise) then the payload straight into
-    ``target``; returns the payload bytes read (short if the file ended early)."""
-    raw = os.read(fd, HEADER_BYTES)
-    if len(raw) < HEADER_BYTES:
+    """Read the header and the payload (straight into ``target``) in one ``preadv``, then
+    hand the header to ``on_head`` (which may raise); returns the payload bytes read (short if
+    the file ended early).
+
+    One request for the whole file lets the kernel read it ahead in full at once; a small
+    header read first would start its readahead window small and grow it read by read.
+    """
+    head = bytearray(HEADER_BYTES)
+    got = os.preadv(fd, [head, target], 0)
+    if got < HEADER_BYTES:
         return 0
-    on_head(memoryview(raw))
-    got, size = 0, len(target)
-    while got < size:
-        n = os.readv(fd, [target[got:]])
+    on_head(memoryview(head))
+    size = len(target)
+    got -= HEADER_BYTES
+    while got < size:  # a short read (signals, some network filesystems): the rest in place
+        n = os.preadv(fd, [target[got:]], HEADER_BYTES + got)
         if not n:
             break
         got += n
     return got
+
+
+@dataclass(frozen=True, slots=True)
+class BlockShape:
+    """What every block of a ``write_many`` shares: the model and the payload's shape."""
+
+    model_digest: int
+    layers: int
+    tokens: int
+    bytes_per_token_layer: int
+    dtype: str
+    kv_layout: int = 0
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.layers * self.tokens * self.bytes_per_token_layer
 
 
 class BlockStore:
@@ -98,12 +122,17 @@ class BlockStore:
         self.fsync = fsync
         self.direct = direct
         self.root = Path(root)
+        self._root_str = str(self.root)
         self.root.mkdir(parents=True, exist_ok=True)
 
     def path_for(self, model_digest: int, block_hash: int) -> Path:
         """The file path of a block. Raises TypeError/ValueError if either is not a u64."""
+        return Path(self._path_str(model_digest, block_hash))
+
+    def _path_str(self, model_digest: int, block_hash: int) -> str:
+        """``path_for`` as a string: joining ``Path`` parts costs more than the read of a small block."""
         hexed = hash_hex(block_hash)
-        return self.root / hash_hex(model_digest) / hexed[0:2] / hexed[2:4] / (hexed + BLOCK_SUFFIX)
+        return f"{self._root_str}/{hash_hex(model_digest)}/{hexed[0:2]}/{hexed[2:4]}/{hexed}{BLOCK_SUFFIX}"
 
     def write(
         self,
@@ -128,21 +157,59 @@ class BlockStore:
                 or a header field is out of range.
             OSError: the filesystem refused the write; no temp file is left behind.
         """
-        data = _as_bytes_view(payload, writable=False)  # [layers * tokens * bytes]
+        shape = BlockShape(model_digest, layers, tokens, bytes_per_token_layer, dtype, kv_layout)
+        return self.write_many(shape, [block_hash], [payload])
+
+    def write_many(self, shape: BlockShape, hashes: Sequence[int], payloads: Sequence[bytes | bytearray | memoryview]) -> int:
+        """Atomically write blocks of one shape (``hashes[i]`` holds ``payloads[i]``); return
+        the bytes written.
+
+        Each block goes to its own temp file (fsynced), then all are renamed into place and
+        every directory that received one is fsynced once: a directory fsync is a journal
+        commit on most filesystems, so a group shares them. Every block is durable when this
+        returns; an error leaves the blocks renamed so far in place (each whole) and no temp file.
+
+        Raises:
+            ValueError: a payload's size differs from the shape's, a header field is out of
+                range, or ``hashes`` and ``payloads`` differ in length.
+            OSError: the filesystem refused a write.
+        """
+        if len(hashes) != len(payloads):
+            raise ValueError(f"{len(hashes)} hashes for {len(payloads)} payloads")
+        staged: list[tuple[Path, Path]] = []
+        try:
+            for block_hash, payload in zip(hashes, payloads, strict=True):
+                staged.append(self._write_temp(shape, block_hash, _as_bytes_view(payload, writable=False)))
+            while staged:
+                tmp, final = staged[0]
+                os.replace(tmp, final)
+                staged.pop(0)
+        except BaseException:
+            for tmp, _final in staged:
+                tmp.unlink(missing_ok=True)
+            raise
+        if self.fsync:
+            for directory in dict.fromkeys(self.path_for(shape.model_digest, h).parent for h in hashes):
+                _fsync_dir(directory)
+        return len(hashes) * (HEADER_BYTES + shape.payload_bytes)
+
+    def _write_temp(self, shape: BlockShape, block_hash: int, data: memoryview) -> tuple[Path, Path]:
+        """Write one block to a fresh temp file beside its final path (fsynced if asked);
+        return both paths. Raises as ``write_many``; a failed temp file is removed."""
         header = BlockHeader(
             version=FORMAT_VERSION,
-            model_digest=model_digest,
+            model_digest=shape.model_digest,
             block_hash=block_hash,
-            layers=layers,
-            tokens=tokens,
-            bytes_per_token_layer=bytes_per_token_layer,
-            dtype=dtype,
+            layers=shape.layers,
+            tokens=shape.tokens,
+            bytes_per_token_layer=shape.bytes_per_token_layer,
+            dtype=shape.dtype,
             checksum=xxhash.xxh3_64_intdigest(data),
-            kv_layout=kv_layout,
+            kv_layout=shape.kv_layout,
         )
         if len(data) != header.payload_bytes:
             raise ValueError(f"payload is {len(data)} bytes, header says {header.payload_bytes}")
-        final = self.path_for(model_digest, block_hash)
+        final = self.path_for(shape.model_digest, block_hash)
         self._ensure_dir(final.parent)
         tmp = final.parent / f".{final.stem}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
@@ -161,13 +228,10 @@ class BlockStore:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        if self.fsync:
-            _fsync_dir(final.parent)
-        return HEADER_BYTES + len(data)
+        return tmp, final
 
     def delete_many(self, model_digest: int, hashes: Sequence[int]) -> int:
         """Delete the files of ``hashes`` (missing ones are skipped); returns how many went.
@@ -208,7 +272,7 @@ class BlockStore:
             ValueError: ``dest`` is read-only, not contiguous, or smaller than the payload.
         """
         view = _as_bytes_view(dest, writable=True)
-        path = self.path_for(model_digest, block_hash)
+        path = self._path_str(model_digest, block_hash)
         expected = (model_digest, block_hash, layers, tokens, bytes_per_token_layer, dtype, kv_layout)
         if min(layers, tokens, bytes_per_token_layer) < 1:
             raise ValueError("layers, tokens and bytes_per_token_layer must be >= 1")
@@ -225,13 +289,13 @@ class BlockStore:
                 try:
                     header = decode_header(raw)
                 except CorruptBlockError as exc:
-                    raise CorruptBlockError(path, exc.reason) from None
+                    raise CorruptBlockError(Path(path), exc.reason) from None
                 got = (header.model_digest, header.block_hash, header.layers, header.tokens,
                        header.bytes_per_token_layer, header.dtype, header.kv_layout)  # fmt: skip
                 if got != expected:
-                    raise CorruptBlockError(path, f"header fields {got} != expected {expected}")
+                    raise CorruptBlockError(Path(path), f"header fields {got} != expected {expected}")
                 if file_size != HEADER_BYTES + size:  # torn or truncated: a miss, before any payload is read
-                    raise CorruptBlockError(path, f"file is {file_size} bytes, want {HEADER_BYTES + size}")
+                    raise CorruptBlockError(Path(path), f"file is {file_size} bytes, want {HEADER_BYTES + size}")
                 found.append(header)
 
             if direct:
@@ -239,17 +303,17 @@ class BlockStore:
             else:
                 copied = _read_buffered(fd, target, check)
             if not found:
-                raise CorruptBlockError(path, "header truncated")
+                raise CorruptBlockError(Path(path), "header truncated")
             if copied < size:
-                raise CorruptBlockError(path, f"payload truncated at {copied} of {size} bytes")
+                raise CorruptBlockError(Path(path), f"payload truncated at {copied} of {size} bytes")
         finally:
             os.close(fd)
         header = found[0]
         if xxhash.xxh3_64_intdigest(target) != header.checksum:
-            raise CorruptBlockError(path, "payload checksum mismatch")
+            raise CorruptBlockError(Path(path), "payload checksum mismatch")
         return size
 
-    def _open_read(self, path: Path) -> tuple[int, bool]:
+    def _open_read(self, path: str) -> tuple[int, bool]:
         """A read-only descriptor of ``path``, and whether it is ``O_DIRECT`` (when asked for
         and the filesystem allows it).
 
@@ -260,7 +324,7 @@ class BlockStore:
             fd = open_direct(path, os.O_RDONLY) if self.direct else None
             return (fd, True) if fd is not None else (os.open(path, os.O_RDONLY), False)
         except FileNotFoundError:
-            raise BlockMissingError(path) from None
+            raise BlockMissingError(Path(path)) from None
 
     def exists(self, model_digest: int, block_hash: int) -> bool:
         """Whether the block's file exists (it is not verified; ``read_into`` does that)."""
