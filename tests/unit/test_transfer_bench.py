@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from dualpath.bench.transfer import format_report, layouts, run_bench
+from dualpath.bench import kernel
+from dualpath.bench.transfer import format_report, layouts, run_bench, versus_kernel
 
 KIB = 1024
 
@@ -20,6 +21,8 @@ def test_a_tiny_bench_run_reports_every_point_for_memcpy_and_each_transport() ->
         region_bytes=1 << 20,
         point_seconds=0.01,
         with_mooncake=False,
+        iperf3_bytes=1 << 20,
+        rounds=2,
     )
     json.dumps(d)  # the --json output
     assert d["columns"][:3] == ["memcpy", "tcp", "shm"]
@@ -35,6 +38,37 @@ def test_a_tiny_bench_run_reports_every_point_for_memcpy_and_each_transport() ->
     assert all(0 < floor[k] < 1e6 for k in ("request_us", "reply_64k_us", "polled_request_us", "polled_reply_64k_us"))
     assert "round-trip floor" in report and "one 64 KiB block per batch (median): tcp" in report
     assert all(r["cpu_us"] > 0 for c in ("tcp", "shm") for r in d["results"][c].values())  # both ends' CPU per batch
+    for key, row in d["versus_kernel"].items():  # shm beside memcpy always; tcp beside iperf3 where it is installed
+        assert row["shm_vs_memcpy"] == pytest.approx(d["results"]["shm"][key]["gbps"] / d["results"]["memcpy"][key]["gbps"], abs=2e-3)
+        assert ("tcp_vs_iperf3" in row) == d["iperf3"]["available"]
+    assert "against the kernel" in report
+    if not d["iperf3"]["available"]:
+        assert "apt-get install -y iperf3" in d["unavailable"]["iperf3"]
+
+
+def test_tcp_is_set_beside_iperf3_at_the_batch_s_size_capped_at_iperf3_s_largest_write() -> None:
+    results = {
+        "memcpy": {"4096x1": {"gbps": 8.0}, "2097152x4": {"gbps": 6.0}},
+        "tcp": {"4096x1": {"gbps": 0.5}, "2097152x4": {"gbps": 2.7}},
+        "shm": {"4096x1": {"gbps": 4.0}, "2097152x4": {"gbps": 5.4}},
+    }
+    vs = versus_kernel(results, [(4096, 1), (2097152, 4)], {"4096": 1.0, str(kernel.IPERF3_MAX_WRITE): 3.0})
+    assert vs["4096x1"] == {
+        "tcp_gbps": 0.5,
+        "iperf3_gbps": 1.0,
+        "tcp_vs_iperf3": 0.5,
+        "shm_gbps": 4.0,
+        "memcpy_gbps": 8.0,
+        "shm_vs_memcpy": 0.5,
+    }
+    assert vs["2097152x4"]["iperf3_gbps"] == 3.0 and vs["2097152x4"]["tcp_vs_iperf3"] == 0.9
+    assert "tcp_vs_iperf3" not in versus_kernel(results, [(4096, 1)], {})["4096x1"]
+
+
+def test_iperf3_missing_is_reported_with_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernel.shutil, "which", lambda name: None)
+    ok, note = kernel.iperf3_status()
+    assert not ok and "apt-get install -y iperf3" in note
 
 
 def test_bench_windows_stay_inside_the_region_and_scatter_remote_blocks() -> None:

@@ -4,7 +4,8 @@ For each block size × batch size, one initiator reads (or writes) batches of bl
 region served by a peer process, one batch at a time, and reports GB/s and the median
 batch latency, next to a plain memcpy of the same blocks (the limit on this machine) and,
 when ``mooncake-transfer-engine`` is importable, Mooncake's Transfer Engine over TCP on
-loopback. Successive batches of a point rotate through up to 256 windows of a
+loopback, and the kernel's own single TCP stream over loopback (``iperf3``, at each batch's
+size up to its 1 MiB write; ``versus_kernel`` sets tcp beside it and shm beside memcpy). Successive batches of a point rotate through up to 256 windows of a
 ``region_bytes`` region, so large copies come from memory rather than the CPU cache (for
 every column alike). The columns are measured interleaved, point by point, in ``rounds``
 rounds, so load from other processes on a shared machine falls on all of them alike; each
@@ -29,13 +30,14 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from dualpath.bench.kernel import IPERF3_MAX_WRITE, iperf3_gbps, iperf3_status
 from dualpath.bench.mooncake import MooncakeLoopback, mooncake_status
 from dualpath.transfer.factory import create_transport
 from dualpath.transfer.peer import spawn_peer
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.types import TransferEntry
 
-__all__ = ["DEFAULT_BATCHES", "DEFAULT_BLOCKS", "format_report", "layouts", "roundtrip_floor_us", "run_bench"]
+__all__ = ["DEFAULT_BATCHES", "DEFAULT_BLOCKS", "format_report", "layouts", "roundtrip_floor_us", "run_bench", "versus_kernel"]
 
 KIB, MIB = 1 << 10, 1 << 20
 DEFAULT_BLOCKS = (4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB)
@@ -54,10 +56,14 @@ def run_bench(
     point_seconds: float = 0.2,
     point_bytes: int = 256 * MIB,
     with_mooncake: bool = True,
+    with_iperf3: bool = True,
+    iperf3_bytes: int = 256 * MIB,
     rounds: int = 5,
 ) -> dict[str, Any]:
-    """Measure every (block, batch) point for memcpy, each transport and Mooncake; return
-    a msgpack/JSON-able dict (see ``format_report``).
+    """Measure every (block, batch) point for memcpy, each transport and Mooncake, and
+    iperf3's single loopback stream at each batch's size (``iperf3_bytes`` a run, once a
+    round); return a msgpack/JSON-able dict (see ``format_report``). ``versus_kernel`` holds,
+    per point, tcp beside iperf3 and shm beside memcpy, with their ratios.
 
     Raises:
         ValueError: ``op`` is neither "read" nor "write".
@@ -76,6 +82,11 @@ def run_bench(
     else:
         unavailable[MOONCAKE] = mooncake_note
     shapes = [(b, n) for b in block_sizes for n in batch_sizes if b * n <= max_batch_bytes]
+    iperf3_ok, iperf3_note = iperf3_status() if with_iperf3 else (False, "not requested")
+    if not iperf3_ok:
+        unavailable["iperf3"] = iperf3_note
+    writes = sorted({min(b * n, IPERF3_MAX_WRITE) for b, n in shapes}) if iperf3_ok else []
+    kernel: dict[str, float] = {}
     size = max(region_bytes, max_batch_bytes)
     started = time.perf_counter()
     floor = {
@@ -96,6 +107,8 @@ def run_bench(
                     best = results[column].get(_key(block, batch))
                     if best is None or got["gbps"] > best["gbps"]:
                         results[column][_key(block, batch)] = got
+            for length in writes:  # best round, as for every other column
+                kernel[str(length)] = max(kernel.get(str(length), 0.0), iperf3_gbps(length, iperf3_bytes))
     return {
         "op": op,
         "cpus": os.cpu_count(),
@@ -107,8 +120,29 @@ def run_bench(
         "unavailable": unavailable,
         "mooncake": {"available": mooncake_ok, "note": mooncake_note},
         "roundtrip_floor": floor,
+        "iperf3": {"available": iperf3_ok, "note": iperf3_note, "gbps_by_write_bytes": kernel},
+        "versus_kernel": versus_kernel(results, shapes, kernel),
         "elapsed_s": round(time.perf_counter() - started, 1),
     }
+
+
+def versus_kernel(
+    results: dict[str, dict[str, dict[str, float]]], shapes: Sequence[tuple[int, int]], iperf3: dict[str, float]
+) -> dict[str, dict]:
+    """Per point: tcp beside iperf3's stream at the batch's size (``tcp_vs_iperf3``) and shm
+    beside memcpy (``shm_vs_memcpy``), where both columns were measured."""
+    out: dict[str, dict[str, float]] = {}
+    for block, batch in shapes:
+        key, row = _key(block, batch), dict[str, float]()
+        tcp, shm, memcpy = (results.get(c, {}).get(key) for c in ("tcp", "shm", "memcpy"))
+        stream = iperf3.get(str(min(block * batch, IPERF3_MAX_WRITE)))
+        if tcp is not None and stream:
+            row.update(tcp_gbps=tcp["gbps"], iperf3_gbps=stream, tcp_vs_iperf3=round(tcp["gbps"] / stream, 3))
+        if shm is not None and memcpy is not None:
+            row.update(shm_gbps=shm["gbps"], memcpy_gbps=memcpy["gbps"], shm_vs_memcpy=round(shm["gbps"] / memcpy["gbps"], 3))
+        if row:
+            out[key] = row
+    return out
 
 
 _FLOOR_SERVER = r"""
@@ -456,8 +490,36 @@ def format_report(d: dict[str, Any]) -> str:
             )
     for name, reason in d["unavailable"].items():
         lines.append(f"{name}: not measured ({reason})")
+    lines += _kernel_table(d)
     lines += _verdicts(d)
     return "\n".join(lines)
+
+
+def _kernel_table(d: dict[str, Any]) -> list[str]:
+    """tcp beside iperf3 and shm beside memcpy, point by point."""
+    vs = d.get("versus_kernel") or {}
+    if not vs:
+        return []
+    lines = ["", "against the kernel: tcp vs iperf3 (one loopback stream, writes of the batch's size up to 1 MiB); shm vs memcpy"]
+    head = f"{'block':>7} {'batch':>5} {'tcp':>8} {'iperf3':>8} {'ratio':>6}   {'shm':>8} {'memcpy':>8} {'ratio':>6}"
+    lines += [head, "-" * len(head)]
+    for key, row in vs.items():
+        block, batch = (int(x) for x in key.split("x"))
+        tcp = f"{row['tcp_gbps']:>8.3f} {row['iperf3_gbps']:>8.3f} {row['tcp_vs_iperf3']:>6.2f}" if "tcp_vs_iperf3" in row else " " * 24
+        shm = f"{row['shm_gbps']:>8.3f} {row['memcpy_gbps']:>8.3f} {row['shm_vs_memcpy']:>6.2f}" if "shm_vs_memcpy" in row else ""
+        lines.append(f"{_size(block):>7} {batch:>5} {tcp}   {shm}")
+    big = {k: r for k, r in vs.items() if _batch_bytes(k) >= MIB}
+    for what, aim in (("tcp_vs_iperf3", "tcp vs iperf3"), ("shm_vs_memcpy", "shm vs memcpy")):
+        have = {k: r[what] for k, r in big.items() if what in r}
+        if have:
+            worst = min(have, key=lambda k: have[k])
+            lines.append(f"{aim}, batches >= 1 MiB: worst {have[worst]:.2f} (at {worst}); aim >= 0.9")
+    return lines
+
+
+def _batch_bytes(key: str) -> int:
+    block, batch = (int(x) for x in key.split("x"))
+    return block * batch
 
 
 def _verdicts(d: dict[str, Any]) -> list[str]:
