@@ -47,13 +47,20 @@ class BusConfig:
     nats_tls_cert: str = opt("", "client certificate for NATS mutual TLS", "DUALPATH_NATS_TLS_CERT")
     nats_tls_key: str = opt("", "client key for NATS mutual TLS", "DUALPATH_NATS_TLS_KEY")
     metrics_port: int = opt(0, "serve Prometheus metrics on this port, all interfaces (0 = no metrics endpoint)", "DUALPATH_METRICS_PORT")
+    nats_ping_s: float = opt(
+        2.0,
+        "seconds between PINGs to the NATS server; after 3 unanswered the connection is dropped and "
+        "another server of the cluster tried (a server cut off by the network sends no RST: without "
+        "this a client waits for TCP's own timeouts)",
+        "DUALPATH_NATS_PING_S",
+    )
 
     def urls(self) -> list[str]:
         return [u.strip() for u in self.nats_url.split(",") if u.strip()]
 
     def connect_options(self) -> dict[str, Any]:
         """Keyword arguments for ``nats.connect`` (credentials and TLS when configured)."""
-        options: dict[str, Any] = {}
+        options: dict[str, Any] = {"ping_interval": self.nats_ping_s, "max_outstanding_pings": 3}
         if self.nats_creds:
             options["user_credentials"] = self.nats_creds
         if self.nats_tls_ca or self.nats_tls_cert:
