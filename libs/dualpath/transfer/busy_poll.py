@@ -15,6 +15,12 @@ window from what happened, as KVM's ``halt_poll_ns`` does:
 - bytes that came later than ``max_s`` (an idle connection, a slow batch) halve it, down to
   zero below ``start_s``: a quiet connection costs no CPU.
 
+A poll that found nothing yields the CPU (``yield_cpu``: ``sched_yield``) before the next:
+alone on its core that returns at once, but where the host has fewer free cores than
+runnable processes (a small VM shared with other work) the peer that has to answer may be
+waiting for this very core, and a spin that kept it would hold the answer back by up to the
+whole window; yielding lets the peer run first.
+
 So back-to-back batches (a layer-by-layer KV fetch, a benchmark) run without sleeping on
 either side, and a connection used every few milliseconds spins at most a few times before
 its window falls to zero. While a side spins its event loop runs nothing else, which bounds
@@ -25,10 +31,13 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["BusyPoll", "DEFAULT_BUSY_POLL_US", "busy_poll_default"]
+__all__ = ["BusyPoll", "DEFAULT_BUSY_POLL_US", "busy_poll_default", "yield_cpu"]
 
 DEFAULT_BUSY_POLL_US = 250.0  # the longest spin: above a small batch's loopback round trip
 ENV = "DUALPATH_TCP_BUSY_POLL_US"
+
+
+yield_cpu = getattr(os, "sched_yield", lambda: None)  # between a spin's empty polls (see above)
 
 
 def busy_poll_default() -> float:

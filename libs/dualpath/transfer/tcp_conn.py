@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from dualpath.transfer.busy_poll import DEFAULT_BUSY_POLL_US, BusyPoll
+from dualpath.transfer.busy_poll import DEFAULT_BUSY_POLL_US, BusyPoll, yield_cpu
 from dualpath.transfer.errors import PeerLostError, TransferError
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.tcp_wire import (
@@ -210,6 +210,8 @@ class PeerConnection:
             now = time.perf_counter()
             if self.received != got:
                 got, last = self.received, now
+            else:
+                yield_cpu()
         if future is not None and future.done():
             poll.caught()
         elif self._dead is None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dualpath.transfer.busy_poll import DEFAULT_BUSY_POLL_US, BusyPoll
+from dualpath.transfer.busy_poll import DEFAULT_BUSY_POLL_US, BusyPoll, yield_cpu
 from dualpath.transfer.errors import OutOfBoundsError, TransferError, UnknownRegionError
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.tcp_wire import (
@@ -171,6 +171,8 @@ class _Connection:
             now = time.perf_counter()
             if self.moved != moved:
                 moved, last = self.moved, now
+            else:
+                yield_cpu()
         if not self.done.done():
             poll.missed(last)  # waiting since the last byte moved; the next wake-up teaches the window
 
