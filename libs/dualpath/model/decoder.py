@@ -112,6 +112,14 @@ def _kv_all(spec: KvSpec, i: int, k_new: torch.Tensor, v_new: torch.Tensor, past
     return torch.cat((cached[0], k_new)), torch.cat((cached[1], v_new))
 
 
+def _each_sequence(segments: Sequence[tuple[int, int]], attend) -> torch.Tensor:
+    """``attend(i, start, end)`` for every sequence with new tokens, in row order, as one
+    ``[N, ...]`` tensor (a lone sequence's output as it is, without a copy)."""
+    order = sorted((start, i, length) for i, (start, length) in enumerate(segments) if length)
+    parts = [attend(i, start, start + length) for start, i, length in order]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 class _GqaAttention:
     def __init__(self, cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, rope: RotaryEmbedding) -> None:
         names = ("q_proj", "k_proj", "v_proj")
@@ -133,12 +141,8 @@ class _GqaAttention:
         q = self.rope.rotate(q, cos, sin)  # [N, heads, hd]
         k = self.rope.rotate(k, cos, sin)  # [N, kvh, hd]
         v = v.reshape(n, self.kv_heads, hd).contiguous()  # [N, kvh, hd]
-        attn = torch.empty_like(q)  # [N, heads, hd]
-        for i, (start, length) in enumerate(segments):
-            if length:
-                end = start + length
-                attn[start:end] = self._attend(q[start:end], *_kv_all(self.spec, i, k[start:end], v[start:end], past, caches))
-        return F.linear(attn.reshape(n, -1), self.o, self.o_bias), k, v
+        attn = _each_sequence(segments, lambda i, s, e: self._attend(q[s:e], *_kv_all(self.spec, i, k[s:e], v[s:e], past, caches)))
+        return F.linear(attn.reshape(n, -1), self.o, self.o_bias), k, v  # attn [N, heads, hd]
 
     def _attend(self, q, k, v):
         """Causal GQA attention of ``q [n, heads, hd]`` (the last ``n`` positions) over ``k, v [T, kvh, hd]``."""
@@ -191,12 +195,9 @@ class _MlaAttention:
         c = _rms_norm(c_kv, self.kv_a_norm, self.eps).reshape(n, 1, m.kv_lora_rank)  # what a token keeps
         q_pe = self.rope.rotate(q_pe, cos, sin)  # [N, heads, d]
         k_pe = self.rope.rotate(k_pe.reshape(n, 1, m.qk_rope_head_dim), cos, sin)  # [N, 1, d]
-        attn = x.new_empty((n, heads, m.v_head_dim))
-        for i, (start, length) in enumerate(segments):
-            if length:
-                end = start + length
-                c_all, k_pe_all = _kv_all(self.spec, i, c[start:end], k_pe[start:end], past, caches)
-                attn[start:end] = self._attend(q_nope[start:end], q_pe[start:end], c_all, k_pe_all)
+        attn = _each_sequence(
+            segments, lambda i, s, e: self._attend(q_nope[s:e], q_pe[s:e], *_kv_all(self.spec, i, c[s:e], k_pe[s:e], past, caches))
+        )  # [N, heads, v_head_dim]
         return F.linear(attn.reshape(n, -1), self.o, self.o_bias), c, k_pe
 
     def _attend(self, q_nope, q_pe, c, k_pe):
@@ -238,7 +239,7 @@ class _Mlp:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
+        return F.linear(F.silu(gate).mul_(up), self.down)
 
 
 class _Moe:
