@@ -315,7 +315,8 @@ def test_decode_host_cut_off_mid_stream_answers_complete_exactly_or_fail_explici
     """Bound: with decode node d0's host cut off while answers stream, every client, streamed or
     not, gets its exact greedy answer (re-dispatched to d1, the stream resuming at the first
     token it has not seen) or an explicit error within 45 s, none hangs; after the heal d0's
-    engine is back in /health within 30 s."""
+    engine is back in /health within 45 s. Both bounds are set by the data plane: a KV transfer
+    to or from the cut-off host fails only at the transport's 30 s batch timeout."""
     prompts = [f"stream {i}: the tool printed a long listing " + "of files " * 20 for i in range(6)]
     ref = dict(zip(prompts, concurrently(lambda p: complete(dep, p, max_tokens=400), prompts, workers=3)))
     assert all(r.error is None for r in ref.values())
@@ -356,8 +357,8 @@ def test_decode_host_cut_off_mid_stream_answers_complete_exactly_or_fail_explici
     assert lost == 0
     assert retried + resubmitted > 0  # the cut caught answers on d0: they were placed again
     record("netns: decode host cut off mid-stream (every client settled)", settled, 45.0)
-    wait_until(lambda: health(dep).get("decode_engines", 0) == 2, 60, step=0.5, describe=lambda: health(dep))
-    record("netns: decode host healed (engine back in /health)", time.monotonic() - healed, 30.0)
+    wait_until(lambda: health(dep).get("decode_engines", 0) == 2, 75, step=0.5, describe=lambda: health(dep))
+    record("netns: decode host healed (engine back in /health)", time.monotonic() - healed, 45.0)
     again = complete(dep, prompts[0], max_tokens=400)
     assert again.text == ref[prompts[0]].text
 
@@ -392,6 +393,21 @@ def test_one_nats_server_of_three_cut_off_then_healed_keeps_serving(dep, referen
     wait_until(lambda: all(complete(dep, q, max_tokens=48, timeout=10).text == reference[q].text for q in PROMPTS), 40, step=0.5)
     record(f"netns: NATS server host {host} healed (every prompt served)", time.monotonic() - t1, 20.0)
     assert took < 40
+
+
+def test_an_up_that_cannot_become_ready_leaves_nothing_behind_beside_a_running_deployment(dep, tiny_model, tmp_path):
+    """A second deployment beside the first (its own prefix and addresses) whose engines cannot
+    be ready in 1 s: ``up`` fails, and it and a later ``down`` remove all it had made; the first
+    deployment keeps serving."""
+    prefix = f"dpx{uuid.uuid4().hex[:5]}"
+    run_dir = tmp_path / "half"
+    cmd = [*DP, "up", "--model", str(tiny_model), "--run-dir", str(run_dir), "--prefix", prefix, "--ready-timeout", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "did not become ready" in r.stderr, (r.stdout, r.stderr)
+    assert subprocess.run([*DP, "down", "--run-dir", str(run_dir)], capture_output=True, timeout=90).returncode == 0
+    state = _ip_state()
+    assert not [line for lines in state.values() for line in lines if prefix in line], state
+    assert complete(dep, PROMPTS[0], max_tokens=8).error is None
 
 
 def test_down_removes_every_namespace_interface_and_route_it_made(dep, before):
