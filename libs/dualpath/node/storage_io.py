@@ -18,8 +18,11 @@ from dualpath.kv.storage import BlockShape
 from dualpath.transfer.nic import sleep_until, withdraw
 from dualpath.transfer.types import TrafficClass
 
-__all__ = ["WRITE_GROUP_BLOCKS", "WRITE_GROUP_BYTES", "BlockFormat", "ReadResult", "StorageIO"]
+__all__ = ["READ_GROUP_BYTES", "WRITE_GROUP_BLOCKS", "WRITE_GROUP_BYTES", "BlockFormat", "ReadResult", "StorageIO"]
 
+# A read group without an SNIC: its blocks share one worker thread hop (a hop is a wake-up of
+# the event loop and of a worker, which a loaded host makes slow next to a block's read).
+READ_GROUP_BYTES = 8 << 20
 # A write group without an SNIC: up to this many blocks or bytes share a thread hop and the
 # directory fsyncs (one journal commit each), so small blocks do not pay a commit apiece.
 WRITE_GROUP_BLOCKS = 16
@@ -87,9 +90,9 @@ class StorageIO:
             async with self._sem:
                 wait = time.perf_counter() - t_enq
                 t0 = time.perf_counter()
-                # Blocks go in groups of about one NIC chunk: one pacing grant and one worker
-                # thread hop per group rather than per block.
-                group = max(1, (self.nic.chunk_bytes if self.nic is not None else 1 << 20) // bb)
+                # Blocks go in groups of about one NIC chunk (READ_GROUP_BYTES without one): one
+                # pacing grant and one worker thread hop per group rather than per block.
+                group = max(1, (self.nic.chunk_bytes if self.nic is not None else READ_GROUP_BYTES) // bb)
                 starts = range(0, n, group)
                 # Every group is queued on the SNIC at once, so the link's timeline runs on
                 # while a worker thread is still reading the previous group's files.
