@@ -262,10 +262,11 @@ def test_node_link_slowed_and_lossy_answers_stay_exact(dep, reference):
     kernel has netem; else 1% loss each way at 100 Mbit/s, tbf-like shaping and a BPF drop filter)
     every answer, half of them reading their KV over the DE path, is exact and each takes under
     30 s; after the shaping is cleared the node serves as before."""
-    from dualpath.cli.launcher.netns import _has_netem
-
-    shape = ["--delay-ms", "50", "--loss", "1"] if _has_netem() else ["--loss", "1", "--rate-mbit", "100"]
+    shape = ["--delay-ms", "50", "--loss", "1"]
     r = dep.cli("shape", "d0", *shape)
+    if r.returncode != 0 and "lacks" in r.stderr:  # no netem in this kernel: no delay either
+        shape = ["--loss", "1", "--rate-mbit", "100"]
+        r = dep.cli("shape", "d0", *shape)
     assert r.returncode == 0, r.stderr
     try:
         t0 = time.monotonic()

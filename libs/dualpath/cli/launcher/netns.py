@@ -13,9 +13,9 @@ outside interface.
 Every name starts with the deployment's prefix, so parallel deployments do not collide and
 ``destroy`` can remove everything a deployment made, even one half built. Link faults and
 shaping happen inside the namespaces only: ``link`` sets a host's ``eth0`` down or up,
-``shape`` puts ``tc`` qdiscs on both ends of its veth (netem for delay and loss where the
-kernel has it, tbf for bandwidth; loss without netem is a classic-BPF filter that sends a
-random share of packets to a class that drops everything).
+``shape`` puts ``tc`` qdiscs on both ends of its veth (netem for delay, loss and rate where the
+kernel has it; without netem, htb for rate and a classic-BPF filter that sends a random share
+of packets to a class that drops everything).
 """
 
 from __future__ import annotations
@@ -88,19 +88,6 @@ def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
 def namespaces() -> list[str]:
     """Names in ``ip netns list``."""
     return [line.split()[0] for line in _run("ip", "netns", "list").stdout.splitlines() if line.strip()]
-
-
-def _has_netem() -> bool:
-    return Path("/sys/module/sch_netem").exists() or "CONFIG_NET_SCH_NETEM=y" in _kernel_config()
-
-
-def _kernel_config() -> str:
-    import gzip
-
-    try:
-        return gzip.decompress(Path("/proc/config.gz").read_bytes()).decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def _loss_bytecode(loss_pct: float) -> str:
@@ -223,33 +210,41 @@ class NetnsNetwork:
     def shape(self, host: str, *, delay_ms: float = 0.0, loss_pct: float = 0.0, rate_mbit: float = 0.0) -> None:
         """Set ``host``'s link (both directions: its ``eth0`` and its bridge port) to add
         ``delay_ms``, drop ``loss_pct`` percent of packets and carry at most ``rate_mbit``;
-        all zero clears the shaping.
+        all zero clears the shaping. netem does it where the kernel has it; elsewhere loss and
+        rate are made with htb and a BPF filter, and delay cannot be.
 
         Raises:
             NetnsError: delay asked for on a kernel without netem, or a ``tc`` command failed.
         """
-        netem = _has_netem()
-        if delay_ms and not netem:
-            raise NetnsError("link delay needs the kernel's netem qdisc (sch_netem), which this kernel lacks")
         for ns, dev in ((self.netns(host), "eth0"), (self.bridge_ns, f"v-{host}")):
             tc = ["ip", "netns", "exec", ns, "tc"]
             _run(*tc, "qdisc", "del", "dev", dev, "root", check=False)
             if not (delay_ms or loss_pct or rate_mbit):
                 continue
-            if netem:
-                spec = ["delay", f"{delay_ms}ms"] if delay_ms else []
-                spec += ["loss", f"{loss_pct}%"] if loss_pct else []
-                spec += ["rate", f"{rate_mbit}mbit"] if rate_mbit else []
-                _run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", *spec)
+            spec = ["delay", f"{delay_ms}ms"] if delay_ms else []
+            spec += ["loss", f"{loss_pct}%"] if loss_pct else []
+            spec += ["rate", f"{rate_mbit}mbit"] if rate_mbit else []
+            netem = _run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", *spec, check=False)
+            if netem.returncode == 0:
                 continue
-            rate = f"{rate_mbit}mbit" if rate_mbit else "10gbit"
-            _run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10", "r2q", "1000")
-            _run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", rate)
-            if loss_pct:
-                _run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb", "rate", "1mbit")
-                _run(*tc, "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", "pfifo", "limit", "0")
-                bpf = ["bpf", "bytecode", _loss_bytecode(loss_pct), "classid", "1:20"]
-                _run(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "all", "prio", "1", *bpf)
+            if "unknown" not in netem.stderr.lower():  # netem is there and refused the request
+                raise NetnsError(f"tc netem {' '.join(spec)} on {dev}: {netem.stderr.strip()}")
+            if delay_ms:
+                raise NetnsError("link delay needs the kernel's netem qdisc (sch_netem), which this kernel lacks")
+            _shape_without_netem(tc, dev, loss_pct=loss_pct, rate_mbit=rate_mbit)
+
+
+def _shape_without_netem(tc: list[str], dev: str, *, loss_pct: float, rate_mbit: float) -> None:
+    """htb at ``rate_mbit`` (10 Gbit/s when 0) for every packet but a random ``loss_pct``
+    percent, which a classic-BPF filter sends to a class whose queue holds none (dropped)."""
+    rate = f"{rate_mbit}mbit" if rate_mbit else "10gbit"
+    _run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10", "r2q", "1000")
+    _run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", rate)
+    if loss_pct:
+        _run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb", "rate", "1mbit")
+        _run(*tc, "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", "pfifo", "limit", "0")
+        bpf = ["bpf", "bytecode", _loss_bytecode(loss_pct), "classid", "1:20"]
+        _run(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "all", "prio", "1", *bpf)
 
 
 def locked(fn):

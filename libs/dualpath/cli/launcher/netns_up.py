@@ -65,7 +65,7 @@ class NetnsPlacement:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dualpath netns", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{up,status,link,shape,down}")  # _serve: the keeper, internal
     for name in ("up", "_serve", "status", "down", "link", "shape"):
         s = sub.add_parser(name)
         s.add_argument("--run-dir", default=".dualpath-netns", help="logs, storage and the deployment record (netns.json)")
