@@ -209,6 +209,8 @@ def test_active_scheduler_host_cut_off_standby_takes_over_and_rejoins_as_standby
     assert old, dep.status()
     host = dep.host_of(old)
     finished_before = collections.Counter(e["request_id"] for e in log_events(dep, "gateway", "request_finished"))
+    superseded_before = sum(len(log_events(dep, n, "prefill_task_superseded")) for n in ("prefill-p0e0", "prefill-p1e0"))
+    lost_before = len(log_events(dep, old, "scheduler_lease_lost"))
     marks: dict[str, float] = {}
     prefills = dep.pids("services.prefill_engine")
     assert len(prefills) == 2
@@ -244,6 +246,8 @@ def test_active_scheduler_host_cut_off_standby_takes_over_and_rejoins_as_standby
     finished = collections.Counter(e["request_id"] for e in log_events(dep, "gateway", "request_finished")) - finished_before
     assert all(n == 1 for n in finished.values()), finished  # no request finished twice
     assert answered + 1 <= sum(finished.values()) <= len(PROMPTS) + 1  # the in-flight ones and the fresh one
+    # fenced: no engine got a second placement of a request (and the old leader stepped down, below)
+    assert sum(len(log_events(dep, n, "prefill_task_superseded")) for n in ("prefill-p0e0", "prefill-p1e0")) == superseded_before
     rejoined = wait_until(
         lambda: (
             (st := dep.status())["active_scheduler"] == new
@@ -254,6 +258,7 @@ def test_active_scheduler_host_cut_off_standby_takes_over_and_rejoins_as_standby
         describe=dep.status,
     )
     record("netns: cut-off scheduler healed (rejoined as standby)", rejoined, 40.0)
+    assert len(log_events(dep, old, "scheduler_lease_lost")) > lost_before  # it knew it had lost the lease
     assert health(dep)["prefill_engines"] == 2 and health(dep)["decode_engines"] == 2
 
 
