@@ -157,3 +157,21 @@ async def test_two_transports_of_one_process_do_not_spin_against_each_other(anyi
     (conn,) = a._peers.values()
     assert a.busy_poll_us > 0
     assert not conn.poll.enabled  # a spin here would hold the loop the server needs
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_spin_that_finds_nothing_yields_the_cpu_between_polls(anyio_backend, monkeypatch) -> None:
+    """On a host with fewer free cores than runnable processes, the peer may need this core to answer."""
+    yields = []
+    monkeypatch.setattr(tcp_conn, "yield_cpu", lambda: yields.append(1))
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    try:
+        conn = tcp_conn.PeerConnection(ours, "silent-peer", busy_poll_us=500)
+        never: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        conn.spin(never)  # nothing ever arrives: the whole window is spent polling
+        assert not never.done() and len(yields) > 1
+    finally:
+        ours.close()
+        theirs.close()

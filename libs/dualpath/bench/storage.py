@@ -264,6 +264,8 @@ def _measure_size(
                 "ours_gbps": round(o, 3),
                 "fio_gbps": round(f, 3),
                 "ratio": round(o / f, 3),
+                "ours_rounds": [round(x, 3) for x in got[(mode, "ours")]],
+                "fio_rounds": [round(x, 3) for x in got[(mode, "fio")]],
             }
         )
     return rows
