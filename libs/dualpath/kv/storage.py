@@ -46,10 +46,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_all(fd: int, data: memoryview) -> None:
-    """``os.write`` until every byte is written (a write may be partial on some filesystems)."""
-    while data:
-        data = data[os.write(fd, data) :]
+def _write_all(fd: int, *parts: memoryview) -> None:
+    """Write ``parts`` in order, in one ``writev`` when the filesystem takes it all (a write
+    may be partial on some filesystems: the rest follows)."""
+    bufs = [p for p in parts if len(p)]
+    while bufs:
+        n = os.writev(fd, bufs)
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if bufs and n:
+            bufs[0] = bufs[0][n:]
 
 
 def _as_bytes_view(buf: object, *, writable: bool) -> memoryview:
@@ -222,8 +229,7 @@ class BlockStore:
                 if direct:
                     write_direct(fd, encode_header(header), data)
                 else:
-                    _write_all(fd, memoryview(encode_header(header)))
-                    _write_all(fd, data)
+                    _write_all(fd, memoryview(encode_header(header)), data)
                 if self.fsync:
                     os.fsync(fd)
             finally:
