@@ -6,8 +6,8 @@ batch latency, next to a plain memcpy of the same blocks (the limit on this mach
 when ``mooncake-transfer-engine`` is importable, Mooncake's Transfer Engine over TCP on
 loopback, and the kernel's own single TCP stream over loopback (``iperf3``, at each batch's
 size up to its 1 MiB write; ``versus_kernel`` sets tcp beside it and shm beside memcpy).
-Successive batches of a point rotate through up to 256 windows of a ``region_bytes`` region, so large copies come from memory rather than the CPU cache (for
-every column alike). The columns are measured interleaved, point by point, in ``rounds``
+Successive batches of a point rotate through up to 256 windows of a ``region_bytes``
+region, so large copies come from memory rather than the CPU cache (for every column alike). The columns are measured interleaved, point by point, in ``rounds``
 rounds, so load from other processes on a shared machine falls on all of them alike; each
 column keeps its best round (highest GB/s: the least disturbed, as ``timeit`` keeps the
 minimum), and the latency shown is that round's median. Each point also records the CPU
