@@ -1,21 +1,21 @@
 """``dualpath bench transfer``: throughput and per-batch latency of every transport present.
 
 For each block size × batch size, one initiator reads (or writes) batches of blocks from a
-region served by a peer process, one batch at a time, and reports GB/s and the median
-batch latency, next to a plain memcpy of the same blocks (the limit on this machine) and,
-when ``mooncake-transfer-engine`` is importable, Mooncake's Transfer Engine over TCP on
-loopback, and the kernel's own single TCP stream over loopback (``iperf3``, at each batch's
-size up to its 1 MiB write; ``versus_kernel`` sets tcp beside it and shm beside memcpy).
-Successive batches of a point rotate through up to 256 windows of a ``region_bytes``
-region, so large copies come from memory rather than the CPU cache (for every column alike). The columns are measured interleaved, point by point, in ``rounds``
-rounds, so load from other processes on a shared machine falls on all of them alike; each
-column keeps its best round (highest GB/s: the least disturbed, as ``timeit`` keeps the
-minimum), and the latency shown is that round's median. Each point also records the CPU
-time both ends spent per batch (this process and the peer process, every thread): what a
-transport costs, which load on the machine moves far less than it moves time. Each point
-stops after ``point_seconds`` or ``point_bytes`` (at least 3 batches), and batches larger
-than ``max_batch_bytes`` are skipped, which keeps a run near two minutes. A
-benchmark prints figures; the tests assert behaviour.
+region served by a peer process, one batch at a time, and reports GB/s and the median batch
+latency, next to a plain memcpy of the same blocks (the limit on this machine) and, when
+``mooncake-transfer-engine`` is importable, Mooncake's Transfer Engine over TCP on loopback,
+and the kernel's own single TCP stream over loopback (``iperf3``, at each batch's size up to
+its 1 MiB write; ``versus_kernel`` sets tcp beside it and shm beside memcpy). Successive
+batches of a point rotate through up to 256 windows of a ``region_bytes`` region, so large
+copies come from memory rather than the CPU cache (for every column alike). The columns are
+measured interleaved, point by point, in ``rounds`` rounds, so load from other processes on a
+shared machine falls on all of them alike; each column keeps its best round (highest GB/s: the
+least disturbed, as ``timeit`` keeps the minimum), and the latency shown is that round's
+median. Each point also records the CPU time both ends spent per batch (this process and the
+peer process, every thread): what a transport costs, which load on the machine moves far less
+than it moves time. Each point stops after ``point_seconds`` or ``point_bytes`` (at least 3
+batches), and batches larger than ``max_batch_bytes`` are skipped, which keeps a run near two
+minutes. A benchmark prints figures; the tests assert behaviour.
 """
 
 from __future__ import annotations
