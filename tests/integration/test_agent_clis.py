@@ -214,7 +214,8 @@ async def test_agents_sdk_default_model_runs_two_turns_on_the_responses_api(stac
         first = await agents.Runner.run(agent, "List the files.")
         second = await agents.Runner.run(agent, "Now summarise them.", previous_response_id=first.last_response_id)
     assert tap.sessions[first.last_response_id] == tap.sessions[second.last_response_id] == first.last_response_id
-    assert isinstance(agent.model, str) and first.final_output and second.final_output
+    # The random model may end an answer at once (EOS first): an empty answer is still a turn.
+    assert isinstance(agent.model, str) and isinstance(first.final_output, str) and isinstance(second.final_output, str)
     reqs = check_turns(stack, before, "agents sdk")
     assert second.raw_responses[-1].usage.input_tokens_details.cached_tokens == reqs[-1]["cached_tokens"]
     await client.close()
