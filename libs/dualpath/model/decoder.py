@@ -27,7 +27,6 @@ The KV one token keeps per layer is described by ``config.kv_spec`` (``KvSpec``)
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,33 +42,6 @@ from dualpath.model.weights import expected_shapes, locate_tensors, read_tensors
 __all__ = ["Decoder", "PastKV"]
 
 PastKV = tuple[torch.Tensor, torch.Tensor] | None  # (k, v): [P, *kv_spec.k_shape], [P, *kv_spec.v_shape]
-
-
-# oneDNN's float32 GEMM with the weight converted once at load: on a CPU 1.5-2x F.linear's
-# speed at every row count, prefill and decode alike. DUALPATH_ONEDNN=0 turns it off.
-_ONEDNN = os.environ.get("DUALPATH_ONEDNN", "1") != "0"
-
-
-class _Linear:
-    """``x @ weight.T + bias`` for ``x [N, in]``: through oneDNN on a CPU in float32 (the
-    weight kept only in its format), else ``F.linear``."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.out_features = weight.shape[0]
-        self.weight: torch.Tensor | None = weight
-        self.bias = bias
-        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
-        if _ONEDNN and weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
-            b = bias if bias is not None else torch.zeros(weight.shape[0])
-            self._packed = (weight.contiguous().to_mkldnn(), b.contiguous().to_mkldnn())
-            self.weight = self.bias = None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is None:
-            return F.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
-        if x.shape[0] == 0:
-            return x.new_empty((0, self.out_features))
-        return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), *self._packed).to_dense()
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -151,16 +123,17 @@ def _each_sequence(segments: Sequence[tuple[int, int]], attend) -> torch.Tensor:
 class _GqaAttention:
     def __init__(self, cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, rope: RotaryEmbedding) -> None:
         names = ("q_proj", "k_proj", "v_proj")
-        qkv_bias = torch.cat([t[f"{p}{n}.bias"] for n in names]) if cfg.attention_bias else None
-        self.qkv = _Linear(torch.cat([t[f"{p}{n}.weight"] for n in names]), qkv_bias)  # -> [N, (heads + 2 kvh) * hd]
-        self.o = _Linear(t[p + "o_proj.weight"], t.get(p + "o_proj.bias"))  # [heads * hd] -> [H]
+        self.qkv = torch.cat([t[f"{p}{n}.weight"] for n in names])  # [(heads + 2 kvh) * hd, H]
+        self.qkv_bias = torch.cat([t[f"{p}{n}.bias"] for n in names]) if cfg.attention_bias else None
+        self.o = t[p + "o_proj.weight"]  # [H, heads * hd]
+        self.o_bias = t.get(p + "o_proj.bias")
         self.qk_norm = (t[p + "q_norm.weight"], t[p + "k_norm.weight"]) if cfg.qk_norm else None  # Qwen3: per head
         self.heads, self.kv_heads, self.hd, self.eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
         self.rope, self.spec = rope, cfg.kv_spec
 
     def __call__(self, x, cos, sin, segments, past, caches: Caches = None):
         n, hd = x.shape[0], self.hd
-        qkv = self.qkv(x)  # [N, (heads + 2 kvh) * hd]
+        qkv = F.linear(x, self.qkv, self.qkv_bias)  # [N, (heads + 2 kvh) * hd]
         q, k, v = qkv.split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
         q, k = q.reshape(n, self.heads, hd), k.reshape(n, self.kv_heads, hd)
         if self.qk_norm is not None:
@@ -169,7 +142,7 @@ class _GqaAttention:
         k = self.rope.rotate(k, cos, sin)  # [N, kvh, hd]
         v = v.reshape(n, self.kv_heads, hd).contiguous()  # [N, kvh, hd]
         attn = _each_sequence(segments, lambda i, s, e: self._attend(q[s:e], *_kv_all(self.spec, i, k[s:e], v[s:e], past, caches)))
-        return self.o(attn.reshape(n, -1)), k, v  # attn [N, heads, hd]
+        return F.linear(attn.reshape(n, -1), self.o, self.o_bias), k, v  # attn [N, heads, hd]
 
     def _attend(self, q, k, v):
         """Causal GQA attention of ``q [n, heads, hd]`` (the last ``n`` positions) over ``k, v [T, kvh, hd]``."""
@@ -186,37 +159,36 @@ class _MlaAttention:
         bias = cfg.attention_bias
         kv_a = t[p + "kv_a_proj_with_mqa.weight"]
         kv_a_bias = t[p + "kv_a_proj_with_mqa.bias"] if bias else None
-        self.q_lora: tuple[torch.Tensor, _Linear] | None = None  # (q_a_layernorm, q_b_proj)
+        self.q_lora: tuple[torch.Tensor, torch.Tensor] | None = None  # (q_a_layernorm, q_b_proj)
         if m.q_lora_rank is None:
             # q and the latent from one matmul: [heads * qk_head + r + d, H]
-            down = torch.cat((t[p + "q_proj.weight"], kv_a))
-            down_bias = (
+            self.down = torch.cat((t[p + "q_proj.weight"], kv_a))
+            self.down_bias = (
                 None
                 if kv_a_bias is None
                 else torch.cat((torch.zeros(self.heads * m.qk_head_dim, dtype=kv_a.dtype, device=kv_a.device), kv_a_bias))
             )
             self.q_split = self.heads * m.qk_head_dim
         else:
-            down = torch.cat((t[p + "q_a_proj.weight"], kv_a))  # [q_lora + r + d, H]
-            down_bias = None if kv_a_bias is None else torch.cat((t[p + "q_a_proj.bias"], kv_a_bias))
+            self.down = torch.cat((t[p + "q_a_proj.weight"], kv_a))  # [q_lora + r + d, H]
+            self.down_bias = None if kv_a_bias is None else torch.cat((t[p + "q_a_proj.bias"], kv_a_bias))
             self.q_split = m.q_lora_rank
-            self.q_lora = (t[p + "q_a_layernorm.weight"], _Linear(t[p + "q_b_proj.weight"]))
-        self.down = _Linear(down, down_bias)
+            self.q_lora = (t[p + "q_a_layernorm.weight"], t[p + "q_b_proj.weight"])
         self.kv_a_norm = t[p + "kv_a_layernorm.weight"]
         kv_b = t[p + "kv_b_proj.weight"]  # [heads * (nope + v), r]
+        self.kv_b = kv_b
         w = kv_b.view(self.heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         self.w_uk = w[:, : m.qk_nope_head_dim].contiguous()  # [heads, nope, r]: q_nope -> latent space
         self.w_uv_t = w[:, m.qk_nope_head_dim :].transpose(1, 2).contiguous()  # [heads, r, v]: latent -> v
-        self.kv_b = _Linear(kv_b)
-        self.o = _Linear(t[p + "o_proj.weight"], t.get(p + "o_proj.bias") if bias else None)
+        self.o, self.o_bias = t[p + "o_proj.weight"], t.get(p + "o_proj.bias") if bias else None
         self.scale = mla_softmax_scale(m.qk_head_dim, cfg.rope_scaling)
         self.spec = cfg.kv_spec
 
     def __call__(self, x, cos, sin, segments, past, caches: Caches = None):
         m, n, heads = self.m, x.shape[0], self.heads
-        down = self.down(x)
+        down = F.linear(x, self.down, self.down_bias)
         q_in, latent = down.split([self.q_split, m.kv_lora_rank + m.qk_rope_head_dim], dim=-1)
-        q = q_in if self.q_lora is None else self.q_lora[1](_rms_norm(q_in, self.q_lora[0], self.eps))
+        q = q_in if self.q_lora is None else F.linear(_rms_norm(q_in, self.q_lora[0], self.eps), self.q_lora[1])
         q = q.reshape(n, heads, m.qk_head_dim)
         q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = latent.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
@@ -226,7 +198,7 @@ class _MlaAttention:
         attn = _each_sequence(
             segments, lambda i, s, e: self._attend(q_nope[s:e], q_pe[s:e], *_kv_all(self.spec, i, c[s:e], k_pe[s:e], past, caches))
         )  # [N, heads, v_head_dim]
-        return self.o(attn.reshape(n, -1)), c, k_pe
+        return F.linear(attn.reshape(n, -1), self.o, self.o_bias), c, k_pe
 
     def _attend(self, q_nope, q_pe, c, k_pe):
         """Causal MLA of the last ``n`` positions' queries over ``c [T, 1, r]``, ``k_pe [T, 1, d]``:
@@ -243,7 +215,7 @@ class _MlaAttention:
         ``c [T, 1, r]``, ``k_pe [T, 1, d]`` hold every position; the queries are the last ``n``."""
         m, n, t = self.m, q_nope.shape[0], c.shape[0]
         nope, vd = m.qk_nope_head_dim, m.v_head_dim
-        kv = self.kv_b(c[:, 0]).view(t, self.heads, nope + vd)  # [T, heads, nope + v]
+        kv = F.linear(c[:, 0], self.kv_b).view(t, self.heads, nope + vd)  # [T, heads, nope + v]
         k_nope, v = kv.split([nope, vd], dim=-1)
         k = torch.cat((k_nope, k_pe.expand(t, self.heads, -1)), dim=-1)  # [T, heads, qk_head]
         q = torch.cat((q_nope, q_pe), dim=-1)  # [n, heads, qk_head]
@@ -262,12 +234,12 @@ class _MlaAttention:
 
 class _Mlp:
     def __init__(self, t: dict[str, torch.Tensor], p: str) -> None:
-        self.gate_up = _Linear(torch.cat((t[p + "gate_proj.weight"], t[p + "up_proj.weight"])))  # [H] -> [2 I]
-        self.down = _Linear(t[p + "down_proj.weight"])  # [I] -> [H]
+        self.gate_up = torch.cat((t[p + "gate_proj.weight"], t[p + "up_proj.weight"]))  # [2 I, H]
+        self.down = t[p + "down_proj.weight"]  # [H, I]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate).mul_(up))
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate).mul_(up), self.down)
 
 
 class _Moe:
@@ -347,7 +319,7 @@ class Decoder:
         self.kv_spec: KvSpec = config.kv_spec
         self.kv_heads, self.head_dim = self.kv_spec.k_shape  # GQA: K's (kv_heads, head_dim)
         self._embed = tensors["model.embed_tokens.weight"]  # [V, H]
-        self._head = _Linear(self._embed if config.tie_word_embeddings else tensors["lm_head.weight"])  # [H] -> [V]
+        self._lm_head = self._embed if config.tie_word_embeddings else tensors["lm_head.weight"]  # [V, H]
         self._norm = tensors["model.norm.weight"]  # [H]
         self._rope = RotaryEmbedding(config, device)
         self._layers = [self._layer(tensors, i) for i in range(self.num_layers)]
@@ -445,7 +417,7 @@ class Decoder:
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``[M, H]`` -> ``[M, V]`` float32."""
-        return self._head(self.final_norm(hidden)).float()
+        return F.linear(self.final_norm(hidden), self._lm_head).float()
 
     @torch.no_grad()
     def forward_full(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
