@@ -216,3 +216,23 @@ def converse(
     finally:
         client.close()
     return out
+
+
+def decode_from_memory(decoder, prompt: list[int], steps: int) -> list[int]:
+    """Greedy tokens the decode engine's path gives: the prompt's KV from one full forward,
+    packed into ``KvMemory`` as the engine holds it, then ``decode_step`` one token at a time."""
+    from dualpath.engine.decode import DecodeSequence, KvMemory, decode_step
+
+    spec = decoder.kv_spec
+    memory = KvMemory(
+        layers=decoder.num_layers, spec=spec, dtype=decoder.dtype, device=decoder.device, capacity_tokens=4096, block_tokens=16
+    )
+    logits, k, v = decoder.forward_full(prompt)
+    kv = memory.allocate(len(prompt) + steps)
+    for layer in range(decoder.num_layers):
+        spec.pack_into(kv[layer, : len(prompt)], k[layer], v[layer])
+    seq = DecodeSequence(request_id="r", tokens=list(prompt), kv=kv, kv_len=len(prompt))
+    out = [int(logits[-1].argmax())]
+    for _ in range(steps - 1):
+        out.append(int(decode_step(decoder, memory, [seq], [out[-1]])[0].argmax()))
+    return out

@@ -158,20 +158,12 @@ def test_cuda_decoder_of_every_family_matches_the_cpu_and_decodes_from_its_own_m
     """Each family on the GPU: the same logits as on the CPU (float32), and cached decoding
     in the decode engine's memory (MLA: latent + rotary key, absorbed attention) gives the
     tokens of a full recompute."""
-    from dualpath.engine.decode import DecodeSequence, KvMemory, decode_step
+    from conftest import decode_from_memory
 
     path = make_tiny_model(tmp_path / arch, arch=arch, layers=3, hidden=128, heads=8, kv_heads=2, seed=4)
     ids = list(TEXT.encode())[:200]
     cpu, gpu = Decoder.load(path), Decoder.load(path, device="cuda")
     lc, _, _ = cpu.forward_full(ids)
-    lg, k, v = gpu.forward_full(ids)
+    lg, _, _ = gpu.forward_full(ids)
     torch.testing.assert_close(lg.cpu(), lc, rtol=0, atol=1e-4 * lc.abs().max().item())
-    memory = KvMemory(layers=gpu.num_layers, spec=gpu.kv_spec, dtype=gpu.dtype, device=gpu.device, capacity_tokens=1024, block_tokens=16)
-    kv = memory.allocate(len(ids) + 16)
-    for layer in range(gpu.num_layers):
-        gpu.kv_spec.pack_into(kv[layer, : len(ids)], k[layer], v[layer])
-    seq = DecodeSequence(request_id="r", tokens=list(ids), kv=kv, kv_len=len(ids))
-    out = [int(lg[-1].argmax())]
-    for _ in range(15):
-        out.append(int(decode_step(gpu, memory, [seq], [out[-1]])[0].argmax()))
-    assert out == greedy_generate(cpu, [ids], 16).tokens[0]
+    assert decode_from_memory(gpu, ids, 16) == greedy_generate(cpu, [ids], 16).tokens[0]

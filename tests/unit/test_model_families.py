@@ -13,8 +13,8 @@ import json
 
 import pytest
 import torch
+from conftest import decode_from_memory
 
-from dualpath.engine.decode import DecodeSequence, KvMemory, decode_step
 from dualpath.model import Decoder, ModelConfig, ModelLoadError, greedy_generate, make_tiny_model
 from dualpath.model.rope import attention_factor, inverse_frequencies, mla_softmax_scale
 from dualpath.model.tiny import ARCHS
@@ -113,16 +113,7 @@ def test_cached_decoding_in_kv_memory_equals_greedy_by_full_recompute(family):
         nxt = int(dec.forward_full(ids)[0][-1].argmax())
         reference.append(nxt)
         ids.append(nxt)
-    memory = KvMemory(layers=dec.num_layers, spec=dec.kv_spec, dtype=dec.dtype, device=dec.device, capacity_tokens=4096, block_tokens=16)
-    logits, k, v = dec.forward_full(PROMPT)
-    kv = memory.allocate(len(PROMPT) + 1)
-    for layer in range(dec.num_layers):
-        dec.kv_spec.pack_into(kv[layer, : len(PROMPT)], k[layer], v[layer])
-    seq = DecodeSequence(request_id="r", tokens=list(PROMPT), kv=kv, kv_len=len(PROMPT))
-    out = [int(logits[-1].argmax())]
-    for _ in range(11):
-        out.append(int(decode_step(dec, memory, [seq], [out[-1]])[0].argmax()))
-    assert out == reference, arch
+    assert decode_from_memory(dec, PROMPT, 12) == reference, arch
 
 
 def test_the_kv_a_token_keeps_is_the_latent_and_rotary_key_for_mla_and_k_v_otherwise(family):

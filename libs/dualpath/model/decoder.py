@@ -51,10 +51,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x32.to(x.dtype)
 
 
-def _causal_mask(n: int, past_len: int, device: torch.device) -> torch.Tensor | None:
-    """Query ``j`` (absolute ``past_len + j``) sees keys ``0..past_len + j``; None for one query."""
-    if n == 1:
-        return None
+def _causal_mask(n: int, past_len: int, device: torch.device) -> torch.Tensor:
+    """Query ``j`` (absolute ``past_len + j``) sees keys ``0..past_len + j``."""
     cols = torch.arange(past_len + n, device=device)
     rows = torch.arange(n, device=device) + past_len
     return cols[None, :] <= rows[:, None]  # [n, P + n]

@@ -137,10 +137,9 @@ class ModeledDecoder:
         self.device = torch.device("cpu")
         self.dtype = torch.uint8
         self.num_layers = cost.target.layers
-        self.kv_heads = 1
-        self.head_dim = bytes_per_token_layer // 2
         # Bytes stand for the target's KV: the two parts fill bytes_per_token_layer exactly.
-        self.kv_spec = KvSpec("modeled", (1, self.head_dim), (1, bytes_per_token_layer - self.head_dim))
+        half = bytes_per_token_layer // 2
+        self.kv_spec = KvSpec("modeled", (1, half), (1, bytes_per_token_layer - half))
         self.config = _ModeledConfig(vocab_size, bytes_per_token_layer, max_position)
         self.modeled_s = 0.0  # time the cost model asked for (times slowdown: host seconds)
         self.busy_s = 0.0  # time the calls actually took
