@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 import numpy as np
@@ -10,7 +11,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dualpath.kv import BLOCK_TOKENS, block_hashes, hash_hex, model_digest, pack_hashes, unpack_hashes
+from dualpath.kv import BLOCK_TOKENS, block_hashes, chain_root, hash_hex, model_digest, pack_hashes, unpack_hashes
 
 MODEL = "Qwen/Qwen2.5-0.5B"
 token_lists = st.lists(st.integers(0, 2**32 - 1), max_size=40)
@@ -109,6 +110,40 @@ def test_bad_block_size_parent_and_model_id_are_rejected() -> None:
         block_hashes(MODEL, [1, 2], block_tokens=1, parent=-1)
     with pytest.raises(ValueError):
         model_digest("")
+
+
+# ---- tenant / cache_salt roots ------------------------------------------------------------------
+def test_an_empty_tenant_and_salt_give_root_zero_and_todays_chain() -> None:
+    """No API keys, no cache_salt: the chain (and every persisted block) is the unsalted one."""
+    tokens = list(range(3 * BLOCK_TOKENS))
+    assert chain_root() == chain_root("", "") == 0
+    assert block_hashes(MODEL, tokens, parent=chain_root("", "")) == block_hashes(MODEL, tokens)
+
+
+def test_every_block_of_a_chain_differs_per_tenant_and_per_salt() -> None:
+    tokens = list(range(4 * BLOCK_TOKENS))
+    roots = [chain_root(t, s) for t in ("", "alice", "bob") for s in ("", "s1", "s2")]
+    assert len(set(roots)) == len(roots) and roots[0] == 0 and all(roots[1:])
+    chains = [block_hashes(MODEL, tokens, parent=r) for r in roots]
+    for i, block in enumerate(zip(*chains)):
+        assert len(set(block)) == len(roots), f"block {i} is shared by two roots"
+
+
+def test_tenant_and_salt_are_length_prefixed_so_their_split_matters() -> None:
+    assert chain_root("ab", "c") != chain_root("a", "bc")
+    assert chain_root("a", "") != chain_root("", "a")
+
+
+def test_a_root_is_stable_and_continues_like_any_parent() -> None:
+    """The same tenant and salt give the same root in every process (a replay hits)."""
+    tokens = list(range(3 * BLOCK_TOKENS))
+    root = chain_root("alice", "salt")
+    pinned = hashlib.blake2b(b"\x05" + bytes(7) + b"alice" + b"\x04" + bytes(7) + b"salt", digest_size=8, person=b"dualpath.root.1")
+    assert root == int.from_bytes(pinned.digest(), "little")  # the salted blocks' identity on disk
+    whole = block_hashes(MODEL, tokens, parent=root)
+    assert block_hashes(MODEL, tokens[BLOCK_TOKENS:], parent=whole[0]) == whole[1:]
+    with pytest.raises(TypeError):
+        chain_root(None, "")  # type: ignore[arg-type]
 
 
 def test_hash_hex_is_sixteen_lowercase_hex_digits() -> None:

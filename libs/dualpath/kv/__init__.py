@@ -21,7 +21,7 @@ from dualpath.kv.errors import (
     IndexLockedError,
     KVError,
 )
-from dualpath.kv.hashing import BLOCK_TOKENS, block_hashes, hash_hex, model_digest, pack_hashes, unpack_hashes
+from dualpath.kv.hashing import BLOCK_TOKENS, block_hashes, chain_root, hash_hex, model_digest, pack_hashes, unpack_hashes
 from dualpath.kv.storage import BlockStore
 from dualpath.kv.trie import BlockIndex
 
@@ -38,6 +38,7 @@ __all__ = [
     "IndexLockedError",
     "KVError",
     "block_hashes",
+    "chain_root",
     "decode_header",
     "encode_header",
     "hash_hex",

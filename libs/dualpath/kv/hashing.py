@@ -5,19 +5,35 @@ LE uint32)`` with ``h_{-1} = parent`` (0 at the root of a conversation). Because
 folds in its predecessor, the chain *is* the trie path: equal hashes imply equal prefixes
 (up to 64-bit collisions), and the longest persisted prefix of a chain is the cache hit.
 Only full blocks get a hash; the partial tail of a context is recomputed, never persisted.
+
+Tenants: a conversation's chain starts at ``h_{-1} = chain_root(tenant, cache_salt)`` instead
+of 0, so the same tokens sent by two tenants (or with two ``cache_salt`` values) share no block
+hash, and no one gets a hit on -- or a faster first token from -- another's prefix. With
+neither given the root is 0: the chains, and so every persisted block, are those above.
 """
 
 from __future__ import annotations
 
 import array
 import functools
+import hashlib
 import sys
 from collections.abc import Sequence
 
 import numpy as np
 import xxhash
 
-__all__ = ["BLOCK_TOKENS", "U64_MAX", "block_hashes", "check_u64", "hash_hex", "model_digest", "pack_hashes", "unpack_hashes"]
+__all__ = [
+    "BLOCK_TOKENS",
+    "U64_MAX",
+    "block_hashes",
+    "chain_root",
+    "check_u64",
+    "hash_hex",
+    "model_digest",
+    "pack_hashes",
+    "unpack_hashes",
+]
 
 BLOCK_TOKENS = 64
 U64_MAX = (1 << 64) - 1
@@ -52,6 +68,31 @@ def model_digest(model_id: str) -> int:
     if not model_id:
         raise ValueError("model_id must not be empty")
     return xxhash.xxh3_64_intdigest(model_id.encode("utf-8"))
+
+
+@functools.lru_cache(maxsize=4096)
+def chain_root(tenant: str = "", cache_salt: str = "") -> int:
+    """Return the parent hash of a conversation's first block for ``tenant`` and ``cache_salt``.
+
+    0 when both are empty (unsalted: the chains every deployment without API keys has always
+    had). Otherwise a nonzero u64 from BLAKE2b over both strings, each length-prefixed so that
+    ``("ab", "c")`` and ``("a", "bc")`` differ, under a personalisation string of its own: a
+    cryptographic hash here means no one can choose a salt whose root lands on another
+    tenant's root. The root depends on nothing secret: gateway replicas agree on it, and a
+    tenant's replay after a restart still hits its own blocks.
+
+    Raises:
+        TypeError: ``tenant`` or ``cache_salt`` is not a str.
+    """
+    if not isinstance(tenant, str) or not isinstance(cache_salt, str):
+        raise TypeError("tenant and cache_salt must be str")
+    if not tenant and not cache_salt:
+        return 0
+    h = hashlib.blake2b(digest_size=8, person=b"dualpath.root.1")
+    for part in (tenant.encode("utf-8"), cache_salt.encode("utf-8")):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return int.from_bytes(h.digest(), "little") or 1  # 0 means "unsalted"; a zero digest must not
 
 
 def hash_hex(h: int) -> str:
@@ -130,8 +171,9 @@ def block_hashes(
 ) -> list[int]:
     """Return the hash chain of the full blocks of ``tokens``, one u64 per full block.
 
-    ``parent`` is the hash of the block preceding ``tokens[0]`` (0 when ``tokens`` starts a
-    conversation), so ``block_hashes(m, t[k*bt:], parent=hs[k-1]) == hs[k:]``. The partial
+    ``parent`` is the hash of the block preceding ``tokens[0]``; when ``tokens`` starts a
+    conversation it is the conversation's ``chain_root`` (0 unsalted). So
+    ``block_hashes(m, t[k*bt:], parent=hs[k-1]) == hs[k:]``. The partial
     tail (``len(tokens) % block_tokens`` tokens) has no hash.
 
     Raises:
