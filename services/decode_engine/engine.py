@@ -337,7 +337,7 @@ class DecodeEngine:
             return
         lay, d, t = self.setup.layout, self.setup.decoder, r.task
         bt = lay.block_tokens
-        parent = r.chain[-1] if r.chain else 0
+        parent = r.chain[-1] if r.chain else t.chain_root  # a prompt shorter than a block: the chain starts at its root
         h = block_hashes(t.model, r.seq.tokens[b * bt : (b + 1) * bt], block_tokens=bt, parent=parent)[0]
         parents = list(r.chain)
         owner = f"{t.request_id}-g{b}"

@@ -494,6 +494,7 @@ class PrefillEngine:
                 attempt=t.attempt,
                 trace=t.trace,
                 timing={**self._ttft_split(job), "read_split": job.read_split},
+                chain_root=t.chain_root,
             )  # merged into the dualpath record
             answer: m.Ok | None = None
             try:

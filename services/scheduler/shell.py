@@ -416,6 +416,7 @@ class SchedulerShell:
             trace=r.trace,
             arrival_ts=r.arrival_ts,
             read_split=list(c.decision.read_split or ()),
+            chain_root=r.chain_root,
         )
         with trace.use_span(self._spans.get(key, trace.INVALID_SPAN), end_on_exit=False):
             try:

@@ -173,6 +173,7 @@ class SubmitRequest(Wire):
     trace: dict = field(default_factory=dict)  # W3C trace context of the request (traceparent/tracestate)
     session: str = ""  # agent session id (X-Session-ID, the OpenAI user field or dualpath_session); "" unknown
     submission: int = 0  # the gateway's n-th submission of the request (a resubmission after a failover; see SUBMISSION_ATTEMPTS)
+    chain_root: int = 0  # parent hash of the prompt's first block (dualpath.kv.chain_root: tenant, cache_salt); 0 unsalted
 
 
 @register(21)
@@ -370,6 +371,7 @@ class PrefillTask(Wire):
     arrival_ts: float = 0.0  # wall time the gateway admitted the request (TTFT's queueing part starts here)
     read_split: list[int] = field(default_factory=list)  # split read: [PE blocks, DE blocks] (read_path PE); [] = one side reads all
     trace: dict = field(default_factory=dict)  # the request's trace context (its work outlives this message)
+    chain_root: int = 0  # SubmitRequest.chain_root: the decode engine salts the hashes of generated blocks with it
 
 
 @register(41)
@@ -395,6 +397,7 @@ class DecodeTask(Wire):
     attempt: int = 0
     timing: dict = field(default_factory=dict)  # ttft_queue_s / ttft_exec_s measured by the prefill engine
     trace: dict = field(default_factory=dict)  # the request's trace context (decode outlives this message)
+    chain_root: int = 0  # SubmitRequest.chain_root: the parent of the first generated block when the prompt has no full block
 
 
 @register(42)
