@@ -264,7 +264,23 @@ class KvPersistenceConfig:
 class GatewayConfig:
     host: str = opt("127.0.0.1", "HTTP listen address", "DUALPATH_HOST")
     port: int = opt(8000, "HTTP listen port", "DUALPATH_PORT")
-    api_key: str = opt("", "require 'Authorization: Bearer <key>' when set", "DUALPATH_API_KEY")
+    api_key: str = opt(
+        "", "require 'Authorization: Bearer <key>' (or x-api-key) when set; its callers are tenant 'default'", "DUALPATH_API_KEY"
+    )
+    api_key_file: str = opt(
+        "",
+        "file of 'KEY TENANT [max_concurrency=N] [tokens_per_minute=N]' lines: each caller's tenant (its own KV cache "
+        "namespace and limits); blank lines and # comments allowed",
+        "DUALPATH_API_KEY_FILE",
+    )
+    tenant_max_concurrency: int = opt(
+        0, "requests a tenant may have in flight; more get 429 with Retry-After (0 = no limit)", "DUALPATH_TENANT_MAX_CONCURRENCY"
+    )
+    tenant_tokens_per_minute: int = opt(
+        0,
+        "prompt plus generated tokens a tenant may use per minute; beyond, 429 with Retry-After (0 = no limit)",
+        "DUALPATH_TENANT_TOKENS_PER_MINUTE",
+    )
     gateway_id: str = opt("gw0", "this gateway's id (token streams are addressed to it)", "DUALPATH_GATEWAY_ID")
     request_timeout: float = opt(600.0, "seconds before an unfinished request fails with 504", "DUALPATH_REQUEST_TIMEOUT")
     max_prompt_tokens: int = opt(0, "refuse longer prompts (0 = the model's context length)", "DUALPATH_MAX_PROMPT_TOKENS")
