@@ -2,14 +2,14 @@
 
 Our own services watch the pid in ``dualpath.runtime.PARENT_ENV`` and stop when it is gone.
 A foreign binary (``nats-server``) cannot, so a ``dualpath up`` or a test run killed with
-SIGKILL used to leave its server running. On Linux the kernel can do the watching:
+SIGKILL would leave its server running. On Linux the kernel can do the watching:
 ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` in the child, between fork and exec, makes the kernel
 send SIGTERM when the parent goes.
 
 The kernel ties that signal to the *thread* that forked, not the process: a child forked by
 a short-lived worker thread would be stopped when that thread ends. So the hook is only
 given when the caller is the main thread (which lives as long as the process); elsewhere,
-and on other systems, ``die_with_parent()`` returns None and the child is started as before.
+and on other systems, ``die_with_parent()`` returns None and the child is started without it.
 """
 
 from __future__ import annotations

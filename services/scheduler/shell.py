@@ -1,7 +1,7 @@
 """The scheduler service around ``dualpath.core.SchedulerCore``: bus messages in, bus calls out.
 
 Nothing here decides anything. Each message becomes a core event; each command the core
-returns becomes a bus call (run as its own task, so dispatches overlap as before) whose
+returns becomes a bus call (run as its own task, so dispatches overlap) whose
 answer becomes the next event. The loop ticks the core (``TimeAdvanced``) whenever a message
 arrived, and at least every 50 ms. The decision data a command carries becomes the
 ``scheduler.queue`` and ``scheduler.decision`` spans (the latter stays current across the
@@ -309,7 +309,7 @@ class SchedulerShell:
     async def _announce_lost(self, lost: m.EngineLost) -> None:
         try:
             await self.bus.publish(self.subjects.engine_lost, lost)
-        except Exception as exc:  # noqa: BLE001 - gateways then wait for the request's timeout, as before
+        except Exception as exc:  # noqa: BLE001 - gateways then fall back to the request's timeout
             log.warning("engine_lost_announce_failed", engine=lost.engine_id, error=str(exc))
 
     async def _stop_attempts_before(self, request_id: str, reason: str, before: int) -> None:

@@ -128,8 +128,8 @@ def test_prefill_nodes_traffic_manager_killed_during_a_kv_load_the_request_is_an
     """Bound: kill -9 of the PE node's traffic manager while it holds a request's KV load (it is
     SIGSTOPped first, so the load is surely in flight there): the load fails within seconds, the
     node leaves scheduling until the supervisor has restarted its traffic manager, and the request
-    is answered exactly within 20 s (it used to wait for the 120 s load timeout, and a retry then
-    used up every attempt on the restarting node)."""
+    is answered exactly within 20 s (not after the 120 s load timeout, and without a retry that
+    uses up every attempt on the restarting node)."""
     assert complete(stack, PROMPT, max_tokens=32, read_path="pe").text == reference.text  # PROMPT's blocks are hits
     pid = stack.pid("traffic-manager-p0")
     os.kill(pid, signal.SIGSTOP)

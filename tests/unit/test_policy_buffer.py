@@ -78,7 +78,7 @@ def test_an_empty_buffer_takes_a_slot_larger_than_itself_and_an_unreported_one_i
     assert state.engines[a.decode_engine].node_id == 1  # alone rather than never
     state.report_buffer(1, free_blocks=2, total_blocks=3)
     assert len(policy("dualpath").schedule([req(2), req(3)], state)) == 1  # nowhere room: one try, then the pass stops
-    state.report_buffer(2, free_blocks=0, total_blocks=-1)  # unknown: as before buffers were reported
+    state.report_buffer(2, free_blocks=0, total_blocks=-1)  # unknown (-1: the node does not report its buffer): no buffer limit is assumed
     placed = policy("dualpath").schedule([req(4), req(5)], state)
     assert [state.engines[a.decode_engine].node_id for a in placed] == [2, 2]
 

@@ -319,7 +319,7 @@ def test_a_finish_of_an_earlier_attempt_on_the_engine_that_holds_the_retry_chang
     assert c.core.requests["r1"].prefill_done
     c.report(again.decode_engine, finished=("r1",), attempts=(1,))
     assert "r1" not in c.core.requests
-    # a report that names no attempts (an older engine) is taken as before
+    # a report that names no attempts (an engine that does not send them) counts for any attempt
     c.place("r2")
     c.report(c.core.requests["r2"].pe.name, finished=("r2",))
     assert c.core.requests["r2"].prefill_done

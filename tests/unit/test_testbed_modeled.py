@@ -17,7 +17,7 @@ def test_sub_millisecond_steps_keep_the_modeled_rate_while_the_thread_mostly_sle
     """Within 10% on one of three tries: a shared host that stalls the thread for longer than
     the bounded debt in a try loses that time for good (by design); a clock that is always late
     or always spins misses every try."""
-    step, steps = 0.0007, 300  # shorter than the old spin threshold (2 ms)
+    step, steps = 0.0007, 300  # sub-millisecond steps: kept on rate by sleeping and paying back lateness, never by spinning
     modeled = step * steps
     tries = []
     for _ in range(3):

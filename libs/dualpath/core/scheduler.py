@@ -59,8 +59,8 @@ reads (an engine's seq_e, tok_e, free HBM; a node's read_q and free DRAM buffer)
    report (which no longer counts it). A slot's part ends when the request is re-queued or
    failed (``FreeSlot``) or its decode finishes (the decode engine freed the slot once the
    KV was in HBM, earlier; the node's reports show that). So nothing is ever subtracted
-   twice: the old double subtraction (a node report overwrote read_q, then a prefill
-   finish subtracted the same read again) cannot happen.
+   twice (a node report that already dropped a read from read_q, then a prefill finish
+   subtracting the same read again).
 
 The rule errs on the safe side in the races it cannot see: a report generated just before
 an acknowledgement but handled after it makes the core undercount that charge until the

@@ -35,9 +35,7 @@ request stops there, and the pass keeps only the prefix every stage placed (the 
    (``dualpath.core.CoreConfig.history_credit``) then decides which one reads next, instead
    of every request joining a storage NIC's FIFO at once: in a closed loop the agents whose
    turns decoded longest so far (``dualpath.policy.history``) read first and the job's tail
-   shrinks (sim, testbed clusters, 64 agents x 6 turns: DualPath's share of the achievable
-   speedup 0.84/0.73/0.82 -> 0.99/0.89/0.97 at 1P1D/1P2D/2P1D; knowing each answer's exact
-   length instead would give 0.99/0.90/0.99, read admission with FIFO order 0.83/0.71/0.83).
+   shrinks (docs/results.md has what it gives on the testbed's clusters).
 
 Agent-aware prefetch (beyond the paper): a request whose hits are staged in a node's DRAM
 buffer (``PendingRequest.staged_node``) takes a prefill engine on that node when one
@@ -398,8 +396,8 @@ def schedule_dualpath(
     # other; each request's choice depends only on those before it).
     if not waiting or waiting[0].total_len > state.max_decode_free():
         # The head fits no decode engine now (stage 2 would stop at it): nothing to place.
-        # Checked here rather than by running stage 2 ahead of stage 1, which measured slower
-        # (a compiled 2P4D/2K dualpath run: 24.2 s against 17-20 s).
+        # Checked here rather than by running stage 2 ahead of stage 1, which would walk the
+        # window a second time on every pass.
         return []
     prefill: list[int] = []
     groups: list[NodeState] = []

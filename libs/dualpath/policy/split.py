@@ -15,16 +15,15 @@ layer, a hop the PE share does not make as a *read*), pick ``b`` in ``[0, H]`` m
 
 — the later of the two finish times, scaled by 100 so the comparison is exact in integers.
 Ties go to the larger PE share (the classic path). ``b = H`` is a plain PE read, ``b = 0`` a
-plain DE read: an idle PE node and a long DE queue degenerate to today's whole-request rule.
+plain DE read: an idle PE node and a long DE queue degenerate to the whole-request rule.
 
 Only a request longer than either queue, with no other request waiting behind it, is split
 (``worth_splitting``): when many requests are in flight the whole-request rule balances the
 NICs already, while a split request would wait for the later of two queues and hold a read
 open on both nodes. The queues alone do not say how many are in flight: read admission keeps
-them short and holds the rest in the scheduler's queue. In the simulator, always splitting
-lengthened a busy 1P1D 32K run's JCT by 5%; with the queue condition alone it was 1% shorter
-there, but the testbed (1P1D, one engine per node, 16 agents at 90% of 64K) measured +4% to
-+10%; with nothing waiting behind as well, split reads are for the few-requests regime only.
+them short and holds the rest in the scheduler's queue, so the queue condition alone splits
+too often. Split reads are for the few-requests regime (docs/results.md, "Split reads", has
+the runs behind both conditions).
 """
 
 from __future__ import annotations

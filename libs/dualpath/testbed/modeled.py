@@ -219,7 +219,7 @@ class ModeledDecoder:
     ):
         """``forward_layer`` awaited on the engine's event loop (the modeled time is an
         ``asyncio.sleep``): no worker-thread hand-off per layer, the emulation's main per-layer
-        host cost. With model traffic attached (its wait blocks) it runs in a thread as before."""
+        host cost. With model traffic attached (its wait blocks) it runs in a worker thread."""
         if self.traffic is not None:
             return await asyncio.to_thread(self.forward_layer, layer, hidden, positions, segments, past)
         t0 = time.perf_counter()

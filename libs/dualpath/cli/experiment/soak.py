@@ -51,7 +51,7 @@ from dualpath.cli.experiment.soak_load import KINDS, Load, Outcome, replay, run_
 __all__ = ["main", "run_soak"]
 
 # ``dualpath experiment online --sweep`` on this form's defaults (ds27b 1P1D, 64k, start-at 0.5,
-# slowdown 4; README): DualPath passed 6.0 APS and failed 8.49. The default rate is 90% of it.
+# slowdown 4; docs/results.md, Soak): DualPath passed 6.0 APS and failed 8.49. The default rate is 90% of it.
 SWEEP_MAX_APS = 6.0
 LOAD_FRACTION = 0.9
 
