@@ -34,8 +34,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from services.gateway.answer import AnswerDeltas, parse_answer, session_of
-from services.gateway.api_types import ChatCompletionRequest, JsonInt
+from services.gateway.api_types import CACHE_SALT_MAX, ChatCompletionRequest, JsonInt
 from services.gateway.core import ApiError, Gateway, Prepared, Result
+from services.gateway.tenancy import tenant_of
 
 __all__ = ["ANTHROPIC_ERROR_RESPONSES", "MessagesRequest", "add_routes", "error_response"]
 
@@ -69,6 +70,7 @@ class MessagesRequest(BaseModel):
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=CACHE_SALT_MAX)  # vLLM's: salts the prompt's KV hashes
 
 
 class CountTokensRequest(BaseModel):
@@ -105,7 +107,7 @@ ANTHROPIC_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: _err("missing or wrong API key (x-api-key or Authorization: Bearer; only when the gateway has one)"),
     404: _err("unknown model"),
     405: _err("method not allowed on this route"),
-    429: _err("overloaded: every queue is full; retry after Retry-After seconds"),
+    429: _err("over the tenant's limit (max_concurrency, tokens_per_minute) or overloaded; retry after Retry-After seconds"),
     503: _err("no scheduler or engine available right now; retry after Retry-After seconds"),
 }
 _STREAM_200: dict[int | str, dict[str, Any]] = {
@@ -256,6 +258,8 @@ def to_chat(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest
             raise _bad("must be a string", "metadata.user_id")
         if user:
             spec["dualpath_session"] = user[:_MAX_SESSION]
+        if body.cache_salt is not None:
+            spec["cache_salt"] = body.cache_salt
     try:
         return ChatCompletionRequest.model_validate(spec)
     except ValidationError as exc:
@@ -407,7 +411,7 @@ def add_routes(app: FastAPI, gw: Gateway) -> None:
         prep = await run_in_threadpool(lambda: gw.prepare_chat(chat, clamp=True))
         rid = "msg_" + uuid.uuid4().hex
         prep.session = session_of(prep, request)
-        await gw.submit(rid, prep)
+        await gw.submit(rid, prep, tenant=tenant_of(request))
         if prep.stream:
             return StreamingResponse(
                 _events(gw, rid, prep, request), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Request-Id": rid}

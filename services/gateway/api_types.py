@@ -2,9 +2,10 @@
 
 Extensions follow vLLM's names: ``ignore_eos``, ``min_tokens``, ``chat_template_kwargs``
 (extra chat-template variables), ``chat_template_name`` (one of the checkpoint's named
-templates), and ``dualpath_read_path`` (``auto``/``pe``/``de``) to force a read side for one
-request. Tools, ``tool_choice`` and ``response_format`` are checked in ``dualpath.chat.plan``
-(a bad one is a 400 naming the field).
+templates), ``cache_salt`` (the request's prompt hashes apart from every other salt: no KV cache
+hit on, or from, a request without the same salt, as in vLLM), and ``dualpath_read_path``
+(``auto``/``pe``/``de``) to force a read side for one request. Tools, ``tool_choice`` and
+``response_format`` are checked in ``dualpath.chat.plan`` (a bad one is a 400 naming the field).
 
 Validation is strict (JSON types as declared: ``false`` is no token id, ``"5"`` no max_tokens;
 ``300.0`` is an integer, as in JSON Schema), so what the OpenAPI document says is invalid is
@@ -17,7 +18,19 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-__all__ = ["ERROR_RESPONSES", "REQUEST_ERROR_RESPONSES", "ChatCompletionRequest", "CompletionRequest", "ErrorBody", "JsonInt", "Message"]
+__all__ = [
+    "CACHE_SALT_MAX",
+    "ERROR_RESPONSES",
+    "REQUEST_ERROR_RESPONSES",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "ErrorBody",
+    "JsonInt",
+    "Message",
+]
+
+
+CACHE_SALT_MAX = 1024  # characters of a cache_salt (vLLM suggests 43: 256 random bits in base64)
 
 
 def _integral(value: Any) -> Any:
@@ -48,6 +61,7 @@ class _Base(BaseModel):
     min_tokens: JsonInt = Field(default=0, ge=0)
     dualpath_read_path: Literal["auto", "pe", "de"] | None = None
     dualpath_session: str | None = Field(default=None, max_length=256)  # agent session id (prefetch); else X-Session-ID, else user
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=CACHE_SALT_MAX)  # salts the prompt's KV block hashes
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -111,6 +125,6 @@ REQUEST_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: _err("malformed JSON, a missing field, an empty or too long prompt, or a bad tool/response_format"),
     404: _err("unknown model"),
     422: _err("a field with an invalid value (the field is named in error.param)"),
-    429: _err("overloaded: every queue is full; retry after Retry-After seconds"),
+    429: _err("over the tenant's limit (max_concurrency, tokens_per_minute) or overloaded; retry after Retry-After seconds"),
     503: _err("no scheduler or engine available right now; retry after Retry-After seconds"),
 }

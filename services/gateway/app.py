@@ -10,9 +10,13 @@ reasoning parser its ``<think>`` part becomes ``reasoning_content``. Errors use
 OpenAI's JSON error body (Anthropic's on ``/v1/messages``), and every error status a route can answer is declared in the OpenAPI
 document (``/openapi.json``), whose request ``model`` field is pinned to the served model.
 
-With an API key set, every route but ``/health`` (liveness/readiness probes) needs
-``Authorization: Bearer KEY``: ``/v1/*``, ``/metrics`` (Prometheus sends it with
-``authorization.credentials``), ``/openapi.json`` and ``/docs`` alike.
+With API keys set (``--api-key``, ``--api-key-file``: ``services.gateway.tenancy``), every route
+but ``/health`` (liveness/readiness probes) needs ``Authorization: Bearer KEY`` or
+``x-api-key: KEY``: ``/v1/*``, ``/metrics`` (Prometheus sends it with
+``authorization.credentials``), ``/openapi.json`` and ``/docs`` alike; any other path too, so
+that an unknown caller learns nothing, not even which routes exist. The key names the caller's
+tenant: its own part of the KV cache, its limits (429 with Retry-After), its label on /metrics.
+/metrics answers any tenant's key: it is the operator's page (give the scraper a key of its own).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from services.gateway.answer import AnswerDeltas, parse_answer, session_of
 from services.gateway.api_types import ERROR_RESPONSES, REQUEST_ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
 from services.gateway.core import ApiError, Gateway, Prepared
 from services.gateway.metrics_page import render_metrics
+from services.gateway.tenancy import tenant_of
 
 __all__ = ["build_app"]
 
@@ -62,7 +67,7 @@ def _error(
     """The error answer in the shape of the route's protocol (Anthropic's under ``/v1/messages``)."""
     headers = dict(headers or {})
     if status in (429, 503):
-        headers["Retry-After"] = "1"  # overloaded or failing over: come back shortly
+        headers.setdefault("Retry-After", "1")  # overloaded or failing over: come back shortly (a tenant's limit says when)
     if path.startswith(ANTHROPIC_PATHS):
         return anthropic_api.error_response(status, message, headers)
     return JSONResponse(
@@ -103,15 +108,16 @@ def build_app(gw: Gateway) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def on_api_error(req: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc.status, exc.message, etype=exc.etype, param=exc.param, path=req.url.path)
+        return _error(exc.status, exc.message, etype=exc.etype, param=exc.param, headers=exc.headers, path=req.url.path)
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
         # Authorization: Bearer (OpenAI clients) or x-api-key (Anthropic clients), on every route
-        if gw.cfg.api_key and request.url.path not in OPEN_PATHS:
-            bearer = request.headers.get("authorization", "") == f"Bearer {gw.cfg.api_key}"
-            if not bearer and request.headers.get("x-api-key", "") != gw.cfg.api_key:
+        if request.url.path not in OPEN_PATHS:
+            tenant = gw.tenancy.authenticate(request.headers)
+            if tenant is None:
                 return _error(401, "invalid or missing API key", etype="authentication_error", path=request.url.path)
+            request.state.tenant = tenant
         return await call_next(request)
 
     @app.get("/health", responses={503: {"description": "no scheduler, or no prefill or no decode engine"}, 405: ERROR_RESPONSES[405]})
@@ -171,7 +177,7 @@ def build_app(gw: Gateway) -> FastAPI:
                 gw.model_name,
                 templates=sorted(gw.tokenizer.chat_template.templates),
                 vocab=gw.model_config.vocab_size,
-                secured=bool(gw.cfg.api_key),
+                secured=gw.tenancy.secured,
             )
         return app.openapi_schema
 
@@ -225,7 +231,7 @@ def _pinned_openapi(app: FastAPI, model_name: str, *, templates: list[str], voca
 async def _answer(gw: Gateway, prep: Prepared, request: Request, *, chat: bool):
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     prep.session = session_of(prep, request)
-    await gw.submit(rid, prep)
+    await gw.submit(rid, prep, tenant=tenant_of(request))
     if prep.stream:
         return StreamingResponse(
             _sse(gw, rid, prep, request, chat), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Request-Id": rid}

@@ -19,7 +19,7 @@ from dualpath.chat.plan import ChatPlan, plan_chat
 from dualpath.chat.reasoning import ReasoningFormat, reasoning_format
 from dualpath.chat.tools import ToolFormat, format_for_template, tool_format
 from dualpath.config import BusConfig, GatewayConfig, ModelConfigSpec
-from dualpath.kv import block_hashes, model_digest, pack_hashes
+from dualpath.kv import block_hashes, chain_root, model_digest, pack_hashes
 from dualpath.model import ModelConfig, Tokenizer
 from dualpath.protocol import ProtocolError, RemoteError, decode
 from dualpath.protocol import messages as m
@@ -28,11 +28,13 @@ from dualpath.protocol.timeouts import TIMEOUTS
 from dualpath.structured.grammar import vocabulary
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.tracing import carrier, flush_tracing, get_tracer
+from dualpath.tenant import RateLimitedError
 from services.gateway.api_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.detok import Detokenizer
 from services.gateway.observe import RequestTelemetry
 from services.gateway.response_store import ResponseStore
 from services.gateway.streams import Restarted, StreamOverflowError, TokenStreams, stream_key
+from services.gateway.tenancy import Tenancy, scoped_session
 
 __all__ = ["ApiError", "Gateway", "Prepared", "StreamPart"]
 
@@ -49,11 +51,20 @@ _READ_PATHS = {"auto": m.ReadPath.AUTO, "pe": m.ReadPath.PE, "de": m.ReadPath.DE
 
 
 class ApiError(Exception):
-    """An HTTP error answer: status, OpenAI error type, the offending parameter."""
+    """An HTTP error answer: status, OpenAI error type, the offending parameter, extra headers."""
 
-    def __init__(self, status: int, message: str, *, etype: str = "invalid_request_error", param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        etype: str = "invalid_request_error",
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.etype, self.param = status, message, etype, param
+        self.headers = headers or {}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -74,6 +85,8 @@ class Prepared:
     reasoning: ReasoningFormat | None = None  # split <think>…</think> off the answer with it (chat, unconstrained)
     in_reasoning: bool = False  # the answer starts inside the reasoning (the prompt opened it)
     hit_tokens: int = 0  # prompt tokens found persisted at admission (the engines report the final figure)
+    cache_salt: str = ""  # the request's cache_salt (vLLM's name): its prompt hashes apart from other salts
+    tenant: str = ""  # the caller's tenant (its API key's; "" on an open gateway), set by ``Gateway.submit``
 
 
 @dataclass(slots=True, kw_only=True)
@@ -126,6 +139,7 @@ class Gateway:
         self.started = int(time.time())
         self.streams = TokenStreams()
         self.telemetry = RequestTelemetry()
+        self.tenancy = Tenancy.from_config(cfg)  # KeyFileError names a bad line of the key file
         self.bus: Bus | None = None
         self._tasks: TaskGroup | None = None
         self._responses: ResponseStore | None = None  # stored /v1/responses answers (JetStream KV), once connected
@@ -251,6 +265,7 @@ class Gateway:
             constrained=bool(grammar),
             session=body.dualpath_session or "",
             user=body.user or "",
+            cache_salt=body.cache_salt or "",
         )
 
     def prepare_completion(self, body: CompletionRequest) -> Prepared:
@@ -345,15 +360,24 @@ class Gateway:
             log.warning("kv_lookup_failed", error=str(exc))  # serve anyway, as a full recompute
             return 0
 
-    async def submit(self, rid: str, prep: Prepared) -> None:
-        """Look up the hit, hand the request to the scheduler, open its token stream.
+    async def submit(self, rid: str, prep: Prepared, *, tenant: str) -> None:
+        """Admit ``rid`` under ``tenant``'s limits, look up the hit in the tenant's part of the
+        cache, hand the request to the scheduler, open its token stream.
 
-        Opens the request's root span; ``finish`` closes it.
+        Opens the request's root span; ``finish`` closes it (and ends the tenant's lease).
 
         Raises:
-            ApiError: 503 when no scheduler answers, 429 when it is full, 400/409 when it refuses the
-                request (empty or larger than any decode engine's KV memory / a duplicate id).
+            ApiError: 429 with Retry-After when the tenant is over a limit or the scheduler is
+                full, 503 when no scheduler answers, 400/409 when it refuses the request (empty
+                or larger than any decode engine's KV memory / a duplicate id).
         """
+        prep.tenant = tenant
+        try:
+            self.tenancy.admit(rid, tenant, len(prep.prompt_tokens))
+        except RateLimitedError as exc:
+            self.telemetry.figures.limited[(tenant, exc.limit)] += 1
+            log.info("tenant_rate_limited", tenant=tenant, limit=exc.limit, retry_after_s=exc.retry_after_s)
+            raise ApiError(429, str(exc), etype="rate_limit_exceeded", headers={"Retry-After": str(exc.retry_after_s)}) from None
         root = self.telemetry.start(
             rid,
             prompt_tokens=len(prep.prompt_tokens),
@@ -361,6 +385,7 @@ class Gateway:
             stream=prep.stream,
             t_start_ns=prep.t_start_ns,
             t_tokenized_ns=prep.t_tokenized_ns,
+            tenant=tenant,
         )
         try:
             await self._admit(rid, prep, root)
@@ -373,7 +398,10 @@ class Gateway:
     async def _admit(self, rid: str, prep: Prepared, root: trace.Span) -> None:
         attrs = {"request_id": rid, "prompt_tokens": len(prep.prompt_tokens)}
         with tracer.start_as_current_span("gateway.admit", context=trace.set_span_in_context(root), attributes=attrs) as span:
-            hashes = block_hashes(self.model_name, prep.prompt_tokens, block_tokens=self.block_tokens)
+            # The tenant and cache_salt seed the chain: no block hash (so no hit, and no faster
+            # first token) is shared with another tenant or salt; both empty: today's chains.
+            seed = chain_root(prep.tenant, prep.cache_salt)
+            hashes = block_hashes(self.model_name, prep.prompt_tokens, block_tokens=self.block_tokens, parent=seed)
             hit = await self._lookup(hashes)
             # The last prompt token must be computed (its logits give the first token).
             hit = min(hit, (len(prep.prompt_tokens) - 1) // self.block_tokens)
@@ -394,7 +422,8 @@ class Gateway:
                 block_tokens=self.block_tokens,
                 arrival_ts=time.time(),
                 trace=carrier(root),
-                session=prep.session,
+                session=scoped_session(prep.tenant, prep.session),
+                chain_root=seed,
             )
             self._submitted[rid] = req  # from now on a scheduler failover resubmits it (``_scheduler_seen``)
             try:
@@ -413,6 +442,7 @@ class Gateway:
     def _forget(self, rid: str) -> None:
         self._submitted.pop(rid, None)
         self.streams.close(rid)
+        self.tenancy.release(rid)
 
     async def _submit(self, req: m.SubmitRequest) -> None:
         """Submit, waiting out a scheduler failover: while no scheduler listens (the active one died
@@ -578,6 +608,7 @@ class Gateway:
                     )
                     return
                 ids = list(ev.token_ids)
+                self.tenancy.charge(rid, len(ids))
                 text = detok.add(ids)
                 res.token_ids += ids
                 res.logprobs += ev.logprobs

@@ -4,12 +4,16 @@ Prometheus text format, whether or not the OpenTelemetry exporter (per-service m
 
 - ``dualpath_ttft_seconds`` / ``dualpath_tpot_seconds``: histograms as the clients saw them
   (arrival at the gateway to first token; mean gap between later tokens);
-- ``dualpath_prompt_tokens_total``, ``dualpath_cached_tokens_total`` and
-  ``dualpath_cached_token_ratio`` (the KV hit rate over answered requests);
-- ``dualpath_requests_total{read_path, finish_reason}``: answered requests by the read path
-  the scheduler chose (``pe``/``de``, ``none`` when no blocks were read);
+- ``dualpath_prompt_tokens_total{tenant}``, ``dualpath_cached_tokens_total{tenant}`` and
+  ``dualpath_cached_token_ratio`` (the KV hit rate over answered requests, all tenants);
+- ``dualpath_requests_total{read_path, finish_reason, tenant}``: answered requests by the read
+  path the scheduler chose (``pe``/``de``, ``none`` when no blocks were read);
+- ``dualpath_rate_limited_total{tenant, limit}``: requests refused with 429 by a tenant's limit;
 - from the scheduler's state: ``dualpath_queue_length``, ``dualpath_running_requests``,
   ``dualpath_engines{role}``, ``dualpath_buffer_waits_total``, and ``dualpath_scheduler_up``.
+
+``tenant`` is the API key's tenant; an open gateway (no keys) has none, and its series carry no
+``tenant`` label (in Prometheus an empty label is no label).
 """
 
 from __future__ import annotations
@@ -56,35 +60,51 @@ class ClusterFigures:
 
     ttft: Histogram = field(default_factory=Histogram)
     tpot: Histogram = field(default_factory=Histogram)
-    requests: Counter = field(default_factory=Counter)  # (read_path, finish_reason) -> count
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
+    requests: Counter = field(default_factory=Counter)  # (read_path, finish_reason, tenant) -> count
+    prompt_tokens: Counter = field(default_factory=Counter)  # tenant -> prompt tokens of answered requests
+    cached_tokens: Counter = field(default_factory=Counter)  # tenant -> of those, read from storage
+    limited: Counter = field(default_factory=Counter)  # (tenant, limit) -> requests refused with 429
 
 
 def _esc(value: str) -> str:
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def _labels(**labels: str) -> str:
+    """``{a="x",b="y"}`` of the labels that have a value ("" when none has)."""
+    inner = ",".join(f'{name}="{_esc(value)}"' for name, value in labels.items() if value)
+    return f"{{{inner}}}" if inner else ""
+
+
+def _per_tenant(name: str, help_text: str, by_tenant: Counter) -> list[str]:
+    """A counter with one sample per tenant (one unlabelled sample on an open gateway)."""
+    samples = sorted(by_tenant.items()) or [("", 0)]
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} counter", *(f"{name}{_labels(tenant=t)} {n}" for t, n in samples)]
+
+
 def render_metrics(figures: ClusterFigures, state) -> str:
     """The page; ``state`` is the scheduler's ``StateReply`` or ``None`` when it did not answer."""
     lines = figures.ttft.lines("dualpath_ttft_seconds", "time to first token, arrival at the gateway to first token")
     lines += figures.tpot.lines("dualpath_tpot_seconds", "time per output token after the first (mean per request)")
-    ratio = figures.cached_tokens / figures.prompt_tokens if figures.prompt_tokens else 0.0
+    prompt, cached = sum(figures.prompt_tokens.values()), sum(figures.cached_tokens.values())
+    ratio = cached / prompt if prompt else 0.0
+    lines += _per_tenant("dualpath_prompt_tokens_total", "prompt tokens of answered requests", figures.prompt_tokens)
+    lines += _per_tenant("dualpath_cached_tokens_total", "prompt tokens whose KV was read from storage", figures.cached_tokens)
     lines += [
-        "# HELP dualpath_prompt_tokens_total prompt tokens of answered requests",
-        "# TYPE dualpath_prompt_tokens_total counter",
-        f"dualpath_prompt_tokens_total {figures.prompt_tokens}",
-        "# HELP dualpath_cached_tokens_total prompt tokens whose KV was read from storage",
-        "# TYPE dualpath_cached_tokens_total counter",
-        f"dualpath_cached_tokens_total {figures.cached_tokens}",
         "# HELP dualpath_cached_token_ratio cached / prompt tokens over all answered requests",
         "# TYPE dualpath_cached_token_ratio gauge",
         f"dualpath_cached_token_ratio {ratio:.6g}",
         "# HELP dualpath_requests_total answered requests by read path and finish reason",
         "# TYPE dualpath_requests_total counter",
     ]
-    for (path, reason), count in sorted(figures.requests.items()):
-        lines.append(f'dualpath_requests_total{{read_path="{_esc(path)}",finish_reason="{_esc(reason)}"}} {count}')
+    for (path, reason, tenant), count in sorted(figures.requests.items()):
+        lines.append(f"dualpath_requests_total{_labels(read_path=path, finish_reason=reason, tenant=tenant)} {count}")
+    lines += [
+        "# HELP dualpath_rate_limited_total requests refused with 429 by a tenant's limit",
+        "# TYPE dualpath_rate_limited_total counter",
+    ]
+    for (tenant, limit), count in sorted(figures.limited.items()):
+        lines.append(f"dualpath_rate_limited_total{_labels(tenant=tenant, limit=limit)} {count}")
     lines += [
         "# HELP dualpath_scheduler_up 1 when the scheduler answered this scrape",
         "# TYPE dualpath_scheduler_up gauge",

@@ -4,7 +4,8 @@ The gateway is where a request starts and ends, so it owns the request's root sp
 (``request``, attribute ``request_id``: ``dualpath trace show`` finds the trace by it) and
 measures what the client sees: TTFT (arrival to first token) and TPOT (mean gap between the
 following tokens), exported as histograms, plus prompt and cached tokens (the KV hit rate),
-also logged once per request (``request_finished``).
+also logged once per request (``request_finished``). Counters carry the request's ``tenant``
+(its API key's) as an attribute when it has one.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class _Live:
     span: trace.Span
     t_start_ns: int
     prompt_tokens: int
+    tenant: str = ""
     t_first_ns: int = 0
     t_last_ns: int = 0
     tokens: int = 0
@@ -58,19 +60,26 @@ class RequestTelemetry:
             explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
         )
         self.finished = meter.create_counter("dualpath.requests", description="requests answered, by finish reason")
-        self.prompt_total = 0
-        self.cached_total = 0
-        self.figures = ClusterFigures()  # what GET /metrics on the API port shows
+        self.figures = ClusterFigures()  # what GET /metrics on the API port shows (and the OTel counters read)
         self._live: dict[str, _Live] = {}
+        figures = self.figures
         observe("dualpath.gateway.in_flight", "requests admitted and not yet answered", lambda: [(len(self._live), {})])
-        observe("dualpath.prompt_tokens", "prompt tokens of answered requests", lambda: [(self.prompt_total, {})], kind="counter")
-        observe("dualpath.cached_tokens", "prompt tokens whose KV was read from storage", lambda: [(self.cached_total, {})], kind="counter")
+        observe("dualpath.prompt_tokens", "prompt tokens of answered requests", lambda: _by_tenant(figures.prompt_tokens), kind="counter")
+        observe(
+            "dualpath.cached_tokens",
+            "prompt tokens whose KV was read from storage",
+            lambda: _by_tenant(figures.cached_tokens),
+            kind="counter",
+        )
         observe("dualpath.kv.hit_rate", "cached / prompt tokens over all answered requests", self._hit_rate, unit="1")
 
     def _hit_rate(self):
-        return [(self.cached_total / self.prompt_total if self.prompt_total else 0.0, {})]
+        prompt, cached = sum(self.figures.prompt_tokens.values()), sum(self.figures.cached_tokens.values())
+        return [(cached / prompt if prompt else 0.0, {})]
 
-    def start(self, rid: str, *, prompt_tokens: int, read_path: int, stream: bool, t_start_ns: int, t_tokenized_ns: int) -> trace.Span:
+    def start(
+        self, rid: str, *, prompt_tokens: int, read_path: int, stream: bool, t_start_ns: int, t_tokenized_ns: int, tenant: str = ""
+    ) -> trace.Span:
         """Open the request's root span (a new trace) at its arrival; the tokenization is its first child."""
         t_start_ns = t_start_ns or time.time_ns()
         span = tracer.start_span("request", context=Context(), start_time=t_start_ns)
@@ -90,7 +99,7 @@ class RequestTelemetry:
                 attributes={"prompt_tokens": prompt_tokens},
             )
             tok.end(end_time=t_tokenized_ns or t_start_ns)
-        self._live[rid] = _Live(span=span, t_start_ns=t_start_ns, prompt_tokens=prompt_tokens)
+        self._live[rid] = _Live(span=span, t_start_ns=t_start_ns, prompt_tokens=prompt_tokens, tenant=tenant)
         return span
 
     def on_event(self, rid: str, ev: TokenEvent) -> None:
@@ -122,7 +131,12 @@ class RequestTelemetry:
         reason = out["finish_reason"]
         # one line per answered request: what a client's usage figures say, from the gateway's side
         log.info(
-            "request_finished", request_id=rid, finish_reason=reason, prompt_tokens=live.prompt_tokens, cached_tokens=out["cached_tokens"]
+            "request_finished",
+            request_id=rid,
+            finish_reason=reason,
+            prompt_tokens=live.prompt_tokens,
+            cached_tokens=out["cached_tokens"],
+            tenant=live.tenant,
         )
         attrs = {"finish_reason": reason, "completion_tokens": live.tokens}
         if live.t_first_ns:
@@ -135,13 +149,11 @@ class RequestTelemetry:
             self.tpot.record(tpot)
             self.figures.tpot.observe(tpot)
             attrs["tpot_s"] = tpot
-        self.finished.add(1, {"finish_reason": reason})
-        self.figures.requests[(out["info"].get("read_path") or "none", reason)] += 1
+        self.finished.add(1, {"finish_reason": reason, **({"tenant": live.tenant} if live.tenant else {})})
+        self.figures.requests[(out["info"].get("read_path") or "none", reason, live.tenant)] += 1
         if reason != "error":
-            self.prompt_total += live.prompt_tokens
-            self.cached_total += out["cached_tokens"]
-            self.figures.prompt_tokens += live.prompt_tokens
-            self.figures.cached_tokens += out["cached_tokens"]
+            self.figures.prompt_tokens[live.tenant] += live.prompt_tokens
+            self.figures.cached_tokens[live.tenant] += out["cached_tokens"]
         span = live.span
         if span.is_recording():
             info = out["info"]
@@ -157,3 +169,8 @@ class RequestTelemetry:
             if reason == "error":
                 span.set_status(Status(StatusCode.ERROR, out["error"] or "request failed"))
         span.end()
+
+
+def _by_tenant(counts) -> list[tuple[int, dict[str, str]]]:
+    """OTel observations of a per-tenant counter: one per tenant, attributed when it has a name."""
+    return [(n, {"tenant": t} if t else {}) for t, n in counts.items()] or [(0, {})]

@@ -5,6 +5,9 @@ reads what any of them stored, a gateway restart loses nothing, and JetStream dr
 One entry per response, keyed by its id, holding the response object, the input items of its
 own request and its ``previous_response_id``: a conversation is rebuilt by walking that chain,
 so no entry grows with the conversation. The value is JSON.
+
+Each entry records its tenant (the API key's, ``services.gateway.tenancy``): a lookup for any
+other tenant finds nothing, as if the id had never been stored.
 """
 
 from __future__ import annotations
@@ -43,10 +46,17 @@ class StoredResponse:
     input_items: list[dict[str, Any]]  # this request's own input items (with ids)
     previous_response_id: str | None
     session: str  # the conversation's agent session (the chain's first response id, or the client's)
+    tenant: str = ""  # whose it is: only requests of this tenant find it ("" on an open gateway)
 
     def to_json(self) -> bytes:
         return json.dumps(
-            {"response": self.response, "input_items": self.input_items, "previous": self.previous_response_id, "session": self.session},
+            {
+                "response": self.response,
+                "input_items": self.input_items,
+                "previous": self.previous_response_id,
+                "session": self.session,
+                "tenant": self.tenant,
+            },
             ensure_ascii=False,
             separators=(",", ":"),
         ).encode()
@@ -54,7 +64,13 @@ class StoredResponse:
     @classmethod
     def from_json(cls, data: bytes) -> StoredResponse:
         obj = json.loads(data)
-        return cls(response=obj["response"], input_items=obj["input_items"], previous_response_id=obj["previous"], session=obj["session"])
+        return cls(
+            response=obj["response"],
+            input_items=obj["input_items"],
+            previous_response_id=obj["previous"],
+            session=obj["session"],
+            tenant=obj.get("tenant", ""),  # entries stored before tenants: the open gateway's
+        )
 
 
 class ResponseStore:
@@ -112,8 +128,9 @@ class ResponseStore:
         except (NatsError, TimeoutError) as exc:
             raise StoreError(str(exc) or type(exc).__name__) from None
 
-    async def get(self, rid: str) -> StoredResponse | None:
-        """The entry stored under ``rid``; None when there is none (never stored, deleted, expired).
+    async def get(self, rid: str, *, tenant: str = "") -> StoredResponse | None:
+        """The entry stored under ``rid`` for ``tenant``; None when there is none (never stored,
+        deleted, expired) or it is another tenant's.
 
         Raises:
             StoreError: the bucket is unavailable.
@@ -127,15 +144,16 @@ class ResponseStore:
             return None
         except (NatsError, TimeoutError) as exc:
             raise StoreError(str(exc) or type(exc).__name__) from None
-        return StoredResponse.from_json(entry.value) if entry.value else None
+        found = StoredResponse.from_json(entry.value) if entry.value else None
+        return found if found is not None and found.tenant == tenant else None
 
-    async def delete(self, rid: str) -> bool:
-        """Delete ``rid``'s entry; False when there was none.
+    async def delete(self, rid: str, *, tenant: str = "") -> bool:
+        """Delete ``rid``'s entry; False when ``tenant`` has none under that id.
 
         Raises:
             StoreError: the bucket is unavailable.
         """
-        if await self.get(rid) is None:
+        if await self.get(rid, tenant=tenant) is None:
             return False
         try:
             await (await self._bucket()).purge(rid)
@@ -143,13 +161,13 @@ class ResponseStore:
             raise StoreError(str(exc) or type(exc).__name__) from None
         return True
 
-    async def chain(self, rid: str, *, limit: int = 10_000) -> list[StoredResponse] | None:
+    async def chain(self, rid: str, *, tenant: str = "", limit: int = 10_000) -> list[StoredResponse] | None:
         """The entries of the conversation ending at ``rid``, oldest first; None when ``rid`` or
-        an earlier response of its chain is gone."""
+        an earlier response of its chain is gone (or is not ``tenant``'s)."""
         out: list[StoredResponse] = []
         at: str | None = rid
         while at is not None and len(out) < limit:
-            entry = await self.get(at)
+            entry = await self.get(at, tenant=tenant)
             if entry is None:
                 return None
             out.append(entry)

@@ -11,7 +11,8 @@ tool calls become ``reasoning``, ``message`` and ``function_call`` output items.
   always send them (Codex) still work; ``tool_choice`` naming one is a 400.
 - ``text.format``: ``json_schema`` / ``json_object`` are enforced by the grammar path.
 - ``max_output_tokens`` is an upper bound (cut to the context's room).
-- ``store`` (default true) keeps the response in the shared ``ResponseStore``;
+- ``store`` (default true) keeps the response in the shared ``ResponseStore`` (found only by
+  its tenant's requests);
   ``previous_response_id`` continues a stored conversation (its ``instructions`` are not carried
   over, as OpenAI has it). Such a conversation is one agent session (its first response's id),
   as is one carrying ``metadata.user_id``, ``prompt_cache_key`` or ``user``.
@@ -37,9 +38,10 @@ from starlette.concurrency import run_in_threadpool
 
 from dualpath.telemetry.logs import get_logger
 from services.gateway.answer import AnswerDeltas, Parsed, parse_answer, session_of
-from services.gateway.api_types import ERROR_RESPONSES, REQUEST_ERROR_RESPONSES, ChatCompletionRequest, JsonInt
+from services.gateway.api_types import CACHE_SALT_MAX, ERROR_RESPONSES, REQUEST_ERROR_RESPONSES, ChatCompletionRequest, JsonInt
 from services.gateway.core import ApiError, Gateway, Prepared, Result
 from services.gateway.response_store import ResponseStore, StoredResponse, StoreError
+from services.gateway.tenancy import tenant_of
 
 __all__ = ["ResponsesRequest", "add_routes"]
 
@@ -70,6 +72,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=CACHE_SALT_MAX)  # vLLM's: salts the prompt's KV hashes
 
 
 @contextmanager
@@ -227,6 +230,8 @@ def to_chat(body: ResponsesRequest, history: list[dict[str, Any]], items: list[d
         spec["response_format"] = fmt
     if session:
         spec["dualpath_session"] = session[:_MAX_SESSION]
+    if body.cache_salt is not None:
+        spec["cache_salt"] = body.cache_salt
     try:
         return ChatCompletionRequest.model_validate(spec)
     except ValidationError as exc:
@@ -393,22 +398,29 @@ class _Events:
 class _Turn:
     """One request's state between preparation and answer."""
 
-    def __init__(self, gw: Gateway, body: ResponsesRequest, rid: str, items: list[dict[str, Any]], session: str, prep: Prepared) -> None:
+    def __init__(
+        self, gw: Gateway, body: ResponsesRequest, rid: str, items: list[dict[str, Any]], session: str, prep: Prepared, tenant: str
+    ) -> None:
         self.gw, self.body, self.rid, self.items, self.session, self.prep = gw, body, rid, items, session, prep
+        self.tenant = tenant
         self.shell = _shell(gw, rid, body, int(time.time()))
 
     async def keep(self, store: ResponseStore, response: dict[str, Any]) -> None:
         if self.body.store:
             entry = StoredResponse(
-                response=response, input_items=self.items, previous_response_id=self.body.previous_response_id, session=self.session
+                response=response,
+                input_items=self.items,
+                previous_response_id=self.body.previous_response_id,
+                session=self.session,
+                tenant=self.tenant,
             )
             await store.put(self.rid, entry)
 
 
 async def _prepare(gw: Gateway, store: ResponseStore, body: ResponsesRequest, request: Request) -> _Turn:
-    rid, history, session = _new_id("resp"), [], ""
+    rid, history, session, tenant = _new_id("resp"), [], "", tenant_of(request)
     if body.previous_response_id is not None:
-        chain = await store.chain(body.previous_response_id)
+        chain = await store.chain(body.previous_response_id, tenant=tenant)  # another tenant's is not found
         if chain is None:
             raise ApiError(
                 404,
@@ -425,7 +437,7 @@ async def _prepare(gw: Gateway, store: ResponseStore, body: ResponsesRequest, re
     chat = to_chat(body, history, items, session)
     prep = await run_in_threadpool(lambda: gw.prepare_chat(chat, clamp=True))
     prep.session = session_of(prep, request)
-    return _Turn(gw, body, rid, items, session, prep)
+    return _Turn(gw, body, rid, items, session, prep, tenant)
 
 
 async def _stream(turn: _Turn, store: ResponseStore, request: Request):
@@ -481,7 +493,7 @@ def add_routes(app: FastAPI, gw: Gateway) -> None:
         store = gw.response_store()
         with _store_errors():
             turn = await _prepare(gw, store, body, request)
-        await gw.submit(turn.rid, turn.prep)
+        await gw.submit(turn.rid, turn.prep, tenant=turn.tenant)
         if turn.prep.stream:
             return StreamingResponse(
                 _stream(turn, store, request),
@@ -498,23 +510,23 @@ def add_routes(app: FastAPI, gw: Gateway) -> None:
             await turn.keep(store, response)
         return JSONResponse(content=response, headers={"X-Request-Id": turn.rid})
 
-    async def stored(rid: str) -> StoredResponse:
+    async def stored(rid: str, tenant: str) -> StoredResponse:
         with _store_errors():
-            entry = await gw.response_store().get(rid)
+            entry = await gw.response_store().get(rid, tenant=tenant)
         if entry is None:
             raise ApiError(404, f"response {rid!r} not found (never stored, deleted or expired)", etype="not_found_error")
         return entry
 
     @app.get("/v1/responses/{response_id}", responses={**lookups, 400: REQUEST_ERROR_RESPONSES[400]})
-    async def retrieve(response_id: str, stream: bool = False) -> JSONResponse:
+    async def retrieve(response_id: str, request: Request, stream: bool = False) -> JSONResponse:
         if stream:
             raise _bad("replaying a stored response as a stream is not supported; retrieve it without stream", "stream")
-        return JSONResponse(content=(await stored(response_id)).response)
+        return JSONResponse(content=(await stored(response_id, tenant_of(request))).response)
 
     @app.delete("/v1/responses/{response_id}", responses=lookups)
-    async def delete(response_id: str) -> dict:
+    async def delete(response_id: str, request: Request) -> dict:
         with _store_errors():
-            deleted = await gw.response_store().delete(response_id)
+            deleted = await gw.response_store().delete(response_id, tenant=tenant_of(request))
         if not deleted:
             raise ApiError(404, f"response {response_id!r} not found (never stored, deleted or expired)", etype="not_found_error")
         return {"id": response_id, "object": "response", "deleted": True}
@@ -522,12 +534,13 @@ def add_routes(app: FastAPI, gw: Gateway) -> None:
     @app.get("/v1/responses/{response_id}/input_items", responses=lookups)
     async def input_items(
         response_id: str,
+        request: Request,
         limit: Annotated[int, Query(ge=1, le=100)] = 20,
         order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
         after: str | None = None,
     ) -> dict:
         with _store_errors():
-            chain = await gw.response_store().chain(response_id)
+            chain = await gw.response_store().chain(response_id, tenant=tenant_of(request))
         if chain is None:
             raise ApiError(404, f"response {response_id!r} not found (never stored, deleted or expired)", etype="not_found_error")
         items = [item for entry in chain[:-1] for item in (*entry.input_items, *entry.response.get("output", []))] + chain[-1].input_items

@@ -28,9 +28,9 @@ def _page() -> str:
     for ttft in (0.02, 0.3, 5.0):
         fig.ttft.observe(ttft)
     fig.tpot.observe(0.004)
-    fig.requests[("de", "stop")] += 2
-    fig.requests[("pe", "length")] += 1
-    fig.prompt_tokens, fig.cached_tokens = 400, 256
+    fig.requests[("de", "stop", "")] += 2
+    fig.requests[("pe", "length", "")] += 1
+    fig.prompt_tokens[""], fig.cached_tokens[""] = 400, 256
     return render_metrics(fig, _state(buffer_waits=7))
 
 
@@ -43,6 +43,29 @@ def test_page_is_valid_prometheus_text_with_the_cluster_figures():
     assert by_path == {("de", "stop"): 2, ("pe", "length"): 1}
     assert families["dualpath_queue_length"].samples[0].value == 3
     assert {s.labels["role"]: s.value for s in families["dualpath_engines"].samples} == {"prefill": 1, "decode": 2}
+
+
+def test_an_open_gateways_page_has_no_tenant_label():
+    families = {f.name: f for f in text_string_to_metric_families(_page())}
+    assert [s.labels for s in families["dualpath_prompt_tokens"].samples] == [{}]
+    assert all("tenant" not in s.labels for s in families["dualpath_requests"].samples)
+
+
+def test_tokens_requests_and_refusals_are_labelled_by_tenant():
+    fig = ClusterFigures()
+    fig.requests[("de", "stop", "alice")] += 2
+    fig.requests[("none", "stop", "bob")] += 1
+    fig.prompt_tokens.update({"alice": 300, "bob": 100})
+    fig.cached_tokens.update({"alice": 192, "bob": 0})
+    fig.limited[("bob", "tokens_per_minute")] += 3
+    families = {f.name: f for f in text_string_to_metric_families(render_metrics(fig, None))}
+    assert {s.labels["tenant"]: s.value for s in families["dualpath_cached_tokens"].samples} == {"alice": 192, "bob": 0}
+    assert {s.labels["tenant"]: s.value for s in families["dualpath_prompt_tokens"].samples} == {"alice": 300, "bob": 100}
+    assert families["dualpath_cached_token_ratio"].samples[0].value == 0.48
+    by = {(s.labels["tenant"], s.labels["read_path"]): s.value for s in families["dualpath_requests"].samples}
+    assert by == {("alice", "de"): 2, ("bob", "none"): 1}
+    (refused,) = families["dualpath_rate_limited"].samples
+    assert refused.labels == {"tenant": "bob", "limit": "tokens_per_minute"} and refused.value == 3
 
 
 def test_page_without_a_scheduler_says_so_and_keeps_the_gateways_own_figures():
