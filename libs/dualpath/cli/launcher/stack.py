@@ -62,6 +62,9 @@ class StackConfig:
     compute_quota_ms: float | None = None  # prefill compute quota per batch; None: the engine's own (env or 300 ms)
     kv_capacity_tokens: int = 65536
     api_key: str = ""
+    api_key_file: str = ""  # KEY TENANT [limits] lines (dualpath.tenant.keys): each caller's tenant
+    tenant_max_concurrency: int = 0  # requests in flight per tenant (0: no limit)
+    tenant_tokens_per_minute: int = 0  # prompt plus generated tokens per tenant per minute (0: no limit)
     prefix_cache: bool = True
     tool_parser: str = default_of(GatewayConfig, "tool_parser")
     reasoning_parser: str = default_of(GatewayConfig, "reasoning_parser")
@@ -206,7 +209,7 @@ class Stack:
         """
         c = self.cfg
         say = progress or (lambda _msg: None)
-        Path(c.storage).mkdir(parents=True, exist_ok=True)
+        Path(c.storage).mkdir(mode=0o700, parents=True, exist_ok=True)  # KV blocks hold prompts: the owner's alone
         Path(c.run_dir).mkdir(parents=True, exist_ok=True)
         try:
             if not c.nats_url:
@@ -298,6 +301,9 @@ class Stack:
                 *("--device", c.device),  # the engines' device: their dtype, so the KV bytes /v1/models reports
                 *("--host", self.placement.address("gateway"), "--port", str(c.port)),
                 *("--api-key", c.api_key, "--prefix-cache", str(c.prefix_cache).lower()),
+                *(["--api-key-file", str(Path(c.api_key_file).resolve())] if c.api_key_file else []),
+                *("--tenant-max-concurrency", str(c.tenant_max_concurrency)),
+                *("--tenant-tokens-per-minute", str(c.tenant_tokens_per_minute)),
                 *("--tool-parser", c.tool_parser, "--reasoning-parser", c.reasoning_parser),
             ],
         )
