@@ -6,6 +6,8 @@
 
 Every service is supervised: a child that dies is restarted with back-off while the others
 keep serving, and the event is printed and logged (``<run-dir>/logs/supervisor.log``).
+``--api-key-file FILE`` gives each caller a tenant (``KEY TENANT`` lines): tenants share no KV
+cache block, and ``--tenant-max-concurrency`` / ``--tenant-tokens-per-minute`` limit each one.
 ``--replicas 2`` runs the redundant form (two schedulers, one active behind a JetStream
 lease; two kv-persistence replicas of a JetStream-replicated index); ``--nats-cluster 3``
 runs three clustered nats-servers instead of one.
@@ -34,6 +36,7 @@ from dualpath.config import (
     SchedulerConfig,
     default_of,
 )
+from dualpath.tenant import configured_keys
 
 __all__ = ["build_parser", "ensure_model", "main"]
 
@@ -81,7 +84,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill compute quota per batch, ms (paper §6.2): FIFO packing while the predicted batch time fits",
     )
     p.add_argument("--nats-url", default="", help="use this NATS server instead of an embedded one")
-    p.add_argument("--api-key", default="", help="require this key on /v1/* (Authorization: Bearer or x-api-key)")
+    p.add_argument(
+        "--api-key", default="", help="require this key on every route but /health (Authorization: Bearer or x-api-key); tenant 'default'"
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=default_of(GatewayConfig, "api_key_file"),
+        help="one 'KEY TENANT [max_concurrency=N] [tokens_per_minute=N]' per line (# comments): each caller's tenant, "
+        "whose KV cache no other tenant can hit, and its limits",
+    )
+    p.add_argument(
+        "--tenant-max-concurrency",
+        type=int,
+        default=default_of(GatewayConfig, "tenant_max_concurrency"),
+        help="requests in flight per tenant; beyond, 429 with Retry-After (0: no limit; the key file may set its own)",
+    )
+    p.add_argument(
+        "--tenant-tokens-per-minute",
+        type=int,
+        default=default_of(GatewayConfig, "tenant_tokens_per_minute"),
+        help="prompt plus generated tokens per tenant per minute; beyond, 429 with Retry-After (0: no limit)",
+    )
     p.add_argument(
         "--tool-parser",
         default=default_of(GatewayConfig, "tool_parser"),
@@ -205,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--prefetch needs --prefetch-mb >= 1 and --prefetch-ttl > 0, got {ns.prefetch_mb} and {ns.prefetch_ttl:g}")
         if not ns.compute_quota_ms > 0:
             raise ValueError(f"--compute-quota-ms must be positive, got {ns.compute_quota_ms:g}")
+        if ns.tenant_max_concurrency < 0 or ns.tenant_tokens_per_minute < 0:
+            raise ValueError("--tenant-max-concurrency and --tenant-tokens-per-minute must be >= 0 (0: no limit)")
+        configured_keys(ns.api_key, ns.api_key_file)  # a bad key file is refused now, naming its line (KeyFileError)
         topology = parse_topology(ns.topology, ns.engines_per_node)
         emu = emulation_from(ns)
         if emu is not None:
@@ -228,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         compute_quota_ms=ns.compute_quota_ms,
         nats_url=ns.nats_url,
         api_key=ns.api_key,
+        api_key_file=ns.api_key_file,
+        tenant_max_concurrency=ns.tenant_max_concurrency,
+        tenant_tokens_per_minute=ns.tenant_tokens_per_minute,
         tool_parser=ns.tool_parser,
         reasoning_parser=ns.reasoning_parser,
         emulation=emu,
