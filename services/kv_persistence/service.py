@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     storage = from_args(NodeConfig, None, storage=ns.storage).storage
     index_path = cfg.index_path or os.path.join(storage, "index.log")
     if cfg.replication == "none":
-        Path(index_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(index_path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the index names every block: the owner's alone
     subjects = Subjects(bus_cfg.namespace)
 
     if cfg.replication not in ("none", "jetstream"):

@@ -232,3 +232,22 @@ def test_delete_removes_block_files_and_skips_missing_ones(tmp_path):
         store.write(model_digest=9, block_hash=h, layers=1, tokens=2, bytes_per_token_layer=4, dtype="uint8", payload=bytes(8))
     assert store.delete_many(9, [1, 3, 42]) == 2
     assert not store.path_for(9, 1).exists() and store.path_for(9, 2).exists() and not store.path_for(9, 3).exists()
+
+
+def test_the_root_directories_and_block_files_are_the_owners_alone(store: BlockStore) -> None:
+    """0700 directories, 0600 files: another local user can neither list nor read a prompt's KV."""
+    put(store, payload(3))
+    block = store.path_for(DIGEST, 0xB10C)
+    assert block.stat().st_mode & 0o777 == 0o600
+    for directory in (store.root, *(p for p in block.parents if store.root in p.parents)):
+        assert directory.stat().st_mode & 0o777 == 0o700, directory
+    assert hash_hex(0xB10C) in block.name and block.relative_to(store.root).parts[0] == hash_hex(DIGEST)  # hashes only
+
+
+def test_an_existing_root_keeps_its_mode(tmp_path: Path) -> None:
+    """A shared mount's root is its administrator's: the store does not chmod it."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(0o750)
+    BlockStore(root)
+    assert root.stat().st_mode & 0o777 == 0o750

@@ -131,6 +131,18 @@ def test_commits_survive_close_and_reopen(tmp_path: Path) -> None:
         assert index.longest_prefix(MD + 1, [5]) == 1
 
 
+def test_the_index_log_and_its_lock_are_the_owners_alone_after_commits_and_compaction(tmp_path: Path) -> None:
+    """The log names every persisted block: 0600 files in a 0700 directory made for it."""
+    path = tmp_path / "index" / "log"
+    with BlockIndex(path) as index:
+        index.commit(MD, A)
+        index.compact()  # a rewrite: a new file replaces the log
+        index.commit(MD, A[:1] + B, start=1)
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    for name in ("log", "log.lock"):
+        assert (path.parent / name).stat().st_mode & 0o777 == 0o600, name
+
+
 def test_evictions_survive_reopen_and_recency_follows_commits(tmp_path: Path) -> None:
     path = tmp_path / "log"
     with BlockIndex(path, capacity_blocks=2) as index:

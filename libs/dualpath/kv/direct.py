@@ -46,8 +46,9 @@ def _round_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def open_direct(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int | None:
-    """``os.open`` with ``O_DIRECT`` added; None where the filesystem refuses direct I/O.
+def open_direct(path: str | os.PathLike[str], flags: int, mode: int = 0o600) -> int | None:
+    """``os.open`` with ``O_DIRECT`` added; None where the filesystem refuses direct I/O. A file
+    it creates gets ``mode`` (the owner's alone by default: block files hold prompts' KV).
 
     Raises:
         OSError: any other failure of the open (``FileNotFoundError`` included).

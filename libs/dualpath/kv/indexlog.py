@@ -7,6 +7,8 @@ mid-append: the frame runs past the end of the file, or the tail is zero-filled)
 and the file truncated to the last good record; damage followed by more data is corruption.
 Compaction replaces the whole file atomically (temp file, fsync, rename, fsync directory).
 A sidecar ``<name>.lock`` file holds an exclusive ``flock`` so only one process appends.
+The log names every persisted block, so like the blocks it is the owner's alone: files are
+created 0600, a missing directory 0700.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import msgpack
 
 from dualpath.kv.errors import IndexCorruptError, IndexLockedError
+from dualpath.kv.storage import DIR_MODE, FILE_MODE
 
 __all__ = ["LOG_VERSION", "IndexLog"]
 
@@ -92,8 +95,8 @@ class IndexLog:
             OSError: the file or its directory cannot be created or read.
         """
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        self._lock_fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, FILE_MODE)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -153,7 +156,7 @@ class IndexLog:
     def _replace_with(self, records: Iterable[dict[str, Any]]) -> None:
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as f:
                 f.write(_FILE_HEADER.pack(_MAGIC, LOG_VERSION, 0))
                 for record in records:
                     f.write(_frame(record))

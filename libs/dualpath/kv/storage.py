@@ -1,7 +1,10 @@
 """Full Block files under a storage root (a local directory or a shared mount).
 
 Paths are derived from hashes only (``root/<model digest hex>/<hh>/<hh>/<hash hex>.kvb``),
-so no request-supplied string ever reaches the filesystem. Writes are atomic (temp file in
+so no request-supplied string (nor a tenant's name) ever reaches the filesystem. Blocks hold
+what prompts computed to, so they are the storage owner's alone: the root and every directory
+made under it are created 0700, block files 0600 (a root that already exists keeps its mode:
+a shared mount's is its administrator's to set). Writes are atomic (temp file in
 the same directory, fsync, rename, fsync the directory): a reader sees either no file or a
 whole one, and a crashed writer leaves only a ``.tmp`` file that is never read as a block.
 Reads land directly in the caller's buffer and are verified before they are reported.
@@ -31,10 +34,12 @@ from dualpath.kv.direct import open_direct, read_direct, write_direct
 from dualpath.kv.errors import BlockMissingError, CorruptBlockError
 from dualpath.kv.hashing import hash_hex
 
-__all__ = ["BLOCK_SUFFIX", "TEMP_SUFFIX", "BlockShape", "BlockStore"]
+__all__ = ["BLOCK_SUFFIX", "DIR_MODE", "FILE_MODE", "TEMP_SUFFIX", "BlockShape", "BlockStore"]
 
 BLOCK_SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
+DIR_MODE = 0o700  # directories this store creates: only the owner may list or enter them
+FILE_MODE = 0o600  # block files (temp files included): only the owner may read them
 
 
 def _fsync_dir(path: Path) -> None:
@@ -130,7 +135,7 @@ class BlockStore:
         self.direct = direct
         self.root = Path(root)
         self._root_str = str(self.root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
 
     def path_for(self, model_digest: int, block_hash: int) -> Path:
         """The file path of a block. Raises TypeError/ValueError if either is not a u64."""
@@ -220,10 +225,10 @@ class BlockStore:
         self._ensure_dir(final.parent)
         tmp = final.parent / f".{final.stem}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        fd = open_direct(tmp, flags) if self.direct else None
+        fd = open_direct(tmp, flags, FILE_MODE) if self.direct else None
         direct = fd is not None
         if fd is None:
-            fd = os.open(tmp, flags, 0o644)
+            fd = os.open(tmp, flags, FILE_MODE)
         try:
             try:
                 if direct:
@@ -395,7 +400,7 @@ class BlockStore:
             probe = probe.parent
         for new_dir in reversed(missing):
             try:
-                new_dir.mkdir()
+                new_dir.mkdir(mode=DIR_MODE)
             except FileExistsError:
                 pass  # a concurrent writer created it
             _fsync_dir(new_dir.parent)
