@@ -91,8 +91,8 @@ def pytest_runtest_makereport(item, call):
         _STACK_LOGS[:] = [(m, f) for m, f in _STACK_LOGS if m == module]  # the module's stack may serve its next test
 
 
-def prefetch_counters(nats_url: str, namespace: str) -> dict[str, dict]:
-    """The latest prefetch counters each traffic manager reports."""
+def prefetch_counters(stack) -> dict[str, dict]:
+    """The latest prefetch counters each traffic manager reports (read as the stack's observer)."""
 
     import nats
 
@@ -100,14 +100,16 @@ def prefetch_counters(nats_url: str, namespace: str) -> dict[str, dict]:
     from dualpath.protocol.messages import NodeReport
 
     async def collect() -> dict[str, dict]:
-        nc = await nats.connect(nats_url)
+        from dualpath.protocol.subjects import Role, Subjects
+
+        nc = await nats.connect(stack.nats_url.split(","), **stack.nats_options(Role.OBSERVER))
         seen: dict[str, dict] = {}
 
         async def on(msg) -> None:
             r = decode(msg.data, NodeReport)
             seen[r.node_id] = r.prefetch
 
-        await nc.subscribe(f"{namespace}.sched.node_report", cb=on)
+        await nc.subscribe(Subjects(stack.namespace).node_reports, cb=on)
         await asyncio.sleep(1.0)
         await nc.close()
         return seen
@@ -123,6 +125,7 @@ class SubmitTap:
         from dualpath.protocol.subjects import Subjects
 
         self.url, self.subject = stack.nats_url, Subjects(stack.namespace).submit
+        self.options = stack.nats_options()  # the operator: it taps subjects no service role reads
         self.sessions: dict[str, str] = {}  # request id -> session
         self.prefetch_subjects = Subjects(stack.namespace).tm_every_node("prefetch")
         self.prefetched: list[str] = []  # the session of each prefetch hint, in order
@@ -135,7 +138,7 @@ class SubmitTap:
         from dualpath.protocol.codec import decode
         from dualpath.protocol.messages import PrefetchRequest, SubmitRequest
 
-        nc = await nats.connect(self.url)
+        nc = await nats.connect(self.url.split(","), **self.options)
 
         async def on(msg) -> None:
             req = decode(msg.data, SubmitRequest)

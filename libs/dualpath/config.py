@@ -43,6 +43,10 @@ class BusConfig:
     nats_url: str = opt("nats://127.0.0.1:4222", "NATS server URL(s), comma-separated for a cluster", "DUALPATH_NATS_URL")
     namespace: str = opt("dualpath", "subject namespace: one deployment per namespace on a shared NATS", "DUALPATH_NAMESPACE")
     nats_creds: str = opt("", "NATS credentials file (.creds); empty = no auth", "DUALPATH_NATS_CREDS")
+    nats_user: str = opt("", "NATS user this service connects as (one identity per service: dualpath.bus.auth)", "DUALPATH_NATS_USER")
+    nats_password: str = opt(
+        "", "the NATS user's password (pass it in the environment: a command line is visible to every local user)", "DUALPATH_NATS_PASSWORD"
+    )
     nats_tls_ca: str = opt("", "CA bundle to verify the NATS server's TLS certificate; empty = no TLS", "DUALPATH_NATS_TLS_CA")
     nats_tls_cert: str = opt("", "client certificate for NATS mutual TLS", "DUALPATH_NATS_TLS_CERT")
     nats_tls_key: str = opt("", "client key for NATS mutual TLS", "DUALPATH_NATS_TLS_KEY")
@@ -63,6 +67,9 @@ class BusConfig:
         options: dict[str, Any] = {"ping_interval": self.nats_ping_s, "max_outstanding_pings": 3}
         if self.nats_creds:
             options["user_credentials"] = self.nats_creds
+        if self.nats_user:
+            # the identity may subscribe only to its own reply inboxes (dualpath.bus.auth.Identity.inbox)
+            options.update(user=self.nats_user, password=self.nats_password, inbox_prefix=f"_INBOX.{self.nats_user}")
         if self.nats_tls_ca or self.nats_tls_cert:
             import ssl
 

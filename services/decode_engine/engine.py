@@ -645,7 +645,7 @@ class DecodeEngine:
     async def _fail_task(self, task: m.DecodeTask, reason: str) -> None:
         log.warning("decode_task_failed", request_id=task.request_id, reason=reason)
         await self.bus.publish(
-            self.subjects.task_failed,
+            self.subjects.task_failed(self.cfg.engine_id),
             m.TaskFailed(request_id=task.request_id, engine_id=self.cfg.engine_id, reason=reason, attempt=task.attempt),
         )
 

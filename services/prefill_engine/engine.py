@@ -565,7 +565,7 @@ class PrefillEngine:
         if job.superseded:
             return
         await self.bus.publish(
-            self.subjects.task_failed,
+            self.subjects.task_failed(self.cfg.engine_id),
             m.TaskFailed(
                 request_id=rid,
                 engine_id=self.cfg.engine_id,

@@ -119,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             shell = SchedulerShell(bus, subjects, core, tasks, instance)
             tasks.start_soon(keep_leading, lease, stop)  # a lost lease sets stop: this scheduler steps down
             await bus.serve(subjects.submit, shell.on_submit, m.SubmitRequest)
-            await bus.serve(subjects.engine_report, shell.on_engine_report, m.EngineReport)
-            await bus.serve(subjects.node_report, shell.on_node_report, m.NodeReport)
-            await bus.serve(subjects.task_failed, shell.on_task_failed, m.TaskFailed)
+            await bus.serve(subjects.engine_reports, shell.on_engine_report, m.EngineReport, sender=lambda r: r.engine_id)
+            await bus.serve(subjects.node_reports, shell.on_node_report, m.NodeReport, sender=lambda r: r.node_id)
+            await bus.serve(subjects.task_failures, shell.on_task_failed, m.TaskFailed, sender=lambda r: r.engine_id)
             await bus.serve(subjects.sched_state, shell.on_state, m.StateRequest)
             # once serving: gateways resubmit to a new instance what a dead one held
             tasks.start_soon(shell.announce, stop, lambda: lease is None or lease.valid)

@@ -514,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             while not stop.is_set():
                 tm.sweep()
-                await bus.publish(subjects.node_report, tm.report())
+                await bus.publish(subjects.node_report(cfg.node_id), tm.report())
                 try:
                     await asyncio.wait_for(stop.wait(), cfg.report_interval)
                 except TimeoutError:

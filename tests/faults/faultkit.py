@@ -131,7 +131,7 @@ def tm_answers(stack, node: str) -> bool:
     from dualpath.protocol.subjects import Subjects
 
     async def probe() -> bool:
-        nc = await nats.connect(stack.nats_url.split(","), connect_timeout=2, allow_reconnect=False)
+        nc = await nats.connect(stack.nats_url.split(","), connect_timeout=2, allow_reconnect=False, **stack.nats_options())
         try:
             reply = await nc.request(Subjects(stack.namespace).tm(node, "describe"), encode(m.DescribeRequest()), timeout=1.0)
             return decode(reply.data, m.DescribeReply).node_id == node

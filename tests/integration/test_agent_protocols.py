@@ -22,7 +22,9 @@ import httpx
 import pytest
 from conftest import SubmitTap, prefetch_counters, start_stack
 
+from dualpath.bus.auth import Identity
 from dualpath.bus.embedded import free_port
+from dualpath.protocol.subjects import Role
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.slow
 
 QWEN_TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "chat_templates" / "qwen2.5-instruct.jinja"
 MODEL = "tiny-qwen-template"
+REPLICA = Identity(Role.GATEWAY, "gw-replica")  # the second gateway's NATS identity
 WEATHER = {
     "name": "get_weather",
     "description": "The weather in a city.",
@@ -47,7 +50,8 @@ def stack(tiny_model, tmp_path_factory):
     cfg = json.loads((model / "tokenizer_config.json").read_text())
     cfg["chat_template"] = QWEN_TEMPLATE.read_text(encoding="utf-8")
     (model / "tokenizer_config.json").write_text(json.dumps(cfg))
-    s = start_stack(model, base / "storage", base / "run", prefetch_mb=16)  # agent-aware prefetch on
+    # agent-aware prefetch on; a second gateway (a replica) joins with an identity of its own
+    s = start_stack(model, base / "storage", base / "run", prefetch_mb=16, extra_identities=(REPLICA,))
     s.model_dir = model
     try:
         yield s
@@ -59,7 +63,7 @@ class Gateway:
     """A second gateway process on the stack's NATS (a replica), with its own flags."""
 
     def __init__(self, stack, log: Path, *flags: str) -> None:
-        self.port, self.log = free_port(), log
+        self.port, self.log, self.stack = free_port(), log, stack
         self.cmd = [sys.executable, "-m", "services.gateway", "--model", str(stack.model_dir), "--nats-url", stack.nats_url]
         self.cmd += ["--namespace", stack.namespace, "--port", str(self.port), "--gateway-id", "gw-replica", *flags]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -67,7 +71,8 @@ class Gateway:
 
     def start(self) -> Gateway:
         with self.log.open("a") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.stack.nats_env(REPLICA)}
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()[-3000:]
@@ -239,7 +244,7 @@ def test_sessions_from_the_protocols_are_prefetched_between_turns_without_a_sess
         )
     assert none == [] and tap.prefetched.count("agent-pf") == 2 and tap.prefetched.count(turn.id) == 2, tap.prefetched
     assert later.usage.input_tokens_details.cached_tokens > 0
-    used = sum(c.get("prefetch_used_bytes", 0) for c in prefetch_counters(stack.nats_url, stack.namespace).values())
+    used = sum(c.get("prefetch_used_bytes", 0) for c in prefetch_counters(stack).values())
     assert used > 0  # later turns loaded blocks from the prefetch cache
 
 

@@ -31,7 +31,7 @@ def test_prefetch_keeps_tokens_and_logprobs_and_serves_the_next_turn(tmp_path, r
             runs[label] = converse(
                 s.url, name, TURNS, max_tokens=MAX_TOKENS, read_path=read_path, gap_s=TOOL_GAP_S, headers={"X-Session-ID": "agent-7"}
             )
-            counters[label] = prefetch_counters(s.nats_url, s.namespace)
+            counters[label] = prefetch_counters(s)
         finally:
             s.stop()
     off, on = runs["off"], runs["on"]

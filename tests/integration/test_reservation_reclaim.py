@@ -40,7 +40,7 @@ async def test_a_dead_schedulers_unclaimed_slot_is_given_back_after_another_sche
             async def on_report(raw) -> None:
                 reports.append(decode(raw.data, m.NodeReport))
 
-            await bus.subscribe_raw(subjects.node_report, on_report)
+            await bus.subscribe_raw(subjects.node_reports, on_report)
             with anyio.fail_after(60):  # the service starts
                 while True:
                     try:

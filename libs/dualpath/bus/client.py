@@ -60,6 +60,7 @@ class _Served:
 
     subject: str
     limit: int
+    sender: Callable[[Any], str] | None = None  # the sender id a message must carry: the subject's last token
     in_flight: int = 0
     refused: int = 0  # messages answered BUSY or dropped because ``limit`` handlers were running
 
@@ -156,6 +157,7 @@ class Bus:
         queue: str = "",
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         inline: bool = False,
+        sender: Callable[[Any], str] | None = None,
     ) -> None:
         """Run ``handler(message)`` for every message of the ``accepts`` types on ``subject``.
 
@@ -169,12 +171,17 @@ class Bus:
         bounds whatever it leaves pending itself, e.g. by raising ``HandlerError(BUSY, ...)``). It
         returns the reply, or None and calls ``respond(reply)`` once when the answer is ready.
 
+        ``sender``: for a subject whose last token names its publisher (a report subscribed with
+        a wildcard): ``sender(message)`` must equal that token, or the message is dropped and
+        logged. The server's permissions let an identity publish only under its own id, so a
+        message claiming another id inside is forged.
+
         Raises:
             ValueError: ``max_in_flight`` < 1.
         """
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
-        served = _Served(subject, max_in_flight)
+        served = _Served(subject, max_in_flight, sender)
 
         async def on_msg(raw: Msg) -> None:
             if self._closing:
@@ -187,7 +194,7 @@ class Bus:
 
         async def on_inline(raw: Msg) -> None:
             if not self._closing:
-                await self._handle(raw, handler, accepts, inline=True)
+                await self._handle(raw, handler, accepts, inline=True, sender=served.sender)
 
         self._served.append(served)
         self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_inline if inline else on_msg))
@@ -213,7 +220,7 @@ class Bus:
             with anyio.CancelScope() as scope:
                 self._scopes.add(scope)
                 try:
-                    await self._handle(raw, handler, accepts)
+                    await self._handle(raw, handler, accepts, sender=served.sender)
                 finally:
                     self._scopes.discard(scope)
         finally:
@@ -221,13 +228,18 @@ class Bus:
             if self._idle is not None and not self._scopes:
                 self._idle.set()
 
-    async def _handle(self, raw: Msg, handler: Handler, accepts: tuple[type, ...], *, inline: bool = False) -> None:
+    async def _handle(
+        self, raw: Msg, handler: Handler, accepts: tuple[type, ...], *, inline: bool = False, sender: Callable[[Any], str] | None = None
+    ) -> None:
         # W3C trace context from the headers; a message without headers (tracing off) skips it:
         # extracting an empty carrier still costs microseconds on an inline hot path.
         token = otel_context.attach(propagate.extract(raw.headers)) if raw.headers else None
         try:
             try:
                 msg: Any = decode(raw.data, *accepts)
+                if sender is not None and sender(msg) != raw.subject.rsplit(".", 1)[-1]:
+                    log.warning("forged_sender", subject=raw.subject, claimed=sender(msg))
+                    return
                 answer = await (handler(msg, self._responder(raw.reply)) if inline else handler(msg))
             except ProtocolError as exc:
                 log.warning("bad_message", subject=raw.subject, error=exc.reason)

@@ -55,6 +55,7 @@ from dualpath.ha.lease import LeaderLease
 from dualpath.kv import BlockIndex
 from dualpath.kv.hashing import U64_MAX, check_u64
 from dualpath.kv.trie import check_chain
+from dualpath.protocol.subjects import Subjects
 from dualpath.telemetry.logs import get_logger
 
 __all__ = ["RECORD_VERSION", "Done", "IndexBusyError", "ReplicatedIndex", "ReplicationError", "stream_name"]
@@ -81,8 +82,8 @@ _Batch = list[tuple[list[Any], Done]]
 
 
 def stream_name(namespace: str) -> str:
-    """The JetStream stream of one deployment's index (stream names may not contain dots)."""
-    return f"{namespace}_kvindex"
+    """The JetStream stream of one deployment's index (named in ``dualpath.protocol.subjects.STORES``)."""
+    return Subjects(namespace).kv_index
 
 
 class ReplicatedIndex:
@@ -102,8 +103,9 @@ class ReplicatedIndex:
         compact_after: int = 100_000,
     ) -> None:
         self.js = js
-        self.stream = stream_name(namespace)
-        self.snapshots = f"{self.stream}_snap"  # object store bucket of the snapshot
+        self._subjects = Subjects(namespace)
+        self.stream = self._subjects.kv_index
+        self.snapshots = self._subjects.kv_index_snapshots  # object store bucket of the snapshot
         self.compact_after = compact_after
         self.subject = subject
         self.capacity = capacity_blocks
@@ -191,7 +193,7 @@ class ReplicatedIndex:
         info = await self.js.stream_info(self.stream)
         if info.state.messages < self.compact_after or self.applied < info.state.first_seq:
             return False  # short enough, or this replica lags behind a newer snapshot
-        lease = LeaderLease(self.js, f"{self.stream}_compact", holder, ttl=60.0, margin=5.0)
+        lease = LeaderLease(self.js, self._subjects.kv_index_compact, holder, ttl=60.0, margin=5.0)
         if not await lease.try_acquire():
             return False
         try:

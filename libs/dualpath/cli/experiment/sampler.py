@@ -57,8 +57,8 @@ class ClusterSampler:
                 return
             self.engines[r.engine_id] = {**r.stats, "role": int(r.role), "node": r.node_id}
 
-        await nc.subscribe(self.subjects.node_report, cb=on_node)
-        await nc.subscribe(self.subjects.engine_report, cb=on_engine)
+        await nc.subscribe(self.subjects.node_reports, cb=on_node)
+        await nc.subscribe(self.subjects.engine_reports, cb=on_engine)
         self._ready.set()
         while not self._stop.is_set():
             await asyncio.sleep(0.1)

@@ -10,6 +10,12 @@ kv-persistence replicas sharing an index replicated through JetStream. Stopping 
 in stages (gateway first, NATS last), waits, then kills whatever is left, so no process
 outlives the stack.
 
+NATS is locked down (``dualpath.bus.auth``): each child connects as an identity of its own, with
+a fresh password handed over in its environment and only the permissions its role needs; a
+client without credentials is refused. ``nats_tls`` adds mutual TLS with a throwaway authority
+(per-identity client certificates). ``nats_options`` gives the launcher's own tools (and the
+tests) an operator identity. An external NATS (``nats_url``) is used as configured.
+
 Where each service runs is a ``Placement``: ``LocalPlacement`` (the default) runs everything on
 this host's loopback; ``dualpath netns`` places each on a host of its own (a network namespace),
 bound to that host's address.
@@ -29,9 +35,11 @@ from typing import Protocol
 
 import httpx
 
+from dualpath.bus.auth import OPERATOR, ClusterAuth, ClusterTls, Identity
 from dualpath.cli.launcher.supervisor import Supervisor, SupervisorEvent
 from dualpath.cli.launcher.topology import Topology
 from dualpath.config import EmulationConfig, GatewayConfig, NodeConfig, default_of
+from dualpath.protocol.subjects import Role
 
 __all__ = ["LocalPlacement", "Placement", "Stack", "StackConfig", "StackError", "service_names"]
 
@@ -56,6 +64,9 @@ class StackConfig:
     namespace: str = ""
     nats_url: str = ""  # empty: start local nats-server(s)
     nats_cluster: int = 1  # local nats-servers: 1, or a JetStream cluster of 3+
+    nats_auth: bool = True  # local nats-servers: one identity per service with least-privilege permissions
+    nats_tls: bool = False  # local nats-servers: mutual TLS (clients and routes), per-identity certificates
+    extra_identities: tuple[Identity, ...] = ()  # NATS identities for processes started beside the stack (a second gateway)
     replicas: int = 1  # schedulers (one active) and kv-persistence replicas; 2+ = the redundant form
     supervise: bool = True  # restart children that die once the stack is up
     buffer_mb: int = default_of(NodeConfig, "buffer_mb")  # one source of truth: the node config
@@ -142,6 +153,14 @@ class Stack:
         self.logs = Path(cfg.run_dir) / "logs"
         self.supervisor = Supervisor(logs=self.logs, on_event=on_event)
         self.nats_urls: list[str] = []
+        local_nats = not cfg.nats_url
+        self.auth = ClusterAuth(self.namespace) if cfg.nats_auth and local_nats else None
+        self.tls: ClusterTls | None = None  # made with the servers (it needs their addresses)
+        if self.auth is not None:
+            self.auth.add_all(self.identities().values())
+            self.auth.add_all(cfg.extra_identities)
+            self.auth.add(Identity(OPERATOR, "launcher"))
+            self.auth.add(Identity(Role.OBSERVER, "launcher"))
 
     @property
     def url(self) -> str:
@@ -150,6 +169,42 @@ class Stack:
     @property
     def nats_url(self) -> str:
         return self.cfg.nats_url or ",".join(self.nats_urls)
+
+    def identities(self) -> dict[str, Identity]:
+        """The NATS identity of every service this stack runs, by child name."""
+        c = self.cfg
+        out = {replica_name("kv-persistence", i): Identity(Role.KV_PERSISTENCE, f"r{i}") for i in range(c.replicas)}
+        out |= {replica_name("scheduler", i): Identity(Role.SCHEDULER, f"s{i}") for i in range(c.replicas)}
+        out |= {f"traffic-manager-{node}": Identity(Role.TRAFFIC_MANAGER, node) for node, _role in c.topology.nodes()}
+        for engine, node, role in c.topology.engines():
+            out[f"{role}-{engine}"] = Identity(Role.PREFILL if role == "prefill" else Role.DECODE, engine, node)
+        out["gateway"] = Identity(Role.GATEWAY, default_of(GatewayConfig, "gateway_id"))
+        return out
+
+    def nats_env(self, identity: Identity) -> dict[str, str]:
+        """The environment that connects a process to this stack's NATS as ``identity`` (which
+        must be one of ``identities``, or the ``OPERATOR``/``OBSERVER`` identity named ``launcher``)."""
+        env = self.auth.env(identity) if self.auth is not None else {}
+        if self.tls is not None:
+            env |= self.tls.env(identity.user)
+        return env
+
+    def nats_options(self, role: Role | str = OPERATOR) -> dict:
+        """``nats.connect`` keyword arguments for the launcher's own clients: the operator (every
+        subject; for tests and fault tools) or, with ``Role.OBSERVER``, read-only reports."""
+        identity = Identity(role, "launcher")
+        options: dict = self.auth.connect_options(identity) if self.auth is not None else {}
+        if self.tls is not None:
+            options["tls"] = self.tls.ssl_context(identity.user)
+        return options
+
+    def nats_violations(self) -> list[str]:
+        """The NATS servers' log lines of refused publishes and subscriptions (identities that
+        tried a subject their role has no rule for), oldest first."""
+        out: list[str] = []
+        for log in sorted(self.logs.glob("nats-*.log")):
+            out += [ln for ln in log.read_text(errors="replace").splitlines() if " Violation - " in ln]
+        return out
 
     @property
     def events(self) -> list[SupervisorEvent]:
@@ -176,6 +231,8 @@ class Stack:
 
     def _spawn(self, name: str, module: str, args: list[str]) -> None:
         env = {**os.environ, **self.cfg.env(), "PYTHONUNBUFFERED": "1"}
+        if name in (ids := self.identities()):
+            env |= self.nats_env(ids[name])
         cmd = [sys.executable, "-m", module, "--nats-url", self.nats_url, "--namespace", self.namespace, *args]
         self.supervisor.add(name, self.placement.command(name, cmd), env)
 
@@ -184,10 +241,12 @@ class Stack:
 
         n = self.cfg.nats_cluster
         hosts = [self.placement.address(f"nats-{i}") for i in range(n)]
+        if self.cfg.nats_tls:
+            self.tls = ClusterTls(Path(self.cfg.run_dir) / "nats" / "tls", hosts=sorted(set(hosts)))
         if len(set(hosts)) == n > 1:  # one server per host: each on the standard ports of its own host
-            specs = nats_servers(n, self.cfg.run_dir, hosts=hosts)
+            specs = nats_servers(n, self.cfg.run_dir, hosts=hosts, auth=self.auth, tls=self.tls)
         else:
-            specs = nats_servers(n, self.cfg.run_dir, host=hosts[0])
+            specs = nats_servers(n, self.cfg.run_dir, host=hosts[0], auth=self.auth, tls=self.tls)
         for spec in specs:
             self.supervisor.add(spec.name, self.placement.command(spec.name, spec.cmd), dict(os.environ), watches_parent=False)
         self.nats_urls = [s.url for s in specs]
@@ -199,7 +258,11 @@ class Stack:
                 if time.monotonic() > deadline:
                     raise StackError(f"{spec.name} did not listen on {spec.url}; see {self.logs / spec.name}.log")
                 time.sleep(0.05)
-        say(f"nats-server on {self.nats_url}" + (f" (cluster of {len(specs)}, JetStream)" if len(specs) > 1 else " (JetStream)"))
+        lock = (", per-service identities" if self.auth else "") + (", mutual TLS" if self.tls else "")
+        say(
+            f"nats-server on {self.nats_url}"
+            + (f" (cluster of {len(specs)}, JetStream{lock})" if len(specs) > 1 else f" (JetStream{lock})")
+        )
 
     def start(self, timeout: float = 120.0, progress=None) -> Stack:
         """Start everything, wait for ``/health`` to report every engine, then supervise.

@@ -118,6 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--replicas", type=int, default=1, help="schedulers and kv-persistence replicas (2+: no single point of failure)")
     p.add_argument("--nats-cluster", type=int, default=1, choices=(1, 3, 5), help="local nats-servers (3 or 5: a JetStream cluster)")
+    p.add_argument(
+        "--nats-tls",
+        action="store_true",
+        help="local nats-servers speak mutual TLS (a throwaway CA under --run-dir; one client certificate per service)",
+    )
+    p.add_argument(
+        "--nats-open",
+        action="store_true",
+        help="local nats-servers without authorization (any local process may read every prompt and token; "
+        "default: one identity per service, least-privilege permissions)",
+    )
     p.add_argument("--no-restart", action="store_true", help="do not restart services that die (stop the stack instead)")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for every engine")
     t = p.add_argument_group("testbed (emulated cluster hardware, modeled compute)")
@@ -262,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         emulation=emu,
         replicas=ns.replicas,
         nats_cluster=ns.nats_cluster,
+        nats_auth=not ns.nats_open,
+        nats_tls=ns.nats_tls,
         supervise=not ns.no_restart,
         prefetch_mb=ns.prefetch_mb if ns.prefetch else 0,
         prefetch_ttl_s=ns.prefetch_ttl,
