@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import anyio
@@ -9,7 +10,15 @@ import numpy as np
 import pytest
 
 from dualpath.engine.dataplane import EngineDataPlane
-from dualpath.transfer import MemoryRegion, PeerLostError, RegionDescriptor, TransferEntry, UnknownRegionError, create_transport
+from dualpath.transfer import (
+    AccessDeniedError,
+    MemoryRegion,
+    PeerLostError,
+    RegionDescriptor,
+    TransferEntry,
+    UnknownRegionError,
+    create_transport,
+)
 from dualpath.transfer.peer import pattern, spawn_peer
 
 pytestmark = pytest.mark.anyio
@@ -80,16 +89,19 @@ async def test_a_same_node_region_created_again_by_a_restarted_owner_is_mapped_a
     await local.start()
     await remote.start()
     dp = EngineDataPlane(node_id="n0", region=MemoryRegion(f"test-dp-l-{uuid.uuid4().hex[:12]}", MIB), local=local, remote=remote)
-    desc = RegionDescriptor(region_id=rid, node_id="n0", size=MIB, transport="tcp", address={"host": "127.0.0.1", "port": 1})
+    desc = RegionDescriptor(region_id=rid, node_id="n0", size=MIB, transport="tcp", address={"host": "127.0.0.1", "port": 1}, key=owner.key)
     try:
         owner.buf[:] = pattern(MIB, 1).data
         assert await dp.read(desc, [TransferEntry(0, rid, 0, MIB)]) == MIB
         assert np.array_equal(dp.region.as_array(), pattern(MIB, 1))
         owner.close()
-        owner.unlink()  # the owner died; its successor creates the region again, same id, same descriptor
+        owner.unlink()  # the owner died; its successor creates the region again, same id and address
         owner = MemoryRegion(rid, MIB)
         owner.buf[:] = pattern(MIB, 4).data
-        assert await dp.read(desc, [TransferEntry(0, rid, 0, MIB)]) == MIB
+        with pytest.raises(AccessDeniedError):  # the old descriptor's key does not open the new segment
+            await dp.read(desc, [TransferEntry(0, rid, 0, MIB)])
+        fresh = dataclasses.replace(desc, key=owner.key)  # what the successor hands out
+        assert await dp.read(fresh, [TransferEntry(0, rid, 0, MIB)]) == MIB
         assert np.array_equal(dp.region.as_array(), pattern(MIB, 4))
     finally:
         await dp.close()

@@ -124,7 +124,7 @@ async def test_a_served_connection_whose_requests_come_every_10_ms_stops_spinnin
     ours, theirs = socket.socketpair()
     ours.setblocking(False)
     conn = tcp_server._Connection(ours, lambda r: region if r == rid else None, "srv", asyncio.get_running_loop(), BusyPoll(250))
-    frame = encode_request(Op.READ, 0, 1, [TransferEntry(0, rid, 0, 4 * KIB)], 0)
+    frame = encode_request(Op.READ, 0, 1, [TransferEntry(0, rid, 0, 4 * KIB)], 0, {rid: region.key})
     windows = []
 
     def client() -> None:  # a plain blocking peer in a thread: the loop is free meanwhile

@@ -3,12 +3,15 @@
 Bulk bytes move here, never over NATS: a transport registers ``MemoryRegion``s, hands out
 ``RegionDescriptor``s (plain dicts on the wire) for the control plane to deliver, and does
 one-sided batched ``read``/``write`` of ``TransferEntry`` lists with a ``TrafficClass`` per
-batch. An ``EmulatedNic`` shapes traffic to a link rate with two priorities; a ``DuplexNic``
-is a full-duplex pair of them. ``create_transport`` (``factory``) builds a transport by name.
+batch. Every region has a random key that only its descriptor hands out and every request
+must present (``AccessDeniedError`` otherwise); tcp can run over mutual TLS (``tls``). An
+``EmulatedNic`` shapes traffic to a link rate with two priorities; a ``DuplexNic`` is a
+full-duplex pair of them. ``create_transport`` (``factory``) builds a transport by name.
 """
 
 from dualpath.transfer.base import Transport
 from dualpath.transfer.errors import (
+    AccessDeniedError,
     OutOfBoundsError,
     PeerLostError,
     RegionExistsError,
@@ -25,6 +28,7 @@ from dualpath.transfer.types import RegionDescriptor, TrafficClass, TransferEntr
 
 __all__ = [
     "TRANSPORT_NAMES",
+    "AccessDeniedError",
     "DuplexNic",
     "EmulatedNic",
     "MemoryRegion",

@@ -4,6 +4,7 @@ Hierarchy::
 
     TransferError
     ├── UnknownRegionError        a region id nobody registered (or learned through connect)
+    ├── AccessDeniedError         a region named with a wrong or missing key
     ├── OutOfBoundsError          an entry reaches past the end of its region
     ├── RegionExistsError         a region id whose shared memory already exists
     ├── RegionInUseError          a region closed while views of its memory are alive
@@ -19,6 +20,7 @@ every entry before the first byte moves.
 from __future__ import annotations
 
 __all__ = [
+    "AccessDeniedError",
     "OutOfBoundsError",
     "PeerLostError",
     "RegionExistsError",
@@ -47,6 +49,24 @@ class UnknownRegionError(TransferError):
         self.detail = detail
         suffix = f" ({detail})" if detail else ""
         super().__init__(f"unknown memory region {region_id!r}{suffix}")
+
+
+class AccessDeniedError(TransferError):
+    """Raised when a batch names a region with a key other than the one its descriptor
+    handed out (the region's rkey, in RDMA terms).
+
+    The tcp server answers it, before any byte of the region is read or written, for a
+    request whose region table carries a wrong or missing key; the shared-memory transport
+    raises it from ``connect`` for a descriptor whose key is not the segment's. A descriptor
+    kept from before its owner re-created the region (a restart) ends here too: the new region
+    has a new key.
+    """
+
+    def __init__(self, region_id: str, detail: str = "") -> None:
+        self.region_id = region_id
+        self.detail = detail
+        suffix = f" ({detail})" if detail else ""
+        super().__init__(f"access to memory region {region_id!r} refused: wrong or missing key{suffix}")
 
 
 class OutOfBoundsError(TransferError):

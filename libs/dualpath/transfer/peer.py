@@ -2,7 +2,8 @@
 
 ``spawn_peer`` starts ``python -c "...peer import main; main()" SPEC`` where SPEC is JSON
 naming the transport and the regions to create (filled with ``pattern``). The child prints
-its region descriptors as one JSON line, serves until its stdin closes, and cleans up. A
+its region descriptors as one line (their msgpack wire form, hex: descriptors carry keys,
+which JSON cannot), serves until its stdin closes, and cleans up; its logs go to stderr. A
 test kills it (``PeerProcess.kill``) to see how transfers fail when a peer disappears.
 """
 
@@ -14,12 +15,14 @@ import selectors
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import IO, Any, Self
 
+import msgpack
 import numpy as np
 
 from dualpath.transfer.factory import create_transport
 from dualpath.transfer.region import MemoryRegion
+from dualpath.transfer.tls import TlsConfig
 from dualpath.transfer.types import RegionDescriptor
 
 __all__ = ["PeerProcess", "main", "pattern", "spawn_peer"]
@@ -76,8 +79,11 @@ def spawn_peer(
     host: str = "127.0.0.1",
     seed: int = 0,
     startup_timeout_s: float = 20.0,
+    tls: TlsConfig | None = None,
+    stderr: IO[Any] | None = None,
 ) -> PeerProcess:
-    """Start a peer serving ``regions`` (id → size) over ``transport``.
+    """Start a peer serving ``regions`` (id → size) over ``transport`` (tcp over mutual TLS
+    with ``tls``); its log lines go to ``stderr`` (default: this process's stderr).
 
     Raises:
         RuntimeError: the peer exited or printed no descriptors within the timeout.
@@ -88,11 +94,13 @@ def spawn_peer(
         "host": host,
         "seed": seed,
         "regions": regions,
+        "tls": None if tls is None else {"ca": tls.ca, "cert": tls.cert, "key": tls.key},
     }
     proc = subprocess.Popen(
         [sys.executable, "-c", "from dualpath.transfer.peer import main; main()", json.dumps(spec)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
+        stderr=stderr,
     )
     assert proc.stdout is not None
     peer = PeerProcess(proc)
@@ -101,7 +109,7 @@ def spawn_peer(
     except BaseException:
         peer.kill()
         raise
-    for wire in json.loads(line):
+    for wire in msgpack.unpackb(bytes.fromhex(line.decode().strip())):
         desc = RegionDescriptor.from_wire(wire)
         peer.descriptors[desc.region_id] = desc
     return peer
@@ -121,18 +129,22 @@ def _readline(proc: subprocess.Popen[bytes], timeout_s: float) -> bytes:
 
 def main() -> None:
     """The peer process: serve the regions named in ``sys.argv[1]`` until stdin closes."""
+    from dualpath.telemetry.logs import configure_logging
+
+    configure_logging("transfer-peer", stream=sys.stderr)  # stdout carries the descriptors
     asyncio.run(_serve(json.loads(sys.argv[1])))
 
 
 async def _serve(spec: dict[str, Any]) -> None:
-    transport = create_transport(spec["transport"], node_id=spec["node_id"], host=spec["host"])
+    tls = TlsConfig(**spec["tls"]) if spec.get("tls") else None
+    transport = create_transport(spec["transport"], node_id=spec["node_id"], host=spec["host"], data_tls=tls)
     await transport.start()
     regions = [MemoryRegion(rid, size) for rid, size in spec["regions"].items()]
     try:
         for region in regions:
             region.buf[:] = pattern(region.size, int(spec["seed"])).data
         wires = [transport.register(region).to_wire() for region in regions]
-        sys.stdout.write(json.dumps(wires) + "\n")
+        sys.stdout.write(msgpack.packb(wires).hex() + "\n")
         sys.stdout.flush()
         # Serve until the parent closes our stdin (or kills us).
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.buffer.read)

@@ -6,6 +6,14 @@ peers ``attach`` to it. Only the creator registers the segment with multiprocess
 resource tracker (so a crashed owner's segment is still removed) and only the creator
 unlinks it; an attacher maps it without telling the tracker, which would otherwise unlink the
 owner's memory when the attacher exits (Python < 3.13 registers attachers too).
+
+Every region has a random 128-bit ``key`` (``secrets.token_bytes``), its rkey in RDMA terms:
+transports hand it out only inside the region's descriptor, and every request that names the
+region must name the key too. The creator keeps it in the segment, after the region's bytes
+(outside ``buf``, so no transfer reaches it), which is how a same-node peer that maps the
+segment checks a descriptor against it. Segments are created mode 0600: other users cannot
+open them; a process of the same user can (it could read ``/proc/PID/mem`` as well), so the
+key guards against peers that only know a region's id, not against code running as the owner.
 """
 
 from __future__ import annotations
@@ -14,8 +22,10 @@ import _posixshmem
 import contextlib
 import ctypes
 import hashlib
+import hmac
 import mmap
 import os
+import secrets
 from multiprocessing import resource_tracker
 from typing import TYPE_CHECKING, Any, Self
 
@@ -31,9 +41,10 @@ from dualpath.transfer.errors import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MemoryRegion", "shm_name_for"]
+__all__ = ["KEY_BYTES", "MemoryRegion", "shm_name_for"]
 
 _RT_TYPE = "shared_memory"
+KEY_BYTES = 16  # a region's key; the segment holds it right after the region's bytes
 
 
 def shm_name_for(region_id: str) -> str:
@@ -45,8 +56,9 @@ def shm_name_for(region_id: str) -> str:
 class MemoryRegion:
     """A named, fixed-size block of shared memory.
 
-    ``MemoryRegion(region_id, size)`` creates it (zero-filled); ``MemoryRegion.attach``
-    maps an existing one. ``buf`` is a writable memoryview of ``size`` bytes.
+    ``MemoryRegion(region_id, size)`` creates it (zero-filled, with a new random ``key``);
+    ``MemoryRegion.attach`` maps an existing one (and reads its key). ``buf`` is a writable
+    memoryview of ``size`` bytes.
     """
 
     def __init__(self, region_id: str, size: int) -> None:
@@ -63,9 +75,11 @@ class MemoryRegion:
             fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
         except FileExistsError:
             raise RegionExistsError(region_id, name) from None
+        key = secrets.token_bytes(KEY_BYTES)
         try:
-            os.ftruncate(fd, size)
-            mapping = mmap.mmap(fd, size)
+            os.ftruncate(fd, size + KEY_BYTES)
+            mapping = mmap.mmap(fd, size + KEY_BYTES)
+            mapping[size:] = key
             inode = os.fstat(fd).st_ino
         except OSError:
             _posixshmem.shm_unlink("/" + name)
@@ -73,7 +87,7 @@ class MemoryRegion:
         finally:
             os.close(fd)
         resource_tracker.register("/" + name, _RT_TYPE)
-        self._init(region_id, name, size, mapping, owner=True)
+        self._init(region_id, name, size, mapping, key, owner=True)
         self.inode = inode
 
     @classmethod
@@ -92,16 +106,17 @@ class MemoryRegion:
         except FileNotFoundError:
             raise UnknownRegionError(region_id, f"no shared memory {name!r}") from None
         try:
-            seg_size = os.fstat(fd).st_size
+            seg_size = os.fstat(fd).st_size - KEY_BYTES  # the region's bytes; its key follows
             want = seg_size if size is None else size
             if want <= 0 or want > seg_size:
-                raise OutOfBoundsError(region_id, 0, want, seg_size)
-            mapping = mmap.mmap(fd, seg_size)
+                raise OutOfBoundsError(region_id, 0, want, max(seg_size, 0))
+            mapping = mmap.mmap(fd, seg_size + KEY_BYTES)
+            key = bytes(mapping[seg_size:])
             inode = os.fstat(fd).st_ino
         finally:
             os.close(fd)
         self = cls.__new__(cls)
-        self._init(region_id, name, want, mapping, owner=False)
+        self._init(region_id, name, want, mapping, key, owner=False)
         self.inode = inode
         return self
 
@@ -115,11 +130,12 @@ class MemoryRegion:
         except FileNotFoundError:
             return not os.path.isdir("/dev/shm")
 
-    def _init(self, region_id: str, name: str, size: int, mapping: mmap.mmap, *, owner: bool) -> None:
+    def _init(self, region_id: str, name: str, size: int, mapping: mmap.mmap, key: bytes, *, owner: bool) -> None:
         self.region_id = region_id
         self.shm_name = name
         self.size = size
         self.owner = owner
+        self.key = key  # [KEY_BYTES]: what every request naming this region must present
         self._mmap: mmap.mmap | None = mapping
         self._buf: memoryview | None = memoryview(mapping)[:size]
         self._unlinked = False
@@ -148,6 +164,11 @@ class MemoryRegion:
             return ctypes.addressof(anchor)
         finally:
             del anchor
+
+    def accepts(self, key: bytes) -> bool:
+        """Whether ``key`` is this region's key (compared in constant time, so how long the
+        comparison takes says nothing about how much of a guess was right)."""
+        return len(key) == KEY_BYTES and hmac.compare_digest(key, self.key)
 
     def check_range(self, offset: int, length: int) -> None:
         """Raise ``OutOfBoundsError`` unless ``[offset, offset+length)`` lies in the region."""

@@ -6,6 +6,18 @@ copy with memoryview slice assignment (a plain ``memcpy``). Batches of at least
 ``thread_copy_bytes`` are copied in a worker thread through numpy, which releases the GIL,
 so a large copy does not stall the event loop. A peer that dies leaves its shared memory
 mapped here: transfers to it still complete (there is nothing that could hang).
+
+The key: shared memory has no serving side to ask, so the check is where a region is named,
+``connect``: the descriptor's key must be the one the segment holds (``MemoryRegion.key``),
+compared in constant time, or the region is not mapped (``AccessDeniedError``, logged) and no
+batch can name it. What that protects against: a peer that learned a region's id (from a log,
+a control message) but was never handed its descriptor, and a descriptor kept from before its
+owner re-created the region (a restart: new segment, new key), which would otherwise read and
+write memory its owner no longer means. What it does not: the segment is a file in
+``/dev/shm``, created mode 0600, so other users cannot open it, but any process of the same
+user can map it by name without asking this transport (the decode engine maps its node's
+buffer that way) and read the key there; isolating same-user processes takes separate users
+or containers, not a key.
 """
 
 from __future__ import annotations
@@ -16,13 +28,16 @@ from collections.abc import Sequence
 import anyio
 import numpy as np
 
+from dualpath.telemetry.logs import get_logger
 from dualpath.transfer.base import Transport, check_entries
-from dualpath.transfer.errors import RegionInUseError, UnknownRegionError
+from dualpath.transfer.errors import AccessDeniedError, RegionInUseError, UnknownRegionError
 from dualpath.transfer.nic import DuplexNic, EmulatedNic
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.types import RegionDescriptor, TrafficClass, TransferEntry
 
 __all__ = ["ShmTransport"]
+
+_log = get_logger("transfer.shm")
 
 
 class ShmTransport(Transport):
@@ -59,30 +74,48 @@ class ShmTransport(Transport):
             size=region.size,
             transport=self.name,
             address={"shm_name": region.shm_name},
+            key=region.key,
         )
 
     async def connect(self, remote: RegionDescriptor) -> None:
-        """Map the remote region (idempotent).
+        """Map the remote region (idempotent) once the descriptor's key is the segment's.
 
         Raises:
             ValueError: the descriptor is for another transport.
+            AccessDeniedError: the descriptor's key is not the segment's (nothing is mapped,
+                and batches naming the region fail with ``UnknownRegionError``).
             UnknownRegionError: no shared memory exists for the region on this host.
             OutOfBoundsError: the segment is smaller than the descriptor says.
         """
         await super().connect(remote)
         current = self._mapped.get(remote.region_id)
-        if current is not None and current.size == remote.size and current.is_current():
+        if current is not None and current.size == remote.size and current.is_current() and current.accepts(remote.key):
             return  # (not current: its owner restarted and created the segment again)
-        if remote.region_id in self._local:
-            return  # our own region: copy within this process's mapping
+        own = self._local.get(remote.region_id)
+        if own is not None:  # our own region: copy within this process's mapping
+            self._check_key(own, remote)
+            return
         try:
             mapped = MemoryRegion.attach(remote.region_id, remote.size)
+            try:
+                self._check_key(mapped, remote)
+            except AccessDeniedError:
+                _close_quietly(mapped)
+                raise
         except BaseException:
             self._remote.pop(remote.region_id, None)
             raise
         if current is not None:
             _close_quietly(current)  # the region was re-created (with another size, or by a new owner)
         self._mapped[remote.region_id] = mapped
+
+    def _check_key(self, region: MemoryRegion, remote: RegionDescriptor) -> None:
+        """Raise (and log) ``AccessDeniedError`` unless ``remote`` carries ``region``'s key."""
+        if region.accepts(remote.key):
+            return
+        self._remote.pop(remote.region_id, None)
+        _log.warning("shm_key_refused", node=self.node_id, region=remote.region_id, owner=remote.node_id)
+        raise AccessDeniedError(remote.region_id, f"descriptor from node {remote.node_id!r} does not carry the segment's key")
 
     async def _transfer(
         self,

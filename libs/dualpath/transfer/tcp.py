@@ -6,6 +6,12 @@ it: a batch is one request frame (with a write's payload) and one reply frame (w
 payload), matched by batch id. A reader task per connection receives replies straight into
 the local region. A peer that disappears fails every batch in flight with
 ``PeerLostError``; one that stops answering fails them after ``timeout_s``.
+
+Every request names, beside each region id, the key the region's descriptor handed out
+(``MemoryRegion.key``); the server refuses a wrong or missing one before any byte moves
+(``AccessDeniedError``). With ``tls`` (``--data-tls``) every connection is mutual TLS 1.3
+(``tls``): the server accepts only clients with a certificate of the deployment's CA, and the
+client checks the server's certificate against the host it dialed.
 """
 
 from __future__ import annotations
@@ -13,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+import ssl
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import anyio
 
+from dualpath.telemetry.logs import get_logger
 from dualpath.transfer._tasks import TaskSet
 from dualpath.transfer.base import Transport, check_entries
 from dualpath.transfer.busy_poll import busy_poll_default
@@ -28,9 +36,12 @@ from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.tcp_conn import PeerConnection
 from dualpath.transfer.tcp_server import serve_connection
 from dualpath.transfer.tcp_wire import Op
+from dualpath.transfer.tls import TlsConfig, TlsStream, tls_accept, tls_connect
 from dualpath.transfer.types import RegionDescriptor, TrafficClass, TransferEntry
 
 __all__ = ["TcpTransport"]
+
+_log = get_logger("transfer.tcp")
 
 # The two ends of every connection this process dialed, as (host, port) of each socket: a
 # connection between two transports of one process (tests, a single-process stack) shares
@@ -63,14 +74,18 @@ class TcpTransport(Transport):
         connect_timeout_s: float = 5.0,
         socket_buffer_bytes: int | None = 8 << 20,
         busy_poll_us: float | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         """``timeout_s`` bounds a whole batch; ``socket_buffer_bytes`` sets SO_SNDBUF and
         SO_RCVBUF (the kernel caps them at net.core.wmem_max/rmem_max; ``None`` keeps
         autotuning): large buffers mean fewer wake-ups per megabyte. ``busy_poll_us`` is the
         longest adaptive poll for a reply (initiator) or the next request (server) before
         sleeping in the event loop (``busy_poll``; 0 turns it off; default
-        ``DUALPATH_TCP_BUSY_POLL_US`` or 250 us)."""
+        ``DUALPATH_TCP_BUSY_POLL_US`` or 250 us). ``tls``: run every connection, served and
+        dialed, over mutual TLS with these files (``connect_timeout_s`` bounds the handshake);
+        both ends of a link must agree."""
         super().__init__(node_id=node_id, nic=nic)
+        self.tls = tls
         self.host = host
         self.port = port
         self.timeout_s = timeout_s
@@ -85,6 +100,7 @@ class TcpTransport(Transport):
         self._dialing: dict[tuple[str, int], asyncio.Lock] = {}
         self._batch_ids = itertools.count(1)
         self._peer_of: dict[str, tuple[str, int]] = {}  # remote region id -> (host, port)
+        self._keys: dict[str, bytes] = {}  # remote region id -> its key, from its descriptor
         self._open: set[PeerConnection] = set()  # connections whose socket is not closed yet
 
     async def start(self) -> None:
@@ -92,9 +108,12 @@ class TcpTransport(Transport):
 
         Raises:
             OSError: the address cannot be bound.
+            FileNotFoundError, ssl.SSLError: a TLS file is missing or unusable.
         """
         if self._listener is not None:
             return
+        if self.tls is not None:
+            self.tls.check()
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -128,9 +147,11 @@ class TcpTransport(Transport):
         """Learn a remote region (its peer's address); see ``Transport.connect``."""
         await super().connect(remote)
         self._peer_of[remote.region_id] = (str(remote.address["host"]), int(remote.address["port"]))
+        self._keys[remote.region_id] = remote.key
 
     def register(self, region: MemoryRegion) -> RegionDescriptor:
-        """Serve ``region``; its descriptor carries this transport's listening address.
+        """Serve ``region``; its descriptor carries this transport's listening address and
+        the region's key.
 
         Raises:
             ValueError: another region with the same id is registered.
@@ -145,6 +166,7 @@ class TcpTransport(Transport):
             size=region.size,
             transport=self.name,
             address={"host": self.host, "port": self.port},
+            key=region.key,
         )
 
     async def _transfer(
@@ -173,7 +195,7 @@ class TcpTransport(Transport):
         if not links and len(groups) == 1:
             conn = self._peers.get(first)
             if conn is not None and conn.alive:  # the usual batch: one live connection, no emulated link
-                future = await conn.submit(op, cls, next(self._batch_ids), local, groups[first].entries)
+                future = await conn.submit(op, cls, next(self._batch_ids), local, groups[first].entries, self._keys)
                 conn.spin(future)
                 if future.done():  # completed while polling: no timer, no task switch
                     future.result()  # the batch's error, if any
@@ -188,7 +210,7 @@ class TcpTransport(Transport):
                 for group in groups.values():
                     conn = await self._connection(group.peer)
                     conns.append(conn)
-                    futures.append(await conn.submit(op, cls, next(self._batch_ids), local, group.entries))
+                    futures.append(await conn.submit(op, cls, next(self._batch_ids), local, group.entries, self._keys))
             except BaseException:
                 for fut in futures:
                     fut.cancel()  # sent already: its reply drains into scratch
@@ -249,7 +271,12 @@ class TcpTransport(Transport):
             name = f"{peer[0]}:{peer[1]}"
             try:
                 with anyio.fail_after(self.connect_timeout_s):
-                    sock = await _dial(peer, self.socket_buffer_bytes)
+                    raw = await _dial(peer, self.socket_buffer_bytes)
+                    sock: socket.socket | TlsStream = raw
+                    if self.tls is not None:
+                        sock = await tls_connect(raw, self.tls, peer[0])
+            except ssl.SSLError as exc:  # an OSError too: say it was TLS
+                raise PeerLostError(name, f"TLS handshake failed: {exc!r}") from exc
             except (OSError, TimeoutError) as exc:
                 raise PeerLostError(name, f"cannot connect: {exc!r}") from exc
             in_process = _address(peer) in self._listening()
@@ -284,7 +311,25 @@ class TcpTransport(Transport):
             sock.setblocking(False)
             _no_delay(sock)
             poll_us = 0.0 if _address(address) in _IN_PROCESS else self.busy_poll_us
-            self._tasks.spawn(serve_connection(sock, self._lookup, self.node_id, poll_us), name="serve-connection")
+            host, port = _address(address)
+            peer = f"{host}:{port}"
+            if self.tls is None:
+                self._tasks.spawn(serve_connection(sock, self._lookup, self.node_id, poll_us, peer=peer), name="serve-connection")
+            else:  # the handshake in the connection's own task: a slow client holds up no other
+                self._tasks.spawn(self._serve_tls(sock, poll_us, peer), name="serve-tls-connection")
+
+    async def _serve_tls(self, sock: socket.socket, poll_us: float, peer: str) -> None:
+        """Serve one accepted connection once its TLS handshake has succeeded; a client
+        without a certificate of the CA (or too slow to show one) is logged and dropped."""
+        assert self.tls is not None
+        try:
+            with anyio.fail_after(self.connect_timeout_s):
+                stream = await tls_accept(sock, self.tls)
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+            sock.close()
+            _log.warning("tcp_tls_refused", node=self.node_id, peer=peer, reason=repr(exc))
+            return
+        await serve_connection(stream, self._lookup, self.node_id, poll_us, peer=peer)
 
     @staticmethod
     def _listening() -> set[tuple[str, int]]:

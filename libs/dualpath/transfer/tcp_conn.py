@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dualpath.transfer.busy_poll import DEFAULT_BUSY_POLL_US, BusyPoll, yield_cpu
@@ -38,6 +38,7 @@ from dualpath.transfer.tcp_wire import (
 from dualpath.transfer.tcp_wire import (
     advance as _advance,
 )
+from dualpath.transfer.tls import TlsStream
 from dualpath.transfer.types import TransferEntry
 
 __all__ = ["PeerConnection"]
@@ -58,9 +59,10 @@ class _Pending:
 
 
 class PeerConnection:
-    """One TCP connection to a peer's tcp transport, carrying pipelined batches."""
+    """One TCP connection (plain, or a TLS stream past its handshake) to a peer's tcp
+    transport, carrying pipelined batches."""
 
-    def __init__(self, sock: socket.socket, peer: str, busy_poll_us: float = DEFAULT_BUSY_POLL_US) -> None:
+    def __init__(self, sock: socket.socket | TlsStream, peer: str, busy_poll_us: float = DEFAULT_BUSY_POLL_US) -> None:
         self.sock = sock
         self.peer = peer
         self.poll = BusyPoll(busy_poll_us)
@@ -88,9 +90,11 @@ class PeerConnection:
         batch_id: int,
         local: MemoryRegion,
         entries: Sequence[TransferEntry],
+        keys: Mapping[str, bytes],
     ) -> asyncio.Future[int]:
-        """Send one batch; the returned future resolves to its byte count once the reply
-        arrives (for a read: once the bytes are in ``local``).
+        """Send one batch (``keys``: each remote region's key, from its descriptor); the
+        returned future resolves to its byte count once the reply arrives (for a read: once
+        the bytes are in ``local``).
 
         Raises:
             PeerLostError: the connection is dead or broke while sending.
@@ -100,14 +104,17 @@ class PeerConnection:
         views = local_views(local.buf, entries)
         nbytes = sum(v.nbytes for v in views)
         payload = nbytes if op is Op.WRITE else 0
-        frame = encode_request(op, traffic_class, batch_id, entries, payload)
+        frame = encode_request(op, traffic_class, batch_id, entries, payload, keys)
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._pending[batch_id] = _Pending(op, future, views if op is Op.READ else [], nbytes)
         started = False
         try:
             if op is Op.READ and not self._send_lock.locked():
                 # The common small frame: one send, no lock round trip when the socket takes it.
-                sent = self.sock.send(frame)
+                try:
+                    sent = self.sock.send(frame)
+                except BlockingIOError:  # the socket is full of earlier batches: wait below
+                    sent = 0
                 if sent == len(frame):
                     return future
                 started = True
@@ -287,7 +294,7 @@ class PeerConnection:
                 item.future.set_exception(error)
 
 
-def _recv(sock: socket.socket, bufs: list[memoryview]) -> int | None:
+def _recv(sock: socket.socket | TlsStream, bufs: list[memoryview]) -> int | None:
     """Receive into ``bufs``; the byte count, or None when nothing is there yet.
 
     Raises:

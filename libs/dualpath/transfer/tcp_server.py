@@ -3,7 +3,12 @@
 Requests on a connection are handled in order; the peer pipelines them, so the socket
 buffers keep the link busy while one is being answered. Every entry is checked before any
 byte moves: a bad batch gets an error reply (a write's payload is read and dropped), and the
-connection keeps serving.
+connection keeps serving. The first check is the key: every region a request names must come
+with the key its descriptor handed out (compared in constant time, once per region per frame);
+a refusal is logged with the peer's address, and a connection that presents
+``_MAX_REFUSALS`` wrong keys is closed (an honest peer with a stale descriptor gets its error
+replies; a prober does not get to fill the log). A stream that cannot be parsed closes its
+connection only; the other connections keep serving.
 
 The connection is a state machine driven by the event loop's reader callback (registered
 once, not per receive): a wake-up reads whatever arrived — request headers and entry tables
@@ -24,7 +29,6 @@ reply streams without one per socket buffer; one callback keeps the loop at most
 from __future__ import annotations
 
 import asyncio
-import logging
 import socket
 import time
 from collections.abc import Callable
@@ -32,8 +36,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dualpath.telemetry.logs import get_logger
 from dualpath.transfer.busy_poll import DEFAULT_BUSY_POLL_US, BusyPoll, yield_cpu
-from dualpath.transfer.errors import OutOfBoundsError, TransferError, UnknownRegionError
+from dualpath.transfer.errors import AccessDeniedError, OutOfBoundsError, TransferError, UnknownRegionError
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.tcp_wire import (
     ENTRY,
@@ -45,25 +50,30 @@ from dualpath.transfer.tcp_wire import (
     REQUEST_MAGIC,
     Op,
     Status,
+    decode_table,
     encode_error,
     io_window,
 )
 from dualpath.transfer.tcp_wire import (
     advance as _advance,
 )
+from dualpath.transfer.tls import TlsStream
 
 __all__ = ["serve_connection"]
 
-_log = logging.getLogger(__name__)
+_log = get_logger("transfer.tcp")
 _STAGE = 1 << 16  # staging buffer for headers and tables (grows for a larger table)
 _DRAIN_CHUNK = 1 << 20
 _MAX_CALLBACK_S = 0.002  # one reader callback (its polls included) holds the loop at most this long
+_MAX_REFUSALS = 8  # wrong keys one connection may present before it is closed
+MAX_STAGING_BYTES = 1 << 30  # gather/scatter copies of strided entries one request may need
 
 Lookup = Callable[[str], "MemoryRegion | None"]
 
 
 class _Malformed(Exception):
-    """A request stream that cannot be parsed (nor resynchronised)."""
+    """A request stream that cannot be parsed (nor resynchronised), or a peer that keeps
+    presenting wrong keys: the connection is closed."""
 
 
 @dataclass(slots=True)
@@ -78,13 +88,22 @@ class _Write:
     drain: int = 0  # bytes still to drop (error case)
 
 
-async def serve_connection(sock: socket.socket, lookup: Lookup, node_id: str, busy_poll_us: float = DEFAULT_BUSY_POLL_US) -> None:
-    """Answer batches on ``sock`` until the peer closes it; closes ``sock`` at the end.
+async def serve_connection(
+    sock: socket.socket | TlsStream,
+    lookup: Lookup,
+    node_id: str,
+    busy_poll_us: float = DEFAULT_BUSY_POLL_US,
+    *,
+    peer: str = "",
+) -> None:
+    """Answer batches on ``sock`` (a plain socket, or a TLS stream past its handshake) until
+    the peer closes it; closes ``sock`` at the end.
 
     ``lookup`` maps a region id to the registered, open region (or ``None``);
-    ``busy_poll_us`` is the longest poll for the next request (0: none).
+    ``busy_poll_us`` is the longest poll for the next request (0: none); ``peer`` is the
+    peer's address, for the log.
     """
-    conn = _Connection(sock, lookup, node_id, asyncio.get_running_loop(), BusyPoll(busy_poll_us))
+    conn = _Connection(sock, lookup, node_id, asyncio.get_running_loop(), BusyPoll(busy_poll_us), peer=peer)
     try:
         conn.start()
         await conn.done
@@ -95,9 +114,23 @@ async def serve_connection(sock: socket.socket, lookup: Lookup, node_id: str, bu
 class _Connection:
     """One served connection (see the module docstring)."""
 
-    def __init__(self, sock: socket.socket, lookup: Lookup, node_id: str, loop: asyncio.AbstractEventLoop, poll: BusyPoll) -> None:
+    def __init__(
+        self,
+        sock: socket.socket | TlsStream,
+        lookup: Lookup,
+        node_id: str,
+        loop: asyncio.AbstractEventLoop,
+        poll: BusyPoll,
+        *,
+        peer: str = "",
+    ) -> None:
         self.sock, self.fd, self.lookup, self.node_id, self.loop = sock, sock.fileno(), lookup, node_id, loop
         self.poll = poll
+        self.peer = peer
+        self.refusals = 0  # requests refused for a wrong or missing key
+        # TLS keeps decrypted bytes the kernel no longer reports as readable: read until the
+        # stream says it would block instead of trusting epoll to wake us for them.
+        self.buffered = isinstance(sock, TlsStream)
         self.moved = 0  # bytes received and sent: how a spin sees progress
         self.done: asyncio.Future[None] = loop.create_future()
         self.stage = bytearray(_STAGE)
@@ -136,11 +169,13 @@ class _Connection:
             self.poll.woke(began)
             self._pump()
             self._spin(began)
-        except _Malformed:
-            _log.warning("tcp transport %s: malformed request, closing connection", self.node_id)
-            self._end()
+        except _Malformed as exc:
+            self._drop(exc)
         except (ConnectionError, OSError):
             self._end()  # the peer vanished (mid-batch or between batches); its side reports it
+        except Exception:  # a bug must cost this connection, not the server's event loop
+            _log.exception("tcp_connection_failed", node=self.node_id, peer=self.peer)
+            self._end()
 
     def _pump(self) -> None:
         """Handle everything that can be handled without waiting."""
@@ -150,7 +185,7 @@ class _Connection:
                     return
                 continue
             if self._parse_one():
-                if self.lo == self.hi and self.write is None:
+                if self.lo == self.hi and self.write is None and not self.buffered:
                     return  # answered all that came; epoll wakes us for more (saves an EAGAIN recv)
                 continue
             if not self._receive_stage():
@@ -201,7 +236,7 @@ class _Connection:
             return False
         magic, op, _cls, n_regions, n_entries, table_len, batch_id, payload_len = REQUEST.unpack_from(self.stage, self.lo)
         if magic != REQUEST_MAGIC or op not in (Op.READ, Op.WRITE) or n_entries > MAX_ENTRIES or table_len > MAX_TABLE_BYTES:
-            raise _Malformed
+            raise _Malformed("malformed request")
         need = REQUEST.size + table_len + n_entries * ENTRY.size
         if have < need:
             if need > len(self.stage):
@@ -224,6 +259,8 @@ class _Connection:
                 self._release(views)
                 raise TransferError(f"write payload of {payload_len} B for {total} B of entries")
         except TransferError as exc:
+            if isinstance(exc, AccessDeniedError):
+                self._refused(op, exc)
             if op is Op.WRITE and payload_len:
                 self.write = _Write(batch_id, [], [], error=exc, drain=payload_len)
             else:
@@ -233,6 +270,21 @@ class _Connection:
             self.write = _Write(batch_id, list(views), views, scatters)
         else:
             self._send([memoryview(REPLY.pack(REPLY_MAGIC, Status.OK, op, 0, 0, batch_id, total)), *views], views)
+
+    def _refused(self, op: Op, exc: AccessDeniedError) -> None:
+        """Log a request refused for its key; close the connection after too many.
+
+        Raises:
+            _Malformed: this connection has presented ``_MAX_REFUSALS`` wrong keys.
+        """
+        self.refusals += 1
+        _log.warning("tcp_key_refused", node=self.node_id, peer=self.peer, region=exc.region_id, op=op.name, refusals=self.refusals)
+        if self.refusals >= _MAX_REFUSALS:
+            raise _Malformed(f"{self.refusals} requests with wrong keys")
+
+    def _drop(self, exc: _Malformed) -> None:
+        _log.warning("tcp_connection_dropped", node=self.node_id, peer=self.peer, reason=str(exc))
+        self._end()
 
     def _receive_payload(self) -> bool:
         """Fill the current write's destinations (staged bytes first); answer it when full.
@@ -338,10 +390,12 @@ class _Connection:
             self._resume_reading()
             self._pump()  # requests staged meanwhile
             self._spin(began)
-        except _Malformed:
-            _log.warning("tcp transport %s: malformed request, closing connection", self.node_id)
-            self._end()
+        except _Malformed as exc:
+            self._drop(exc)
         except (ConnectionError, OSError):
+            self._end()
+        except Exception:  # as in _on_readable
+            _log.exception("tcp_connection_failed", node=self.node_id, peer=self.peer)
             self._end()
 
     @staticmethod
@@ -360,29 +414,32 @@ def _resolve(
     op: Op,
     scatters: list[tuple[np.ndarray, memoryview]],
 ) -> list[memoryview]:
-    """Check every entry and return the memoryviews its bytes go from (read) or to (write),
-    in order. A strided entry whose pieces are apart is gathered into one new buffer for a
-    read; for a write it is received into a scratch buffer and ``(strided view, scratch)``
-    is appended to ``scatters`` for the caller to place.
+    """Check every region's key and every entry, and return the memoryviews the entries'
+    bytes go from (read) or to (write), in order. A strided entry whose pieces are apart is
+    gathered into one new buffer for a read; for a write it is received into a scratch buffer
+    and ``(strided view, scratch)`` is appended to ``scatters`` for the caller to place.
 
     Raises:
         UnknownRegionError: a named region is not registered here.
+        AccessDeniedError: a region's key in the table is not the region's (checked for every
+            region before any view of any region is made).
         OutOfBoundsError: an entry reaches outside its region.
-        TransferError: the tables do not match each other.
+        TransferError: the tables do not match each other, or strided entries would need more
+            than ``MAX_STAGING_BYTES`` of copies.
     """
-    names = table.decode().split("\0") if table else []
-    if len(names) != n_regions:
-        raise TransferError(f"region table holds {len(names)} ids, header says {n_regions}")
     regions: list[MemoryRegion] = []
-    for name in names:
+    for name, key in decode_table(table, n_regions):
         region = lookup(name)
         if region is None:
             raise UnknownRegionError(name, f"not registered at node {node_id!r}")
+        if not region.accepts(key):
+            raise AccessDeniedError(name, f"at node {node_id!r}")
         regions.append(region)
     bufs = [r.buf for r in regions]
     arrays: dict[int, np.ndarray] = {}
     views: list[memoryview] = []
     arr = strided = None
+    staged = 0  # bytes of gather/scatter copies so far
     try:
         for slot, offset, length, count, stride in ENTRY.iter_unpack(rows):
             if slot >= n_regions:
@@ -398,6 +455,9 @@ def _resolve(
             if count == 1 or stride == length:
                 views.append(bufs[slot][offset : offset + length * count])
                 continue
+            staged += length * count
+            if staged > MAX_STAGING_BYTES:
+                raise TransferError(f"strided entries need over {MAX_STAGING_BYTES} B of staging copies")
             arr = arrays.get(slot)
             if arr is None:
                 arr = arrays[slot] = np.frombuffer(bufs[slot], dtype=np.uint8)

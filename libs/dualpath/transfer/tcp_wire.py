@@ -3,9 +3,13 @@
 One request frame carries a whole batch; one reply frame answers it (one round trip per
 batch). Request::
 
-    REQUEST header (32 B) | region table (NUL-joined utf-8 ids) | entries [n, 32 B] | payload
+    REQUEST header (32 B) | region table [n_regions records] | entries [n, 32 B] | payload
+    region record: key (16 B) | id length (u16) | id (utf-8)
     entry: region slot, remote offset, piece length, piece count, remote stride
     payload: a write's bytes, entries concatenated in order; empty for a read
+
+Each region the batch names appears once in the table, with the key its descriptor handed
+out: the server checks one key per region per frame, not one per entry.
 
 Reply::
 
@@ -24,14 +28,18 @@ import functools
 import os
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from dualpath.transfer.errors import OutOfBoundsError, TransferError, UnknownRegionError
+from dualpath.transfer.errors import AccessDeniedError, OutOfBoundsError, TransferError, UnknownRegionError
+from dualpath.transfer.region import KEY_BYTES
 from dualpath.transfer.types import TransferEntry
+
+if TYPE_CHECKING:
+    from dualpath.transfer.tls import TlsStream
 
 __all__ = [
     "advance",
@@ -45,18 +53,22 @@ __all__ = [
     "Op",
     "Status",
     "decode_error",
+    "decode_table",
     "encode_error",
     "encode_request",
     "recv_exactly",
     "recv_into",
     "send_buffers",
+    "wait_fd",
 ]
 
 REQUEST = struct.Struct("<4sBBHIIQQ")  # magic, op, class, n_regions, n_entries, table, id, payload
 REPLY = struct.Struct("<4sBBHIQQ")  # magic, status, op, reserved, error_len, id, payload
-REQUEST_MAGIC = b"DPq2"  # 2: strided entries
+REQUEST_MAGIC = b"DPq3"  # 2: strided entries; 3: a key beside each region id
 REPLY_MAGIC = b"DPr1"
 ENTRY = struct.Struct("<IQQIQ")  # region slot, offset, length, count, stride: 32 B per entry
+_ID_LEN = struct.Struct("<H")  # a region record's id length, after its key
+_NO_KEY = bytes(KEY_BYTES)  # sent for a region whose descriptor has no key: the server refuses it
 MAX_ENTRIES = 1 << 20  # bounds the entry table a server will buffer (32 MiB)
 MAX_TABLE_BYTES = 1 << 20  # bounds the region-id table
 MAX_ERROR_BYTES = 1 << 16
@@ -98,11 +110,20 @@ def _entries_struct(n: int) -> struct.Struct:
     return struct.Struct("<" + "IQQIQ" * n)
 
 
-def encode_request(op: Op, traffic_class: int, batch_id: int, entries: Sequence[TransferEntry], payload_len: int) -> bytes:
-    """Header, region table and entry table of a request (the payload is sent after it).
+def encode_request(
+    op: Op,
+    traffic_class: int,
+    batch_id: int,
+    entries: Sequence[TransferEntry],
+    payload_len: int,
+    keys: Mapping[str, bytes],
+) -> bytes:
+    """Header, region table and entry table of a request (the payload is sent after it);
+    ``keys`` maps each region id to the key its descriptor carries (a region without one is
+    sent with a key no region has, and refused by the server).
 
     Raises:
-        ValueError: a region id contains NUL, or the batch exceeds the frame limits.
+        ValueError: a region id is longer than 65535 bytes, or the batch exceeds the frame limits.
     """
     index: dict[str, int] = {}
     flat: list[int] = []  # [n_entries * 5]
@@ -110,11 +131,15 @@ def encode_request(op: Op, traffic_class: int, batch_id: int, entries: Sequence[
         rid = entry.remote_region
         slot = index.get(rid)
         if slot is None:
-            if "\0" in rid:
-                raise ValueError(f"region id {rid!r} contains NUL")
             slot = index[rid] = len(index)
         flat += (slot, entry.remote_offset, entry.length, entry.count, entry.remote_stride)
-    table = "\0".join(index).encode()
+    records: list[bytes] = []
+    for rid in index:
+        key, raw = keys.get(rid, _NO_KEY), rid.encode()
+        if len(raw) > 0xFFFF:
+            raise ValueError(f"region id of {len(raw)} bytes is too long for the tcp frame")
+        records += (key if len(key) == KEY_BYTES else _NO_KEY, _ID_LEN.pack(len(raw)), raw)
+    table = b"".join(records)
     if len(entries) > MAX_ENTRIES or len(table) > MAX_TABLE_BYTES:
         raise ValueError(f"batch of {len(entries)} entries exceeds the tcp frame limits")
     head = REQUEST.pack(
@@ -130,11 +155,39 @@ def encode_request(op: Op, traffic_class: int, batch_id: int, entries: Sequence[
     return head + table + _entries_struct(len(entries)).pack(*flat)
 
 
+def decode_table(table: bytes, n_regions: int) -> list[tuple[str, bytes]]:
+    """``(region id, key)`` of every record of a request's region table, in slot order.
+
+    Raises:
+        TransferError: the table is not ``n_regions`` well-formed records, end to end.
+    """
+    out: list[tuple[str, bytes]] = []
+    at, end = 0, len(table)
+    while at < end:
+        if end - at < KEY_BYTES + _ID_LEN.size:
+            raise TransferError("region table ends inside a record")
+        key = table[at : at + KEY_BYTES]
+        (n,) = _ID_LEN.unpack_from(table, at + KEY_BYTES)
+        at += KEY_BYTES + _ID_LEN.size
+        if n > end - at:
+            raise TransferError("region table ends inside a region id")
+        try:
+            out.append((table[at : at + n].decode(), key))
+        except UnicodeDecodeError:
+            raise TransferError("a region id in the region table is not utf-8") from None
+        at += n
+    if len(out) != n_regions:
+        raise TransferError(f"region table holds {len(out)} ids, header says {n_regions}")
+    return out
+
+
 def encode_error(exc: TransferError) -> bytes:
     """The msgpack error body for a reply."""
     body: dict[str, Any] = {"message": str(exc)}
     if isinstance(exc, UnknownRegionError):
         body.update(kind="unknown_region", region_id=exc.region_id, detail=exc.detail)
+    elif isinstance(exc, AccessDeniedError):
+        body.update(kind="access_denied", region_id=exc.region_id, detail=exc.detail)
     elif isinstance(exc, OutOfBoundsError):
         body.update(
             kind="out_of_bounds",
@@ -155,6 +208,8 @@ def decode_error(raw: bytes, peer: str) -> TransferError:
         kind = body.get("kind")
         if kind == "unknown_region":
             return UnknownRegionError(body["region_id"], body.get("detail", ""))
+        if kind == "access_denied":
+            return AccessDeniedError(body["region_id"], body.get("detail", ""))
         if kind == "out_of_bounds":
             return OutOfBoundsError(body["region_id"], body["offset"], body["length"], body["size"])
         return TransferError(f"{peer}: {body.get('message', 'unknown error')}")
@@ -162,7 +217,8 @@ def decode_error(raw: bytes, peer: str) -> TransferError:
         return TransferError(f"{peer}: undecodable error reply ({exc})")
 
 
-async def _wait(loop: asyncio.AbstractEventLoop, fd: int, *, write: bool) -> None:
+async def wait_fd(loop: asyncio.AbstractEventLoop, fd: int, *, write: bool) -> None:
+    """Return once ``fd`` is writable (``write``) or readable."""
     fut: asyncio.Future[None] = loop.create_future()
 
     def wake() -> None:
@@ -182,7 +238,7 @@ async def _wait(loop: asyncio.AbstractEventLoop, fd: int, *, write: bool) -> Non
             loop.remove_reader(fd)
 
 
-async def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
+async def send_buffers(sock: socket.socket | TlsStream, buffers: Sequence[Any]) -> None:
     """Send every buffer, in order, with as few ``sendmsg`` calls as the kernel allows.
 
     Raises:
@@ -197,7 +253,7 @@ async def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
             try:
                 sent = sock.sendmsg(bufs[i : i + _IOV_MAX])
             except (BlockingIOError, InterruptedError):
-                await _wait(loop, fd, write=True)
+                await wait_fd(loop, fd, write=True)
                 continue
             while sent:
                 size = bufs[i].nbytes
@@ -211,7 +267,7 @@ async def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
         bufs.clear()  # a cancelled send's traceback keeps this frame: not the region's memory
 
 
-async def recv_into(sock: socket.socket, buffers: Sequence[memoryview]) -> None:
+async def recv_into(sock: socket.socket | TlsStream, buffers: Sequence[memoryview]) -> None:
     """Fill every buffer, in order, from the socket (scatter receive).
 
     Raises:
@@ -226,7 +282,7 @@ async def recv_into(sock: socket.socket, buffers: Sequence[memoryview]) -> None:
         try:
             got = sock.recvmsg_into(bufs[i : i + _IOV_MAX])[0]
         except (BlockingIOError, InterruptedError):
-            await _wait(loop, fd, write=False)
+            await wait_fd(loop, fd, write=False)
             continue
         if got == 0:
             raise ConnectionResetError("connection closed by peer")
@@ -240,7 +296,7 @@ async def recv_into(sock: socket.socket, buffers: Sequence[memoryview]) -> None:
                 got = 0
 
 
-async def recv_exactly(sock: socket.socket, nbytes: int) -> bytearray:
+async def recv_exactly(sock: socket.socket | TlsStream, nbytes: int) -> bytearray:
     """Receive exactly ``nbytes`` into a new buffer.
 
     Raises:

@@ -2,7 +2,8 @@
 
 A ``RegionDescriptor`` is what a peer needs to reach a registered region: it travels over
 the control plane (NATS, msgpack) as the plain dict ``to_wire()`` returns; the region's bytes
-never do.
+never do. It is also the only thing that hands out the region's key (as RDMA hands out an
+rkey with the address it unlocks): keep it out of logs (its ``repr`` leaves the key out).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 __all__ = ["DESCRIPTOR_VERSION", "RegionDescriptor", "TrafficClass", "TransferEntry"]
 
-DESCRIPTOR_VERSION = 1
+DESCRIPTOR_VERSION = 2  # 2: the region's key
 
 
 class TrafficClass(IntEnum):
@@ -82,15 +83,19 @@ class TransferEntry:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RegionDescriptor:
-    """How to reach a registered region: its id, owner node, size, transport and the
+    """How to reach a registered region: its id, owner node, size, transport, the
     transport-specific ``address`` (host/port for tcp, segment name for shm, QP endpoint and
-    rkey for verbs). ``address`` holds only msgpack-able values."""
+    rkey for verbs) and the region's ``key`` (``MemoryRegion.key``, 16 random bytes), which
+    every tcp request and every shm ``connect`` must present. ``address`` holds only
+    msgpack-able values. An empty ``key`` (a descriptor made by hand) is refused by any
+    serving side."""
 
     region_id: str
     node_id: str
     size: int
     transport: str
     address: dict[str, Any] = field(default_factory=dict)
+    key: bytes = field(default=b"", repr=False)
     version: int = DESCRIPTOR_VERSION
 
     def to_wire(self) -> dict[str, Any]:
@@ -102,6 +107,7 @@ class RegionDescriptor:
             "size": self.size,
             "transport": self.transport,
             "address": dict(self.address),
+            "key": self.key,  # msgpack bin
         }
 
     @classmethod
@@ -114,6 +120,9 @@ class RegionDescriptor:
         version = wire.get("v")
         if version != DESCRIPTOR_VERSION:
             raise ValueError(f"unsupported region descriptor version {version!r}")
+        key = wire.get("key", None)
+        if not isinstance(key, bytes | bytearray):  # bytes(n) of an int would be n zero bytes
+            raise ValueError("region descriptor misses field 'key' (or it is not bytes)")
         try:
             return cls(
                 region_id=str(wire["region_id"]),
@@ -121,6 +130,7 @@ class RegionDescriptor:
                 size=int(wire["size"]),
                 transport=str(wire["transport"]),
                 address=dict(wire["address"]),
+                key=bytes(key),
                 version=version,
             )
         except KeyError as exc:

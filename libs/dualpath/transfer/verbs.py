@@ -178,6 +178,9 @@ class VerbsTransport(Transport):
                 "addr": region.address,
                 "rkey": int(mr.rkey),
             },
+            # The HCA checks the rkey on every request; the region's key travels as for any
+            # transport, so a same-node peer that maps the region through shm can check it.
+            key=region.key,
         )
 
     def deregister(self, region_id: str) -> None:
