@@ -1,19 +1,81 @@
-"""``dualpath bench index``'s figures: the load model and how headroom and per-core capacity follow
-from what was measured (pure arithmetic; the benchmark itself is run by hand)."""
+"""``dualpath bench index``: the driver sends the message mix its load model states, in an order
+a real index accepts, and headroom and per-core capacity follow from what was measured (the
+benchmark itself is run by hand)."""
 
 from __future__ import annotations
 
+import asyncio
+
+import nats
 import pytest
 
-from dualpath.bench.index import LOAD, _grouping, _report
+from dualpath.bench.index import LOAD, _drive, _grouping, _report
+from dualpath.kv import unpack_hashes
+from dualpath.protocol import decode, encode
+from dualpath.protocol import messages as m
+from dualpath.protocol.subjects import Subjects
+
+CHAIN = 16  # blocks per lookup (the bench's default is the paper's 511; fewer keep the test short)
 
 
-def test_the_load_model_has_the_paper_s_per_turn_message_pattern() -> None:
-    turn = LOAD["per_turn"]
-    assert LOAD["lookups_per_s"] == pytest.approx(1381.6)
-    assert LOAD["block_commits_per_s"] == pytest.approx(LOAD["lookups_per_s"] * (turn["prompt_blocks"] + turn["generated_commit_messages"]))
-    assert LOAD["commit_requests_per_s"] / LOAD["lookups_per_s"] == pytest.approx(3.75)
-    assert turn["hashes_per_lookup"] == LOAD["chain_blocks"] == 511
+class _ChainIndex:
+    """A stand-in kv-persistence on the bus: a commit must name a known parent (``start=1``),
+    a lookup answers how many leading hashes were committed. Records what each lookup carried."""
+
+    def __init__(self) -> None:
+        self.known: set[int] = set()
+        self.lookup_sizes: list[int] = []
+        self.orphans = 0  # commits whose parent was never committed
+
+    async def on_commit(self, msg) -> None:
+        req = decode(msg.data, m.CommitRequest)
+        if req.start == 1 and req.hashes[0] not in self.known:
+            self.orphans += 1
+            await msg.respond(encode(m.ErrorReply(code=409, message="unknown parent")))
+            return
+        self.known.update(req.hashes[req.start :])
+        await msg.respond(encode(m.Ok()))
+
+    async def on_lookup(self, msg) -> None:
+        req = decode(msg.data, m.LookupRequest)
+        hashes = unpack_hashes(req.hashes) if isinstance(req.hashes, bytes) else req.hashes
+        self.lookup_sizes.append(len(hashes))
+        hit = 0
+        while hit < len(hashes) and hashes[hit] in self.known:
+            hit += 1
+        await msg.respond(encode(m.LookupReply(hit_blocks=hit)))
+
+
+def test_the_driver_sends_the_load_models_mix_each_commit_after_its_parent_and_every_lookup_hits(nats_server) -> None:
+    """Per turn: one lookup of the whole chain, one prompt commit and one commit per generated
+    block (fractions carried across turns), so the measured rates are the ones ``LOAD`` claims."""
+    clients = 4
+
+    async def main() -> tuple[dict, _ChainIndex]:
+        index, subj = _ChainIndex(), Subjects("bi-test")
+        nc = await nats.connect(nats_server.url)
+        try:
+            await nc.subscribe(subj.kv_commit, cb=index.on_commit)
+            await nc.subscribe(subj.kv_lookup, cb=index.on_lookup)
+            await nc.flush()
+            counts = await _drive(nats_server.url, "bi-test", clients=clients, seconds=1.0, chain_blocks=CHAIN, seed=3, cpu=dict)
+        finally:
+            await nc.close()
+        return counts, index
+
+    counts, index = asyncio.run(main())
+    turns = counts["lookups"]
+    assert turns >= 20 * clients, counts  # enough turns for the carried fractions to even out
+    assert counts["errors"] == counts["unanswered"] == index.orphans == 0
+    assert index.lookup_sizes == [CHAIN] * turns
+    assert counts["hit_blocks"] == CHAIN * turns  # every block a lookup names was committed before it
+    per_turn = LOAD["per_turn"]
+    # Each agent carries less than one block of each kind between turns, so the totals are the
+    # model's per-turn figures times the turns, to within one message (two blocks) per agent.
+    assert abs(counts["commit_requests"] - turns * LOAD["commit_requests_per_s"] / LOAD["lookups_per_s"]) <= clients
+    blocks = per_turn["prompt_blocks"] + per_turn["generated_commit_messages"] * per_turn["blocks_per_generated_commit"]
+    assert abs(counts["block_commits"] - turns * blocks) <= 2 * clients
+    assert LOAD["block_commits_per_s"] == pytest.approx(LOAD["lookups_per_s"] * blocks)
 
 
 def test_headroom_is_the_smallest_ratio_and_the_projection_scales_one_replica_core() -> None:
