@@ -52,7 +52,24 @@ def start_stack(model: Path, storage: Path, run_dir: Path, *, topology: str = "1
         **kw,
     )
     _STACK_LOGS.append((_current_module(), Path(cfg.run_dir) / "logs"))
-    return Stack(cfg).start(timeout=float(os.environ.get("DUALPATH_TEST_READY_TIMEOUT", "120")))
+    stack = Stack(cfg)
+    _STACKS.append(stack)
+    return stack.start(timeout=float(os.environ.get("DUALPATH_TEST_READY_TIMEOUT", "120")))
+
+
+_STACKS: list = []  # every stack start_stack made, checked for refused NATS operations when its module ends
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_nats_permission_violations():
+    """A stack's services use only the subjects their roles are granted: a refusal in any NATS
+    server's log (a subject without a rule in ``dualpath.protocol.subjects``) fails the module.
+    A test that provokes refusals on purpose sets ``stack.violations_expected = True``."""
+    first = len(_STACKS)
+    yield
+    stacks, _STACKS[first:] = _STACKS[first:], []
+    found = [v for s in stacks if not getattr(s, "violations_expected", False) for v in s.nats_violations()]
+    assert not found, "NATS refused operations of the stack's services:\n" + "\n".join(found[:20])
 
 
 # ---- service logs on failure --------------------------------------------------------------

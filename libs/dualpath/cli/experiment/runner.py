@@ -20,6 +20,7 @@ from dualpath.cli.launcher.topology import Topology, parse_topology
 from dualpath.cli.launcher.up import ensure_model
 from dualpath.config import EmulationConfig
 from dualpath.cost import resolve_target
+from dualpath.protocol.subjects import Role
 
 __all__ = [
     "ABLATION",
@@ -260,7 +261,7 @@ def run_mode(spec: TestbedSpec, mode: str, say=print) -> ModeResult:
     gateway_log = out / "run" / "logs" / "gateway.log"
     failed_before = _count_in_log(gateway_log, "kv_lookup_failed")  # the warm-up's, if it ran here
     stack = Stack(stack_config(spec, m, emu, out)).start(timeout=300)
-    sampler = ClusterSampler(stack.nats_url, stack.namespace).start()
+    sampler = ClusterSampler(stack.nats_url, stack.namespace, **stack.nats_options(Role.OBSERVER)).start()
     try:
         cmd = loadgen_command(spec, stack.url, spec.untimed_turns + spec.turns, out / "loadgen")
         cmd += ["--offline"] if offline else ["--rate", str(spec.online_rate), "--duration", str(spec.duration)]

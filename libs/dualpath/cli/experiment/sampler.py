@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import nats
 
@@ -23,8 +24,9 @@ __all__ = ["ClusterSampler"]
 class ClusterSampler:
     """Runs its own event loop in a thread; ``start()``, then ``stop()`` returns the samples."""
 
-    def __init__(self, nats_url: str, namespace: str) -> None:
-        self.url, self.subjects = nats_url, Subjects(namespace)
+    def __init__(self, nats_url: str, namespace: str, **options: Any) -> None:
+        """``options``: ``nats.connect`` arguments (a stack's ``nats_options(Role.OBSERVER)``)."""
+        self.url, self.subjects, self.options = nats_url, Subjects(namespace), options
         self.nodes: dict[str, list[tuple[float, int, int]]] = {}  # node -> [(t, bytes_read, bytes_written)]
         self.engines: dict[str, dict] = {}  # engine -> last stats (+ role, node)
         self.t0 = time.monotonic()
@@ -41,7 +43,7 @@ class ClusterSampler:
         self.t0 = time.monotonic()
 
     async def _run(self) -> None:
-        nc = await nats.connect(self.url)
+        nc = await nats.connect(self.url.split(","), **self.options)
 
         async def on_node(msg) -> None:
             try:
