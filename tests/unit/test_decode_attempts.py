@@ -51,8 +51,8 @@ class FakeBus:
     def freed(self) -> list[tuple[str, int]]:
         return [(r.request_id, r.attempt) for r in self.requested if isinstance(r, m.FreeRequest)]
 
-    def claimed(self) -> list[tuple[str, int]]:
-        return [(c.request_id, c.attempt) for _, c in self.published if isinstance(c, m.SlotClaimed)]
+    def claimed(self, rid: str = "r") -> list[tuple[str, int]]:
+        return [(c.request_id, c.attempt) for _, c in self.published if isinstance(c, m.SlotClaimed) and c.request_id == rid]
 
 
 def _engine(bus: FakeBus, tasks, block_tokens: int = 512) -> DecodeEngine:
@@ -99,6 +99,14 @@ async def _until(pred, timeout: float = 5.0) -> None:
             await asyncio.sleep(0.002)
 
 
+async def _two_more_steps(engine: DecodeEngine, bus: FakeBus) -> None:
+    """Return once the loop has run two decode steps that began after this call (a long probe
+    request's tokens show them): whatever a step under way at the call publishes is out by then,
+    so an event that is absent afterwards never comes."""
+    await engine.on_task(m.DecodeTask(**{**_task(0).to_wire(), "request_id": "probe"}))
+    await _until(lambda: sum(len(e.token_ids) for e in bus.events("probe")) >= 3)
+
+
 def _with_engine(body) -> FakeBus:
     bus = FakeBus()
 
@@ -124,8 +132,9 @@ def test_a_retry_replaces_the_run_it_still_holds_and_the_old_runs_events_stop():
         await _until(lambda: len(bus.events("r")) >= 3)  # the first attempt is decoding
         seen["retry"] = (await engine.on_task(_task(1, max_tokens=20))).detail
         seen["old_events_at_retry"] = len([e for e in bus.events("r") if e.attempt == 0])
+        # The new run's finish comes 19 steps after the retry: an event of the old run from the
+        # step under way at the retry would have been published long before it.
         await _until(lambda: any(e.finish_reason for e in bus.events("r")))
-        await asyncio.sleep(0.05)  # a straggling event of the old run would show now
         seen["late_old"] = (await engine.on_task(_task(0))).detail
         seen["same_again"] = (await engine.on_task(_task(1))).detail
         seen["finished"] = engine.report().finished
@@ -161,7 +170,7 @@ def test_the_schedulers_retry_cancel_stops_older_runs_silently_and_refuses_their
         await engine.on_cancel(m.CancelRequest(request_id="r", reason="retried", before_attempt=2))
         n = len(bus.events("r"))
         await _until(lambda: "r" not in engine.running)
-        await asyncio.sleep(0.05)
+        await _two_more_steps(engine, bus)
         seen["events_after_cancel"] = len(bus.events("r")) - n
         seen["late"] = (await engine.on_task(_task(1))).detail  # its hand-off crossed the retry
         seen["finished"] = engine.report().finished
@@ -180,7 +189,7 @@ def test_a_hand_off_that_crossed_its_clients_cancel_ends_on_arrival_instead_of_d
     async def body(engine: DecodeEngine, bus: FakeBus) -> None:
         await engine.on_cancel(m.CancelRequest(request_id="r", reason="client"))  # nothing of it here yet
         seen["answer"] = (await engine.on_task(_task(0))).detail
-        await asyncio.sleep(0.05)
+        await _two_more_steps(engine, bus)  # had it been taken in, it would be decoding by now
         seen["held"] = engine._held("r") is not None
         seen["report"] = engine.report()
         seen["repeated"] = [engine.report().finished for _ in range(3)]
@@ -188,7 +197,7 @@ def test_a_hand_off_that_crossed_its_clients_cancel_ends_on_arrival_instead_of_d
         await _until(lambda: any(e.finish_reason for e in bus.events("r")))
 
     bus = _with_engine(body)
-    assert seen["answer"] == "cancelled" and not seen["held"]
+    assert seen["answer"] == "cancelled" and not seen["held"] and not [e for e in bus.events("r") if e.attempt == 0]
     assert seen["report"].finished == ["r"] and seen["report"].finished_attempts == [0]  # the scheduler forgets it
     assert seen["repeated"] == [["r"], ["r"], []]  # named in three reports in a row: one lost report loses no finish
     assert ("r", 0) in bus.freed() and bus.claimed() == [("r", 1)]  # its slot given back, never claimed
@@ -206,11 +215,11 @@ def test_a_retry_of_a_request_waiting_for_admission_replaces_it_at_once():
         seen["waiting"] = "r" in engine.waiting
         seen["retry"] = (await engine.on_task(_task(1))).detail
         seen["held"] = engine.waiting["r"].attempt
-        await asyncio.sleep(0.01)
+        await _until(lambda: ("r", 0) in bus.freed())  # the replaced attempt's slot is given back
 
     bus = _with_engine(body)
     assert seen == {"waiting": True, "retry": "", "held": 1}
-    assert ("r", 0) in bus.freed()
+    assert bus.freed().count(("r", 0)) == 1
 
 
 class RefusingAllocBus(FakeBus):

@@ -57,13 +57,19 @@ def test_a_child_that_keeps_dying_is_restarted_with_a_doubling_back_off(tmp_path
 
 
 def test_a_held_child_stays_down_until_restarted_by_hand(tmp_path):
+    """``y``, killed after ``x`` died, is restarted (same back-off): by then the supervisor has
+    tended ``x`` as often since its death as a restart would have needed, so it was held."""
     sup = Supervisor(logs=tmp_path, min_backoff=0.01, poll=0.01)
-    sup.add("x", [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ))
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    sup.add("x", sleeper, dict(os.environ))
+    sup.add("y", sleeper, dict(os.environ))
     sup.watch()
     try:
         sup.hold("x")
         os.kill(sup.children["x"].proc.pid, signal.SIGKILL)
-        time.sleep(0.3)
+        _wait(lambda: sup.children["x"].proc.poll() is not None)
+        os.kill(sup.children["y"].proc.pid, signal.SIGKILL)
+        _wait(lambda: sup.children["y"].restarts >= 1)
         assert sup.children["x"].proc.poll() is not None and sup.children["x"].restarts == 0
         sup.restart_now("x")
         assert sup.children["x"].proc.poll() is None

@@ -9,7 +9,7 @@ import asyncio
 
 import anyio
 
-from dualpath.core import CoreConfig, SchedulerCore
+from dualpath.core import CoreConfig, SchedulerCore, TimeAdvanced
 from dualpath.policy import Thresholds, get_policy
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
@@ -21,6 +21,21 @@ REASON = "KV load failed: traffic manager of node P lost the load: no service li
 
 def _node(node: str) -> m.NodeReport:
     return m.NodeReport(node_id=node, read_q_tokens=0, read_q_bytes=0, buffer_free_bytes=1 << 30, buffer_bytes=1 << 30)
+
+
+class _CountingCore:
+    """The core, counting the ticks (``TimeAdvanced``: a scheduling pass each) the shell drives."""
+
+    def __init__(self, core: SchedulerCore) -> None:
+        self._core, self.ticks = core, 0
+
+    def handle(self, event):
+        if isinstance(event, TimeAdvanced):
+            self.ticks += 1
+        return self._core.handle(event)
+
+    def __getattr__(self, name: str):
+        return getattr(self._core, name)
 
 
 async def _until(cond, seconds: float = 5.0) -> None:
@@ -35,7 +50,7 @@ def test_a_task_failed_by_a_dead_traffic_manager_waits_for_its_node_to_report_ag
 
     async def main() -> None:
         policy = get_policy("dualpath", Thresholds(alpha_tokens=1 << 22, beta_tokens=1 << 22))
-        core = SchedulerCore(policy, CoreConfig(engine_timeout=60.0, max_attempts=3))
+        core = _CountingCore(SchedulerCore(policy, CoreConfig(engine_timeout=60.0, max_attempts=3)))
         async with anyio.create_task_group() as tasks:
             shell = SchedulerShell(bus, Subjects("t"), core, tasks, instance="s1")  # type: ignore[arg-type]
             await shell.on_engine_report(_report("pe0", "P", m.Role.PREFILL, "p-1"))
@@ -59,7 +74,8 @@ def test_a_task_failed_by_a_dead_traffic_manager_waits_for_its_node_to_report_ag
             for n in range(1, 3):  # the node's traffic manager dies under the task, twice in a row
                 await _until(lambda n=n: len(bus.sent(m.PrefillTask)) == n)
                 await shell.on_task_failed(m.TaskFailed(request_id="r", engine_id="pe0", reason=REASON, node_unreachable="P"))
-                await asyncio.sleep(0.3)  # six scheduling passes: nothing is placed while P is down, nothing fails
+                ticks = core.ticks
+                await _until(lambda ticks=ticks: core.ticks >= ticks + 6)  # six passes: nothing is placed while P is down, nothing fails
                 quiet.append((len(bus.sent(m.PrefillTask)), len(bus.sent(m.TokenEvent))))
                 await shell.on_node_report(_node("P"))  # its traffic manager is back
             # each loss counted as an attempt (as a reservation the node did not answer is): a third ends it
