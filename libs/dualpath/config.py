@@ -13,7 +13,10 @@ import dataclasses
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+if TYPE_CHECKING:
+    from dualpath.transfer.tls import TlsConfig
 
 __all__ = [
     "BusConfig",
@@ -109,6 +112,17 @@ class NodeConfig:
     buffer_mb: int = opt(1024, "node DRAM buffer size in MiB (PE buffer on prefill nodes, DE buffer on decode nodes)", "DUALPATH_BUFFER_MB")
     transport: str = opt("tcp", "data-plane transport between nodes: tcp or verbs", "DUALPATH_TRANSPORT")
     data_host: str = opt("127.0.0.1", "address the data-plane endpoint listens on and advertises", "DUALPATH_DATA_HOST")
+    data_tls: bool = opt(
+        False,
+        "run the tcp data plane over mutual TLS 1.3 (links that leave a trusted fabric; every node of a "
+        "deployment must agree); needs --data-tls-ca, --data-tls-cert and --data-tls-key",
+        "DUALPATH_DATA_TLS",
+    )
+    data_tls_ca: str = opt("", "data-plane TLS: the CA bundle that signs every data-plane host's certificate", "DUALPATH_DATA_TLS_CA")
+    data_tls_cert: str = opt(
+        "", "data-plane TLS: this host's certificate (its --data-host among the subject alternative names)", "DUALPATH_DATA_TLS_CERT"
+    )
+    data_tls_key: str = opt("", "data-plane TLS: the private key of --data-tls-cert", "DUALPATH_DATA_TLS_KEY")
     report_interval: float = opt(0.2, "seconds between state reports to the scheduler", "DUALPATH_REPORT_INTERVAL")
     prefetch_mb: int = opt(0, "agent-aware prefetch cache per node, MiB (0: off; a hint cache outside the buffer)", "DUALPATH_PREFETCH_MB")
     prefetch_ttl_s: float = opt(60.0, "seconds a prefetched block is kept for the session's next turn", "DUALPATH_PREFETCH_TTL")
@@ -118,6 +132,21 @@ class NodeConfig:
         "reserved, and nothing has used, are given back (its in-flight prefills hand off before that)",
         "DUALPATH_RECLAIM_AFTER_S",
     )
+
+    def data_tls_config(self) -> TlsConfig | None:
+        """The ``transfer.tls.TlsConfig`` of ``--data-tls`` (None when off).
+
+        Raises:
+            ValueError: ``data_tls`` is on but a file is not named.
+        """
+        if not self.data_tls:
+            return None
+        from dualpath.transfer.tls import TlsConfig
+
+        missing = [f"--data-tls-{n}" for n in ("ca", "cert", "key") if not getattr(self, f"data_tls_{n}")]
+        if missing:
+            raise ValueError(f"--data-tls needs {', '.join(missing)}")
+        return TlsConfig(ca=self.data_tls_ca, cert=self.data_tls_cert, key=self.data_tls_key)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

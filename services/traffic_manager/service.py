@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     async def serve(bus: Bus, stop: asyncio.Event, tasks: TaskGroup) -> None:
         # one registered region: the request buffer, then the prefetch cache beside it
         region = MemoryRegion(f"{bus_cfg.namespace}-{cfg.node_id}-buf", (cfg.buffer_mb + cfg.prefetch_mb) << 20)
-        transport = create_transport(cfg.transport, node_id=cfg.node_id, host=cfg.data_host)
+        transport = create_transport(cfg.transport, node_id=cfg.node_id, host=cfg.data_host, data_tls=cfg.data_tls_config())
         await transport.start()
         descriptor = transport.register(region)
         tm = TrafficManager(bus, cfg, subjects, region, descriptor, storage_io(cfg, emu), reclaim_after_s=cfg.reclaim_after_s)
@@ -510,7 +510,14 @@ def main(argv: list[str] | None = None) -> int:
         if tm.prefetcher is not None:
             await bus.serve(subjects.tm(cfg.node_id, "prefetch"), tm.prefetch, m.PrefetchRequest)
             start_logged(tasks, "prefetch", tm.prefetcher.run, stop)  # in the service's task group; ends with stop
-        log.info("traffic_manager_ready", node=cfg.node_id, buffer_mb=cfg.buffer_mb, prefetch_mb=cfg.prefetch_mb, transport=cfg.transport)
+        log.info(
+            "traffic_manager_ready",
+            node=cfg.node_id,
+            buffer_mb=cfg.buffer_mb,
+            prefetch_mb=cfg.prefetch_mb,
+            transport=cfg.transport,
+            data_tls=cfg.data_tls,
+        )
         try:
             while not stop.is_set():
                 tm.sweep()

@@ -110,7 +110,7 @@ async def build_engine(
         attach_model_traffic(decoder, nic, emu)
     region = MemoryRegion(f"{namespace}-{engine_id}-win", window_mb << 20)
     local = create_transport("shm", node_id=node.node_id, nic=nic)
-    remote = create_transport(node.transport, node_id=node.node_id, host=node.data_host, nic=nic)
+    remote = create_transport(node.transport, node_id=node.node_id, host=node.data_host, nic=nic, data_tls=node.data_tls_config())
     await local.start()
     await remote.start()
     # Testbed: every node is on this host, so shared memory carries every hop while the

@@ -274,7 +274,11 @@ class TcpTransport(Transport):
                     raw = await _dial(peer, self.socket_buffer_bytes)
                     sock: socket.socket | TlsStream = raw
                     if self.tls is not None:
-                        sock = await tls_connect(raw, self.tls, peer[0])
+                        try:
+                            sock = await tls_connect(raw, self.tls, peer[0])
+                        except BaseException:
+                            raw.close()
+                            raise
             except ssl.SSLError as exc:  # an OSError too: say it was TLS
                 raise PeerLostError(name, f"TLS handshake failed: {exc!r}") from exc
             except (OSError, TimeoutError) as exc:

@@ -143,6 +143,8 @@ class _Connection:
     def start(self) -> None:
         self.loop.add_reader(self.fd, self._on_readable)
         self.reading = True
+        if self.buffered:  # the first request may have come with the handshake's last flight
+            self.loop.call_soon(self._on_readable)
 
     def close(self) -> None:
         if self.reading:

@@ -7,22 +7,26 @@ client's to chain to the CA, and the client checks the server's against the CA a
 host it dialed (the address in the region's descriptor), so a peer needs a certificate from
 the deployment's CA to read or write anything, on top of each region's key.
 
-``TlsStream`` gives an ``ssl.SSLSocket`` the few socket methods the tcp transport's I/O calls,
-so its server and connection state machines run unchanged over TLS. An ssl socket has no
-scatter/gather (``sendmsg``/``recvmsg_into`` raise ``NotImplementedError``), so the stream
-moves one buffer per ``SSL_write``/``SSL_read`` (and at most one 16 KiB record per read);
-"would block" (``SSLWantReadError``/``SSLWantWriteError``) is raised as ``BlockingIOError``,
-as a plain non-blocking socket does. Two differences the callers heed:
+``TlsStream`` gives a TLS connection the few socket methods the tcp transport's I/O calls
+(``recv_into``, ``recvmsg_into``, ``send``, ``sendmsg``...), so its server and connection
+state machines run unchanged over TLS; "would block" is raised as ``BlockingIOError``, as a
+plain non-blocking socket does. An ``ssl.SSLSocket`` has no scatter/gather and makes two
+``recv`` syscalls per 16 KiB record (header, then body) and one ``send`` per record, so the
+stream is an ``ssl.SSLObject`` between two ``MemoryBIO``s instead: ciphertext moves between
+the socket and the BIOs ``_IO_BYTES`` at a time (one syscall), and records are sealed and
+opened in memory. Two differences the callers heed:
 
-- ``SSL_write`` is all or nothing, and after "would block" must be called again with the
-  same bytes: ``sendmsg`` writes ``_SEND_CHUNK`` bytes of a buffer at a time, reports only
-  whole chunks sent, so the caller's next call starts with the chunk that blocked.
-- decrypted bytes may wait inside the stream while the kernel reports nothing to read:
-  readers keep reading until the stream would block instead of waiting for epoll
-  (``tcp_server``'s ``buffered``).
+- ``sendmsg`` reports plaintext as sent only once its ciphertext is in the kernel: a chunk
+  whose ciphertext the socket did not take whole is kept and finished by the next call,
+  which must start with the same (unreported) bytes, as it does. Buffers smaller than
+  ``_COALESCE_BYTES`` are copied together into one chunk, so a batch of many small blocks is
+  not one record each.
+- ciphertext (and decrypted bytes) may wait inside the stream while the kernel reports
+  nothing to read: a reader keeps reading until the stream would block instead of waiting
+  for epoll (``tcp_server``'s ``buffered``).
 
-TLS 1.3 only (no renegotiation: a read never needs to write); no session tickets (each
-connection lives long and a ticket is one more write).
+TLS 1.3 only (no renegotiation: a read never has to wait for a write), no session tickets
+(connections live long; a ticket is one more flight).
 """
 
 from __future__ import annotations
@@ -33,13 +37,15 @@ import os
 import socket
 import ssl
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from dualpath.transfer.tcp_wire import wait_fd
 
 __all__ = ["TlsConfig", "TlsStream", "tls_accept", "tls_connect"]
 
-_SEND_CHUNK = 256 << 10  # bytes per SSL_write: progress is reported chunk by chunk
+_SEND_CHUNK = 256 << 10  # plaintext sealed per step at most: progress is reported chunk by chunk
+_COALESCE_BYTES = 64 << 10  # smaller buffers are copied together into one chunk
+_IO_BYTES = 256 << 10  # ciphertext received per syscall at most
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,45 +93,56 @@ def _context(cfg: TlsConfig, *, server: bool) -> ssl.SSLContext:
 
 
 class TlsStream:
-    """A non-blocking ``ssl.SSLSocket`` past its handshake, with the socket methods the tcp
-    transport uses (see the module docstring for how they differ from a plain socket's)."""
+    """One TLS connection past its handshake: a non-blocking socket and an ``ssl.SSLObject``
+    between two memory BIOs, with the socket methods the tcp transport uses (see the module
+    docstring for how they differ from a plain socket's)."""
 
-    __slots__ = ("_ssl",)
+    __slots__ = ("_sock", "_tls", "_in", "_out", "_rbuf", "_cipher", "_staged_len")
 
-    def __init__(self, sock: ssl.SSLSocket) -> None:
-        self._ssl = sock
+    def __init__(self, sock: socket.socket, tls: ssl.SSLObject, incoming: ssl.MemoryBIO, outgoing: ssl.MemoryBIO) -> None:
+        self._sock, self._tls, self._in, self._out = sock, tls, incoming, outgoing
+        self._rbuf = memoryview(bytearray(_IO_BYTES))
+        self._cipher = memoryview(b"")  # sealed bytes the socket has not taken yet
+        self._staged_len = 0  # plaintext bytes ``_cipher`` finishes (not yet reported as sent)
 
     def fileno(self) -> int:
-        return self._ssl.fileno()
+        return self._sock.fileno()
 
     def getsockname(self) -> Any:
-        return self._ssl.getsockname()
+        return self._sock.getsockname()
 
     def getpeername(self) -> Any:
-        return self._ssl.getpeername()
+        return self._sock.getpeername()
 
     def version(self) -> str | None:
         """The negotiated protocol (``"TLSv1.3"``)."""
-        return self._ssl.version()
+        return self._tls.version()
 
     def shutdown(self, how: int) -> None:
-        # The TCP socket's shutdown: ``SSLSocket.shutdown`` would also drop the TLS state, and
-        # a reader woken by it would then read ciphertext as if it were plain bytes.
-        socket.socket.shutdown(self._ssl, how)
+        self._sock.shutdown(how)
 
     def close(self) -> None:
-        self._ssl.close()
+        self._cipher = memoryview(b"")
+        self._sock.close()
 
+    # ---- receiving -----------------------------------------------------------------------
     def recv_into(self, buf: Any, nbytes: int = 0) -> int:
         """Decrypted bytes into ``buf`` (0 at the end of the stream).
 
         Raises:
             BlockingIOError: nothing to read yet.
+            ssl.SSLError: the peer sent something that is not a valid record (an OSError).
         """
-        try:
-            return self._ssl.recv_into(buf, nbytes)
-        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
-            raise BlockingIOError from None
+        view = memoryview(buf).cast("B")
+        want = nbytes or view.nbytes
+        while True:
+            try:
+                return cast(int, self._tls.read(want, view))  # with a buffer: the byte count
+            except ssl.SSLWantReadError:
+                if not self._fill():
+                    raise BlockingIOError from None
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return 0
 
     def recvmsg_into(self, bufs: list[memoryview]) -> tuple[int, list[Any], int, Any]:
         """Fill ``bufs`` in order as far as decrypted bytes go; ``(bytes, [], 0, None)`` like
@@ -135,22 +152,35 @@ class TlsStream:
             BlockingIOError: nothing to read yet.
         """
         total = 0
-        ssl_sock = self._ssl
         for buf in bufs:
             view = buf
             while view.nbytes:
                 try:
-                    got = ssl_sock.recv_into(view)
-                except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                    got = self.recv_into(view)
+                except BlockingIOError:
                     if total:
                         return total, [], 0, None
-                    raise BlockingIOError from None
+                    raise
                 if not got:
                     return total, [], 0, None
                 total += got
                 view = view[got:]
         return total, [], 0, None
 
+    def _fill(self) -> bool:
+        """Move what ciphertext the socket has into the incoming BIO; False when it has none.
+        The end of the stream is passed on as the BIO's EOF (the next read reports it)."""
+        try:
+            got = self._sock.recv_into(self._rbuf)
+        except (BlockingIOError, InterruptedError):
+            return False
+        if got:
+            self._in.write(self._rbuf[:got])
+        else:
+            self._in.write_eof()
+        return True
+
+    # ---- sending -------------------------------------------------------------------------
     def send(self, buf: Any) -> int:
         """Send what the socket takes of ``buf``, in whole chunks (see ``sendmsg``).
 
@@ -160,71 +190,114 @@ class TlsStream:
         return self.sendmsg([memoryview(buf).cast("B")])
 
     def sendmsg(self, bufs: list[memoryview]) -> int:
-        """Send ``bufs`` in order, ``_SEND_CHUNK`` bytes per ``SSL_write``; the bytes of the
-        chunks sent whole (a chunk that would block is sent again by the next call, which
-        must start with it).
+        """Seal ``bufs`` in order, up to ``_SEND_CHUNK`` bytes per chunk, and send the
+        ciphertext; return the plaintext bytes of the chunks the socket took whole. A chunk it
+        took part of is finished by the next call, which must start with the same bytes.
 
         Raises:
             BlockingIOError: the socket took no chunk.
+            OSError: the connection broke.
         """
         total = 0
-        ssl_sock = self._ssl
-        for buf in bufs:
-            at = 0
-            while at < buf.nbytes:
-                chunk = buf[at : at + _SEND_CHUNK]
-                try:
-                    sent = ssl_sock.send(chunk)
-                except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+        i = at = 0  # where the unsent plaintext starts: byte ``at`` of ``bufs[i]``
+        while True:
+            if self._staged_len:  # a chunk sealed already (by this call or an earlier one)
+                if not self._flush():
                     if total:
                         return total
-                    raise BlockingIOError from None
-                total += sent
-                at += sent
-        return total
+                    raise BlockingIOError
+                n, self._staged_len = self._staged_len, 0
+                total += n
+                while n:  # step past the chunk's plaintext
+                    take = min(n, bufs[i].nbytes - at)
+                    n -= take
+                    at += take
+                    if n:
+                        i, at = i + 1, 0
+            while i < len(bufs) and at >= bufs[i].nbytes:
+                i, at = i + 1, 0
+            if i == len(bufs):
+                return total
+            chunk = _chunk(bufs, i, at)
+            self._tls.write(chunk)  # into the outgoing BIO: never blocks
+            self._cipher = memoryview(self._out.read())
+            self._staged_len = chunk.nbytes
+
+    def _flush(self) -> bool:
+        """Send the sealed bytes still here; True once the socket has taken all of them.
+
+        Raises:
+            OSError: the connection broke.
+        """
+        while self._cipher.nbytes:
+            try:
+                sent = self._sock.send(self._cipher)
+            except (BlockingIOError, InterruptedError):
+                return False
+            self._cipher = self._cipher[sent:]
+        return True
+
+
+def _chunk(bufs: list[memoryview], i: int, at: int) -> memoryview:
+    """The next chunk to seal, from byte ``at`` of ``bufs[i]`` on: a view of a large buffer
+    (no copy), or one copy of the small buffers that follow each other there."""
+    first = bufs[i][at:]
+    if first.nbytes >= _COALESCE_BYTES or i + 1 == len(bufs):
+        return first[:_SEND_CHUNK]
+    staging = bytearray(first)
+    j = i + 1
+    while len(staging) < _SEND_CHUNK and j < len(bufs) and bufs[j].nbytes < _COALESCE_BYTES:  # a large one: a view of its own
+        staging += bufs[j][: _SEND_CHUNK - len(staging)]
+        j += 1
+    return memoryview(staging)
 
 
 async def tls_connect(sock: socket.socket, cfg: TlsConfig, host: str) -> TlsStream:
     """Run the client handshake on the connected, non-blocking ``sock``, checking that the
-    server's certificate is the CA's and names ``host``; the caller bounds the time.
+    server's certificate is the CA's and names ``host``; the caller bounds the time and
+    closes ``sock`` on failure.
 
     Raises:
         ssl.SSLError: the handshake failed (e.g. ``SSLCertVerificationError``).
         OSError: the connection broke.
     """
-    ssl_sock = cfg.client_context().wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
-    try:
-        await _handshake(ssl_sock)
-    except BaseException:
-        ssl_sock.close()
-        raise
-    return TlsStream(ssl_sock)
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = cfg.client_context().wrap_bio(incoming, outgoing, server_side=False, server_hostname=host)
+    return await _handshake(TlsStream(sock, tls, incoming, outgoing))
 
 
 async def tls_accept(sock: socket.socket, cfg: TlsConfig) -> TlsStream:
     """Run the server handshake on the accepted, non-blocking ``sock`` (the client must
-    present a certificate of the CA); the caller bounds the time.
+    present a certificate of the CA); the caller bounds the time and closes ``sock`` on
+    failure.
 
     Raises:
         ssl.SSLError: the handshake failed (no certificate, another CA...).
         OSError: the connection broke.
     """
-    ssl_sock = cfg.server_context().wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-    try:
-        await _handshake(ssl_sock)
-    except BaseException:
-        ssl_sock.close()
-        raise
-    return TlsStream(ssl_sock)
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = cfg.server_context().wrap_bio(incoming, outgoing, server_side=True)
+    return await _handshake(TlsStream(sock, tls, incoming, outgoing))
 
 
-async def _handshake(ssl_sock: ssl.SSLSocket) -> None:
+async def _handshake(stream: TlsStream) -> TlsStream:
+    """Drive ``stream``'s handshake: each flight out through the socket, the peer's in
+    through the incoming BIO (bytes that came with the last flight stay there for the first
+    read)."""
     loop = asyncio.get_running_loop()
+    fd = stream.fileno()
     while True:
         try:
-            ssl_sock.do_handshake()
-            return
+            stream._tls.do_handshake()
+            done = True
         except ssl.SSLWantReadError:
-            await wait_fd(loop, ssl_sock.fileno(), write=False)
-        except ssl.SSLWantWriteError:
-            await wait_fd(loop, ssl_sock.fileno(), write=True)
+            done = False
+        stream._cipher = memoryview(stream._out.read())
+        while not stream._flush():
+            await wait_fd(loop, fd, write=True)
+        if done:
+            return stream
+        while not stream._fill():
+            await wait_fd(loop, fd, write=False)
+        if stream._in.eof:
+            raise ConnectionResetError("connection closed during the TLS handshake")
