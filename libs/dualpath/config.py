@@ -50,6 +50,7 @@ class BusConfig:
     nats_password: str = opt(
         "", "the NATS user's password (pass it in the environment: a command line is visible to every local user)", "DUALPATH_NATS_PASSWORD"
     )
+    nats_password_file: str = opt("", "file holding the NATS user's password (a mounted secret)", "DUALPATH_NATS_PASSWORD_FILE")
     nats_tls_ca: str = opt("", "CA bundle to verify the NATS server's TLS certificate; empty = no TLS", "DUALPATH_NATS_TLS_CA")
     nats_tls_cert: str = opt("", "client certificate for NATS mutual TLS", "DUALPATH_NATS_TLS_CERT")
     nats_tls_key: str = opt("", "client key for NATS mutual TLS", "DUALPATH_NATS_TLS_KEY")
@@ -72,7 +73,11 @@ class BusConfig:
             options["user_credentials"] = self.nats_creds
         if self.nats_user:
             # the identity may subscribe only to its own reply inboxes (dualpath.bus.auth.Identity.inbox)
-            options.update(user=self.nats_user, password=self.nats_password, inbox_prefix=f"_INBOX.{self.nats_user}")
+            password = self.nats_password
+            if self.nats_password_file:
+                with open(self.nats_password_file) as f:
+                    password = f.read().strip()
+            options.update(user=self.nats_user, password=password, inbox_prefix=f"_INBOX.{self.nats_user}")
         if self.nats_tls_ca or self.nats_tls_cert:
             import ssl
 

@@ -42,6 +42,9 @@ class Identity:
     role: Role | str  # a Role, or OPERATOR
     name: str
     node: str = ""
+    # One identity for every instance of the role, for deployments whose ids are known only at run
+    # time (Kubernetes pods): its own-scope rules widen to every instance of the role.
+    shared: bool = False
 
     def __post_init__(self) -> None:
         check_id(self.name, "identity name")
@@ -61,6 +64,8 @@ class Identity:
 
     def ids(self) -> dict[str, str]:
         """The pattern fields an ``OWN`` scope fills for this identity."""
+        if self.shared:
+            return {}
         if self.role in (Role.PREFILL, Role.DECODE):
             return {"engine": self.name, "node": self.node}
         if self.role == Role.TRAFFIC_MANAGER:
@@ -79,7 +84,7 @@ def _pattern(rule: Rule, namespace: str, scope: Scope, identity: Identity) -> st
     for f in _FIELD.findall(rule.pattern):
         if f == "ns":
             continue
-        if scope is Scope.OWN and f in ("engine", "node", "gateway") and not own.get(f):
+        if scope is Scope.OWN and not identity.shared and f in ("engine", "node", "gateway") and not own.get(f):
             raise ValueError(f"{identity.user} has no {f} id for its own-scope rule {rule.pattern}")
         values[f] = own.get(f) or "*"
     return rule.pattern.format(ns=namespace, **values)

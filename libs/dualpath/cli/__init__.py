@@ -2,6 +2,7 @@
 
 dualpath up --model DIR --topology 1P1D [--port 8000] [--storage PATH]
 dualpath netns up|status|link|shape|down   (the deployment across network namespaces, one per host; root)
+dualpath nats-auth --out DIR --topology 1P1D|--roles [--tls --host H]   (NATS identities for compose, k8s)
 dualpath make-tiny-model DIR [--arch qwen2|llama|qwen3|qwen3_moe|deepseek_v2|deepseek_v3 --layers N --hidden H ...]
 dualpath service NAME [service flags]      (gateway, scheduler, kv-persistence, traffic-manager,
                                             prefill-engine, decode-engine)
@@ -43,6 +44,7 @@ PASSTHROUGH = {
     "trace": "dualpath.cli.trace",
     "sim": "dualpath.cli.sim",
     "compiled": "dualpath.compiled",
+    "nats-auth": "dualpath.cli.nats_auth",
 }
 
 

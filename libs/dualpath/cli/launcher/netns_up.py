@@ -79,6 +79,12 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--prefix", default="", help="names of everything made start with this (default: dp + random hex)")
             s.add_argument("--env", action="append", default=[], metavar="K=V", help="environment for every service")
             s.add_argument("--ready-timeout", type=float, default=240.0, help="seconds to wait for every engine")
+            s.add_argument(
+                "--nats-tls",
+                action=argparse.BooleanOptionalAction,
+                default=True,
+                help="NATS clients and routes speak mutual TLS across the hosts (default on: traffic leaves each host)",
+            )
         if name == "down":
             s.add_argument("--prefix", default="", help="remove this deployment's namespaces even without a record")
         if name == "status":
@@ -147,6 +153,7 @@ def _serve(ns: argparse.Namespace) -> int:
         device=ns.device,
         replicas=ns.replicas,
         nats_cluster=3 if ns.replicas > 1 else 1,
+        nats_tls=ns.nats_tls,
         extra_env=env,
     )
     services = service_names(cfg)
