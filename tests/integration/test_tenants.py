@@ -157,6 +157,17 @@ def test_a_different_cache_salt_misses_and_the_same_salt_hits_on_every_generatio
     assert r.status_code == 422 and r.json()["error"]["param"] == "cache_salt"  # as vLLM: a salt, if given, is not empty
 
 
+def test_the_blocks_generated_after_a_prompt_shorter_than_a_block_are_its_tenants_own(stack, model):
+    """Such a chain starts in the decode engine, from the root that travelled with the request:
+    the tenant's next turn hits the answer's blocks, another tenant's does not."""
+    messages = [{"role": "user", "content": "Hi there."}]
+    body = chat(stack, model, "sk-alice", messages, max_tokens=3 * BT, ignore_eos=True)
+    assert body["usage"]["prompt_tokens"] < BT  # no full block of prompt: the answer's blocks carry the chain
+    messages += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]}, {"role": "user", "content": "Go on."}]
+    assert chat(stack, model, "sk-bob", messages)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert chat(stack, model, "sk-alice", messages)["usage"]["prompt_tokens_details"]["cached_tokens"] >= BT
+
+
 ROUTES = [
     ("GET", "/metrics"),
     ("GET", "/openapi.json"),
