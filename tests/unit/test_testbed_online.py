@@ -47,7 +47,7 @@ def test_prefetch_runs_get_one_untimed_lead_in_turn_per_agent_on_the_measured_st
     online.main(["--prefetch", "--out", str(tmp_path)])
     assert seen["untimed"] == 1  # a copy is staged when the previous turn ends: the first timed turn needs one
     online.main(["--out", str(tmp_path)])
-    assert seen["untimed"] == 0  # without prefetch the regime is the one the README's figures were measured in
+    assert seen["untimed"] == 0  # without prefetch the regime is the one docs/results.md's online figures were measured in
     online.main(["--prefetch", "--untimed-turns", "0", "--out", str(tmp_path)])
     assert seen["untimed"] == 0
     assert online.main(["--untimed-turns", "-1", "--out", str(tmp_path)]) == 2
