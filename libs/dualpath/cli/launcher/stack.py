@@ -15,6 +15,8 @@ a fresh password handed over in its environment and only the permissions its rol
 client without credentials is refused. ``nats_tls`` adds mutual TLS with a throwaway authority
 (per-identity client certificates). ``nats_options`` gives the launcher's own tools (and the
 tests) an operator identity. An external NATS (``nats_url``) is used as configured.
+``data_tls`` runs the tcp data plane over mutual TLS: a throwaway authority and one certificate
+per data-plane host (traffic managers and engines), handed to each in its environment.
 
 Where each service runs is a ``Placement``: ``LocalPlacement`` (the default) runs everything on
 this host's loopback; ``dualpath netns`` places each on a host of its own (a network namespace),
@@ -40,8 +42,9 @@ from dualpath.cli.launcher.supervisor import Supervisor, SupervisorEvent
 from dualpath.cli.launcher.topology import Topology
 from dualpath.config import EmulationConfig, GatewayConfig, NodeConfig, default_of
 from dualpath.protocol.subjects import Role
+from dualpath.transfer.tls import TlsConfig
 
-__all__ = ["LocalPlacement", "Placement", "Stack", "StackConfig", "StackError", "service_names"]
+__all__ = ["LocalPlacement", "Placement", "Stack", "StackConfig", "StackError", "service_names", "stack_identities"]
 
 
 class StackError(RuntimeError):
@@ -66,6 +69,7 @@ class StackConfig:
     nats_cluster: int = 1  # local nats-servers: 1, or a JetStream cluster of 3+
     nats_auth: bool = True  # local nats-servers: one identity per service with least-privilege permissions
     nats_tls: bool = False  # local nats-servers: mutual TLS (clients and routes), per-identity certificates
+    data_tls: bool = False  # tcp data plane over mutual TLS, a throwaway CA and one certificate per data-plane host
     extra_identities: tuple[Identity, ...] = ()  # NATS identities for processes started beside the stack (a second gateway)
     replicas: int = 1  # schedulers (one active) and kv-persistence replicas; 2+ = the redundant form
     supervise: bool = True  # restart children that die once the stack is up
@@ -128,6 +132,11 @@ class LocalPlacement:
             return False
 
 
+def _on_data_plane(service: str) -> bool:
+    """Whether child ``service`` serves or reaches memory regions (traffic managers, engines)."""
+    return service.startswith(("traffic-manager-", "prefill-", "decode-"))
+
+
 def replica_name(base: str, i: int) -> str:
     """``scheduler``, ``scheduler-1``, ...: the first replica keeps the plain name."""
     return base if i == 0 else f"{base}-{i}"
@@ -143,6 +152,18 @@ def service_names(cfg: StackConfig) -> list[str]:
     return [*names, "gateway"]
 
 
+def stack_identities(topology: Topology, replicas: int = 1, gateway_id: str = "") -> dict[str, Identity]:
+    """The NATS identity of every service of a stack of ``topology``, by the child's name
+    (``service_names``): engines, traffic managers and the gateway under their own ids."""
+    out = {replica_name("kv-persistence", i): Identity(Role.KV_PERSISTENCE, f"r{i}") for i in range(replicas)}
+    out |= {replica_name("scheduler", i): Identity(Role.SCHEDULER, f"s{i}") for i in range(replicas)}
+    out |= {f"traffic-manager-{node}": Identity(Role.TRAFFIC_MANAGER, node) for node, _role in topology.nodes()}
+    for engine, node, role in topology.engines():
+        out[f"{role}-{engine}"] = Identity(Role.PREFILL if role == "prefill" else Role.DECODE, engine, node)
+    out["gateway"] = Identity(Role.GATEWAY, gateway_id or default_of(GatewayConfig, "gateway_id"))
+    return out
+
+
 class Stack:
     def __init__(self, cfg: StackConfig, on_event=None, placement: Placement | None = None) -> None:
         if cfg.replicas < 1:
@@ -156,6 +177,7 @@ class Stack:
         local_nats = not cfg.nats_url
         self.auth = ClusterAuth(self.namespace) if cfg.nats_auth and local_nats else None
         self.tls: ClusterTls | None = None  # made with the servers (it needs their addresses)
+        self._data_tls: dict[str, TlsConfig] = {}  # data-plane host -> its TLS files (data_tls)
         if self.auth is not None:
             self.auth.add_all(self.identities().values())
             self.auth.add_all(cfg.extra_identities)
@@ -172,14 +194,7 @@ class Stack:
 
     def identities(self) -> dict[str, Identity]:
         """The NATS identity of every service this stack runs, by child name."""
-        c = self.cfg
-        out = {replica_name("kv-persistence", i): Identity(Role.KV_PERSISTENCE, f"r{i}") for i in range(c.replicas)}
-        out |= {replica_name("scheduler", i): Identity(Role.SCHEDULER, f"s{i}") for i in range(c.replicas)}
-        out |= {f"traffic-manager-{node}": Identity(Role.TRAFFIC_MANAGER, node) for node, _role in c.topology.nodes()}
-        for engine, node, role in c.topology.engines():
-            out[f"{role}-{engine}"] = Identity(Role.PREFILL if role == "prefill" else Role.DECODE, engine, node)
-        out["gateway"] = Identity(Role.GATEWAY, default_of(GatewayConfig, "gateway_id"))
-        return out
+        return stack_identities(self.cfg.topology, self.cfg.replicas)
 
     def nats_env(self, identity: Identity) -> dict[str, str]:
         """The environment that connects a process to this stack's NATS as ``identity`` (which
@@ -233,8 +248,26 @@ class Stack:
         env = {**os.environ, **self.cfg.env(), "PYTHONUNBUFFERED": "1"}
         if name in (ids := self.identities()):
             env |= self.nats_env(ids[name])
+        if self.cfg.data_tls and _on_data_plane(name):
+            env |= self._data_tls_env(name)
         cmd = [sys.executable, "-m", module, "--nats-url", self.nats_url, "--namespace", self.namespace, *args]
         self.supervisor.add(name, self.placement.command(name, cmd), env)
+
+    def _data_tls_env(self, name: str) -> dict[str, str]:
+        """The ``--data-tls`` settings of data-plane service ``name``: the certificate of the
+        host it is placed on (made, with the CA, in ``<run_dir>/data-tls`` on first use)."""
+        if not self._data_tls:
+            from dualpath.transfer.tls_certs import make_pki
+
+            hosts = [self.placement.address(n) for n in service_names(self.cfg) if _on_data_plane(n)]
+            self._data_tls = make_pki(Path(self.cfg.run_dir) / "data-tls", hosts)
+        tls = self._data_tls[self.placement.address(name)]
+        return {
+            "DUALPATH_DATA_TLS": "true",
+            "DUALPATH_DATA_TLS_CA": tls.ca,
+            "DUALPATH_DATA_TLS_CERT": tls.cert,
+            "DUALPATH_DATA_TLS_KEY": tls.key,
+        }
 
     def _start_nats(self, say) -> None:
         from dualpath.ha.natscluster import nats_servers

@@ -2,7 +2,7 @@
 
     dualpath up [--model DIR] [--topology 1P1D] [--engines-per-node 1] [--port 8000]
                 [--storage PATH] [--policy dualpath] [--read-path auto|pe|de] [--device cpu]
-                [--replicas 2] [--nats-cluster 3]
+                [--replicas 2] [--nats-cluster 3] [--data-tls]
 
 Every service is supervised: a child that dies is restarted with back-off while the others
 keep serving, and the event is printed and logged (``<run-dir>/logs/supervisor.log``).
@@ -10,7 +10,8 @@ keep serving, and the event is printed and logged (``<run-dir>/logs/supervisor.l
 cache block, and ``--tenant-max-concurrency`` / ``--tenant-tokens-per-minute`` limit each one.
 ``--replicas 2`` runs the redundant form (two schedulers, one active behind a JetStream
 lease; two kv-persistence replicas of a JetStream-replicated index); ``--nats-cluster 3``
-runs three clustered nats-servers instead of one.
+runs three clustered nats-servers instead of one. ``--data-tls`` sends the KV between nodes
+over mutual TLS (a throwaway CA and per-host certificates in ``<run-dir>/data-tls``).
 
 Without ``--model`` a tiny random checkpoint is made in ``<run-dir>/tiny-model`` (first run)
 and served, so the command works on a fresh machine with no downloads.
@@ -84,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill compute quota per batch, ms (paper §6.2): FIFO packing while the predicted batch time fits",
     )
     p.add_argument("--nats-url", default="", help="use this NATS server instead of an embedded one")
+    p.add_argument(
+        "--data-tls",
+        action="store_true",
+        help="run the tcp data plane (KV between nodes) over mutual TLS, with a throwaway CA and one "
+        "certificate per data-plane host made in <run-dir>/data-tls",
+    )
     p.add_argument(
         "--api-key", default="", help="require this key on every route but /health (Authorization: Bearer or x-api-key); tenant 'default'"
     )
@@ -264,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         buffer_mb=ns.buffer_mb,
         compute_quota_ms=ns.compute_quota_ms,
         nats_url=ns.nats_url,
+        data_tls=ns.data_tls,
         api_key=ns.api_key,
         api_key_file=ns.api_key_file,
         tenant_max_concurrency=ns.tenant_max_concurrency,
