@@ -73,7 +73,9 @@ def run_engine(ns: argparse.Namespace, role: str, engine_cls, task_type: type, r
 
         async def report() -> None:
             r = engine.report()
-            await bus.publish(subjects.engine_report(cfg.engine_id), r if r.incarnation else dataclasses.replace(r, incarnation=incarnation))
+            await bus.publish(
+                subjects.engine_report(cfg.engine_id), r if r.incarnation else dataclasses.replace(r, incarnation=incarnation)
+            )
 
         try:
             tasks.start_soon(periodic, stop, node.report_interval, report, name="engine-report")
