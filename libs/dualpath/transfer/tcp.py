@@ -333,6 +333,7 @@ class TcpTransport(Transport):
             sock.close()
             _log.warning("tcp_tls_refused", node=self.node_id, peer=peer, reason=repr(exc))
             return
+        _log.info("tcp_tls_connection", node=self.node_id, peer=peer, version=stream.version())  # once per peer: connections live long
         await serve_connection(stream, self._lookup, self.node_id, poll_us, peer=peer)
 
     @staticmethod
