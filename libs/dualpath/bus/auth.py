@@ -29,7 +29,7 @@ from typing import Any
 
 from dualpath.protocol.subjects import RULES, STORES, TM_TOPICS, Role, Rule, Scope, Store, check_id
 
-__all__ = ["OPERATOR", "ClusterAuth", "ClusterTls", "Identity", "permissions", "write_private"]
+__all__ = ["OPERATOR", "ClusterAuth", "ClusterTls", "Identity", "permissions", "permissions_table", "write_private"]
 
 OPERATOR = "operator"  # the launcher's own identity (tests, fault tools): every subject
 
@@ -276,3 +276,25 @@ class ClusterTls:
                     alt.append(x509.DNSName(host))
             builder = builder.add_extension(x509.SubjectAlternativeName(alt), critical=False)
         return key, builder.sign(issuer_key, hashes.SHA256())
+
+
+def permissions_table(namespace: str = "dualpath") -> str:
+    """The subject table as Markdown: each subject, who publishes and who subscribes (``own``:
+    only under the identity's own engine, node or gateway id). The security docs page holds it."""
+    def roles(scopes) -> str:
+        return ", ".join(f"{r.value}" + (" (own)" if s is Scope.OWN else "") for r, s in scopes.items()) or "-"
+
+    rows = ["| subject | publish | subscribe |", "|---|---|---|"]
+    for rule in [*RULES.values(), *TM_TOPICS.values()]:
+        rows.append(f"| `{rule.pattern.format_map(_Keep(ns=namespace))}` | {roles(rule.publish)} | {roles(rule.subscribe)} |")
+    for store in STORES.values():
+        owners = ", ".join(sorted(r.value for r in store.owners))
+        rows.append(f"| JetStream {store.kind} `{store.name.format(ns=namespace)}` | {owners} | {owners} |")
+    return "\n".join(rows) + "\n"
+
+
+class _Keep(dict):
+    """``format_map`` mapping that leaves unknown fields as ``{field}``."""
+
+    def __missing__(self, key: str) -> str:
+        return "{" + key + "}"

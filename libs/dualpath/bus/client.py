@@ -18,6 +18,7 @@ answered with an error and ``BusTimeoutError`` when nobody answered; its timeout
 
 from __future__ import annotations
 
+from asyncio import constants as asyncio_constants
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ Respond = Callable[[Any], Awaitable[None]]  # publishes a reply (a message, or i
 ErrorCallback = Callable[[Exception], Awaitable[None]]
 
 DEFAULT_MAX_IN_FLIGHT = 1024  # handlers one subscription runs at once (nats.py buffers 512 Ki messages per subscription)
+_TLS_SHUTDOWN_S = 2.0  # how long closing a TLS connection waits for the server's close_notify
 _CLOSE_GRACE_S = 2.0  # how long ``close`` lets in-flight handlers finish before cancelling them
 
 
@@ -86,6 +88,12 @@ class Bus:
         ``options`` go to ``nats.connect`` and may carry ``user_credentials``, ``tls`` etc.
         (see ``dualpath.config.BusConfig``).
         """
+        if options.get("tls") is not None:
+            # nats.py closes a TLS connection to a server that stopped answering by waiting for
+            # its close_notify, up to asyncio's default 30 s, before it tries another server: a
+            # server cut off by the network never answers. Two seconds bound that wait (the
+            # setting is read per connection; nats.py offers no option of its own for it).
+            asyncio_constants.SSL_SHUTDOWN_TIMEOUT = min(asyncio_constants.SSL_SHUTDOWN_TIMEOUT, _TLS_SHUTDOWN_S)
         nc = await nats.connect(
             url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, error_cb=_log_error, allow_reconnect=True, **options
         )
