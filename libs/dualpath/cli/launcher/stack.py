@@ -248,6 +248,8 @@ class Stack:
         env = {**os.environ, **self.cfg.env(), "PYTHONUNBUFFERED": "1"}
         if name in (ids := self.identities()):
             env |= self.nats_env(ids[name])
+        if name == "gateway" and self.cfg.api_key:
+            env["DUALPATH_API_KEY"] = self.cfg.api_key  # not on its command line, which every local user can read
         if self.cfg.data_tls and _on_data_plane(name):
             env |= self._data_tls_env(name)
         cmd = [sys.executable, "-m", module, "--nats-url", self.nats_url, "--namespace", self.namespace, *args]
@@ -396,7 +398,7 @@ class Stack:
                 *model,
                 *("--device", c.device),  # the engines' device: their dtype, so the KV bytes /v1/models reports
                 *("--host", self.placement.address("gateway"), "--port", str(c.port)),
-                *("--api-key", c.api_key, "--prefix-cache", str(c.prefix_cache).lower()),
+                *("--prefix-cache", str(c.prefix_cache).lower()),  # the API key goes in the environment: see _spawn
                 *(["--api-key-file", str(Path(c.api_key_file).resolve())] if c.api_key_file else []),
                 *("--tenant-max-concurrency", str(c.tenant_max_concurrency)),
                 *("--tenant-tokens-per-minute", str(c.tenant_tokens_per_minute)),
