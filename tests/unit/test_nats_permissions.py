@@ -134,3 +134,11 @@ def test_server_config_holds_every_identity_with_a_distinct_password():
     assert all(identity.user in text for identity in (PREFILL, DECODE, GATEWAY))
     assert len(set(auth.passwords.values())) == 4
     assert auth.add(PREFILL) is PREFILL and len(auth.passwords) == 4  # adding again keeps the password
+
+
+def test_the_security_page_shows_the_table_the_server_enforces():
+    """docs/security.md carries the permission table as the code derives it (regenerate it with
+    ``python -c "from dualpath.bus.auth import permissions_table; print(permissions_table())"``)."""
+    from dualpath.bus.auth import permissions_table
+
+    assert permissions_table() in (ROOT / "docs" / "security.md").read_text()
