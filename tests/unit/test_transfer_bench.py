@@ -46,6 +46,29 @@ def test_a_tiny_bench_run_reports_every_point_for_memcpy_and_each_transport() ->
         assert "apt-get install -y iperf3" in d["unavailable"]["iperf3"]
 
 
+def test_with_data_tls_a_tls_column_is_measured_beside_tcp_and_its_cost_reported() -> None:
+    d = run_bench(
+        transports=["tcp"],
+        block_sizes=(4 * KIB, 64 * KIB),
+        batch_sizes=(1, 8),
+        max_batch_bytes=512 * KIB,
+        region_bytes=1 << 20,
+        point_seconds=0.01,
+        with_mooncake=False,
+        with_iperf3=False,
+        rounds=1,
+        data_tls=True,
+    )
+    json.dumps(d)
+    assert d["columns"] == ["memcpy", "tcp", "tcp+tls"]
+    assert set(d["tls_cost"]) == set(d["results"]["tcp+tls"]) == {"4096x1", "4096x8", "65536x1", "65536x8"}
+    for key, row in d["tls_cost"].items():
+        assert row["gbps_ratio"] == pytest.approx(d["results"]["tcp+tls"][key]["gbps"] / d["results"]["tcp"][key]["gbps"], abs=2e-3)
+        assert row["tls_cpu_us"] > 0
+    report = format_report(d)
+    assert "what TLS costs" in report and "TLS over plain tcp, median of 4 points" in report
+
+
 def test_tcp_is_set_beside_iperf3_at_the_batch_s_size_capped_at_iperf3_s_largest_write() -> None:
     results = {
         "memcpy": {"4096x1": {"gbps": 8.0}, "2097152x4": {"gbps": 6.0}},

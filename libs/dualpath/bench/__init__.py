@@ -43,7 +43,7 @@ def _check(ns) -> str:
 def _transfer(ns) -> tuple[dict, Callable[[dict], str]]:
     from dualpath.bench.transfer import format_report, run_bench
 
-    kw: dict = {}
+    kw: dict = {"data_tls": ns.data_tls}
     if ns.quick:
         kw.update(block_sizes=(4096, 262144, 1 << 20), batch_sizes=(1, 16, 256), point_seconds=0.05, with_mooncake=False)
     return run_bench(**kw), format_report
@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=0.0, help="scheduler: virtual seconds measured (0 = the benchmark's default, 10)")
     p.add_argument("--warmup", type=float, default=None, help="scheduler: virtual seconds before measuring (default 8)")
     p.add_argument("--quick", action="store_true", help="transfer: fewer points (a smoke run)")
+    p.add_argument(
+        "--data-tls", action="store_true", help="transfer: also tcp over mutual TLS (a tcp+tls column, and what TLS costs beside tcp)"
+    )
     ns = p.parse_args(argv)
     problem = _check(ns)
     if problem:

@@ -15,7 +15,10 @@ median. Each point also records the CPU time both ends spent per batch (this pro
 peer process, every thread): what a transport costs, which load on the machine moves far less
 than it moves time. Each point stops after ``point_seconds`` or ``point_bytes`` (at least 3
 batches), and batches larger than ``max_batch_bytes`` are skipped, which keeps a run near two
-minutes. A benchmark prints figures; the tests assert behaviour.
+minutes. With ``data_tls`` (``--data-tls``) a ``tcp+tls`` column runs the tcp transport over
+mutual TLS (throwaway certificates) beside plain tcp, and a table sets the two side by side:
+what TLS costs in throughput and in CPU time of both ends. Every request names its regions'
+keys, as it always does. A benchmark prints figures; the tests assert behaviour.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import contextlib
 import functools
 import os
 import statistics
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -35,6 +39,7 @@ from dualpath.bench.mooncake import MooncakeLoopback, mooncake_status
 from dualpath.transfer.factory import create_transport
 from dualpath.transfer.peer import spawn_peer
 from dualpath.transfer.region import MemoryRegion
+from dualpath.transfer.tls import TlsConfig
 from dualpath.transfer.types import TransferEntry
 
 __all__ = ["DEFAULT_BATCHES", "DEFAULT_BLOCKS", "format_report", "layouts", "roundtrip_floor_us", "run_bench", "versus_kernel"]
@@ -43,6 +48,7 @@ KIB, MIB = 1 << 10, 1 << 20
 DEFAULT_BLOCKS = (4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB)
 DEFAULT_BATCHES = (1, 4, 16, 64, 256)
 MOONCAKE = "mooncake-tcp"
+TCP_TLS = "tcp+tls"  # the tcp transport over mutual TLS
 
 
 def run_bench(
@@ -59,11 +65,13 @@ def run_bench(
     with_iperf3: bool = True,
     iperf3_bytes: int = 256 * MIB,
     rounds: int = 5,
+    data_tls: bool = False,
 ) -> dict[str, Any]:
     """Measure every (block, batch) point for memcpy, each transport and Mooncake, and
     iperf3's single loopback stream at each batch's size (``iperf3_bytes`` a run, once a
     round); return a msgpack/JSON-able dict (see ``format_report``). ``versus_kernel`` holds,
-    per point, tcp beside iperf3 and shm beside memcpy, with their ratios.
+    per point, tcp beside iperf3 and shm beside memcpy, with their ratios; with ``data_tls``
+    (and tcp measured) ``tls_cost`` holds tcp beside ``tcp+tls``.
 
     Raises:
         ValueError: ``op`` is neither "read" nor "write".
@@ -75,6 +83,8 @@ def run_bench(
     present = available_transports()
     wanted = list(transports) if transports is not None else list(present)
     columns = ["memcpy"] + [t for t in wanted if not present.get(t, "unknown transport")]
+    if data_tls and "tcp" in columns:
+        columns.insert(columns.index("tcp") + 1, TCP_TLS)
     unavailable = {t: present.get(t, "unknown transport") for t in wanted if present.get(t, "?")}
     mooncake_ok, mooncake_note = mooncake_status() if with_mooncake else (False, "not requested")
     if mooncake_ok:
@@ -97,7 +107,8 @@ def run_bench(
     }
     results: dict[str, dict[str, dict[str, float]]] = {c: {} for c in columns}
     with contextlib.ExitStack() as stack:
-        meters = {c: stack.enter_context(_Column(c, op, size)) for c in columns}
+        tls = _throwaway_tls(stack) if TCP_TLS in columns else None
+        meters = {c: stack.enter_context(_Column(c, op, size, tls if c == TCP_TLS else None)) for c in columns}
         # Interleaved: every point is measured for each column in turn, ``rounds`` times, and the
         # best round kept, so a burst of load on a shared machine hits all columns alike.
         for _ in range(rounds):
@@ -122,7 +133,35 @@ def run_bench(
         "roundtrip_floor": floor,
         "iperf3": {"available": iperf3_ok, "note": iperf3_note, "gbps_by_write_bytes": kernel},
         "versus_kernel": versus_kernel(results, shapes, kernel),
+        "tls_cost": tls_cost(results),
         "elapsed_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def _throwaway_tls(stack: contextlib.ExitStack) -> TlsConfig:
+    """A CA and a certificate for 127.0.0.1 in a directory removed when ``stack`` closes."""
+    from dualpath.transfer.tls_certs import make_pki
+
+    folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="dualpath-bench-tls-"))
+    return make_pki(folder, ["127.0.0.1"])["127.0.0.1"]
+
+
+def tls_cost(results: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per point where both were measured: tcp over TLS beside plain tcp, as ratios of
+    throughput (``gbps_ratio``, TLS over plain) and of CPU time of both ends per batch
+    (``cpu_ratio``)."""
+    plain, tls = results.get("tcp", {}), results.get(TCP_TLS, {})
+    return {
+        key: {
+            "tcp_gbps": plain[key]["gbps"],
+            "tls_gbps": tls[key]["gbps"],
+            "gbps_ratio": round(tls[key]["gbps"] / plain[key]["gbps"], 3),
+            "tcp_cpu_us": plain[key]["cpu_us"],
+            "tls_cpu_us": tls[key]["cpu_us"],
+            "cpu_ratio": round(tls[key]["cpu_us"] / plain[key]["cpu_us"], 3),
+        }
+        for key in plain
+        if key in tls
     }
 
 
@@ -350,8 +389,8 @@ def _cpu_seconds(pid: int | None) -> float:
 class _Column:
     """One column of the table, open for the whole run: ``point`` measures one shape."""
 
-    def __init__(self, name: str, op: str, size: int) -> None:
-        self.name, self.op, self.size = name, op, size
+    def __init__(self, name: str, op: str, size: int, tls: TlsConfig | None = None) -> None:
+        self.name, self.op, self.size, self.tls = name, op, size, tls
         self._stack = contextlib.ExitStack()
         self._peer_pid: int | None = None
 
@@ -373,15 +412,16 @@ class _Column:
         return self
 
     async def _open_transport(self) -> None:
-        rid = self._rid = f"bench-{self.name}-{uuid.uuid4().hex[:10]}"
-        transport = create_transport(self.name, node_id="bench")
+        kind = "tcp" if self.name == TCP_TLS else self.name
+        rid = self._rid = f"bench-{kind}-{uuid.uuid4().hex[:10]}"
+        transport = create_transport(kind, node_id="bench", data_tls=self.tls)
         await transport.start()
         self._stack.callback(lambda: self._loop.run_until_complete(transport.close()))
         local = MemoryRegion(f"{rid}-local", self.size)
         self._stack.callback(local.unlink)
         self._stack.callback(local.close)
         local.as_array()[:] = 1  # fault every page in now, not inside the timed transfers
-        peer = spawn_peer(self.name, {rid: self.size}, node_id="bench-peer")
+        peer = spawn_peer(kind, {rid: self.size}, node_id="bench-peer", tls=self.tls)
         self._stack.callback(peer.stop)
         self._peer_pid = peer.proc.pid
         await transport.connect(peer.descriptors[rid])
@@ -491,8 +531,33 @@ def format_report(d: dict[str, Any]) -> str:
     for name, reason in d["unavailable"].items():
         lines.append(f"{name}: not measured ({reason})")
     lines += _kernel_table(d)
+    lines += _tls_table(d)
     lines += _verdicts(d)
     return "\n".join(lines)
+
+
+def _tls_table(d: dict[str, Any]) -> list[str]:
+    """tcp over TLS beside plain tcp, point by point, and the medians."""
+    cost = d.get("tls_cost") or {}
+    if not cost:
+        return []
+    lines = ["", "what TLS costs: tcp+tls beside tcp (GB/s, and CPU us of both ends per batch)"]
+    head = f"{'block':>7} {'batch':>5} {'tcp':>8} {'tcp+tls':>8} {'ratio':>6}   {'cpu tcp':>9} {'cpu tls':>9} {'ratio':>6}"
+    lines += [head, "-" * len(head)]
+    for key, row in cost.items():
+        block, batch = (int(x) for x in key.split("x"))
+        lines.append(
+            f"{_size(block):>7} {batch:>5} {row['tcp_gbps']:>8.3f} {row['tls_gbps']:>8.3f} {row['gbps_ratio']:>6.2f}   "
+            f"{row['tcp_cpu_us']:>9.0f} {row['tls_cpu_us']:>9.0f} {row['cpu_ratio']:>6.2f}"
+        )
+    gbps = statistics.median(r["gbps_ratio"] for r in cost.values())
+    cpu = statistics.median(r["cpu_ratio"] for r in cost.values())
+    big = [r for k, r in cost.items() if _batch_bytes(k) >= MIB]
+    line = f"TLS over plain tcp, median of {len(cost)} points: {gbps:.2f}x the throughput, {cpu:.2f}x the CPU per batch"
+    if big:
+        big_gbps, big_cpu = statistics.median(r["gbps_ratio"] for r in big), statistics.median(r["cpu_ratio"] for r in big)
+        line += f"; batches >= 1 MiB: {big_gbps:.2f}x, {big_cpu:.2f}x"
+    return [*lines, line]
 
 
 def _kernel_table(d: dict[str, Any]) -> list[str]:
