@@ -127,22 +127,15 @@ class TlsStream:
 
     # ---- receiving -----------------------------------------------------------------------
     def recv_into(self, buf: Any, nbytes: int = 0) -> int:
-        """Decrypted bytes into ``buf`` (0 at the end of the stream).
+        """Decrypted bytes into ``buf`` (its first ``nbytes``; all of it when 0), as many as
+        have come, record after record (0 at the end of the stream).
 
         Raises:
             BlockingIOError: nothing to read yet.
             ssl.SSLError: the peer sent something that is not a valid record (an OSError).
         """
         view = memoryview(buf).cast("B")
-        want = nbytes or view.nbytes
-        while True:
-            try:
-                return cast(int, self._tls.read(want, view))  # with a buffer: the byte count
-            except ssl.SSLWantReadError:
-                if not self._fill():
-                    raise BlockingIOError from None
-            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                return 0
+        return self.recvmsg_into([view[:nbytes] if nbytes else view])[0]
 
     def recvmsg_into(self, bufs: list[memoryview]) -> tuple[int, list[Any], int, Any]:
         """Fill ``bufs`` in order as far as decrypted bytes go; ``(bytes, [], 0, None)`` like
@@ -150,22 +143,34 @@ class TlsStream:
 
         Raises:
             BlockingIOError: nothing to read yet.
+            ssl.SSLError: the peer sent something that is not a valid record.
         """
         total = 0
         for buf in bufs:
             view = buf
             while view.nbytes:
-                try:
-                    got = self.recv_into(view)
-                except BlockingIOError:
+                got = self._read(view)
+                if got is None:  # nothing more yet
                     if total:
                         return total, [], 0, None
-                    raise
+                    raise BlockingIOError
                 if not got:
                     return total, [], 0, None
                 total += got
                 view = view[got:]
         return total, [], 0, None
+
+    def _read(self, view: memoryview) -> int | None:
+        """One record's decrypted bytes (at most) into ``view``; None when none has come whole
+        yet, 0 at the end of the stream."""
+        while True:
+            try:
+                return cast(int, self._tls.read(view.nbytes, view))  # with a buffer: the byte count
+            except ssl.SSLWantReadError:
+                if not self._fill():
+                    return None
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return 0
 
     def _fill(self) -> bool:
         """Move what ciphertext the socket has into the incoming BIO; False when it has none.
