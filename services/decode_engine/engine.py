@@ -48,7 +48,7 @@ from dualpath.config import EngineConfig
 from dualpath.core.batch_errors import BatcherError
 from dualpath.core.decode_batcher import CANCELLED, DecodeBatcher, DecodeStep
 from dualpath.engine.common import EngineSetup, FinishedReports, read_path_name
-from dualpath.engine.decode import DecodeSequence, KvMemory, decode_step, decode_step_async
+from dualpath.engine.decode import DecodeSequence, KvMemory, decode_step_async
 from dualpath.kv import block_hashes
 from dualpath.model.sampling import SamplingParams, grammar_constraint, sample
 from dualpath.protocol import messages as m
@@ -57,7 +57,6 @@ from dualpath.protocol.timeouts import TIMEOUTS
 from dualpath.runtime import start_logged, wait_any
 from dualpath.telemetry.logs import get_logger
 from dualpath.telemetry.tracing import context_from, get_tracer
-from dualpath.testbed.modeled import HostPerStep
 from dualpath.transfer import MemoryRegion
 
 if TYPE_CHECKING:
@@ -129,8 +128,7 @@ class DecodeEngine:
         self.served_by = f"{cfg.engine_id}@{self.incarnation}"
         self._arrived_ns: dict[str, int] = {}  # task arrival, where decode.request spans start
         self.busy_s = 0.0  # wall time inside decode steps
-        # testbed: host time per step beyond the modeled GPU's, against batch size (reported in stats)
-        self.host = HostPerStep() if getattr(d, "modeled", False) else None
+        self.observer = setup.observer  # told each step's start and end (testbed: host time per step, in stats)
 
     # ---- intake ----------------------------------------------------------------------------
     async def on_task(self, task: m.DecodeTask) -> m.Ok:
@@ -417,18 +415,18 @@ class DecodeEngine:
             if step is None:
                 await self._leave(self.batcher.drain())
                 if self.batcher.next_step() is None and not self.batcher.admit_ready():
-                    if self.host is not None:
-                        self.host.idle()
+                    if self.observer is not None:
+                        self.observer.idle()
                     await self._idle(stop)
                 continue
             t0 = time.perf_counter()
-            if self.host is not None:
-                self.host.started(t0, self.setup.decoder.modeled_s)
+            if self.observer is not None:
+                self.observer.started(t0)
             try:
                 logits = await self._run_step(step)
                 await self._process_result(step, logits)
-                if self.host is not None:
-                    self.host.ran(len(step.batch), self.setup.decoder.modeled_s)
+                if self.observer is not None:
+                    self.observer.ran(len(step.batch))
             except Exception as exc:
                 log.exception("decode_step_failed", requests=len(self.running))
                 for r in list(self.running.values()):
@@ -489,9 +487,7 @@ class DecodeEngine:
         """One token through the model for every request of ``step`` (decode first, then flush)."""
         seqs = [self.running[rid].seq for rid in step.batch]
         inputs = [s.tokens[s.kv_len] for s in seqs]  # the one token without KV yet
-        if hasattr(self.setup.decoder, "decode_step_async"):  # modeled: the step's time awaited on the loop
-            return await decode_step_async(self.setup.decoder, self.memory, seqs, inputs)
-        return await asyncio.to_thread(decode_step, self.setup.decoder, self.memory, seqs, inputs)
+        return await decode_step_async(self.setup.decoder, self.memory, seqs, inputs)
 
     async def _process_result(self, step: DecodeStep, logits: torch.Tensor) -> None:
         """Sample and stream the decoded requests' tokens, persist filled blocks, answer the finished."""
@@ -668,9 +664,8 @@ class DecodeEngine:
             block_bytes=self.setup.layout.block_bytes,
             stats={
                 "busy_s": self.busy_s,
-                "modeled_s": getattr(self.setup.decoder, "modeled_s", 0.0),
-                **(self.host.stats() if self.host is not None else {}),
-                **(self.setup.decoder.traffic.stats() if getattr(self.setup.decoder, "traffic", None) else {}),
+                **self.setup.decoder.stats(),  # testbed: modeled seconds, model traffic
+                **(self.observer.stats() if self.observer is not None else {}),
             },
             ts=time.time(),
         )

@@ -379,7 +379,7 @@ class PrefillEngine:
         for job in jobs:
             job.t_first_batch = job.t_first_batch or now
         t0 = time.perf_counter()
-        charged0 = getattr(s.decoder, "compute_charged_s", 0.0)
+        charged0 = s.decoder.compute_charged_s
         with self._batch_span(batch, jobs) as span:
             io = BatchLayerIO(
                 s.dataplane,
@@ -401,8 +401,9 @@ class PrefillEngine:
             self.kv_in_bytes += io.stats.fetch_bytes
             self.kv_out_bytes += io.stats.store_bytes
             if span.is_recording():
-                if getattr(s.decoder, "modeled", False):  # the cost model's compute seconds this batch was charged
-                    span.set_attribute("charged_s", s.decoder.compute_charged_s - charged0)
+                charged = s.decoder.compute_charged_s
+                if charged is not None and charged0 is not None:  # modeled: the cost model's compute seconds this batch was charged
+                    span.set_attribute("charged_s", charged - charged0)
                 self._trace_batch(span, io, result, time.perf_counter() - t0)
         return result
 
@@ -622,12 +623,9 @@ class PrefillEngine:
         return queued + self.batcher.tokens_left()
 
     def _stats(self) -> dict:
-        d = self.setup.decoder
         return {
             "busy_s": self.busy_s,
             "kv_wait_s": self.kv_wait_s,
-            "modeled_s": getattr(d, "modeled_s", 0.0),
-            "attention_s": getattr(d, "attention_s", 0.0),
             "buffer_waits": self.buffer_waits,
-            **(d.traffic.stats() if getattr(d, "traffic", None) is not None else {}),
-        }  # testbed: model traffic, CNIC bytes
+            **self.setup.decoder.stats(),  # testbed: modeled and attention seconds, model traffic, CNIC bytes
+        }

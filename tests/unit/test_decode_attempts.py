@@ -26,11 +26,14 @@ class FakeDecoder:
     kv_spec = KvSpec("gqa", (1, 2), (1, 2))
     dtype, device = torch.float32, torch.device("cpu")
 
-    async def decode_step_async(self, lens: list[int], inputs: list[int]) -> torch.Tensor:
+    async def decode_step_async(self, kvs: list[torch.Tensor], kv_lens: list[int], inputs: list[int]) -> torch.Tensor:
         await asyncio.sleep(0.005)
         logits = torch.zeros(len(inputs), VOCAB)
         logits[:, TOKEN] = 5.0
         return logits
+
+    def stats(self) -> dict[str, float]:
+        return {}
 
 
 class FakeBus:
@@ -63,6 +66,7 @@ def _engine(bus: FakeBus, tasks, block_tokens: int = 512) -> DecodeEngine:
             block_tokens=bt, layers=1, block_bytes=64, bytes_per_token_layer=1, kv_layout=0, blocks_for=lambda n: -(-n // bt)
         ),
         nic=None,
+        observer=None,
         oracle=True,  # no buffer slot to read the prompt KV from
         eos_ids=[0],
         model_dir="",

@@ -22,6 +22,9 @@ class FakeDecoder:
     def forward_layer(self, layer, hidden, positions, segments, past):
         return hidden + 1, hidden.clone(), hidden.clone()
 
+    async def forward_layer_async(self, layer, hidden, positions, segments, past):
+        return await asyncio.to_thread(self.forward_layer, layer, hidden, positions, segments, past)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden.repeat(1, 3)  # [n, vocab=3]
 

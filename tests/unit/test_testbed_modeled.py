@@ -87,7 +87,7 @@ def test_an_awaited_decode_step_keeps_the_event_loop_free_while_it_lasts():
 
         ticker = asyncio.create_task(tick())
         t0 = time.perf_counter()
-        logits = await dec.decode_step_async([32000] * 8, list(range(8)))
+        logits = await dec.decode_step_async([torch.empty(0)] * 8, [31999] * 8, list(range(8)))  # context 32000 each
         elapsed = time.perf_counter() - t0
         ticker.cancel()
         return logits, elapsed
@@ -104,30 +104,51 @@ def test_host_time_per_step_is_the_period_beyond_the_modeled_time_fitted_against
     idle wait counts for nothing; two engines' sums add up."""
     engines = []
     for batches in ([1, 4, 9, 2, 7], [3, 3, 8, 5]):
-        h, t, total = HostPerStep(), 100.0, 3.0  # total: the decoder's cumulative modeled_s
+        total = [3.0]  # the decoder's cumulative modeled_s
+        h, t = HostPerStep(lambda: total[0]), 100.0  # noqa: B023 - read during this iteration only
         for b in batches:
-            h.started(t, total)
+            h.started(t)
             modeled = 0.01 * b
-            total += modeled
-            h.ran(b, total)
+            total[0] += modeled
+            h.ran(b)
             t += modeled + 0.001 + 0.0002 * b
         h.idle()  # the engine waits: the last step's period is not a host time
-        h.started(t + 5.0, total)
-        h.ran(1, total + 0.01)
+        h.started(t + 5.0)
+        total[0] += 0.01
+        h.ran(1)
         engines.append(h.stats())
     assert [e["host_steps"] for e in engines] == [4, 3]
     fit = fit_host_per_step(engines, scale=4.0)
     assert fit["steps"] == 7
     assert fit["fixed_s"] == pytest.approx(0.001 / 4) and fit["per_request_s"] == pytest.approx(0.0002 / 4)
-    assert fit_host_per_step([]) is None and fit_host_per_step([HostPerStep().stats()]) is None
+    assert fit_host_per_step([]) is None and fit_host_per_step([HostPerStep(lambda: 0.0).stats()]) is None
 
 
 def test_a_host_time_falling_with_batch_size_fits_a_constant_not_a_negative_slope():
-    h, t = HostPerStep(), 0.0
+    h, t = HostPerStep(lambda: 0.0), 0.0
     for b in (1, 2, 3, 4, 5, 6):
-        h.started(t, 0.0)
-        h.ran(b, 0.0)
+        h.started(t)
+        h.ran(b)
         t += 0.002 - 0.0002 * b
-    h.started(t, 0.0)
+    h.started(t)
     fit = fit_host_per_step([h.stats()])
     assert fit["per_request_s"] == 0.0 and fit["fixed_s"] == pytest.approx(fit["mean_s"])
+
+
+def test_the_testbed_attaches_host_time_per_step_to_a_decode_engine_and_the_decoder_reports_its_modeled_time():
+    """The observer reads the decoder's modeled seconds itself: a step of 10 ms modeled and
+    12 ms wall, followed back to back by the next, has 2 ms of host time."""
+    from dualpath.config import EmulationConfig
+    from dualpath.engine.common import _modeled
+
+    emu = EmulationConfig(compute="modeled", target="ds27b")
+    prefill_decoder, none = _modeled(emu, "prefill", 512)
+    assert none is None and set(prefill_decoder.stats()) == {"modeled_s", "attention_s"}
+    decoder, observer = _modeled(emu, "decode", 512)
+    assert isinstance(observer, HostPerStep) and set(decoder.stats()) == {"modeled_s"}
+    observer.started(1.0)
+    decoder.modeled_s += 0.010
+    observer.ran(4)
+    observer.started(1.012)
+    stats = observer.stats()
+    assert stats["host_steps"] == 1 and stats["host_sb"] == 4 and stats["host_sh"] == pytest.approx(0.002)

@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from dualpath.config import EmulationConfig, ModelConfigSpec, NodeConfig
 from dualpath.engine.dataplane import EngineDataPlane
+from dualpath.engine.decoder import EngineDecoder, StepObserver
 from dualpath.engine.layout import SlotLayout
 from dualpath.kv.block import KV_LAYOUTS
 from dualpath.model import Decoder, Tokenizer
@@ -18,6 +20,9 @@ from dualpath.model.sampling import warm_grammar_vocabulary
 from dualpath.testbed.profile import cnic_prefix
 from dualpath.transfer import MemoryRegion, create_transport
 from dualpath.transfer.nic import DuplexNic, NicDirectory
+
+if TYPE_CHECKING:
+    from dualpath.testbed import ModeledDecoder
 
 __all__ = ["EngineSetup", "FinishedReports", "build_engine", "dtype_name", "read_path_name"]
 
@@ -52,7 +57,7 @@ class FinishedReports:
 
 @dataclass(slots=True, kw_only=True)
 class EngineSetup:
-    decoder: Decoder
+    decoder: EngineDecoder  # the torch decoder, or the testbed's ModeledDecoder
     layout: SlotLayout
     dataplane: EngineDataPlane
     dtype: str
@@ -61,6 +66,7 @@ class EngineSetup:
     oracle: bool = False
     model_dir: str = ""  # the checkpoint directory: its tokenizer is the vocabulary of structured-output grammars
     nic: DuplexNic | None = None  # the GPU's emulated full-duplex compute NIC (testbed); ``acquire`` = an H2D/D2H
+    observer: StepObserver | None = None  # told about a decode engine's loop (testbed: host time per step)
 
     async def close(self) -> None:
         await self.dataplane.close()
@@ -68,16 +74,16 @@ class EngineSetup:
             self.nic.close()
 
 
-def _decoder(model: ModelConfigSpec, emu: EmulationConfig, role: str, vocab_size: int):
-    if not emu.modeled:
-        dtype = dtype_from_name(model.dtype) if model.dtype else None
-        return Decoder.load(model.model, device=model.device, dtype=dtype)
+def _modeled(emu: EmulationConfig, role: str, vocab_size: int) -> tuple[ModeledDecoder, StepObserver | None]:
+    """The testbed's decoder (the cost model's time, no math) and, for a decode engine, the
+    observer that measures its host time per step beyond the modeled GPU's."""
     from dualpath.cost import cost_model
-    from dualpath.testbed import ModeledDecoder, scaled_bytes_per_token_layer
+    from dualpath.testbed import HostPerStep, ModeledDecoder, scaled_bytes_per_token_layer
 
     cost = cost_model(emu.target, emu.gpu)
     bpt = scaled_bytes_per_token_layer(cost.target.kv_bytes_per_token_layer, emu.scale)
-    return ModeledDecoder(cost, role=role, vocab_size=vocab_size, bytes_per_token_layer=bpt, slowdown=emu.slowdown)
+    decoder = ModeledDecoder(cost, role=role, vocab_size=vocab_size, bytes_per_token_layer=bpt, slowdown=emu.slowdown)
+    return decoder, (HostPerStep(lambda: decoder.modeled_s) if role == "decode" else None)
 
 
 async def build_engine(
@@ -94,8 +100,16 @@ async def build_engine(
     node-local and remote transports, through an emulated CNIC when the testbed sets one)."""
     emu = emu or EmulationConfig()
     tokenizer = Tokenizer.from_dir(model.model)
-    decoder = _decoder(model, emu, role, tokenizer.vocab_size)
-    if not emu.modeled:  # structured outputs' vocabulary, built now rather than in the engine loop
+    decoder: EngineDecoder
+    modeled: ModeledDecoder | None = None
+    observer: StepObserver | None = None
+    if emu.modeled:
+        modeled, observer = _modeled(emu, role, tokenizer.vocab_size)
+        decoder = modeled
+    else:
+        dtype = dtype_from_name(model.dtype) if model.dtype else None
+        decoder = Decoder.load(model.model, device=model.device, dtype=dtype)
+        # structured outputs' vocabulary, built now rather than in the engine loop
         await warm_grammar_vocabulary(model.model, decoder.config.vocab_size)
     layout = SlotLayout(
         layers=decoder.num_layers,
@@ -104,10 +118,10 @@ async def build_engine(
         kv_layout=KV_LAYOUTS[decoder.kv_spec.kind],
     )
     nic = emu.profile().cnic(namespace, engine_id, one_class=emu.nic_classes == 1) if emu.cnic_gbps else None  # the GPU's CNIC
-    if nic is not None and emu.modeled and emu.model_traffic != "off":  # MoE all-to-all on the CNIC (testbed)
+    if nic is not None and modeled is not None and emu.model_traffic != "off":  # MoE all-to-all on the CNIC (testbed)
         from dualpath.testbed.collectives import attach_model_traffic
 
-        attach_model_traffic(decoder, nic, emu)
+        attach_model_traffic(modeled, nic, emu)
     region = MemoryRegion(f"{namespace}-{engine_id}-win", window_mb << 20)
     local = create_transport("shm", node_id=node.node_id, nic=nic)
     remote = create_transport(node.transport, node_id=node.node_id, host=node.data_host, nic=nic, data_tls=node.data_tls_config())
@@ -134,4 +148,5 @@ async def build_engine(
         oracle=emu.oracle,
         model_dir=str(model.model),
         nic=nic,
+        observer=observer,
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dualpath.engine.decoder import EngineDecoder
 from dualpath.model.config import KvSpec
 
 __all__ = ["DecodeSequence", "KvMemory", "decode_step", "decode_step_async"]
@@ -96,38 +97,36 @@ class KvMemory:
         self.used_tokens -= kv.shape[1]
 
 
-async def decode_step_async(decoder, memory: KvMemory, seqs: list[DecodeSequence], inputs: list[int]) -> torch.Tensor:
-    """``decode_step`` of a modeled decoder (one with ``decode_step_async``) on the event loop:
-    the step's modeled time is awaited, not slept in a worker thread."""
-    for s in seqs:
-        memory.grow(s, s.kv_len + 1)
-    logits = await decoder.decode_step_async([s.kv_len + 1 for s in seqs], inputs)
+async def decode_step_async(decoder: EngineDecoder, memory: KvMemory, seqs: list[DecodeSequence], inputs: list[int]) -> torch.Tensor:
+    """``decode_step`` awaited: the decoder's step runs as it says (``EngineDecoder.decode_step_async``:
+    the torch decoder's in a worker thread, a modeled one's time awaited on the loop).
+
+    Raises:
+        MemoryError: a sequence's next block does not fit the KV memory.
+    """
+    _make_room(memory, seqs)
+    logits = await decoder.decode_step_async([s.kv for s in seqs], [s.kv_len for s in seqs], inputs)
     for s in seqs:
         s.kv_len += 1
     return logits
 
 
-def decode_step(decoder, memory: KvMemory, seqs: list[DecodeSequence], inputs: list[int]) -> torch.Tensor:
+def decode_step(decoder: EngineDecoder, memory: KvMemory, seqs: list[DecodeSequence], inputs: list[int]) -> torch.Tensor:
     """Run one token per sequence (``inputs[i]`` at position ``seqs[i].kv_len``) through the model.
 
     Appends each token's KV to its sequence and returns logits ``[len(seqs), vocab]``.
+
+    Raises:
+        MemoryError: a sequence's next block does not fit the KV memory.
     """
-    device = decoder.device
-    for s in seqs:
-        memory.grow(s, s.kv_len + 1)
-    if getattr(decoder, "modeled", False):
-        # Testbed: the step takes the cost model's time; KV content is irrelevant there.
-        logits = decoder.decode_step([s.kv_len + 1 for s in seqs], inputs)
-        for s in seqs:
-            s.kv_len += 1
-        return logits
-    token_t = torch.tensor(inputs, dtype=torch.long, device=device)
-    pos_t = torch.tensor([s.kv_len for s in seqs], dtype=torch.long, device=device)
-    segments = [(i, 1) for i in range(len(seqs))]
-    hidden = decoder.embed(token_t)
-    for layer in range(decoder.num_layers):
-        # The new token's parts land in each sequence's own memory; attention reads them there.
-        hidden, _, _ = decoder.forward_layer(layer, hidden, pos_t, segments, None, caches=[(s.kv[layer], s.kv_len) for s in seqs])
+    _make_room(memory, seqs)
+    logits = decoder.decode_step([s.kv for s in seqs], [s.kv_len for s in seqs], inputs)
     for s in seqs:
         s.kv_len += 1
-    return decoder.logits(hidden)
+    return logits
+
+
+def _make_room(memory: KvMemory, seqs: list[DecodeSequence]) -> None:
+    """Grow each sequence's KV to hold one more token (a block at a time)."""
+    for s in seqs:
+        memory.grow(s, s.kv_len + 1)

@@ -4,7 +4,8 @@ layer ``l`` computes.
 
 ``run_prefill`` is transport-agnostic: a ``LayerIO`` moves bytes (``fetch`` cached KV of one
 layer into local memory and return tensor views of it; ``store`` the layer's KV to the decode
-side). The torch work runs in a worker thread so the event loop keeps serving the bus.
+side). Each layer is awaited (``EngineDecoder.forward_layer_async``: the torch decoder computes
+in a worker thread, a modeled one sleeps on the loop), so the event loop keeps serving the bus.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from dualpath.engine.decoder import EngineDecoder
 
 __all__ = ["FETCH_AHEAD", "LayerIO", "PrefillItem", "PrefillResult", "run_prefill"]
 
@@ -60,7 +63,7 @@ class LayerIO(Protocol):
         """Send the layer's KV of the batch's new tokens (``k [N, *k_shape]``, ``v [N, *v_shape]``)."""
 
 
-async def run_prefill(decoder, items: Sequence[PrefillItem], io: LayerIO, *, layerwise: bool = True) -> PrefillResult:
+async def run_prefill(decoder: EngineDecoder, items: Sequence[PrefillItem], io: LayerIO, *, layerwise: bool = True) -> PrefillResult:
     """Prefill ``items`` together through all layers; see the module docstring.
 
     ``layerwise=False`` is the ablation baseline: every layer's cached KV is loaded before the
@@ -87,7 +90,6 @@ async def run_prefill(decoder, items: Sequence[PrefillItem], io: LayerIO, *, lay
     stores: list[asyncio.Task] = []
     deferred: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     n_layers = decoder.num_layers
-    forward_async = getattr(decoder, "forward_layer_async", None)
     # Up to FETCH_AHEAD layers' cached KV in flight while a layer computes: on a link whose
     # round trip exceeds one layer's compute (TCP, a busy host) one layer ahead is not enough.
     ahead = FETCH_AHEAD if layerwise else n_layers
@@ -107,10 +109,7 @@ async def run_prefill(decoder, items: Sequence[PrefillItem], io: LayerIO, *, lay
             if layer + ahead < n_layers:
                 pending.append(asyncio.ensure_future(io.fetch(layer + ahead)))
             t1 = loop.time()
-            if forward_async is not None:  # a modeled decoder sleeps on the loop: no thread hand-off per layer
-                hidden, k, v = await forward_async(layer, hidden, pos_t, segments, past)
-            else:
-                hidden, k, v = await asyncio.to_thread(decoder.forward_layer, layer, hidden, pos_t, segments, past)
+            hidden, k, v = await decoder.forward_layer_async(layer, hidden, pos_t, segments, past)
             compute_s += loop.time() - t1
             if not layerwise:
                 deferred.append((layer, k, v))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dualpath.engine.decoder import EngineDecoder
 from dualpath.policy.intra import Predict
 
 __all__ = ["PROFILE_POINTS", "PrefillProfile", "measure_prefill_profile", "prefill_predictor"]
@@ -89,7 +90,7 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def _timed_pass(decoder, cached: int, new: int) -> float:
+def _timed_pass(decoder: EngineDecoder, cached: int, new: int) -> float:
     """Seconds of one prefill pass (embed, every layer, LM head) of ``new`` tokens on ``cached``."""
     device = decoder.device
     ids = torch.arange(new, device=device) % max(1, decoder.config.vocab_size - 1)
@@ -118,7 +119,12 @@ def _fit_context(points: Sequence[tuple[int, int]], limit: int) -> list[tuple[in
 
 
 def measure_prefill_profile(
-    decoder, points: Sequence[tuple[int, int]] = PROFILE_POINTS, *, repeats: int = 2, reach_s: float = 0.0, max_rounds: int = 4
+    decoder: EngineDecoder,
+    points: Sequence[tuple[int, int]] = PROFILE_POINTS,
+    *,
+    repeats: int = 2,
+    reach_s: float = 0.0,
+    max_rounds: int = 4,
 ) -> PrefillProfile:
     """Time ``points`` on ``decoder`` (best of ``repeats``, after one warm-up pass) and fit.
 
@@ -126,7 +132,7 @@ def measure_prefill_profile(
     again at 4x their size (up to ``max_rounds`` rounds, within the model's context) so the
     fit covers batches near the quota rather than extrapolating from launch overheads.
     """
-    limit = int(getattr(decoder.config, "max_position_embeddings", 1 << 30))
+    limit = decoder.config.max_position_embeddings
     todo = _fit_context(points, limit)
     _timed_pass(decoder, *todo[0])  # warm-up: kernels, allocator, caches
     measured: list[tuple[int, int, float]] = []
@@ -139,11 +145,11 @@ def measure_prefill_profile(
     return PrefillProfile.fit(measured)
 
 
-def prefill_predictor(decoder, quota_s: float) -> tuple[Predict, str]:
+def prefill_predictor(decoder: EngineDecoder, quota_s: float) -> tuple[Predict, str]:
     """The batch-time predictor of ``decoder`` and its name: ``cost_model`` (modeled backend)
     or ``profile`` (torch backend, measured now on the decoder's device, with passes reaching
     a quarter of ``quota_s`` where the device is fast enough to need larger ones)."""
-    cost = getattr(decoder, "cost", None)
-    if getattr(decoder, "modeled", False) and cost is not None:
-        return cost.prefill_time, "cost_model"
+    own = decoder.prefill_time_model()
+    if own is not None:
+        return own, "cost_model"
     return measure_prefill_profile(decoder, reach_s=quota_s / 4), "profile"

@@ -27,7 +27,8 @@ The KV one token keeps per layer is described by ``config.kv_spec`` (``KvSpec``)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -416,6 +417,55 @@ class Decoder:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``[M, H]`` -> ``[M, V]`` float32."""
         return F.linear(self.final_norm(hidden), self._lm_head).float()
+
+    async def forward_layer_async(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        segments: Sequence[tuple[int, int]],
+        past: Sequence[PastKV] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``forward_layer`` in a worker thread, so the awaiting event loop keeps serving the bus."""
+        return await asyncio.to_thread(self.forward_layer, layer, hidden, positions, segments, past)
+
+    @torch.no_grad()
+    def decode_step(self, kvs: Sequence[torch.Tensor], kv_lens: Sequence[int], inputs: Sequence[int]) -> torch.Tensor:
+        """One token per sequence: ``inputs[i]`` at position ``kv_lens[i]`` of sequence ``i``.
+
+        ``kvs[i] [layers, capacity, kv_spec.width]`` holds sequence ``i``'s first ``kv_lens[i]``
+        tokens' KV and has room for one more: the new token's KV is written there in place
+        and attention reads it there (``forward_layer``'s ``caches``). Returns logits
+        ``[len(inputs), V]`` float32.
+
+        Raises:
+            ModelInputError: a buffer that does not fit (see ``forward_layer``).
+        """
+        token_t = torch.tensor(list(inputs), dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(list(kv_lens), dtype=torch.long, device=self.device)
+        segments = [(i, 1) for i in range(len(kv_lens))]
+        hidden = self.embed(token_t)
+        for layer in range(self.num_layers):
+            caches = [(kv[layer], n) for kv, n in zip(kvs, kv_lens)]
+            hidden, _, _ = self.forward_layer(layer, hidden, pos_t, segments, None, caches=caches)
+        return self.logits(hidden)
+
+    async def decode_step_async(self, kvs: Sequence[torch.Tensor], kv_lens: Sequence[int], inputs: Sequence[int]) -> torch.Tensor:
+        """``decode_step`` in a worker thread, so the awaiting event loop keeps serving the bus."""
+        return await asyncio.to_thread(self.decode_step, kvs, kv_lens, inputs)
+
+    @property
+    def compute_charged_s(self) -> float | None:
+        """None: this decoder computes for real; no cost model charges its time."""
+        return None
+
+    def prefill_time_model(self) -> Callable[[Sequence[tuple[int, int]]], float] | None:
+        """None: a prefill batch's time is measured on the device (``engine.profile``)."""
+        return None
+
+    def stats(self) -> dict[str, float]:
+        """No figures of its own for the engine's report (its time is the engine's busy time)."""
+        return {}
 
     @torch.no_grad()
     def forward_full(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -12,8 +12,9 @@ with a token-derived pattern so transfers are real bytes. Sampling produces prin
 ``slowdown`` (testbed slow motion) multiplies every modeled time.
 
 ``forward_layer_async`` / ``decode_step_async`` are the same calls awaited on the engine's event
-loop (the engines use them when the decoder has them): the modeled time is an ``asyncio.sleep``,
-so a layer or step costs no worker-thread hand-off (two wake-ups that a busy host delays).
+loop (what the engines await, ``engine.decoder.EngineDecoder``): the modeled time is an
+``asyncio.sleep``, so a layer or step costs no worker-thread hand-off (two wake-ups that a busy
+host delays).
 
 ``overhead_s`` accumulates how much longer each call took than its modeled time: the
 emulation's own cost (Python, scheduling), reported by the testbed.
@@ -23,13 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
 
 from dualpath.cost import CostModel
 from dualpath.model.config import KvSpec
+from dualpath.policy.intra import Predict
 
 if TYPE_CHECKING:
     from dualpath.testbed.collectives import ModelTraffic
@@ -44,9 +46,10 @@ _LATE_GAIN = 0.1  # weight of the newest sample in the running mean of time.slee
 class HostPerStep:
     """A decode engine's host time per step beyond the modeled GPU time, against batch size.
 
-    The engine loop calls ``started`` as a step begins and ``ran`` when the step and its result
-    processing are done (each with the decoder's ``modeled_s`` then; ``ran`` with the batch
-    size too) and ``idle`` when it waits for work. For two back-to-back steps, the first one's host time is
+    The testbed attaches it to a decode engine as its ``StepObserver`` (``engine.decoder``):
+    the engine loop calls ``started`` as a step begins and ``ran`` when the step and its result
+    processing are done (``ran`` with the batch size) and ``idle`` when it waits for work; each
+    call reads the decoder's ``modeled_s`` then (``modeled``). For two back-to-back steps, the first one's host time is
     the time from its start to the next one's start minus its modeled seconds: sampling,
     streaming, admission, persistence and late wake-ups of a loaded host, the part of a step
     period the modeled GPU does not account for. ``stats`` gives the sums of a least-squares
@@ -55,15 +58,18 @@ class HostPerStep:
     take its result (``dualpath sim validate``).
     """
 
-    __slots__ = ("_m", "_open", "_t", "n", "sb", "sbb", "sbh", "sh")
+    __slots__ = ("_m", "_modeled", "_open", "_t", "n", "sb", "sbb", "sbh", "sh")
 
-    def __init__(self) -> None:
+    def __init__(self, modeled: Callable[[], float]) -> None:
+        """``modeled``: the decoder's cumulative modeled seconds now (``ModeledDecoder.modeled_s``)."""
+        self._modeled = modeled
         self.n = 0
         self.sb = self.sbb = self.sh = self.sbh = 0.0
         self._t = self._m = 0.0  # the current step's start and the decoder's modeled_s then
         self._open: tuple[float, int, float] | None = None  # (start, batch, modeled seconds) of the step before
 
-    def started(self, t: float, modeled_s: float) -> None:
+    def started(self, t: float) -> None:
+        modeled_s = self._modeled()
         if self._open is not None:
             t0, batch, modeled = self._open
             host = t - t0 - modeled
@@ -75,8 +81,8 @@ class HostPerStep:
             self._open = None
         self._t, self._m = t, modeled_s
 
-    def ran(self, batch: int, modeled_s: float) -> None:
-        self._open = (self._t, batch, modeled_s - self._m)
+    def ran(self, batch: int) -> None:
+        self._open = (self._t, batch, self._modeled() - self._m)
 
     def idle(self) -> None:
         self._open = None
@@ -126,7 +132,7 @@ class _ModeledConfig:
 
 
 class ModeledDecoder:
-    modeled = True
+    """The ``EngineDecoder`` of the testbed (see the module docstring)."""
 
     def __init__(
         self, cost: CostModel, *, role: str, vocab_size: int, bytes_per_token_layer: int, max_position: int = 1 << 20, slowdown: float = 1.0
@@ -247,23 +253,25 @@ class ModeledDecoder:
         self.compute_charged_s += seconds
         return seconds, comm, (hidden, k, v)
 
-    def decode_step(self, context_lens: Sequence[int], inputs: Sequence[int]) -> torch.Tensor:
-        """One decode step of the whole batch in one call: the modeled time, then the logits."""
+    def decode_step(self, kvs: Sequence[torch.Tensor], kv_lens: Sequence[int], inputs: Sequence[int]) -> torch.Tensor:
+        """One decode step of the whole batch in one call: the modeled time of its context
+        lengths (``kv_lens[i] + 1``), then the logits. The KV buffers are left as they are
+        (their content is irrelevant here)."""
         t0 = time.perf_counter()
-        seconds = self.cost.decode_step_time(context_lens)
-        comm = self.traffic.start(None, len(context_lens), self.cost.target.moe_layers) if self.traffic is not None else None
+        seconds = self.cost.decode_step_time([n + 1 for n in kv_lens])
+        comm = self.traffic.start(None, len(kv_lens), self.cost.target.moe_layers) if self.traffic is not None else None
         logits = self.logits(torch.tensor(inputs, dtype=torch.float32).unsqueeze(1))
         self.modeled_s += self._sleep(seconds, t0)
         self.modeled_s += self._wait_comm(comm)
         self.busy_s += time.perf_counter() - t0
         return logits
 
-    async def decode_step_async(self, context_lens: Sequence[int], inputs: Sequence[int]) -> torch.Tensor:
+    async def decode_step_async(self, kvs: Sequence[torch.Tensor], kv_lens: Sequence[int], inputs: Sequence[int]) -> torch.Tensor:
         """``decode_step`` awaited on the engine's event loop (see ``forward_layer_async``)."""
         if self.traffic is not None:
-            return await asyncio.to_thread(self.decode_step, context_lens, inputs)
+            return await asyncio.to_thread(self.decode_step, kvs, kv_lens, inputs)
         t0 = time.perf_counter()
-        seconds = self.cost.decode_step_time(context_lens)
+        seconds = self.cost.decode_step_time([n + 1 for n in kv_lens])
         logits = self.logits(torch.tensor(inputs, dtype=torch.float32).unsqueeze(1))
         self.modeled_s += await self._sleep_async(seconds, t0)
         self.busy_s += time.perf_counter() - t0
@@ -283,4 +291,18 @@ class ModeledDecoder:
         out = torch.zeros((m, self.config.vocab_size), dtype=torch.float32)
         ids = (hidden[:, 0].to(torch.int64) * 7 + 3) % 26 + ord("a")
         out[torch.arange(m), ids] = 20.0
+        return out
+
+    def prefill_time_model(self) -> Predict:
+        """The cost model's ``prefill_time``: exactly what ``forward_layer`` charges a batch."""
+        return self.cost.prefill_time
+
+    def stats(self) -> dict[str, float]:
+        """Modeled seconds (a prefill engine's also its modeled attention time) and the model
+        traffic's figures, for the engine's report."""
+        out = {"modeled_s": self.modeled_s}
+        if self.role != "decode":
+            out["attention_s"] = self.attention_s
+        if self.traffic is not None:
+            out.update(self.traffic.stats())
         return out
