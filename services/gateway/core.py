@@ -19,7 +19,7 @@ from dualpath.chat.plan import ChatPlan, plan_chat
 from dualpath.chat.reasoning import ReasoningFormat, reasoning_format
 from dualpath.chat.tools import ToolFormat, format_for_template, tool_format
 from dualpath.config import BusConfig, GatewayConfig, ModelConfigSpec
-from dualpath.kv import block_hashes, chain_root, model_digest, pack_hashes
+from dualpath.kv import block_hashes, chain_root, model_digest, pack_hashes, readable_hit_blocks
 from dualpath.model import ModelConfig, Tokenizer
 from dualpath.protocol import ProtocolError, RemoteError, decode
 from dualpath.protocol import messages as m
@@ -403,8 +403,7 @@ class Gateway:
             seed = chain_root(prep.tenant, prep.cache_salt)
             hashes = block_hashes(self.model_name, prep.prompt_tokens, block_tokens=self.block_tokens, parent=seed)
             hit = await self._lookup(hashes)
-            # The last prompt token must be computed (its logits give the first token).
-            hit = min(hit, (len(prep.prompt_tokens) - 1) // self.block_tokens)
+            hit = readable_hit_blocks(len(prep.prompt_tokens), hit, self.block_tokens)  # the last prompt token is computed
             prep.hit_tokens = hit * self.block_tokens
             if span.is_recording():
                 span.set_attributes({"blocks": len(hashes), "hit_blocks": hit})

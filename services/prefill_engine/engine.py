@@ -47,6 +47,7 @@ from dualpath.engine.common import EngineSetup, FinishedReports, read_path_name
 from dualpath.engine.prefill import PrefillItem, run_prefill
 from dualpath.engine.prefill_io import BatchLayerIO, IoItem
 from dualpath.engine.profile import prefill_predictor
+from dualpath.kv.hits import miss_tokens, planned_hit_blocks, readable_hit_blocks
 from dualpath.model.sampling import SamplingParams, grammar_constraint, sample
 from dualpath.protocol import RemoteError
 from dualpath.protocol import messages as m
@@ -66,16 +67,10 @@ tracer = get_tracer("dualpath.prefill")
 _BUFFER_WAIT_S = 600.0  # longest a KV load waits for room in a full node buffer
 
 
-def planned_hit_blocks(task: m.PrefillTask) -> int:
-    """Blocks of ``task``'s prompt the scheduler planned to read rather than compute (none
-    without a read path)."""
-    return task.hit_blocks if task.read_path in (m.ReadPath.PE, m.ReadPath.DE) else 0
-
-
-def miss_tokens(prompt_tokens: int, hit_blocks: int, block_tokens: int) -> int:
-    """Prompt tokens to compute when ``hit_blocks`` blocks are read: the prompt less the hits,
-    which never cover its last token (the scheduler's prefill charge)."""
-    return prompt_tokens - max(0, min(hit_blocks * block_tokens, prompt_tokens - 1))
+def _planned(task: m.PrefillTask, block_tokens: int) -> int:
+    """``kv.hits.planned_hit_blocks`` of ``task``: it reads when its read path is PE or DE."""
+    reads = task.read_path in (m.ReadPath.PE, m.ReadPath.DE)
+    return planned_hit_blocks(len(task.prompt_tokens), task.hit_blocks, block_tokens, reads=reads)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -222,13 +217,13 @@ class PrefillEngine:
     async def _load(self, job: Job) -> None:
         t = job.task
         lay = self.setup.layout
-        want = t.hit_blocks if t.read_path in (m.ReadPath.PE, m.ReadPath.DE) else 0
+        want = _planned(t, lay.block_tokens)
         try:
             if self.setup.oracle:  # hits are free: nothing is read, nothing moves
-                job.hit_blocks = t.hit_blocks
+                job.hit_blocks = readable_hit_blocks(len(t.prompt_tokens), t.hit_blocks, lay.block_tokens)
             elif want and is_split(t):  # both storage NICs read this request (policy.split)
                 job.pe_slot = True  # the PE share's slot is freed with the job, even if a read fails
-                got = await load_split(t, lay, self.setup.dtype, self._load_when_room)
+                got = await load_split(t, want, lay, self.setup.dtype, self._load_when_room)
                 job.hit_blocks, job.source, job.source_offset = got.hit_blocks, got.source, got.source_offset
                 job.split_tokens = got.pe_blocks * lay.block_tokens if got.de_blocks > 0 else -1
                 job.read_split = [got.pe_blocks, got.de_blocks]
@@ -616,7 +611,7 @@ class PrefillEngine:
         blocks actually loaded)."""
         bt = self.setup.layout.block_tokens
         queued = sum(
-            miss_tokens(len(j.task.prompt_tokens), planned_hit_blocks(j.task) if j.loading else j.hit_blocks, bt)
+            miss_tokens(len(j.task.prompt_tokens), _planned(j.task, bt) if j.loading else j.hit_blocks, bt)
             for j in self.jobs.values()
             if j.task.request_id not in self.batcher
         )

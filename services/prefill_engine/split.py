@@ -46,10 +46,11 @@ def is_split(task: m.PrefillTask) -> bool:
     return len(task.read_split) == 2 and task.read_split[0] > 0 and task.read_split[1] > 0
 
 
-async def load_split(task: m.PrefillTask, layout: SlotLayout, dtype: str, load: LoadFn) -> SplitLoad:
-    """Run both shares' reads concurrently through ``load(node, request)``; raises what it raises."""
-    pe_blocks = min(task.read_split[0], task.hit_blocks)
-    want = min(task.read_split[0] + task.read_split[1], task.hit_blocks)
+async def load_split(task: m.PrefillTask, planned: int, layout: SlotLayout, dtype: str, load: LoadFn) -> SplitLoad:
+    """Run both shares' reads of the ``planned`` hit blocks (``kv.hits.planned_hit_blocks``)
+    concurrently through ``load(node, request)``; raises what it raises."""
+    pe_blocks = min(task.read_split[0], planned)
+    want = min(task.read_split[0] + task.read_split[1], planned)
     common: dict[str, Any] = dict(
         request_id=task.request_id,
         model_digest=task.model_digest,

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from dualpath.core.decode_batcher import DecodeBatcher
 from dualpath.core.prefill_batcher import PrefillBatcher
 from dualpath.protocol import messages as m
-from services.prefill_engine.engine import Job, PrefillEngine, miss_tokens
+from services.prefill_engine.engine import Job, PrefillEngine
 
 BT = 64
 
@@ -32,12 +32,6 @@ def _task(rid: str, prompt: int, hits: int, read_path: int) -> m.PrefillTask:
         de_region={},
         de_offset=0,
     )
-
-
-def test_miss_tokens_are_the_prompt_less_its_hits_and_the_last_token_is_always_computed():
-    assert miss_tokens(300, 2, BT) == 300 - 128
-    assert miss_tokens(128, 2, BT) == 1  # hits never cover the last token
-    assert miss_tokens(300, 0, BT) == 300
 
 
 def test_a_prefill_engine_counts_planned_hits_as_read_while_the_load_runs_and_loaded_blocks_after():

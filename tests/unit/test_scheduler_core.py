@@ -431,6 +431,15 @@ def test_a_forced_read_path_charges_the_node_that_actually_reads():
     assert none.read_side is None
 
 
+def test_hits_covering_the_last_prompt_token_are_charged_as_the_whole_blocks_before_it():
+    """``kv.hits.readable_hit_blocks``: what the prefill engine reads, so what the core charges."""
+    c = Cluster()
+    d = c.place("r1", prompt=128, hit_blocks=2)  # the second block ends on the last token: computed
+    assert d.decision.hit_tokens == 64 and c.read_q(d.decode_node if d.read_side is ReadSide.DE else "P") == 64
+    one = c.place("r2", prompt=64, hit_blocks=1)  # a one-block prompt: nothing to read
+    assert one.read_side is None and one.decision.hit_tokens == 0
+
+
 def test_a_report_sent_before_the_engine_had_the_task_does_not_erase_the_charge():
     c = Cluster()
     c.submit("r1")

@@ -53,6 +53,7 @@ from dualpath.core import (
     TimeAdvanced,
     tune_gc,
 )
+from dualpath.kv.hits import readable_hit_blocks
 from dualpath.policy.errors import InvalidTopologyError
 from dualpath.policy.registry import get_policy
 from dualpath.policy.thresholds import Thresholds
@@ -226,7 +227,7 @@ class _FakeCluster:
             gen = rng.randint(w.gen_tokens // 2, 3 * w.gen_tokens // 2)
             rid = f"r{self.next_rid}"
             self.next_rid += 1
-            hit = min(context // _BLOCK * _BLOCK, prompt - 1)
+            hit = readable_hit_blocks(prompt, context // _BLOCK, _BLOCK) * _BLOCK
             self.shape[rid] = (prompt - hit, hit, prompt + gen, gen)
             events.append(
                 RequestSubmitted(

@@ -115,6 +115,7 @@ from dualpath.core.scheduler_members import (
     reflect,
 )
 from dualpath.core.scheduler_queue import Queued, QueueOrder, RankedQueue
+from dualpath.kv.hits import readable_hit_blocks
 from dualpath.policy import ClusterState, PendingRequest, Policy
 from dualpath.policy.errors import InvalidRequestError
 from dualpath.policy.history import DecodeHistory
@@ -338,7 +339,7 @@ class SchedulerCore:
                     f"of every decode engine ({state.max_decode_hbm_tokens} tokens)",
                 )
             ]
-        hit = min(max(ev.hit_blocks, 0) * ev.block_tokens, ev.prompt_tokens - 1)
+        hit = readable_hit_blocks(ev.prompt_tokens, ev.hit_blocks, ev.block_tokens) * ev.block_tokens
         try:
             pending = PendingRequest(
                 request_id=self._num,

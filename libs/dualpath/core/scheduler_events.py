@@ -97,7 +97,7 @@ class RequestSubmitted:
     """A request asks to be scheduled.
 
     ``hit_blocks`` × ``block_tokens`` leading prompt tokens are persisted (read, not
-    computed; capped so the last prompt token is computed). ``forced_side`` forces the
+    computed, but never the block of the last prompt token: ``kv.hits.readable_hit_blocks``). ``forced_side`` forces the
     read side for this request (the API's ``dualpath_read_path``); None lets the policy
     choose (or its stack-wide ``read_path``).
     """

@@ -4,6 +4,7 @@
 - ``block``    the Full Block file header (``[layers, tokens, bytes]`` payload, layer-major)
 - ``storage``  ``BlockStore``: atomic, verified block files under a storage root
 - ``trie``     ``BlockIndex``: the durable, capacity-bounded trie of persisted blocks
+- ``hits``     how many hit blocks a prefill reads (never the last prompt token's) and computes
 - ``errors``   the package's errors (a missing or corrupt block is a miss, never data)
 """
 
@@ -22,6 +23,7 @@ from dualpath.kv.errors import (
     KVError,
 )
 from dualpath.kv.hashing import BLOCK_TOKENS, block_hashes, chain_root, hash_hex, model_digest, pack_hashes, unpack_hashes
+from dualpath.kv.hits import miss_tokens, planned_hit_blocks, readable_hit_blocks
 from dualpath.kv.storage import BlockStore
 from dualpath.kv.trie import BlockIndex
 
@@ -42,7 +44,10 @@ __all__ = [
     "decode_header",
     "encode_header",
     "hash_hex",
+    "miss_tokens",
     "model_digest",
     "pack_hashes",
+    "planned_hit_blocks",
+    "readable_hit_blocks",
     "unpack_hashes",
 ]

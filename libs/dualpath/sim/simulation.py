@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from dualpath.core.scheduler_events import Dispatch
 from dualpath.cost import cost_model
+from dualpath.kv.hits import readable_hit_blocks
 from dualpath.policy import ReadSide, Role, Thresholds, get_policy
 from dualpath.sim.agent import Agent
 from dualpath.sim.clock import EventLoop
@@ -133,8 +134,7 @@ class Simulation:
     def _submit(self, agent: Agent) -> None:
         k = agent.turn
         prompt = agent.ctx + agent.appends[k]
-        hit = min(agent.persisted, prompt - 1)
-        hit -= hit % self.cfg.block_tokens
+        hit = readable_hit_blocks(prompt, agent.persisted // self.cfg.block_tokens, self.cfg.block_tokens) * self.cfg.block_tokens
         self._next_rid += 1
         req = SimRequest(self._next_rid, agent, prompt, hit, agent.gens[k], self.loop.now)
         self.scheduler.submit(req, self.cfg.block_tokens)
