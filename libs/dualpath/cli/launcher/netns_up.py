@@ -11,9 +11,9 @@ kv-persistence replica and NATS server on a host of its own (``s0 s1``, ``k0 k1`
 ``n0 n1 n2`` with ``--replicas 2``), so cutting one host off loses at most one of each; one
 host per node (``p0 ... d0 ...``) with its traffic manager and engines. It then starts the
 ``Stack`` with a ``NetnsPlacement`` (every service under ``ip netns exec``, bound to its host's
-address, the data plane over TCP across the veths) in a background keeper process that
-supervises it, and returns once ``/health`` counts every engine, printing the gateway URL on
-its last line. ``<run-dir>/netns.json`` records the deployment; ``down`` stops the keeper (the
+address, the data plane over TCP across the veths, mutual TLS unless ``--no-data-tls``) in a
+background keeper process that supervises it, and returns once ``/health`` counts every
+engine, printing the gateway URL on its last line. ``<run-dir>/netns.json`` records the deployment; ``down`` stops the keeper (the
 stack stops in stages), then removes every namespace and the root veth named after the
 deployment's prefix, whatever state ``up`` left them in.
 """
@@ -85,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
                 default=True,
                 help="NATS clients and routes speak mutual TLS across the hosts (default on: traffic leaves each host)",
             )
+            s.add_argument(
+                "--data-tls",
+                action=argparse.BooleanOptionalAction,
+                default=True,
+                help="the tcp data plane (KV between nodes) speaks mutual TLS across the hosts, one certificate per host (default on)",
+            )
         if name == "down":
             s.add_argument("--prefix", default="", help="remove this deployment's namespaces even without a record")
         if name == "status":
@@ -154,6 +160,7 @@ def _serve(ns: argparse.Namespace) -> int:
         replicas=ns.replicas,
         nats_cluster=3 if ns.replicas > 1 else 1,
         nats_tls=ns.nats_tls,
+        data_tls=ns.data_tls,
         extra_env=env,
     )
     services = service_names(cfg)
