@@ -514,6 +514,7 @@ class PrefillEngine:
         log.info(
             "prefill_done",
             request_id=t.request_id,
+            decode_engine=t.decode_engine,  # where it decodes now
             read_path=read_path_name(t.read_path),
             read_split=job.read_split,  # [PE blocks, DE blocks] read
             hit_blocks=job.hit_blocks,

@@ -320,24 +320,42 @@ def _stream(dep, prompt: str, max_tokens: int, timeout: float = 60.0) -> Answer:
     return Answer(text, len(parts), info, seconds=time.monotonic() - t0)
 
 
+ANSWER_TOKENS = 2000  # the mid-stream test's answers
+
+
 def test_decode_host_cut_off_mid_stream_answers_complete_exactly_or_fail_explicitly(dep):
     """Bound: with decode node d0's host cut off while answers stream, every client, streamed or
     not, gets its exact greedy answer (re-dispatched to d1, the stream resuming at the first
     token it has not seen) or an explicit error within 45 s, none hangs; after the heal d0's
     engine is back in /health within 45 s. Both bounds are set by the data plane: a KV transfer
     to or from the cut-off host fails only at the transport's 30 s batch timeout."""
+    # long answers: a tiny model decodes 400 tokens of a batch in ~0.4 s, less than it takes to
+    # see one has reached d0 and cut the link (the cut then caught nothing)
     prompts = [f"stream {i}: the tool printed a long listing " + "of files " * 20 for i in range(6)]
-    ref = dict(zip(prompts, concurrently(lambda p: complete(dep, p, max_tokens=400), prompts, workers=3)))
+    ref = dict(zip(prompts, concurrently(lambda p: complete(dep, p, max_tokens=ANSWER_TOKENS), prompts, workers=3)))
     assert all(r.error is None for r in ref.values())
     resubmitted_before = len(log_events(dep, "gateway", "request_resubmitted"))
     retried_before = sum(len(log_events(dep, s, "request_retried")) for s in ("scheduler", "scheduler-1"))
+    prefills = [p.stem for p in dep.logs.glob("prefill-*.log")]
+
+    def on_d0() -> int:  # requests handed to d0's decode engine so far
+        return sum(1 for n in prefills for e in log_events(dep, n, "prefill_done") if e.get("decode_engine") == "d0e0")
+
+    on_d0_before = on_d0()
     marks: dict[str, float] = {}
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [
-            pool.submit(_stream if i % 2 else complete, dep, p, **({"max_tokens": 400} if i % 2 else {"max_tokens": 400, "timeout": 60}))
+            pool.submit(
+                _stream if i % 2 else complete,
+                dep,
+                p,
+                **({"max_tokens": ANSWER_TOKENS} if i % 2 else {"max_tokens": ANSWER_TOKENS, "timeout": 60}),
+            )
             for i, p in enumerate(prompts)
         ]
-        wait_until(lambda: health(dep).get("running", 0) > 0 or all(f.done() for f in futures), 10)
+        # cut only once an answer is decoding on d0 (the scheduler may place the first ones on d1)
+        wait_until(lambda: on_d0() > on_d0_before, 30, describe=lambda: f"{on_d0() - on_d0_before} requests on d0")
+        assert not all(f.done() for f in futures), "every answer ended before the cut"
         marks["cut"] = time.monotonic()
         dep.link("d0", "down")
         try:
@@ -360,7 +378,7 @@ def test_decode_host_cut_off_mid_stream_answers_complete_exactly_or_fail_explici
     record("netns: decode host cut off mid-stream (every client settled)", settled, 45.0)
     wait_until(lambda: health(dep).get("decode_engines", 0) == 2, 75, step=0.5, describe=lambda: health(dep))
     record("netns: decode host healed (engine back in /health)", time.monotonic() - healed, 45.0)
-    again = complete(dep, prompts[0], max_tokens=400)
+    again = complete(dep, prompts[0], max_tokens=ANSWER_TOKENS)
     assert again.text == ref[prompts[0]].text
 
 
