@@ -2,7 +2,7 @@
 
     dualpath sim offline --target T --topology xPyD --dataset D --agents N [--modes ...] [--ablation] [--json] [--out DIR]
     dualpath sim online  --target T --topology xPyD --dataset D (--rate R | --sweep) [--modes ...] [--json] [--out DIR]
-    dualpath sim paper   [--full] [--json] [--out DIR]       (paper figure vs simulated figure, one row each)
+    dualpath sim paper   [--size S] [--jobs N] [--json] [--out DIR]  (paper figure vs simulated figure, one row each)
     dualpath sim validate [--quick] [--json] [--out DIR]     (testbed JCT vs simulated JCT on small clusters)
     dualpath sim plan --target T --dataset D --gpus N [--slo-ttft S --slo-tpot S] [--online] [--json]
 

@@ -1,24 +1,15 @@
 """GPU profiles: peak rates, HBM capacity and the efficiency factors of the roofline.
 
-The efficiency factors live here and nowhere else. They turn datasheet peaks into rates a
-well-tuned serving kernel sustains on Hopper:
-
-- ``MFU_DENSE`` 0.65: large FP8/BF16 GEMMs (DeepGEMM reaches ~1,500 of 1,979 FP8 TFLOP/s
-  on big shapes; serving shapes are smaller and ragged).
-- ``MFU_ATTENTION`` 0.55: FlashAttention-3 / FlashMLA prefill kernels reach 60-65% of BF16
-  peak on long sequences; variable-length batches of short appends lose some of that.
-- ``HBM_EFFICIENCY`` 0.85: FlashMLA's memory-bound decode reaches ~3,000 of 3,350 GB/s.
-- ``LAYER_OVERHEAD_S`` 10 us: launch gaps, norms, RoPE and routing per layer that no
-  roofline term covers (small; CUDA graphs hide most of it in decode).
-- ``DEEPEP_LOW_LATENCY_US``: a decode step's expert-parallel all-to-all once the EP group
-  spans nodes (more GPUs than ``NVLINK_DOMAIN``): DeepEP's low-latency dispatch + combine
-  over RDMA, per MoE layer, as its README measures them on H800 with CX7 400 Gb/s NICs
-  (128 tokens per rank, hidden 7168, top-8, FP8 dispatch, BF16 combine). It is latency,
-  not bandwidth: at decode batch sizes it barely changes with the batch, and it is what
-  puts the paper's 660B TPOT at 36-39 ms where the roofline alone gives ~15-20 ms.
-
-HBM capacity is 80 GiB (nvidia-smi reports 81,559 MiB on an H100/H800 SXM "80 GB").
-H800 and H100 SXM differ only in NVLink/NIC bandwidth, which this model does not use.
+Every value comes from the calibration table (``dualpath.cost.calibration``, where each one's
+source is given): the datasheet peaks of an H800/H100 SXM, the achieved fractions of them
+(``MFU_DENSE`` for GEMMs, ``MFU_ATTENTION`` for attention and the indexer, ``HBM_EFFICIENCY``),
+the fixed time per layer (``LAYER_OVERHEAD_S``) and ``DEEPEP_LOW_LATENCY_US``, a decode step's
+expert-parallel all-to-all once the EP group spans nodes (more GPUs than ``NVLINK_DOMAIN``):
+DeepEP's low-latency dispatch + combine over RDMA, per MoE layer, as its README measures them
+on H800 with CX7 400 Gb/s NICs (128 tokens per rank, hidden 7168, top-8, FP8 dispatch, BF16
+combine). It is latency, not bandwidth: at decode batch sizes it barely changes with the
+batch, and it is what puts the paper's 660B TPOT at 36-39 ms where the roofline alone gives
+~15-20 ms. H800 and H100 SXM differ only in NVLink/NIC bandwidth, which this model does not use.
 """
 
 from __future__ import annotations
@@ -26,15 +17,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dualpath.cost.calibration import value
 from dualpath.cost.errors import UnknownGpuError
 
 __all__ = ["DEEPEP_LOW_LATENCY_US", "GPUS", "NVLINK_DOMAIN", "GpuProfile", "get_gpu"]
 
-MFU_DENSE = 0.65
-MFU_ATTENTION = 0.55
-HBM_EFFICIENCY = 0.85
-LAYER_OVERHEAD_S = 10e-6
-NVLINK_DOMAIN = 8  # GPUs per node joined by NVLink (HGX H800/H100)
+MFU_DENSE = value("gemm_fraction")
+MFU_ATTENTION = value("attention_fraction")
+HBM_EFFICIENCY = value("hbm_fraction")
+LAYER_OVERHEAD_S = value("layer_overhead_s")
+NVLINK_DOMAIN = int(value("nvlink_domain_gpus"))  # GPUs per node joined by NVLink (HGX H800/H100)
 # (EP size, dispatch us, combine us): DeepEP README, low-latency kernels with pure RDMA, H800 + CX7 400G.
 DEEPEP_LOW_LATENCY_US = ((8, 77, 114), (16, 118, 195), (32, 155, 273), (64, 173, 314), (128, 192, 369), (256, 194, 360))
 
@@ -73,7 +65,13 @@ class GpuProfile:
 
 
 def _hopper_sxm(name: str) -> GpuProfile:
-    return GpuProfile(name=name, bf16_flops=989e12, fp8_flops=1979e12, hbm_bytes_per_s=3.35e12, hbm_capacity_bytes=80 * 2**30)
+    return GpuProfile(
+        name=name,
+        bf16_flops=value("gpu_bf16_flops"),
+        fp8_flops=value("gpu_fp8_flops"),
+        hbm_bytes_per_s=value("gpu_hbm_bytes_per_s"),
+        hbm_capacity_bytes=int(value("gpu_hbm_bytes")),
+    )
 
 
 GPUS: dict[str, GpuProfile] = {"h800": _hopper_sxm("H800 SXM"), "h100": _hopper_sxm("H100 SXM")}

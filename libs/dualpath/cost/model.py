@@ -53,13 +53,14 @@ import math
 from collections.abc import Sequence
 
 from dualpath.cost.arch import ModelTarget
+from dualpath.cost.calibration import value
 from dualpath.cost.errors import InvalidWorkloadError, ModelDoesNotFitError
 from dualpath.cost.gpu import GpuProfile, get_gpu
 from dualpath.cost.targets import get_target
 
 __all__ = ["CostModel", "cost_model"]
 
-DEFAULT_RESERVE_FRACTION = 0.08  # HBM kept for activations, CUDA context, allocator slack
+DEFAULT_RESERVE_FRACTION = value("hbm_reserve_fraction")  # HBM kept for activations, CUDA context, allocator slack
 
 
 class _Work:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from dualpath.cost.calibration import value
 from dualpath.node.prefetch import PREFETCH_CACHE_GB
 
 __all__ = ["ABLATION", "GBPS", "MODES", "SimConfig", "SimMode", "parse_topology"]
@@ -76,28 +77,29 @@ class SimConfig:
     gpu: str = "h800"
     prefill_nodes: int = 1
     decode_nodes: int = 1
-    gpus_per_node: int = 8
+    # hardware and scheduler defaults: the calibration table (dualpath.cost.calibration) and its sources
+    gpus_per_node: int = int(value("gpus_per_node"))
     engines_per_node: int = 0  # 0 = gpus_per_node
-    snic_gbps: float = 400.0
-    cnic_gbps: float = 400.0
-    dram_buffer_gb: float = 80.0
+    snic_gbps: float = value("snic_gbps")
+    cnic_gbps: float = value("cnic_gbps")
+    dram_buffer_gb: float = value("dram_buffer_gb")
     mode: str = "dualpath"
-    block_tokens: int = 64
-    quota_s: float = 0.300  # the intra-engine compute quota (paper §6.2)
-    storage_parallel: int = 4  # concurrent block reads per node (the traffic manager's StorageIO default)
+    block_tokens: int = int(value("block_tokens"))
+    quota_s: float = value("quota_s")  # the intra-engine compute quota (paper §6.2)
+    storage_parallel: int = int(value("storage_parallel"))  # concurrent block reads per node (the traffic manager's StorageIO)
     max_running: int = 1024  # decode: most requests batched together (the paper: "batch everything")
     hbm_tokens: int = 0  # decode KV capacity per engine in tokens; 0 = the cost model's
     decode_ep: int = -1  # decode expert parallelism: -1 = the target's default (the testbed's), 0 = auto (decode_ep_size)
-    pass_interval_s: float = 0.002  # the scheduler's loop period: passes at most this often
-    report_interval_s: float = 0.2  # traffic managers report read_q this often (the services' default)
-    collective_share: float = 0.0  # prefill: CNIC time model collectives (high priority) take per second of compute
+    pass_interval_s: float = value("pass_interval_s")  # the scheduler's loop period: passes at most this often
+    report_interval_s: float = value("report_interval_s")  # traffic managers report read_q this often (the services' default)
+    collective_share: float = value("model_traffic_share")  # prefill: CNIC time of the model collectives (high priority) per compute s
     persist: bool = True  # decode persists full blocks (next turn's hits); False: hits are free
     prefetch_gb: float = PREFETCH_CACHE_GB  # mode prefetch: the prefetch cache per node, GB, in DRAM beside the buffer
     prefetch_ttl_s: float = 60.0  # mode prefetch: seconds a staged copy waits for its agent's next turn
     # decode: host time per step the GPU waits for (scheduling, sampling, streaming), fixed + per
     # running request; 0 = steps back to back (the cost model's calibration). Validate sets it
     # from the testbed's measured figure (dualpath.testbed.HostPerStep).
-    decode_host_s: float = 0.0
+    decode_host_s: float = value("decode_step_host_s")
     decode_host_per_request_s: float = 0.0
     extra: dict = field(default_factory=dict, compare=False)
 

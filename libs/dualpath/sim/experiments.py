@@ -117,19 +117,35 @@ def run_offline(
     }
 
 
-def run_online(cfg: SimConfig, workload: Workload, *, slo_ttft: float, slo_tpot: float, progress: bool | None = None) -> dict:
+def run_online(
+    cfg: SimConfig,
+    workload: Workload,
+    *,
+    slo_ttft: float,
+    slo_tpot: float,
+    warmup_s: float = 0.0,
+    drain_s: float = float("inf"),
+    progress: bool | None = None,
+) -> dict:
     """One online run: agents arrive at ``workload.rate`` for ``workload.duration_s``; every
-    agent runs its turns (with tool-call pauses) to the end. SLO attainment counts the turns
-    submitted while arrivals lasted."""
+    agent runs its turns (with tool-call pauses) to the end. SLO attainment and the latency
+    figures count the turns submitted while arrivals lasted, after ``warmup_s``: agents that
+    run whole trajectories live for minutes, so the cluster's load ramps up for that long
+    after the first arrival (the paper's steady state is what follows). ``drain_s`` stops the
+    run that long after the last arrival instead of running every agent to its end (the turns
+    counted finish within seconds when the SLO holds; one still running then is not counted)."""
     if workload.rate is not None and workload.duration_s is not None:
         # only the agents that can arrive in time (a Poisson count stays below mean + 6 sd + 16)
         mean = workload.rate * workload.duration_s
         workload = replace(workload, agents=min(workload.agents, int(mean + 6 * mean**0.5 + 16)))
     agents = build_agents(workload, cfg.block_tokens)
-    sim = _simulate(cfg, workload, agents, progress)
+    until = (workload.duration_s or 0.0) + drain_s if workload.duration_s is not None else float("inf")
+    sim = _simulate(cfg, workload, agents, progress, until)
     row = run_figures(sim)
     horizon = workload.duration_s or sim.end_time
-    attainment = sim.metrics.slo_attainment(slo_ttft, slo_tpot, until=horizon)
+    attainment = sim.metrics.slo_attainment(slo_ttft, slo_tpot, since=min(warmup_s, horizon), until=horizon)
+    row["window_latency_s"] = sim.metrics.window_latency(since=min(warmup_s, horizon), until=horizon)
+    row["slo_misses"] = _slo_misses(sim, slo_ttft, slo_tpot, min(warmup_s, horizon), horizon)
     row.update(
         {
             "rate": workload.rate,
@@ -139,6 +155,19 @@ def run_online(cfg: SimConfig, workload: Workload, *, slo_ttft: float, slo_tpot:
         }
     )
     return row
+
+
+def _slo_misses(sim: Simulation, slo_ttft: float, slo_tpot: float, since: float, until: float) -> dict[str, float | None]:
+    """Shares of the window's turns over the TTFT and over the TPOT bound: which part of the SLO binds."""
+    import numpy as np
+
+    m = sim.metrics
+    sub = np.frombuffer(m.submit, dtype=np.float32)
+    keep = (sub >= since) & (sub < until)
+    if not keep.any():
+        return {"ttft": None, "tpot": None}
+    ttft, tpot = (np.frombuffer(a, dtype=np.float32)[keep] for a in (m.ttft, m.tpot))
+    return {"ttft": float((ttft > slo_ttft).mean()), "tpot": float((tpot > slo_tpot).mean())}
 
 
 def sweep_online(
@@ -151,28 +180,45 @@ def sweep_online(
     start_rate: float = 0.5,
     probes: int = 8,
     tolerance: float = 0.05,
+    warmup_s: float = 0.0,
+    drain_s: float = float("inf"),
     progress: bool | None = None,
     say: Callable[[str], None] | None = None,
 ) -> dict:
-    """The highest APS whose turns meet the SLO (``attainment`` of them), by the load
-    generator's search; every probe reported."""
+    """The highest APS whose turns meet the SLO (``attainment`` of them, counted after
+    ``warmup_s``: ``run_online``), by the load generator's search; every probe reported,
+    the best one's latencies as ``best``."""
     plan, state = SweepPlan(start_rate=start_rate, max_probes=probes, tolerance=tolerance), SweepState()
+    best: dict | None = None
     while (rate := next_rate(plan, state)) is not None:
-        row = run_online(cfg, replace(workload, rate=rate), slo_ttft=slo_ttft, slo_tpot=slo_tpot, progress=progress)
+        row = run_online(
+            cfg, replace(workload, rate=rate), slo_ttft=slo_ttft, slo_tpot=slo_tpot, warmup_s=warmup_s, drain_s=drain_s, progress=progress
+        )
         passed = row["attainment"] is not None and row["attainment"] >= attainment
+        window = row["window_latency_s"]
         point = {
             "rate": rate,
             "passed": passed,
             "attainment": row["attainment"],
             "failed_turns": 0,
-            "ttft_p50": row["latency_s"]["ttft"].get("p50"),
-            "tpot_p50": row["latency_s"]["tpot"].get("p50"),
+            "ttft_p50": window["ttft"].get("p50"),
+            "tpot_p50": window["tpot"].get("p50"),
+            "ttft_mean": window["ttft"].get("mean"),
+            "ttst_mean": window["ttst"].get("mean"),
+            "tpot_mean": window["tpot"].get("mean"),
+            "cpu_s": row["cpu_s"],
+            "slo_misses": row["slo_misses"],
+            "prefill_busy": row["prefill_busy"],
+            "decode_busy": row["decode_busy"],
+            "snic_util_avg": row["snic_util_avg"],
         }
         state.points.append(point)
+        if passed and rate > (state.best or 0.0):
+            best = point
         if passed:
             state.best = max(rate, state.best or 0.0)
         else:
             state.lowest_failure = min(rate, state.lowest_failure or float("inf"))
         if say:
             say(f"[{cfg.mode}] {rate:.3f} APS: attainment {row['attainment']}, {'pass' if passed else 'fail'}")
-    return {"max_aps": state.best, "points": state.points}
+    return {"max_aps": state.best, "best": best, "points": state.points}

@@ -68,3 +68,9 @@ class Metrics:
         ttft = np.frombuffer(self.ttft, dtype=np.float32)[keep]
         tpot = np.frombuffer(self.tpot, dtype=np.float32)[keep]
         return float(((ttft <= ttft_s) & (tpot <= tpot_s)).mean())
+
+    def window_latency(self, since: float = 0.0, until: float = float("inf")) -> dict[str, dict]:
+        """``percentiles`` of TTFT, TTST and TPOT over the turns submitted in ``[since, until)``."""
+        sub = np.frombuffer(self.submit, dtype=np.float32)
+        keep = (sub >= since) & (sub < until)
+        return {name: percentiles(np.frombuffer(getattr(self, name), dtype=np.float32)[keep].tolist()) for name in ("ttft", "ttst", "tpot")}

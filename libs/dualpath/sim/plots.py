@@ -1,10 +1,11 @@
-"""PNGs of a simulated run: JCT per mode, SNIC read utilisation over time per node."""
+"""PNGs of a simulated run (JCT per mode, SNIC read utilisation over time per node) and of the
+paper table (simulated over paper figure, per row)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["plot_jct", "plot_snic"]
+__all__ = ["plot_jct", "plot_paper", "plot_snic"]
 
 _COLOURS = {"basic-nolw": "#e99", "basic": "#c44", "dualpath-rr": "#8ad", "dualpath": "#48c", "oracle": "#4a4"}
 
@@ -45,4 +46,31 @@ def plot_snic(rows: dict, path: Path, max_lines: int = 12) -> None:
     axes[-1, 0].set_xlabel("virtual seconds since the agents started")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_paper(rows: list[dict], path: Path, title: str = "dualpath sim paper: simulated / paper figure") -> None:
+    """A dot per row of ``dualpath sim paper``: sim / paper on a log axis, the +-15% band shaded;
+    rows outside it (or outside the paper's range) in red."""
+    plt = _plt()
+    rows = [r for r in rows if r.get("ratio") is not None]
+    fig, ax = plt.subplots(figsize=(7.5, 0.26 * len(rows) + 1.2))
+    ys = list(range(len(rows)))[::-1]
+    ax.axvspan(0.85, 1.15, color="#dde8f4", zorder=0, label="within 15%")
+    ax.axvline(1.0, color="#48c", lw=0.8, zorder=1)
+    for y, r in zip(ys, rows):
+        ax.plot([r["ratio"]], [y], "o", ms=5, color="#2a7" if r["within"] else "#c33", zorder=2)
+    ax.set_yticks(ys)
+    ax.set_yticklabels([r["name"] for r in rows], fontsize=7)
+    ax.set_xscale("log")
+    lo, hi = min(0.08, min(r["ratio"] for r in rows) * 0.8), max(5.0, max(r["ratio"] for r in rows) * 1.25)
+    ax.set_xlim(lo, hi)
+    ax.set_xticks([0.1, 0.25, 0.5, 1.0, 2.0, 4.0])
+    ax.get_xaxis().set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_xlabel("simulated / paper (ratio rows: sim ratio / paper ratio)")
+    inside = sum(r["within"] for r in rows)
+    ax.set_title(f"{title} ({inside} of {len(rows)} within)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
     plt.close(fig)

@@ -65,6 +65,9 @@ def run_figures(sim: Simulation) -> dict:
     cap = sim.cfg.snic_bytes_per_s()
     width, series = snic_series(sim, end)
     util = {n: b / max(end, 1e-9) / cap for n, b in node_bytes.items()}
+    span = max(end, 1e-9)
+    prefill_busy = [pe.busy_s / span for pe in sim.prefill_engines.values()]
+    decode_busy = [de.busy_s / span for de in sim.decode_engines.values()]
     q_share = queue["mean"] / ttft["mean"] if ttft.get("n") and ttft["mean"] > 0 else None
     return {
         "mode": sim.cfg.mode,
@@ -88,6 +91,9 @@ def run_figures(sim: Simulation) -> dict:
         "snic_util_max": max(util.values()),
         "snic_util_avg": sum(util.values()) / len(util),
         "snic_bytes_max_over_avg": _ratio(list(node_bytes.values())),
+        # what binds: the share of the job each kind of engine computed (a decode engine: had a batch)
+        "prefill_busy": sum(prefill_busy) / len(prefill_busy),
+        "decode_busy": sum(decode_busy) / len(decode_busy),
         "snic_bytes_max_over_avg_early": _ratio(early_bytes),
         "snic_max_over_avg_windowed": windowed_max_over_avg(series),
         "attention_max_over_avg_early": _ratio(attention_early),
