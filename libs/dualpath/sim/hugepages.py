@@ -1,12 +1,10 @@
 """The simulator's heap on transparent huge pages: fewer TLB misses, the same results.
 
 A large run keeps hundreds of MiB of small objects alive (requests, flows, events, the
-scheduler's ledger: 700 MiB at 48P96D with 48K agents) and touches them in no order: with
-4 KiB pages most touches also miss the TLB, and the cost per simulated turn grows with the
-cluster (2P4D/2K 55 us, 24P48D/24K 88 us, 48P96D/48K 103 us at 300 virtual seconds). On
-2 MiB pages the same run took 12-13% less CPU at 48P96D (alternated on the two cores of the
-development machine, to 300 virtual s: 155.7/151.4 s -> 136.4/131.9 s) and 7-8% less at
-24P48D; the results are bit for bit the same (memory layout decides no result).
+scheduler's ledger: hundreds of MiB at 48P96D with 48K agents) and touches them in no order:
+with 4 KiB pages most touches also miss the TLB, so the cost per simulated turn grows with the
+cluster. 2 MiB pages take that cost down at the largest sizes (docs/paper.md keeps the
+measurements); the results are bit for bit the same (memory layout decides no result).
 
 Two parts, each used only where the kernel offers transparent huge pages
 (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``), both off

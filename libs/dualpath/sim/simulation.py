@@ -248,8 +248,7 @@ class Simulation:
         t0, c0 = time.perf_counter(), time.process_time()
         # Millions of live objects and no reference cycles among them (a test checks that a
         # run leaves no cyclic garbage in every mode): the cyclic collector would only walk
-        # them (~7% of a 48P96D run at the collector's tuned thresholds), so it is off while
-        # the run lasts; reference counting frees everything as before.
+        # them, so it is off while the run lasts; reference counting frees everything.
         collecting = gc.isenabled()
         gc.disable()
         try:

@@ -27,12 +27,12 @@ Both sides start agent ``i`` at ``i * --stagger-ms`` (2 modeled ms: 128 ms for 6
 of all at once: a burst sent at once reaches the testbed's scheduler in whatever order the
 gateway's concurrent handling gives, different from run to run, while the simulator takes
 submission order; with 64 first turns queued for FIFO storage reads, that order alone moves
-2P1D basic's JCT by up to 10% (the simulator over 12 random orders: 11.73-12.88 s; four testbed
-runs: 11.85-13.32 s). Spaced starts give the same order on both sides.
+2P1D basic's JCT by several percent. Spaced starts give the same order on both sides.
 
-``--recorded`` compares with the testbed JCTs of the last quick run recorded in the README
-instead of running the testbed (seconds: the CI form); ``--testbed-json DIR`` reuses result.json files of earlier
-``dualpath experiment offline`` runs (``DIR/<topology>/result.json``).
+``--recorded`` compares with the testbed figures of a quick run kept in ``RECORDED`` (the run
+and its table are in docs/paper.md) instead of running the testbed (seconds);
+``--testbed-json DIR`` reuses result.json files of earlier ``dualpath experiment offline`` runs
+(``DIR/<topology>/result.json``).
 """
 
 from __future__ import annotations
@@ -56,10 +56,8 @@ TESTBED_BUFFER_MIB = 64  # the stack's buffer floor (runner.stack_config): what 
 TESTBED_KV_TOKENS = 1 << 22  # runner.stack_config's kv_capacity_tokens
 
 # The testbed's JCTs (modeled seconds) and decode host time per step (fixed, per request;
-# modeled seconds) of the last ``dualpath sim validate --quick`` recorded in the README
-# (RECORDED_AT): ds27b, 64K set, RECORDED_AGENTS agents x RECORDED_TURNS turns, start-at 0.5, one
-# engine per node, slowdown 6.
-RECORDED_AT = "2026-12-03 at 92dba57 + spaced starts (--stagger-ms 2)"
+# modeled seconds) of one ``dualpath sim validate --quick`` run (docs/paper.md): ds27b, 64K set,
+# RECORDED_AGENTS agents x RECORDED_TURNS turns, start-at 0.5, one engine per node, slowdown 6.
 RECORDED: dict[str, dict[str, tuple[float, float, float]]] = {
     "1P1D": {"basic": (4.187, 4.070e-05, 7.349e-06), "dualpath": (3.216, 3.036e-05, 1.074e-05)},
     "2P1D": {"basic": (3.216, 2.916e-05, 1.188e-05), "dualpath": (3.102, 2.582e-05, 1.162e-05)},
@@ -99,11 +97,12 @@ def sim_jcts(
     seed: int = 0,
     hosts: dict[str, dict | None] | None = None,
     stagger_ms: float = 0.0,
+    dataset: str = "64k",
 ) -> dict[str, float]:
     """Simulated JCTs of ``modes``; ``hosts`` (mode -> a testbed run's ``decode_host_per_step``)
     gives each mode's decode host time per step (none: steps back to back); agent ``i`` starts
     at ``i * stagger_ms``."""
-    workload = Workload(dataset="64k", agents=agents, turns=turns, start_at=0.5, seed=seed, stagger_s=stagger_ms / 1000)
+    workload = Workload(dataset=dataset, agents=agents, turns=turns, start_at=0.5, seed=seed, stagger_s=stagger_ms / 1000)
     if not hosts or not any(hosts.values()):
         result = run_offline(testbed_config(topology, target), workload, modes, progress=False)
         return {m: r["jct_s"] for m, r in result["modes"].items()}
@@ -125,6 +124,7 @@ def testbed_runs(
     target: str = "ds27b",
     seed: int = 0,
     stagger_ms: float = 0.0,
+    dataset: str = "64k",
 ) -> dict[str, dict]:
     """Run ``dualpath experiment offline`` (minutes per mode) and return its per-mode figures
     (``jct_s``, ``decode_host_per_step``, ...)."""
@@ -150,6 +150,10 @@ def testbed_runs(
         str(seed),
         "--stagger-ms",
         str(stagger_ms),
+        "--dataset",
+        dataset,
+        "--start-at",
+        "0.5",
         "--json",
         "--out",
         str(out / topology),
@@ -259,7 +263,6 @@ def main(argv: list[str]) -> int:
         "all_within_10pct": all(r["within_10pct"] for r in rows),
         "wall_s": wall,
         "source": "recorded" if ns.recorded else "testbed-json" if ns.testbed_json else "testbed",
-        **({"recorded_at": RECORDED_AT} if ns.recorded else {}),
     }
     print(json.dumps(result, indent=2) if ns.json else format_rows(rows) + f"\nwall {wall:.1f} s")
     return 0
