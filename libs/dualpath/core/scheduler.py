@@ -639,11 +639,11 @@ class SchedulerCore:
             )
         )
 
-    def _seen(self, a: Assignment, st: ClusterState) -> dict:
+    def _seen(self, a: Assignment, st: ClusterState) -> dict[str, int | list[str]]:
         """The figures the policy compared for ``a``, before ``a`` is charged (earlier
         placements of the same pass are charged already, as in the policy's own pass)."""
         pe, de = st.engines[a.prefill_engine], st.engines[a.decode_engine]
-        seen: dict = {
+        seen: dict[str, int | list[str]] = {
             "read_q_pe": st.nodes[pe.node_id].read_q,
             "read_q_de": st.nodes[de.node_id].read_q,
             "tok_e_prefill": pe.tok,

@@ -346,7 +346,7 @@ class Decision:
     decode_tokens: int
     queued_since: float
     queue_len: int
-    seen: dict = field(default_factory=dict)
+    seen: dict[str, int | list[str]] = field(default_factory=dict)  # a figure's name -> its value (candidates: "engine:tok_e")
     read_split: tuple[int, int] | None = None  # a split read's (PE blocks, DE blocks); None: one side reads all
 
     def __init__(
@@ -364,7 +364,7 @@ class Decision:
         decode_tokens: int,
         queued_since: float,
         queue_len: int,
-        seen: dict | None = None,
+        seen: dict[str, int | list[str]] | None = None,
         read_split: tuple[int, int] | None = None,
     ) -> None:
         self.policy = policy

@@ -45,7 +45,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _frame(record: dict[str, Any]) -> bytes:
-    payload = msgpack.packb(record, use_bin_type=True)
+    payload: bytes = msgpack.packb(record, use_bin_type=True)  # msgpack is untyped: packb returns bytes here
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 

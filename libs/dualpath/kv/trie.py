@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from dualpath.kv.errors import IndexCorruptError
 from dualpath.kv.hashing import U64_MAX, check_u64
@@ -443,7 +443,7 @@ class BlockIndex:
                     reason = f"model {digest:x}: block {h:x} has no parent"
                     raise IndexCorruptError(log.path, 0, reason)
 
-    def _apply(self, record: dict) -> None:
+    def _apply(self, record: dict[str, Any]) -> None:
         """Apply one log record. Raises KeyError/TypeError/ValueError if it is malformed."""
         op, digest = record["op"], record["m"]
         trie = self._tries.get(digest) or self._tries.setdefault(digest, _Trie(ordered=self._touch))

@@ -6,7 +6,8 @@ Never pickle: msgpack carries only plain data, so a hostile peer cannot run code
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import msgpack
 
@@ -18,29 +19,31 @@ if TYPE_CHECKING:
 __all__ = ["PROTOCOL_VERSION", "decode", "encode", "register"]
 
 PROTOCOL_VERSION = 1
-_BY_CODE: dict[int, type] = {}
+_BY_CODE: dict[int, type[Wire]] = {}
 T = TypeVar("T")
+W = TypeVar("W", bound="Wire")
 
 
-def register(code: int):
+def register(code: int) -> Callable[[type[W]], type[W]]:
     """Class decorator: give a message class its integer type code (unique)."""
 
-    def wrap(cls: type[T]) -> type[T]:
+    def wrap(cls: type[W]) -> type[W]:
         if code in _BY_CODE:
             raise ValueError(f"message type code {code} used twice ({_BY_CODE[code].__name__}, {cls.__name__})")
         _BY_CODE[code] = cls
-        cls.TYPE_CODE = code  # type: ignore[attr-defined]
+        cls.TYPE_CODE = code
         return cls
 
     return wrap
 
 
-def encode(msg: Any) -> bytes:
+def encode(msg: Wire) -> bytes:
     """Serialise a registered message dataclass into its msgpack envelope."""
     body = msg.to_wire()
     body["v"] = PROTOCOL_VERSION
     body["t"] = msg.TYPE_CODE
-    return msgpack.packb(body, use_bin_type=True)
+    packed: bytes = msgpack.packb(body, use_bin_type=True)  # msgpack is untyped: packb returns bytes here
+    return packed
 
 
 def decode(data: bytes, *expected: type[T]) -> T:
@@ -63,6 +66,7 @@ def decode(data: bytes, *expected: type[T]) -> T:
         names = ", ".join(c.__name__ for c in expected) or "a known message"
         raise ProtocolError(f"unexpected message type (want {names})")
     try:
-        return cast("type[Wire]", cls).from_wire(body)
+        msg = cls.from_wire(body)
     except (TypeError, ValueError, KeyError) as exc:
         raise ProtocolError(f"bad {cls.__name__}: {exc}") from None
+    return cast(T, msg)  # its class is one of ``expected`` (checked above), or any when none is named

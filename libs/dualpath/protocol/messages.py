@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any  # evaluated by Wire.from_wire's type checks (typing.get_type_hints): not under TYPE_CHECKING
 
 from dualpath.protocol.codec import register
 from dualpath.protocol.wire import Wire
@@ -165,12 +166,12 @@ class SubmitRequest(Wire):
     prompt_tokens: list[int]
     block_hashes: list[int]  # hash chain of the prompt's full blocks
     hit_blocks: int  # persisted prefix length at lookup time (in blocks)
-    sampling: dict  # dualpath.model.SamplingParams fields
+    sampling: dict[str, Any]  # dualpath.model.SamplingParams fields
     reply_subject: str  # where TokenEvents go
     read_path: int = ReadPath.AUTO
     block_tokens: int = 64
     arrival_ts: float = 0.0
-    trace: dict = field(default_factory=dict)  # W3C trace context of the request (traceparent/tracestate)
+    trace: dict[str, str] = field(default_factory=dict)  # W3C trace context of the request (traceparent/tracestate)
     session: str = ""  # agent session id (X-Session-ID, the OpenAI user field or dualpath_session); "" unknown
     submission: int = 0  # the gateway's n-th submission of the request (a resubmission after a failover; see SUBMISSION_ATTEMPTS)
     chain_root: int = 0  # parent hash of the prompt's first block (dualpath.kv.chain_root: tenant, cache_salt); 0 unsalted
@@ -208,7 +209,7 @@ class AllocRequest(Wire):
 @register(31)
 @dataclass(**_msg)
 class AllocReply(Wire):
-    region: dict  # transfer.RegionDescriptor wire form
+    region: dict[str, Any]  # transfer.RegionDescriptor wire form
     offset: int
     nbytes: int
 
@@ -266,7 +267,7 @@ class LoadReply(Wire):
     """``loaded`` leading blocks are valid in the buffer (a missing/corrupt block ends the hit)."""
 
     loaded: int
-    region: dict
+    region: dict[str, Any]
     offset: int
     bytes_read: int
     queue_wait_s: float = 0.0
@@ -321,7 +322,7 @@ class DescribeRequest(Wire):
 @dataclass(**_msg)
 class DescribeReply(Wire):
     node_id: str
-    regions: list[dict]
+    regions: list[dict[str, Any]]
 
 
 @register(64)
@@ -357,20 +358,20 @@ class PrefillTask(Wire):
     prompt_tokens: list[int]
     block_hashes: list[int]
     hit_blocks: int
-    sampling: dict
+    sampling: dict[str, Any]
     reply_subject: str
     read_path: int  # ReadPath.PE / DE / NONE
     prefill_engine: str
     prefill_node: str
     decode_engine: str
     decode_node: str
-    de_region: dict  # where the DE buffer slot lives
+    de_region: dict[str, Any]  # where the DE buffer slot lives
     de_offset: int
     attempt: int = 0
     policy: str = ""
     arrival_ts: float = 0.0  # wall time the gateway admitted the request (TTFT's queueing part starts here)
     read_split: list[int] = field(default_factory=list)  # split read: [PE blocks, DE blocks] (read_path PE); [] = one side reads all
-    trace: dict = field(default_factory=dict)  # the request's trace context (its work outlives this message)
+    trace: dict[str, str] = field(default_factory=dict)  # the request's trace context (its work outlives this message)
     chain_root: int = 0  # SubmitRequest.chain_root: the decode engine salts the hashes of generated blocks with it
 
 
@@ -387,16 +388,16 @@ class DecodeTask(Wire):
     cached_blocks: int  # blocks that were hits (already persisted)
     first_token: int
     first_logprob: float
-    first_top_logprobs: list  # [[token_id, logprob], ...]
-    sampling: dict
+    first_top_logprobs: list[list[int | float]]  # [[token_id, logprob], ...]
+    sampling: dict[str, Any]
     reply_subject: str
     de_region_id: str
     de_offset: int
     read_path: int
     prefill_engine: str
     attempt: int = 0
-    timing: dict = field(default_factory=dict)  # ttft_queue_s / ttft_exec_s measured by the prefill engine
-    trace: dict = field(default_factory=dict)  # the request's trace context (decode outlives this message)
+    timing: dict[str, Any] = field(default_factory=dict)  # ttft_queue_s / ttft_exec_s measured by the prefill engine
+    trace: dict[str, str] = field(default_factory=dict)  # the request's trace context (decode outlives this message)
     chain_root: int = 0  # SubmitRequest.chain_root: the parent of the first generated block when the prompt has no full block
 
 
@@ -447,7 +448,7 @@ class EngineReport(Wire):
     finished: list[str] = field(default_factory=list)  # requests completed since the last report
     finished_attempts: list[int] = field(default_factory=list)  # the attempt of each, by position (empty: not said)
     block_bytes: int = 0  # bytes of one Full Block in this engine's KV format
-    stats: dict = field(default_factory=dict)  # cumulative seconds: busy, modeled, attention, kv_wait
+    stats: dict[str, Any] = field(default_factory=dict)  # cumulative seconds: busy, modeled, attention, kv_wait
     ts: float = 0.0
     incarnation: str = ""  # new at every start of the engine process: a change means it restarted (and lost its work)
     holding: list[str] | None = None  # prefill: every task held now, queued to handing off (None: not said)
@@ -464,10 +465,10 @@ class NodeReport(Wire):
     read_q_bytes: int
     buffer_free_bytes: int
     buffer_bytes: int
-    regions: list[dict] = field(default_factory=list)
+    regions: list[dict[str, Any]] = field(default_factory=list)
     bytes_read: int = 0  # cumulative storage bytes read (SNIC read direction)
     bytes_written: int = 0  # cumulative storage bytes written
-    prefetch: dict = field(default_factory=dict)  # prefetch cache counters (node.prefetch.PrefetchStats) when enabled
+    prefetch: dict[str, Any] = field(default_factory=dict)  # prefetch cache counters (node.prefetch.PrefetchStats) when enabled
     ts: float = 0.0
 
 
@@ -487,12 +488,12 @@ class TokenEvent(Wire):
     index: int
     token_ids: list[int]
     logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list = field(default_factory=list)  # per token: [[id, logprob], ...]
+    top_logprobs: list[list[list[int | float]]] = field(default_factory=list)  # per token: [[id, logprob], ...]
     finish_reason: str | None = None
     error: str = ""
     error_code: int = 0
     cached_tokens: int = 0
-    info: dict = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
     ts: float = 0.0
     attempt: int = 0  # the scheduler's placement that produced it (PrefillTask.attempt): a retry's events supersede
     decode_engine: str = ""  # the decode engine serving this run: "name@incarnation" (the prefill engine's first token: "name")
@@ -541,6 +542,6 @@ class StateReply(Wire):
     queued: int
     running: int
     policy: str
-    engines: list[dict] = field(default_factory=list)
-    node_states: list[dict] = field(default_factory=list)
+    engines: list[dict[str, Any]] = field(default_factory=list)
+    node_states: list[dict[str, Any]] = field(default_factory=list)
     buffer_waits: int = 0  # dispatches put back because a decode node's buffer was full

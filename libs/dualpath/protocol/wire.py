@@ -11,7 +11,7 @@ import dataclasses
 import types
 import typing
 from functools import cache
-from typing import Any
+from typing import Any, ClassVar, Self  # evaluated by typing.get_type_hints (_field_checks)
 
 __all__ = ["Wire"]
 
@@ -56,13 +56,14 @@ class Wire:
     """Mixin for message dataclasses: ``to_wire()`` -> dict, ``from_wire(dict)`` -> message."""
 
     __slots__ = ()
+    TYPE_CODE: ClassVar[int]  # the message's type code on the wire (set by ``codec.register``)
 
     def to_wire(self) -> dict[str, Any]:
         """Fields as a plain dict (shallow: nested values must already be plain data)."""
         return {name: getattr(self, name) for name in _names(type(self))}  # type: ignore[arg-type]
 
     @classmethod
-    def from_wire(cls, body: dict[str, Any]):
+    def from_wire(cls, body: dict[str, Any]) -> Self:
         """Build the message from a decoded map; unknown keys are ignored (forward compatible).
 
         Raises:
