@@ -134,8 +134,8 @@ _CONSTANTS = (
         unit="of HBM",
         what="HBM kept from the KV cache for activations, the CUDA context, communication buffers and slack",
         kind="assumed",
-        source="no published figure for the paper's engine; SGLang's default static memory fraction for a model of "
-        "this size keeps a similar share free",
+        source="no published figure for the paper's engine; it sets the decode engines' KV capacity (845K tokens per "
+        "GPU for the 660B at EP 32), which binds the simulated DualPath online (docs/paper.md)",
     ),
     Constant(
         key="nvlink_domain_gpus",

@@ -30,7 +30,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 
 from dualpath.cost import calibration
@@ -98,6 +98,7 @@ SIZES = {
     ),
 }
 
+HEARTBEAT_S = 60.0  # a progress line at least this often while runs go on
 ONLINE_DRAIN_S = 60.0  # an online probe stops this long after its last arrival (run_online)
 ONLINE_TOLERANCE = 0.05  # a sweep stops once its highest pass and lowest failure are this close
 SLO_TTFT_S, SLO_TPOT_S = 4.0, 0.05
@@ -277,10 +278,16 @@ def _execute(runs: list, jobs: int, say: Callable[[str], None] | None) -> dict[s
         return out
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         futures = {pool.submit(_timed, fn, kw): key for key, fn, kw, _ in runs}
-        for f in as_completed(futures):
-            key = futures[f]
-            out[key] = f.result()
-            progress(key, out[key])
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED)
+            for f in done:
+                key = futures[f]
+                out[key] = f.result()
+                progress(key, out[key])
+            if not done and say:  # the largest runs take minutes: say that they are still going
+                share = done_weight / total_weight
+                say(f"[paper] [{'#' * int(30 * share):<30}] {len(out)}/{len(runs)} runs, {time.perf_counter() - t0:6.0f} s")
     return out
 
 
