@@ -281,6 +281,7 @@ class ClusterTls:
 def permissions_table(namespace: str = "dualpath") -> str:
     """The subject table as Markdown: each subject, who publishes and who subscribes (``own``:
     only under the identity's own engine, node or gateway id). The security docs page holds it."""
+
     def roles(scopes) -> str:
         return ", ".join(f"{r.value}" + (" (own)" if s is Scope.OWN else "") for r, s in scopes.items()) or "-"
 
