@@ -68,6 +68,7 @@ REQUEST_MAGIC = b"DPq3"  # 2: strided entries; 3: a key beside each region id
 REPLY_MAGIC = b"DPr1"
 ENTRY = struct.Struct("<IQQIQ")  # region slot, offset, length, count, stride: 32 B per entry
 _ID_LEN = struct.Struct("<H")  # a region record's id length, after its key
+_U64_MAX = (1 << 64) - 1
 _NO_KEY = bytes(KEY_BYTES)  # sent for a region whose descriptor has no key: the server refuses it
 MAX_ENTRIES = 1 << 20  # bounds the entry table a server will buffer (32 MiB)
 MAX_TABLE_BYTES = 1 << 20  # bounds the region-id table
@@ -193,7 +194,7 @@ def encode_error(exc: TransferError) -> bytes:
             kind="out_of_bounds",
             region_id=exc.region_id,
             offset=exc.offset,
-            length=exc.length,
+            length=min(exc.length, _U64_MAX),  # a strided entry's span can pass 2**64 (msgpack's limit)
             size=exc.size,
         )
     else:
