@@ -398,7 +398,7 @@ def test_generated_malformed_frames_never_crash_the_server_touch_guards_or_distu
     sentinel_before = bytes(server.sentinel.buf)
     with _Honest(server) as honest:
 
-        @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+        @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
         @given(frame=_frames(server.target, server.sentinel))
         def throw(frame: bytes) -> None:
             with _connect(server.port) as sock:
