@@ -29,6 +29,10 @@ def peak_memory_mb() -> float:
     return rss / (1 << 20) if sys.platform == "darwin" else rss / 1024
 
 
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
 def _ratio(values: list[float]) -> float | None:
     return max_over_avg(values) if values and any(v > 0 for v in values) else None
 
@@ -90,6 +94,8 @@ def run_figures(sim: Simulation) -> dict:
         "snic_read_utilisation": util,
         "snic_util_max": max(util.values()),
         "snic_util_avg": sum(util.values()) / len(util),
+        "snic_util_prefill": _mean([u for n, u in util.items() if n.startswith("p")]),  # the prefill nodes' SNICs
+        "snic_util_decode": _mean([u for n, u in util.items() if n.startswith("d")]),
         "snic_bytes_max_over_avg": _ratio(list(node_bytes.values())),
         # what binds: the share of the job each kind of engine computed (a decode engine: had a batch)
         "prefill_busy": sum(prefill_busy) / len(prefill_busy),
