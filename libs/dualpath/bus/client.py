@@ -245,8 +245,8 @@ class Bus:
         try:
             try:
                 msg: Any = decode(raw.data, *accepts)
-                if sender is not None and sender(msg) != raw.subject.rsplit(".", 1)[-1]:
-                    log.warning("forged_sender", subject=raw.subject, claimed=sender(msg))
+                if sender is not None and (claimed := sender(msg)) != raw.subject.rsplit(".", 1)[-1]:
+                    log.warning("forged_sender", subject=raw.subject, claimed=claimed)
                     return
                 answer = await (handler(msg, self._responder(raw.reply)) if inline else handler(msg))
             except ProtocolError as exc:

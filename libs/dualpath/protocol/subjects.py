@@ -259,20 +259,23 @@ class Subjects:
         return self._fill(RULES, "cancel")
 
     # traffic manager of one node
+    @staticmethod
+    def _tm_rule(topic: str) -> Rule:
+        if topic not in TM_TOPICS:
+            raise ValueError(f"unknown traffic-manager topic {topic!r}; known: {', '.join(TM_TOPICS)}")
+        return TM_TOPICS[topic]
+
     def tm(self, node_id: str, topic: str) -> str:
         """``topic`` (a key of ``TM_TOPICS``) of one node's traffic manager.
 
         Raises:
             ValueError: an unknown topic (a new one needs its rule in ``TM_TOPICS`` first).
         """
-        if topic not in TM_TOPICS:
-            raise ValueError(f"unknown traffic-manager topic {topic!r}; known: {', '.join(TM_TOPICS)}")
-        return self._fill(TM_TOPICS, topic, node=node_id)
+        return self._tm_rule(topic).pattern.format(ns=self.ns, node=check_id(node_id, "node id"))
 
     def tm_every_node(self, topic: str) -> str:
         """``topic`` of every node's traffic manager (a subscription wildcard)."""
-        self.tm("x", topic)  # the same check of the topic
-        return TM_TOPICS[topic].pattern.format(ns=self.ns, node="*")
+        return self._tm_rule(topic).pattern.format(ns=self.ns, node="*")
 
     # engines
     def prefill(self, engine_id: str) -> str:
