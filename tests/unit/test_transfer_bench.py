@@ -88,6 +88,21 @@ def test_tcp_is_set_beside_iperf3_at_the_batch_s_size_capped_at_iperf3_s_largest
     assert "tcp_vs_iperf3" not in versus_kernel(results, [(4096, 1)], {})["4096x1"]
 
 
+def test_a_truncated_iperf3_report_is_rerun_longer_and_an_empty_one_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[int] = []
+
+    def run(length: int, total: int, timeout_s: float) -> tuple[float, float, float]:
+        asked.append(total)  # the receiver counts half of a short run and all of a long one
+        return (total / 2 if total < 16 * KIB * KIB else total), 0.01, total
+
+    monkeypatch.setattr(kernel, "_iperf3_run", run)
+    assert kernel.iperf3_gbps(4 * KIB, KIB * KIB) == pytest.approx(16 * KIB * KIB / 0.01 / 1e9)
+    assert asked == [KIB * KIB, 4 * KIB * KIB, 16 * KIB * KIB]
+    monkeypatch.setattr(kernel, "_iperf3_run", lambda length, total, timeout_s: (0.0, 0.001, total))
+    with pytest.raises(RuntimeError, match="counted no bytes"):
+        kernel.iperf3_gbps(4 * KIB, KIB * KIB)
+
+
 def test_iperf3_missing_is_reported_with_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernel.shutil, "which", lambda name: None)
     ok, note = kernel.iperf3_status()
