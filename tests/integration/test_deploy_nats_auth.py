@@ -39,15 +39,32 @@ def _auth_args(svc: dict, out: Path) -> list[str]:
     assert argv[:2] == ["dualpath", "nats-auth"], argv
     args = argv[2:]
     args[args.index("--out") + 1] = str(out)
+    del args[args.index("--owner") : args.index("--owner") + 2]  # compose runs it as root; this test does not
     return [a.replace("${DUALPATH_NAMESPACE:-dualpath}", "dualpath") for a in args]
 
 
 def _mounted_identity(svc: dict) -> str | None:
-    for v in svc.get("volumes") or []:
-        if isinstance(v, dict) and v.get("source") == "nats-auth" and v.get("target") == "/run/dualpath/nats":
-            assert v.get("read_only") is True
-            return v["volume"]["subpath"]
-    return None
+    """The identity whose volume (``nats-<user>``) the service mounts where its settings look."""
+    mounts = [v for v in svc.get("volumes") or [] if isinstance(v, dict) and v.get("target") == "/run/dualpath/nats"]
+    if not mounts:
+        return None
+    assert len(mounts) == 1 and mounts[0].get("read_only") is True and mounts[0]["source"].startswith("nats-"), mounts
+    return mounts[0]["source"].removeprefix("nats-")
+
+
+def test_the_auth_job_writes_each_identity_into_a_volume_of_its_own() -> None:
+    """Each folder nats-auth writes is its own volume there, mounted nowhere else but its service
+    (and the server's in nats): no service can read another identity's password."""
+    services = _compose_services()
+    job = {v["target"]: v["source"] for v in services["nats-auth"]["volumes"]}
+    assert job == {f"/auth/{v.removeprefix('nats-')}": v for v in job.values()}, job
+    mounted_by: dict[str, list[str]] = {}
+    for name, svc in services.items():
+        for v in svc.get("volumes") or []:
+            if isinstance(v, dict) and v.get("source") in job.values():
+                mounted_by.setdefault(v["source"], []).append(name)
+    assert mounted_by.pop("nats-server") == ["nats-auth", "nats"]
+    assert all(len(users) == 2 and users[0] == "nats-auth" for users in mounted_by.values()), mounted_by
 
 
 def test_every_compose_service_mounts_only_its_own_identity(tmp_path):
@@ -93,7 +110,7 @@ def test_compose_nats_conf_with_the_generated_users_admits_each_service_and_no_o
     assert nats_auth.main(_auth_args(services["nats-auth"], auth)) == 0
     etc = tmp_path / "etc-nats"
     etc.mkdir()
-    shutil.copytree(auth / "server", etc / "auth")  # the nats service's mount (subpath: server)
+    shutil.copytree(auth / "server", etc / "auth")  # the nats service's mount (the nats-server volume)
     proc, port, log = _serve(etc)
     try:
 

@@ -9,94 +9,26 @@ started with ``--metrics-port`` answers a Prometheus scrape with ``dualpath_*`` 
 
 from __future__ import annotations
 
-import gzip
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from conftest import start_stack
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
 
 from dualpath.bus.embedded import free_port
 from dualpath.cli.trace import main as trace_main
+from dualpath.telemetry.receiver import TraceReceiver
 
 pytestmark = pytest.mark.slow
 
 LAYERS = 2  # the tiny_model fixture's
 SERVICES = {"gateway", "scheduler", "kv-persistence", "traffic-manager", "prefill-engine-p0e0", "decode-engine-d0e0"}
-
-
-def _value(v):
-    kind = v.WhichOneof("value")
-    if kind == "array_value":
-        return [_value(x) for x in v.array_value.values]
-    return getattr(v, kind) if kind else None
-
-
-class OtlpReceiver:
-    """A minimal OTLP/HTTP trace receiver: ``POST /v1/traces`` with protobuf bodies."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict] = []
-        self.posts = 0
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - the http.server API
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                if self.path != "/v1/traces":
-                    self.send_response(404)
-                    self.end_headers()
-                    return
-                receiver.take(ExportTraceServiceRequest.FromString(body))
-                out = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *_args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def take(self, req: ExportTraceServiceRequest) -> None:
-        self.posts += 1
-        for rs in req.resource_spans:
-            service = next((_value(a.value) for a in rs.resource.attributes if a.key == "service.name"), "?")
-            for ss in rs.scope_spans:
-                for s in ss.spans:
-                    self.spans.append(
-                        {
-                            "trace_id": s.trace_id.hex(),
-                            "span_id": s.span_id.hex(),
-                            "parent_id": s.parent_span_id.hex() or None,
-                            "name": s.name,
-                            "service": service,
-                            "attributes": {a.key: _value(a.value) for a in s.attributes},
-                            "links": [link.span_id.hex() for link in s.links],
-                        }
-                    )
-
-    def start(self) -> OtlpReceiver:
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @dataclass
@@ -107,13 +39,18 @@ class TracedRun:
     paths: list[str]
     cached: list[int]
     exit_codes: dict = field(default_factory=dict)
+    query_url: str = ""  # the receiver's Jaeger-style query API, up while the module's tests run
 
 
 @pytest.fixture(scope="module")
-def traced_run(tiny_model, tmp_path_factory) -> TracedRun:
+def traced_run(tiny_model, tmp_path_factory) -> Iterator[TracedRun]:
     base = tmp_path_factory.mktemp("tracing")
-    receiver = OtlpReceiver().start()
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "200", "DUALPATH_TRACE_FILE": str(base / "spans.jsonl")}
+    receiver = TraceReceiver().start()
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.otlp_url,
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+        "DUALPATH_TRACE_FILE": str(base / "spans.jsonl"),
+    }
     stack = start_stack(tiny_model, base / "storage", base / "run", extra_env=env)
     rids, paths, cached = [], [], []
     try:
@@ -131,8 +68,13 @@ def traced_run(tiny_model, tmp_path_factory) -> TracedRun:
             messages.append({"role": "assistant", "content": r.choices[0].message.content})
     finally:
         codes = stack.stop()  # each service flushes its spans on exit
+    spans = [asdict(s) for s in receiver.spans]
+    try:
+        yield TracedRun(
+            spans=spans, file=base / "spans.jsonl", rids=rids, paths=paths, cached=cached, exit_codes=codes, query_url=receiver.query_url
+        )
+    finally:
         receiver.stop()
-    return TracedRun(spans=receiver.spans, file=base / "spans.jsonl", rids=rids, paths=paths, cached=cached, exit_codes=codes)
 
 
 def _trace_of(run: TracedRun, rid: str) -> list[dict]:
@@ -232,6 +174,20 @@ def test_trace_show_prints_the_request_tree_from_the_span_file(traced_run, capsy
         assert name in out, name
     assert "├─ " in out and "└─ " in out  # a tree, not a flat list
     assert "read_side=" in out and "layer=1" in out
+
+
+def test_trace_show_over_the_jaeger_query_api_prints_the_tree_the_span_file_gives(traced_run, capsys):
+    """The receiver's Jaeger-shaped answers carry what the exporter sent: the same tree as the file."""
+    rid = traced_run.rids[1]
+    assert trace_main(["show", rid, "--file", str(traced_run.file)]) == 0
+    from_file = capsys.readouterr().out
+    assert trace_main(["show", rid, "--jaeger", traced_run.query_url]) == 0
+    from_query = capsys.readouterr().out
+    tree = [line.split()[2:] for line in from_query.splitlines()[2:]]  # span names and services, offsets aside
+    assert tree == [line.split()[2:] for line in from_file.splitlines()[2:]] and len(tree) > 10
+    services = httpx.get(traced_run.query_url + "/api/services", timeout=5).json()["data"]
+    assert set(services) >= SERVICES
+    assert trace_main(["show", "chatcmpl-nope", "--jaeger", traced_run.query_url]) == 1
 
 
 def test_trace_show_of_an_unknown_request_fails_with_a_clear_message(traced_run, capsys):

@@ -34,9 +34,26 @@ SHELLS = ("sh", "/bin/sh", "bash", "/bin/bash")
 INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)")
 
 
+class _ComposeLoader(yaml.SafeLoader):
+    """YAML with Compose's merge tags: ``!reset`` (drop the base's value) and ``!override``
+    (replace it whole) load as the value they carry."""
+
+
+def _tagged(loader: yaml.SafeLoader, node: yaml.Node) -> object:
+    if isinstance(node, yaml.SequenceNode):
+        return loader.construct_sequence(node, deep=True)
+    if isinstance(node, yaml.MappingNode):
+        return loader.construct_mapping(node, deep=True)
+    return loader.construct_scalar(node)  # type: ignore[arg-type]
+
+
+for _tag in ("!reset", "!override"):
+    _ComposeLoader.add_constructor(_tag, _tagged)
+
+
 @functools.cache
 def _load(path: Path) -> dict:
-    return yaml.safe_load(path.read_text())
+    return yaml.load(path.read_text(), Loader=_ComposeLoader)  # noqa: S506 - a SafeLoader with two tags added
 
 
 def _env(svc: dict) -> dict[str, str]:
@@ -49,7 +66,7 @@ def _env(svc: dict) -> dict[str, str]:
 @functools.cache
 def _services(path: Path) -> dict[str, dict]:
     """The services of ``path`` as ``docker compose -f compose.yaml -f path`` sees them
-    (an override's keys replace the base's, its environment entries merge)."""
+    (an override's keys replace the base's, its environment and build entries merge)."""
     own = _load(path).get("services") or {}
     if path == MAIN:
         return own
@@ -57,6 +74,8 @@ def _services(path: Path) -> dict[str, dict]:
     merged = {}
     for name, svc in own.items():
         merged[name] = {**base.get(name, {}), **svc, "environment": {**_env(base.get(name, {})), **_env(svc)}}
+        if isinstance(svc.get("build"), dict) and isinstance(base.get(name, {}).get("build"), dict):
+            merged[name]["build"] = {**base[name]["build"], **svc["build"]}  # build keys merge too
     return merged
 
 
@@ -205,6 +224,28 @@ def test_services_on_the_control_image_import_without_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_gateway_describes_the_model_without_torch(tiny_model: Path) -> None:
+    """``/v1/models``' description (what the control image's gateway answers) needs no torch;
+    its KV bytes per token are what the engines' KV spec gives with torch."""
+    from dualpath.model.config import ModelConfig, dtype_from_name
+
+    cfg = ModelConfig.from_dir(tiny_model)
+    want = cfg.kv_spec.bytes_per_token_layer(dtype_from_name("float32")) * cfg.num_hidden_layers
+    script = (
+        "import json, sys\n"
+        "class NoTorch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'torch': raise ImportError('torch is not in the control image')\n"
+        "sys.meta_path.insert(0, NoTorch())\n"
+        "from dualpath.model.config import ModelConfig\n"
+        f"cfg = ModelConfig.from_dir({str(tiny_model)!r})\n"
+        "print(json.dumps(cfg.describe(cfg.serving_dtype('cpu'))))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout)["kv_bytes_per_token"] == want > 0
 
 
 def test_nats_jaeger_and_the_gateway_have_healthchecks() -> None:

@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--operator", action="store_true", help="also an operator identity (every subject; for debugging, keep it offline)")
     p.add_argument("--tls", action="store_true", help="also a throwaway CA, the server's certificate and one client certificate each")
     p.add_argument("--host", action="append", default=[], help="with --tls: a name or address clients reach the server at (repeatable)")
+    p.add_argument(
+        "--owner",
+        default="",
+        metavar="UID[:GID]",
+        help="hand what is written to this user (run as root; e.g. the services' uid in their images)",
+    )
     p.add_argument("--rotate", action="store_true", help="new passwords for every identity (default: keep the ones in --out)")
     p.add_argument("--k8s-secrets", default="", metavar="FILE", help="also write Kubernetes Secret manifests of all of it to FILE")
     p.add_argument(
@@ -102,6 +108,26 @@ K8S_HOSTS = [  # the names deploy/k8s's clients and routes reach the NATS server
 ]
 
 
+def _parse_owner(text: str) -> tuple[int, int] | None:
+    if not text:
+        return None
+    uid, _, gid = text.partition(":")
+    try:
+        return int(uid), int(gid or uid)
+    except ValueError:
+        raise ValueError(f"--owner {text!r}: expected UID or UID:GID (numbers)") from None
+
+
+def _hand_over(out: Path, folders: list[str], owner: tuple[int, int]) -> None:
+    """Give each identity's folder (and the server's) and what is in it to ``owner``."""
+    import os
+
+    for name in folders:
+        folder = out / name
+        for path in (folder, *folder.rglob("*")):
+            os.chown(path, *owner)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.k8s:
@@ -116,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         for identity in identities:
             auth.add(identity)
         auth.server_config()  # every identity's permissions resolve (an engine needs its node)
+        owner = _parse_owner(ns.owner)
     except ValueError as exc:
         print(f"dualpath nats-auth: {exc}", file=sys.stderr)
         return 2
@@ -137,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copy2(cert, out / user / "cert.pem")
             shutil.copy2(key, out / user / "key.pem")
         shutil.rmtree(tls.folder)  # the CA's key is not kept: a new run makes a new authority
+    if owner is not None:
+        try:
+            _hand_over(out, ["server", *auth.identities], owner)
+        except PermissionError as exc:
+            print(f"dualpath nats-auth: --owner {ns.owner}: {exc.strerror} ({exc.filename}); it needs root", file=sys.stderr)
+            return 1
     if ns.k8s_secrets:
         write_private(Path(ns.k8s_secrets), _k8s_secrets(out, sorted(auth.identities), ns.tls))
     print(f"{len(auth.identities)} identities in {out} (namespace {ns.namespace}; server: {out / 'server' / 'auth.conf'})")

@@ -4,9 +4,13 @@
     dualpath trace show REQUEST_ID --jaeger http://HOST:16686
     dualpath trace overhead [--model DIR] [--conversations 12] [--turns 4] [--json]
     dualpath trace batches --file spans.jsonl [--json]
+    dualpath trace receive [--host 127.0.0.1] [--otlp-port 4318] [--query-port 16686] [--file spans.jsonl]
 
 ``batches`` bins every prefill batch's predicted time against the compute quota and checks
 that none exceeds it but a lone minimal chunk (exit code 1 otherwise).
+
+``receive`` runs a trace receiver where no Jaeger is at hand: OTLP/HTTP in, the part of
+Jaeger's query API that ``show --jaeger`` uses out (see ``dualpath.telemetry.receiver``).
 
 ``show`` prints the request's trace as a tree: start offset and duration in ms per span, the
 service that recorded it, key attributes (scheduling decision, per-layer transfers...).
@@ -84,6 +88,35 @@ def _batches(path: str, *, as_json: bool) -> int:
     return 1 if report["violations"] else 0
 
 
+def _receive(ns: argparse.Namespace) -> int:
+    """Serve until SIGTERM or SIGINT."""
+    import signal
+    import threading
+
+    from dualpath.telemetry.receiver import TraceReceiver
+
+    try:
+        receiver = TraceReceiver(
+            ns.host,
+            otlp_port=ns.otlp_port,
+            query_port=ns.query_port,
+            health_port=ns.health_port or None,
+            file=ns.file or None,
+            max_spans=ns.max_spans,
+        ).start()
+    except (OSError, ValueError) as exc:
+        print(f"dualpath trace receive: {exc}", file=sys.stderr)
+        return 2
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    print(f"trace receiver: OTLP {receiver.otlp_url}/v1/traces, queries {receiver.query_url}/api/traces", flush=True)
+    done.wait()
+    receiver.stop()
+    print(f"trace receiver: {len(receiver.spans)} spans held from {receiver.exports} exports", flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dualpath trace", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -96,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("batches", help="prefill batches' predicted times against the compute quota (histogram, check)")
     b.add_argument("--file", required=True, help="JSON-lines span file (what DUALPATH_TRACE_FILE pointed the services to)")
     b.add_argument("--json", action="store_true", help="print the figures as JSON")
+    r = sub.add_parser("receive", help="receive OTLP spans and answer Jaeger-style queries (a stand-in for Jaeger)")
+    r.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    r.add_argument("--otlp-port", type=int, default=4318, help="OTLP/HTTP port (POST /v1/traces)")
+    r.add_argument("--query-port", type=int, default=16686, help="query port (GET /api/services, /api/traces)")
+    r.add_argument("--health-port", type=int, default=14269, help="health port (GET / answers 200; 0: none)")
+    r.add_argument("--file", default="", help="also append every span to this JSON-lines file")
+    r.add_argument("--max-spans", type=int, default=200_000, help="spans held for queries (the oldest go first)")
     o = sub.add_parser("overhead", help="tracing on vs off, same run: how much prefill time tracing adds")
     o.add_argument("--model", default="", help="checkpoint directory (default: a tiny 8-layer model made in a temp dir)")
     o.add_argument("--conversations", type=int, default=12, help="conversations (each is traced or not, at random)")
@@ -121,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if ns.cmd == "batches":
         return _batches(ns.file, as_json=ns.json)
+    if ns.cmd == "receive":
+        return _receive(ns)
     from dualpath.bench.trace_overhead import format_report, measure
 
     try:

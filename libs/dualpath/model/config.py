@@ -35,6 +35,7 @@ __all__ = ["DTYPES", "SUPPORTED_MODEL_TYPES", "KvSpec", "MlaConfig", "ModelConfi
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 DTYPES = ("float32", "bfloat16", "float16")  # names; torch is imported only when a dtype is needed
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # for figures that must not import torch (the gateway)
 _ROPE_KINDS = ("default", "linear", "llama3", "yarn")
 _TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
@@ -299,7 +300,7 @@ class ModelConfig:
             "kv_layout": spec.kind,
             "kv_values_per_token_layer": spec.width,
             "dtype": dtype,
-            "kv_bytes_per_token": spec.bytes_per_token_layer(dtype_from_name(dtype)) * self.num_hidden_layers,
+            "kv_bytes_per_token": spec.width * DTYPE_BYTES[dtype] * self.num_hidden_layers,
         }
 
     def is_moe_layer(self, layer: int) -> bool:
