@@ -382,6 +382,67 @@ def test_decode_host_cut_off_mid_stream_answers_complete_exactly_or_fail_explici
     assert again.text == ref[prompts[0]].text
 
 
+DE_READ_PROMPTS = [f"session {i}: the build log of step {i} reads " + "compile unit ok " * 40 for i in range(4)]
+DE_CUT_S = 6.0  # how long the host stays cut off
+
+
+@pytest.mark.parametrize("host", ["p0", "d0"], ids=["prefill-host-taking-de-reads", "decode-host-serving-de-reads"])
+def test_a_host_cut_off_while_de_path_reads_flow_answers_stay_exact_or_fail_explicitly(dep, host):
+    """Bound: turns whose cached KV is read on a decode node and sent to the prefill engine over
+    the data plane (the DE path) run back to back from 4 clients while one host is cut off for
+    6 s: p0, a prefill host taking DE reads, or d0, a decode host serving them. Every turn gets
+    its exact greedy answer or an explicit error, none hangs (all settle within 45 s of the cut:
+    a transfer to or from the cut-off host fails at the transport's 30 s batch timeout), turns
+    were in flight at the cut, and after the heal every prompt is answered exactly on the DE
+    path again."""
+    ref: dict[str, Answer] = {}
+    for p in DE_READ_PROMPTS:
+        assert complete(dep, p, max_tokens=1).error is None  # its blocks persist: the next turns read them
+    for p in DE_READ_PROMPTS:  # the reference turn reads them over the DE path (persisting is asynchronous)
+        wait_until(lambda p=p: complete(dep, p, max_tokens=1, read_path="de").info.get("read_path") == "de", 20)
+        ref[p] = complete(dep, p, max_tokens=24, read_path="de")
+        assert ref[p].error is None and ref[p].info.get("read_path") == "de", ref[p]
+    import openai
+
+    turns: list[tuple[str, float, float, Answer | None]] = []  # (prompt, sent, settled, answer); None: no answer in 60 s
+    stop_at: list[float] = []
+
+    def client_loop(p: str) -> None:
+        while not stop_at or time.monotonic() < stop_at[0]:
+            sent = time.monotonic()
+            try:
+                a: Answer | None = complete(dep, p, max_tokens=24, read_path="de", timeout=60)
+            except openai.APIConnectionError:  # the client's own 60 s ran out (or it lost the gateway): a hang
+                a = None
+            turns.append((p, sent, time.monotonic(), a))
+
+    with cf.ThreadPoolExecutor(len(DE_READ_PROMPTS)) as pool:
+        loops = [pool.submit(client_loop, p) for p in DE_READ_PROMPTS]
+        wait_until(lambda: len(turns) >= 4, 30, describe=lambda: f"{len(turns)} turns before the cut")
+        cut = time.monotonic()
+        dep.link(host, "down")
+        try:
+            time.sleep(DE_CUT_S)  # the fault's length: the clients keep sending through it
+        finally:
+            dep.link(host, "up")
+        stop_at.append(time.monotonic() + 2.0)
+        for f in cf.as_completed(loops, timeout=80):
+            f.result()
+    after = [t for t in turns if t[2] > cut]
+    answered, failed, lost = _tally([t[3] for t in after], ref, [t[0] for t in after])
+    in_flight = sum(1 for t in after if t[1] < cut)
+    print(
+        f"netns {host} cut during DE reads: {len(turns) - len(after)} turns before the cut; after it answered {answered}, "
+        f"failed explicitly {failed}, lost {lost}; {in_flight} in flight at the cut"
+    )
+    assert lost == 0 and in_flight > 0 and answered > 0
+    record(f"netns: {host} cut off {DE_CUT_S:.0f} s during DE-path reads (every turn settled)", max(t[2] for t in after) - cut, 45.0)
+    wait_until(lambda: health(dep).get("prefill_engines", 0) == 2 and health(dep).get("decode_engines", 0) == 2, 75, step=0.5)
+    for p in DE_READ_PROMPTS:
+        again = complete(dep, p, max_tokens=24, read_path="de")
+        assert again.text == ref[p].text and again.info.get("read_path") == "de", again
+
+
 def _gateway_nats_host(dep) -> str:
     """The host of the NATS server the gateway is connected to."""
     st = dep.status()
