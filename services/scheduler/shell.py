@@ -7,25 +7,13 @@ arrived, and at least every 50 ms. The decision data a command carries becomes t
 ``scheduler.queue`` and ``scheduler.decision`` spans (the latter stays current across the
 slot reservation and the prefill dispatch, so their bus calls hang under it).
 
-Attempts on the wire are the core's attempts offset by the gateway's submission
-(``m.SUBMISSION_ATTEMPTS``), so a scheduler that took over after a failover (its core counts
-from 0 again) never reuses an attempt number of the one that died: engines and traffic
-managers tell an older placement from a newer one by the number alone.
-
-A submission of a request no newer than one this scheduler already ran to its end is refused
-as known (409): after a failover, the late copy of a submit the dead scheduler never answered
-can arrive after the gateway's resubmission of it was answered here. A request an engine abandons
-(``TaskFailed.abandoned``: the decode engine refused its hand-off because it holds or ran a
-newer run, or its client cancelled it during the prefill) leaves without an answer or a retry.
-
-A ``TaskFailed`` naming a node whose traffic manager died under the task (``node_unreachable``)
-first marks the node down, as a reservation the node did not answer does (the same core
-event); the task's retry then counts as an attempt, as that one does.
-
-An engine the core stops using is announced on ``Subjects.engine_lost`` (gateways resubmit
-the started requests it served that no scheduler may know), and so is an engine whose
-reports name a new incarnation (it restarted under the same name, losing what it held,
-possibly before the core found it silent): the core is told it was lost first.
+What the core decides and this shell only carries out: which submissions are refused (409 for
+a late copy after a failover), the attempt numbers engines and traffic managers see (the core's
+attempts offset by the gateway's submission: ``core.wire_attempt``), an engine that restarted
+under its name (its reports name a new incarnation), which runs engines must stop
+(``StopAttempts``, published before the new attempt's dispatch) and which slots to free.
+An engine the core stops using (``ExpelEngine``) is announced on ``Subjects.engine_lost``
+(gateways resubmit the started requests it served that no scheduler may know).
 """
 
 from __future__ import annotations
@@ -33,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import anyio
@@ -60,6 +47,7 @@ from dualpath.core import (
     SchedulerCore,
     SlotReserved,
     Stage,
+    StopAttempts,
     TaskFailed,
     TimeAdvanced,
 )
@@ -74,7 +62,6 @@ from dualpath.telemetry.tracing import context_from, get_tracer
 __all__ = ["SchedulerShell"]
 
 _TICK_S = 0.05  # the longest the loop sleeps between passes
-_MAX_SUBMISSIONS = 65536  # requests whose newest submission is remembered (a late older copy is refused)
 _ALIVE_S = 1.0  # heartbeat period (a gateway that missed the first one learns of a restart this late)
 _FORCED = {m.ReadPath.PE: ReadSide.PE, m.ReadPath.DE: ReadSide.DE}
 _WIRE_PATH = {ReadSide.PE: m.ReadPath.PE, ReadSide.DE: m.ReadPath.DE, None: m.ReadPath.NONE}
@@ -91,17 +78,9 @@ class SchedulerShell:
         self.instance = instance or uuid.uuid4().hex  # new at every start: gateways tell a restart by it
         self._wake = asyncio.Event()
         self._spans: dict[tuple[str, int], trace.Span] = {}  # open scheduler.decision span per (request, attempt)
-        self._incarnations: dict[str, str] = {}  # engine -> the process its reports came from (EngineReport.incarnation)
-        self._submissions: OrderedDict[str, int] = OrderedDict()  # request -> the newest submission accepted (bounded)
 
     # ---- messages -> events ------------------------------------------------------------------
     async def on_submit(self, req: m.SubmitRequest) -> m.SubmitReply:
-        newest = self._submissions.get(req.request_id, -1)
-        if req.submission <= newest and req.request_id not in self.core.requests:
-            # Held here already and over: a late copy of an unanswered submit, or an older
-            # submission than one run here (the gateway resubmitted it meanwhile). Running it
-            # again would answer nobody; 409 is "already held" to the gateway.
-            raise HandlerError(409, f"request {req.request_id} submission {req.submission} already run here (newest {newest})")
         forced = _FORCED.get(req.read_path)  # type: ignore[call-overload]
         cmds = self.core.handle(
             RequestSubmitted(
@@ -114,35 +93,21 @@ class SchedulerShell:
                 forced_side=forced,
                 payload=req,
                 session=req.session,
+                submission=req.submission,
             )
         )
         for c in cmds:
             if isinstance(c, RejectRequest):
                 raise HandlerError(c.code, c.reason)
-        self._submissions[req.request_id] = max(req.submission, newest)
-        self._submissions.move_to_end(req.request_id)
-        while len(self._submissions) > _MAX_SUBMISSIONS:
-            self._submissions.popitem(last=False)
-        if req.submission > 0:
-            # A resubmission: the scheduler that held the request died. A run of it that engines
-            # may still hold stops now (before this scheduler places it), so it neither hands off
-            # later nor keeps writing into a slot that only the traffic manager's reclaim frees.
-            await self._stop_attempts_before(req.request_id, "resubmitted after a scheduler failover", self._wire_attempt(req, 0))
-        self.execute(cmds)
+            if isinstance(c, StopAttempts):  # published before this request can be placed
+                await self._stop_attempts(c)
+        self.execute([c for c in cmds if not isinstance(c, StopAttempts)])
         self._wake.set()
         return m.SubmitReply(queue_position=self.core.queued, instance=self.instance)
 
     async def on_engine_report(self, r: m.EngineReport) -> None:
-        known = self._incarnations.get(r.engine_id, "")
-        if known and r.incarnation and r.incarnation != known and r.engine_id in self.core.members.engines:
-            # Restarted under its name before the core found it silent: what it held is gone.
-            # A dispatch failure naming it unreachable is the core's "lost" event (its requests go back).
-            log.warning("engine_restarted", engine=r.engine_id, incarnation=r.incarnation, previous=known)
-            self._holder_lost(f"engine {r.engine_id} restarted", engine=r.engine_id)
-        if r.incarnation:
-            self._incarnations[r.engine_id] = r.incarnation
         if r.engine_id not in self.core.members.engines:
-            log.info("engine_joined", engine=r.engine_id, node=r.node_id, role=Role(r.role).name.lower())
+            log.info("engine_joined", engine=r.engine_id, node=r.node_id, role=Role(r.role).name.lower(), incarnation=r.incarnation)
         self.execute(
             self.core.handle(
                 EngineReported(
@@ -156,9 +121,10 @@ class SchedulerShell:
                     capacity_tokens=r.capacity_tokens,
                     block_bytes=r.block_bytes,
                     finished=tuple(r.finished),
-                    finished_attempts=self._core_attempts(r),
+                    finished_attempts=tuple(r.finished_attempts),
                     holding=None if r.holding is None else tuple(r.holding),
-                    holding_attempts=self._core_attempts(r, holding=True),
+                    holding_attempts=tuple(r.holding_attempts),
+                    incarnation=r.incarnation,
                 )
             )
         )
@@ -177,12 +143,7 @@ class SchedulerShell:
 
     async def on_task_failed(self, f: m.TaskFailed) -> None:
         log.warning("task_failed", request_id=f.request_id, engine=f.engine_id, reason=f.reason, node_unreachable=f.node_unreachable)
-        if f.node_unreachable:
-            # The task's traffic manager died under it: the core's "node down" event (its engines
-            # leave scheduling until the node reports again), before the retry, so the retry is
-            # not placed on the same node while it restarts.
-            self._holder_lost(f"traffic manager of node {f.node_unreachable} lost: {f.reason}", node=f.node_unreachable)
-        t = self.core.requests.get(f.request_id)
+        held = f.request_id in self.core.requests
         self.execute(
             self.core.handle(
                 TaskFailed(
@@ -191,22 +152,20 @@ class SchedulerShell:
                     engine=f.engine_id,
                     reason=f.reason,
                     unreachable=f.unreachable,
-                    attempt=self._core_attempt(t.payload, f.attempt) if t is not None else -1,
+                    attempt=f.attempt,
                     abandoned=f.abandoned,
+                    node_unreachable=f.node_unreachable,
                 )
             )
         )
-        if t is not None and f.request_id not in self.core.requests and f.abandoned:
+        if held and f.request_id not in self.core.requests and f.abandoned:
             log.info("request_abandoned", request_id=f.request_id, engine=f.engine_id)
             self._end_spans(f.request_id)
         self._wake.set()
 
     async def on_state(self, _req: m.StateRequest) -> m.StateReply:
         core = self.core
-        engines = [
-            {"engine_id": e.name, "node": e.node, "role": int(e.role), "incarnation": self._incarnations.get(e.name, "")}
-            for e in core.engines()
-        ]
+        engines = [{"engine_id": e.name, "node": e.node, "role": int(e.role), "incarnation": e.incarnation} for e in core.engines()]
         nodes = [{"node_id": n.name, "read_q_tokens": n.read_q} for n in core.nodes()]
         return m.StateReply(
             prefill_engines=core.engine_count(Role.PREFILL),
@@ -255,12 +214,11 @@ class SchedulerShell:
             elif isinstance(c, Dispatch):
                 self.tasks.start_soon(self._dispatch, c)
             elif isinstance(c, FreeSlot):
-                if c.attempt >= 0:  # only that attempt's slot (an abandoned request)
-                    free = m.FreeRequest(request_id=c.request_id, attempt=self._wire_attempt(c.payload, c.attempt))
-                else:  # the slots of every attempt before the current one (all of them once the request is gone)
-                    t = self.core.requests.get(c.request_id)
-                    before = self._wire_attempt(t.payload, t.attempt) if t is not None else m.ALL_ATTEMPTS
-                    free = m.FreeRequest(request_id=c.request_id, before_attempt=before)
+                free = (
+                    m.FreeRequest(request_id=c.request_id, attempt=c.wire_attempt)
+                    if c.wire_attempt >= 0
+                    else m.FreeRequest(request_id=c.request_id, before_attempt=c.wire_before)
+                )
                 self.tasks.start_soon(self._free, c.node, free)
             elif isinstance(c, FailRequest):
                 self._end_spans(c.request_id)
@@ -268,43 +226,14 @@ class SchedulerShell:
             elif isinstance(c, Requeued):
                 if c.counted:
                     log.warning("request_retried", request_id=c.request_id, attempt=c.attempt, reason=c.reason)
-                    # A live prefill engine may still hold the old attempt: stop it before it writes into the
-                    # decode slot just given up (published before the new attempt's dispatch, so it lands first).
-                    t = self.core.requests.get(c.request_id)
-                    if t is not None:
-                        before = self._wire_attempt(t.payload, c.attempt)
-                        self.tasks.start_soon(self._stop_attempts_before, c.request_id, f"retried: {c.reason}", before)
+            elif isinstance(c, StopAttempts):
+                self.tasks.start_soon(self._stop_attempts, c)
             elif isinstance(c, ExpelEngine):
-                log.warning("engine_lost", engine=c.engine, reason=c.reason)
-                lost = m.EngineLost(engine_id=c.engine, incarnation=self._incarnations.get(c.engine, ""), reason=c.reason)
+                log.warning("engine_lost", engine=c.engine, reason=c.reason, incarnation=c.incarnation)
+                lost = m.EngineLost(engine_id=c.engine, incarnation=c.incarnation, reason=c.reason)
                 self.tasks.start_soon(self._announce_lost, lost)
             elif isinstance(c, Prefetch):
                 self.tasks.start_soon(self._prefetch, c)
-
-    @staticmethod
-    def _wire_attempt(payload: object, attempt: int) -> int:
-        """The core's ``attempt`` of a request (its payload: the ``SubmitRequest``) as engines and
-        traffic managers see it (see the module docstring)."""
-        submission = payload.submission if isinstance(payload, m.SubmitRequest) else 0
-        return submission * m.SUBMISSION_ATTEMPTS + attempt
-
-    def _core_attempts(self, r: m.EngineReport, *, holding: bool = False) -> tuple[int, ...]:
-        """The core's attempts of a report's finished requests, or of those it holds (empty
-        when the engine names none)."""
-        rids, wires = (r.holding or [], r.holding_attempts) if holding else (r.finished, r.finished_attempts)
-        if len(wires) != len(rids):
-            return ()
-        requests = self.core.requests
-        return tuple(self._core_attempt(t.payload, wire) if (t := requests.get(rid)) is not None else -1 for rid, wire in zip(rids, wires))
-
-    @staticmethod
-    def _core_attempt(payload: object, wire: int) -> int:
-        """``_wire_attempt``'s inverse: -1 for -1 (not said); an attempt of another submission
-        than ``payload``'s maps past every attempt of the core (late, never current)."""
-        if wire < 0:
-            return -1
-        attempt = wire - SchedulerShell._wire_attempt(payload, 0)
-        return attempt if 0 <= attempt < m.SUBMISSION_ATTEMPTS else m.SUBMISSION_ATTEMPTS
 
     async def _announce_lost(self, lost: m.EngineLost) -> None:
         try:
@@ -312,12 +241,12 @@ class SchedulerShell:
         except Exception as exc:  # noqa: BLE001 - gateways then fall back to the request's timeout
             log.warning("engine_lost_announce_failed", engine=lost.engine_id, error=str(exc))
 
-    async def _stop_attempts_before(self, request_id: str, reason: str, before: int) -> None:
-        cancel = m.CancelRequest(request_id=request_id, reason=reason, before_attempt=before)
+    async def _stop_attempts(self, c: StopAttempts) -> None:
+        cancel = m.CancelRequest(request_id=c.request_id, reason=c.reason, before_attempt=c.before)
         try:
             await self.bus.publish(self.subjects.cancel, cancel)
         except Exception as exc:  # noqa: BLE001 - best effort: the old attempt then fails on its own
-            log.warning("retry_cancel_failed", request_id=request_id, error=str(exc))
+            log.warning("retry_cancel_failed", request_id=c.request_id, error=str(exc))
 
     async def _prefetch(self, c: Prefetch) -> None:
         """Hint the session's prompt blocks to the node (published: a lost hint costs nothing)."""
@@ -331,22 +260,6 @@ class SchedulerShell:
         except Exception as exc:  # noqa: BLE001 - only a hint
             log.warning("prefetch_hint_failed", node=c.node, error=str(exc))
 
-    def _holder_lost(self, reason: str, *, engine: str = "", node: str = "") -> None:
-        """Tell the core an engine or a node's traffic manager is gone, outside any one request:
-        a dispatch failure of no request naming it unreachable is the core's "lost" event (an
-        engine's requests go back; a node leaves scheduling until it reports again)."""
-        self._feed(
-            DispatchFailed(
-                now=time.monotonic(),
-                request_id="",
-                attempt=-1,
-                stage=Stage.DISPATCH,
-                reason=reason,
-                unreachable=engine,
-                node_unreachable=node,
-            )
-        )
-
     def _feed(self, event) -> None:
         try:
             self.execute(self.core.handle(event))
@@ -357,13 +270,12 @@ class SchedulerShell:
     async def _reserve(self, c: ReserveSlot) -> None:
         key = (c.request_id, c.attempt)
         span = self._spans.get(key, trace.INVALID_SPAN)
-        attempt = self._wire_attempt(c.payload, c.attempt)
         with trace.use_span(span, end_on_exit=False):
             try:
                 slot = await self.bus.request(
                     self.subjects.tm(c.node, "alloc"),
                     m.AllocRequest(
-                        request_id=c.request_id, blocks=c.blocks, block_bytes=c.block_bytes, attempt=attempt, instance=self.instance
+                        request_id=c.request_id, blocks=c.blocks, block_bytes=c.block_bytes, attempt=c.wire_attempt, instance=self.instance
                     ),
                     m.AllocReply,
                     timeout=TIMEOUTS.tm_alloc,
@@ -386,11 +298,9 @@ class SchedulerShell:
                     reason=str(exc),
                     node_unreachable=down,
                 )
-        self._feed(event)
+        self._feed(event)  # a slot reserved for an attempt that is over comes back as the core's FreeSlot
         if not (isinstance(event, SlotReserved) and self.core.is_current(*key)):
             self._end_span(key, error=getattr(event, "reason", ""))  # no Dispatch follows under this span
-            if isinstance(event, SlotReserved):  # reserved for an attempt that is over: nothing will use it
-                await self._free(c.node, m.FreeRequest(request_id=c.request_id, attempt=attempt))
 
     async def _dispatch(self, c: Dispatch) -> None:
         key = (c.request_id, c.attempt)
@@ -411,7 +321,7 @@ class SchedulerShell:
             decode_node=c.decode_node,
             de_region=c.region,
             de_offset=c.offset,
-            attempt=self._wire_attempt(r, c.attempt),
+            attempt=c.wire_attempt,
             policy=c.decision.policy,
             trace=r.trace,
             arrival_ts=r.arrival_ts,

@@ -23,6 +23,7 @@ from dualpath.core import (
     SchedulerCore,
     SlotReserved,
     Stage,
+    StopAttempts,
     TaskFailed,
     TimeAdvanced,
 )
@@ -181,7 +182,8 @@ def test_an_engine_that_dies_mid_dispatch_loses_its_request_to_the_head_of_the_q
     cmds = _silence(c, {first.prefill_engine})
     assert kinds(cmds)[:3] == ["ExpelEngine", "FreeSlot", "Requeued"]
     assert cmds[0] == ExpelEngine(engine=first.prefill_engine, reason="stopped reporting")
-    assert cmds[1] == FreeSlot(node=first.decode_node, request_id="r1")
+    assert cmds[1] == FreeSlot(node=first.decode_node, request_id="r1", wire_before=1)  # the slots of attempts below 1
+    assert cmds[3] == StopAttempts(request_id="r1", before=1, reason=f"retried: {cmds[2].reason}")
     assert cmds[2].attempt == 1 and cmds[2].counted and f"engine {first.prefill_engine} stopped reporting" in cmds[2].reason
     retries = [x for x in cmds if isinstance(x, ReserveSlot)]
     assert [x.request_id for x in retries] == ["r1", "r2"]  # FIFO: the retry goes first
@@ -192,7 +194,7 @@ def test_an_engine_that_dies_mid_dispatch_loses_its_request_to_the_head_of_the_q
 
 
 @pytest.mark.parametrize("lost", ["prefill engine", "decode node"])
-def test_a_late_slot_of_an_old_attempt_is_freed_unless_the_new_attempt_holds_the_same_node(lost):
+def test_a_late_slot_of_an_old_attempt_is_freed_and_only_that_attempt_s(lost):
     c = Cluster(engine_timeout=1.0)
     c.submit("r1")
     (first,) = c.tick()  # its reservation is still in flight when the engine is lost
@@ -201,10 +203,9 @@ def test_a_late_slot_of_an_old_attempt_is_freed_unless_the_new_attempt_holds_the
     (second,) = [x for x in cmds if isinstance(x, ReserveSlot)]
     assert second.attempt == 1
     late = c.handle(SlotReserved(now=c.now, request_id="r1", attempt=0, region={}, offset=0))
-    if lost == "prefill engine":
-        assert second.node == first.node and late == []  # a reservation is per request: it is the new attempt's slot
-    else:
-        assert second.node != first.node and late == [FreeSlot(node=first.node, request_id="r1")]
+    # a slot per attempt: attempt 1's, on the same node or not, is not the late one
+    assert (second.node == first.node) == (lost == "prefill engine")
+    assert late == [FreeSlot(node=first.node, request_id="r1", wire_attempt=0)]
     assert c.handle(SlotReserved(now=c.now, request_id="r1", attempt=0, region={}, offset=0)) == []  # answered once only
 
 
@@ -234,8 +235,8 @@ def test_a_full_decode_buffer_is_back_pressure_not_a_failure():
     (reserve,) = c.tick()
     cmds = c.handle(DispatchFailed(now=c.now, request_id="r1", attempt=0, stage=Stage.RESERVE, reason="buffer full", code=BUFFER_FULL))
     assert cmds == [
-        FreeSlot(node=reserve.node, request_id="r1"),
-        Requeued(request_id="r1", attempt=1, reason="decode node buffer full", counted=False),
+        FreeSlot(node=reserve.node, request_id="r1", wire_before=1),
+        Requeued(request_id="r1", attempt=1, reason="decode node buffer full", counted=False),  # no StopAttempts: nothing ran
     ]
     assert c.core.buffer_waits == 1
     assert c.tick(0.005) == []  # passes pause for the back-off
@@ -256,6 +257,7 @@ def test_retries_exhausted_fail_the_request_with_the_last_reason():
     assert kinds(c.handle(DispatchFailed(now=c.now, request_id="r1", attempt=0, stage=Stage.RESERVE, reason="nope"))) == [
         "FreeSlot",
         "Requeued",
+        "StopAttempts",
     ]
     c.tick()
     c.handle(SlotReserved(now=c.now, request_id="r1", attempt=1, region={}, offset=0))
@@ -410,7 +412,7 @@ def test_an_abandoned_request_leaves_without_an_answer_or_a_retry():
     assert c.handle(late) == [] and "r1" in c.core.requests  # not the current attempt: late
     cmds = c.handle(TaskFailed(now=c.now, request_id="r1", engine=d.prefill_engine, reason="refused", attempt=0, abandoned=True))
     # no Requeued, no FailRequest; the slot of this attempt only (a newer run may hold another there)
-    assert [(type(x).__name__, x.node, x.attempt) for x in cmds] == [("FreeSlot", d.decode_node, 0)]
+    assert [(type(x).__name__, x.node, x.wire_attempt) for x in cmds] == [("FreeSlot", d.decode_node, 0)]
     assert "r1" not in c.core.requests and c.core.running == 0 and c.core.queued == 0
     assert (pe.seq, pe.tok) == (0, 0)  # its prefill charge went back
 

@@ -7,17 +7,20 @@ commands; ``scheduler_members`` holds membership and the report/charge ledger.
 from dualpath.core.gc_tuning import GC_THRESHOLDS, tune_gc
 from dualpath.core.scheduler import CoreConfig, SchedulerCore
 from dualpath.core.scheduler_events import (
+    ALL_ATTEMPTS,
     BUFFER_FULL,
     Command,
     Decision,
     Dispatch,
     DispatchAnswered,
     DispatchFailed,
+    EngineLost,
     EngineReported,
     Event,
     ExpelEngine,
     FailRequest,
     FreeSlot,
+    NodeLost,
     NodeReported,
     Prefetch,
     RejectRequest,
@@ -27,11 +30,20 @@ from dualpath.core.scheduler_events import (
     ReserveSlot,
     SlotReserved,
     Stage,
+    StopAttempts,
     TaskFailed,
     TimeAdvanced,
+    core_attempt,
+    wire_attempt,
 )
 
 __all__ = [
+    "ALL_ATTEMPTS",
+    "EngineLost",
+    "NodeLost",
+    "StopAttempts",
+    "core_attempt",
+    "wire_attempt",
     "BUFFER_FULL",
     "GC_THRESHOLDS",
     "Command",

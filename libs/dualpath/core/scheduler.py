@@ -77,22 +77,26 @@ randomness, dicts iterated in insertion order).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
 from dualpath.core.scheduler_events import (
+    ALL_ATTEMPTS,
     BUFFER_FULL,
     Command,
     Decision,
     Dispatch,
     DispatchAnswered,
     DispatchFailed,
+    EngineLost,
     EngineReported,
     Event,
     ExpelEngine,
     FailRequest,
     FreeSlot,
+    NodeLost,
     NodeReported,
     Prefetch,
     RejectRequest,
@@ -102,8 +106,11 @@ from dualpath.core.scheduler_events import (
     ReserveSlot,
     SlotReserved,
     Stage,
+    StopAttempts,
     TaskFailed,
     TimeAdvanced,
+    core_attempt,
+    wire_attempt,
 )
 from dualpath.core.scheduler_members import (
     Charge,
@@ -124,6 +131,7 @@ from dualpath.policy.values import Assignment, ReadSide, Role
 __all__ = ["CoreConfig", "SchedulerCore"]
 
 _QUEUED, _RESERVING, _DISPATCHING, _RUNNING = 0, 1, 2, 3  # _Request.stage
+_MAX_SUBMISSIONS = 65536  # requests whose newest submission is remembered (a late older copy is refused)
 
 
 def _split_blocks(a: Assignment, block_tokens: int) -> tuple[int, int] | None:
@@ -185,6 +193,7 @@ class _Request(Queued):
         "rid",
         "session",
         "slot_charge",
+        "submission",
         "split_charge",
         "stage",
         "wait_start",
@@ -206,6 +215,7 @@ class _Request(Queued):
         self.split_charge: Charge | None = None  # a split read's DE share (policy.split)
         self.slot_charge: Charge | None = None  # its slot in the decode node's buffer (bytes, as hbm)
         self.session = ""  # the agent session (prefetch)
+        self.submission = 0  # the gateway's n-th submit of it: offsets its attempts on the wire
         self.read_side: ReadSide | None = None
         self.prefill_done = False
         self.prefill_done_at = -1.0  # now of the prefill engine's hand-off (DecodeHistory measures from it)
@@ -238,6 +248,7 @@ class SchedulerCore:
         self._reserving: dict[tuple[str, int], str] = {}  # (request, attempt) -> node of an unanswered ReserveSlot
         self._staged: dict[str, str] = {}  # prefetch: session -> node asked to stage its next turn's hits
         self._held = HeldTasks()  # the lost-failure check of prefill engines that list their tasks
+        self._submissions: OrderedDict[str, int] = OrderedDict()  # request -> newest submission accepted (bounded)
         self._handlers: dict[type, Callable[[Any], list[Command]]] = {  # each takes its own event type
             RequestSubmitted: self._submitted,
             EngineReported: self._engine_reported,
@@ -246,6 +257,8 @@ class SchedulerCore:
             DispatchAnswered: self._answered,
             DispatchFailed: self._dispatch_failed,
             TaskFailed: self._task_failed,
+            EngineLost: self._engine_lost,
+            NodeLost: self._node_lost,
             RequestFinished: self._finished_event,
             TimeAdvanced: self._time_advanced,
         }
@@ -325,6 +338,16 @@ class SchedulerCore:
             return [RejectRequest(request_id=rid, code=429, reason=f"scheduler queue full ({self.cfg.max_queue} requests waiting)")]
         if rid in self.requests:
             return [RejectRequest(request_id=rid, code=409, reason=f"request {rid} already submitted")]
+        newest = self._submissions.get(rid, -1)
+        if ev.submission <= newest:
+            # Run here already and over: a late copy of an unanswered submit after a failover, or
+            # an older submission than one run here (the gateway resubmitted it meanwhile).
+            # Running it again would answer nobody.
+            return [
+                RejectRequest(
+                    request_id=rid, code=409, reason=f"request {rid} submission {ev.submission} already run here (newest {newest})"
+                )
+            ]
         if ev.prompt_tokens <= 0:
             return [RejectRequest(request_id=rid, code=400, reason="empty prompt")]
         need = ev.prompt_tokens + ev.max_tokens
@@ -354,19 +377,36 @@ class SchedulerCore:
             return [RejectRequest(request_id=rid, code=400, reason=exc.reason)]
         t = _Request(rid, self._num, pending, -(-ev.prompt_tokens // ev.block_tokens), ev.payload, ev.now)
         t.session = ev.session
+        t.submission = ev.submission
         self._num += 1
         self.requests[rid] = t
+        self._submissions[rid] = ev.submission
+        self._submissions.move_to_end(rid)
+        if len(self._submissions) > _MAX_SUBMISSIONS:
+            self._submissions.popitem(last=False)
         self.order.submit(t, ev.now, t.attempt, ev.session, ev.max_tokens)
+        if ev.submission > 0:
+            # The scheduler that held it died. A run of it that engines may still hold stops
+            # now (before this one is placed), so it neither hands off later nor keeps writing
+            # into a slot that only the traffic manager's reclaim frees.
+            return [StopAttempts(request_id=rid, before=wire_attempt(ev.submission, 0), reason="resubmitted after a scheduler failover")]
         return []
 
     # ---- reports ------------------------------------------------------------------------
     def _engine_reported(self, ev: EngineReported) -> list[Command]:
         member = self.members.engines.get(ev.engine)
+        cmds: list[Command] = []
+        if member is not None and ev.incarnation and member.incarnation and ev.incarnation != member.incarnation:
+            # Restarted under its name before it was found silent: what it held is gone.
+            self._lose([ev.engine], f"restarted (incarnation {member.incarnation} -> {ev.incarnation})", cmds)
+            member = None
         if member is None:
             member = self.members.join(
                 ev.engine, ev.now, node=ev.node, role=Role(ev.role), capacity_tokens=ev.capacity_tokens, block_bytes=ev.block_bytes
             )
             self._stale = True
+        if ev.incarnation:
+            member.incarnation = ev.incarnation
         member.last_seen = ev.now
         seq, tok, free = member.seq, member.tok, member.free_hbm = ev.seq, ev.tok, ev.free_hbm_tokens
         if ev.block_bytes and ev.block_bytes != member.block_bytes:
@@ -374,17 +414,19 @@ class SchedulerCore:
             if member.role is _DECODE:
                 self.members.nodes[member.node].block_bytes = ev.block_bytes
                 self._stale = True  # the policy's buffer figures are in its blocks
-        cmds: list[Command] = []
         if ev.finished:
             attempts = ev.finished_attempts
             if len(attempts) == len(ev.finished):
                 for rid, attempt in zip(ev.finished, attempts):
-                    self._finish(rid, member, cmds, attempt)
+                    self._finish(rid, member, cmds, self._core_attempt(rid, attempt))
             else:
                 for rid in ev.finished:
                     self._finish(rid, member, cmds)
         if ev.holding is not None:
-            lost = self._held.lost(member.name, ev.holding, ev.holding_attempts, self._prefill_attempt, self.now, self.cfg.engine_timeout)
+            held = ev.holding_attempts
+            if len(held) == len(ev.holding):
+                held = tuple(self._core_attempt(rid, wire) for rid, wire in zip(ev.holding, held))
+            lost = self._held.lost(member.name, ev.holding, held, self._prefill_attempt, self.now, self.cfg.engine_timeout)
             for rid in lost:
                 self._retry(self.requests[rid], f"prefill engine {member.name} no longer holds it (its failure was never reported)", cmds)
         if member.acked:
@@ -393,6 +435,11 @@ class SchedulerCore:
         if state is not None and not self._stale and member.num in state.engines:  # not there while its node is down
             state.report_engine(member.num, seq + member.dseq, tok + member.dtok, free - member.dhbm if member.role is _DECODE else None)
         return cmds
+
+    def _core_attempt(self, rid: str, wire: int) -> int:
+        """An engine's (wire) attempt of ``rid`` as this core numbers it (-1: not said or not held)."""
+        t = self.requests.get(rid)
+        return core_attempt(t.submission, wire) if t is not None else -1
 
     def _prefill_attempt(self, engine: str, rid: str) -> int:
         """The attempt of ``rid`` prefilling on ``engine`` (dispatch answered, not done), else -1."""
@@ -483,18 +530,20 @@ class SchedulerCore:
                 offset=ev.offset,
                 decision=t.decision,
                 payload=t.payload,
+                wire_attempt=wire_attempt(t.submission, t.attempt),
             )
         ]
 
     def _stale_slot(self, t: _Request | None, ev: SlotReserved) -> list[Command]:
-        """A slot reserved for an attempt that is over: free it, unless the current attempt
-        is placed on the same node (a reservation is per request, so it is that one's too)."""
+        """A slot reserved for an attempt that is over: nothing will use it (the traffic
+        manager holds a slot per attempt); that one is freed, or every one of the request
+        once it is gone."""
         node = self._reserved_node(ev.request_id, ev.attempt)
         if not node:
             return []
-        if t is not None and t.stage != _QUEUED and t.de is not None and t.de.node == node:
-            return []
-        return [FreeSlot(node=node, request_id=ev.request_id)]
+        if t is None:
+            return [FreeSlot(node=node, request_id=ev.request_id)]
+        return [FreeSlot(node=node, request_id=ev.request_id, wire_attempt=wire_attempt(t.submission, ev.attempt))]
 
     def _answered(self, ev: DispatchAnswered) -> list[Command]:
         t = self.requests.get(ev.request_id)
@@ -536,17 +585,20 @@ class SchedulerCore:
 
     def _task_failed(self, ev: TaskFailed) -> list[Command]:
         cmds: list[Command] = []
+        if ev.node_unreachable:  # before the retry, so the retry is not placed on that node while it restarts
+            self._node_down(ev.node_unreachable)
         t = self.requests.get(ev.request_id)
         if t is None or t.stage == _QUEUED:
             return cmds
         holders = (t.pe.name if t.pe else "", t.de.name if t.de else "")
-        if ev.engine not in holders or (ev.attempt >= 0 and ev.attempt != t.attempt):
+        attempt = core_attempt(t.submission, ev.attempt)
+        if ev.engine not in holders or (attempt >= 0 and attempt != t.attempt):
             return cmds  # late: from an engine of an earlier attempt, or an earlier attempt on the same engine
         if ev.abandoned:  # a newer run answers the client, or nobody waits any more: the request just leaves
             self._release_all(t)
             del self.requests[t.rid]
             if t.de is not None:  # its slot, which no hand-off will claim (only this attempt's: a newer run may hold another)
-                cmds.append(FreeSlot(node=t.de.node, request_id=t.rid, attempt=t.attempt, payload=t.payload))
+                cmds.append(FreeSlot(node=t.de.node, request_id=t.rid, wire_attempt=wire_attempt(t.submission, t.attempt)))
             return cmds
         attempt = t.attempt
         if ev.unreachable:
@@ -554,6 +606,15 @@ class SchedulerCore:
         if t.attempt == attempt and t.stage != _QUEUED and self.requests.get(ev.request_id) is t:
             self._retry(t, ev.reason, cmds)
         return cmds
+
+    def _engine_lost(self, ev: EngineLost) -> list[Command]:
+        cmds: list[Command] = []
+        self._lose([ev.engine], ev.reason, cmds)
+        return cmds
+
+    def _node_lost(self, ev: NodeLost) -> list[Command]:
+        self._node_down(ev.node)
+        return []
 
     # ---- time: expiry and the scheduling pass -----------------------------------------------
     def _time_advanced(self, ev: TimeAdvanced) -> list[Command]:
@@ -636,6 +697,7 @@ class SchedulerCore:
                 block_bytes=de.block_bytes,
                 decision=t.decision,
                 payload=t.payload,
+                wire_attempt=wire_attempt(t.submission, t.attempt),
             )
         )
 
@@ -664,9 +726,9 @@ class SchedulerCore:
         """Put ``t`` back at the head of the queue as a new attempt, or fail it after
         ``max_attempts`` (back-pressure, ``counted=False``, does not use one up)."""
         self._release_all(t)
-        if t.de is not None:
-            cmds.append(FreeSlot(node=t.de.node, request_id=t.rid))
+        slot_node = t.de.node if t.de is not None else ""
         t.attempt += 1  # also when not counted: answers for the old attempt are stale now
+        failed = t.attempt - t.buffer_waits - (0 if counted else 1) >= self.cfg.max_attempts
         if not counted:
             t.buffer_waits += 1
         t.pe = t.de = None
@@ -674,7 +736,11 @@ class SchedulerCore:
         t.decision = None
         t.prefill_done = False
         t.stage = _QUEUED
-        if t.attempt - t.buffer_waits >= self.cfg.max_attempts:
+        if slot_node:  # the slots of every attempt before the new one (all of them if it fails)
+            cmds.append(
+                FreeSlot(node=slot_node, request_id=t.rid, wire_before=ALL_ATTEMPTS if failed else wire_attempt(t.submission, t.attempt))
+            )
+        if failed:
             del self.requests[t.rid]
             cmds.append(
                 FailRequest(
@@ -689,6 +755,10 @@ class SchedulerCore:
         t.queued_since = self.now
         self.order.requeue(t)
         cmds.append(Requeued(request_id=t.rid, attempt=t.attempt, reason=reason, counted=counted))
+        if counted:
+            # A live prefill engine may still hold the old attempt: it stops before it writes
+            # into the decode slot just given up (sent before the new attempt's dispatch).
+            cmds.append(StopAttempts(request_id=t.rid, before=wire_attempt(t.submission, t.attempt), reason=f"retried: {reason}"))
 
     def _lose(self, names: Iterable[str], reason: str, cmds: list[Command]) -> None:
         """Stop using engines (they re-join with their next report) and re-queue what they
@@ -697,9 +767,10 @@ class SchedulerCore:
         gone: set[str] = set()
         for name in names:
             self._held.forget(name)
-            if self.members.remove(name) is not None:
+            member = self.members.remove(name)
+            if member is not None:
                 gone.add(name)
-                cmds.append(ExpelEngine(engine=name, reason=reason))
+                cmds.append(ExpelEngine(engine=name, reason=reason, incarnation=member.incarnation))
         if not gone:
             return
         self._stale = True

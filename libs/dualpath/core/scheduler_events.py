@@ -14,6 +14,8 @@ Events (driver -> core)::
     DispatchFailed     ReserveSlot or Dispatch failed (code 507 = buffer full: back-pressure;
                        ``unreachable`` = an engine that did not answer)
     TaskFailed         an engine gave up on a request it held
+    EngineLost         an engine is gone (the driver knows it outside any one request)
+    NodeLost           a node's traffic manager is gone (likewise)
     RequestFinished    an engine finished its part of a request (prefill or decode); the same
                        as the request appearing in that engine's report's ``finished``
     TimeAdvanced       the clock moved: expire silent engines, run a scheduling pass
@@ -25,13 +27,21 @@ Commands (core -> driver)::
     Dispatch           send the task to the prefill engine (it names the decode engine too)
     FreeSlot           release a DE buffer slot (re-queued or stale attempt)
     FailRequest        tell the request's client it failed (reason and code); the core forgot it
-    ExpelEngine        the core stopped using an engine (silent or unreachable); for logs/metrics
+    ExpelEngine        the core stopped using an engine (silent, unreachable, lost or restarted):
+                       announce it (gateways resubmit what it served)
     Requeued           a placed request went back to the head of the queue; for logs/spans
+    StopAttempts       tell engines to drop every run of a request below an attempt, silently
     Prefetch           a session's turn ended: hint its blocks to a node's prefetch cache (lowest priority)
 
 Attempts: each placement of a request is one ``attempt`` (0, 1, ...). Answers carry the
 attempt they answer; an answer for an older attempt is *stale* and is handled as such (a
-stale slot is freed, a stale failure ignored).
+stale slot is freed, a stale failure ignored). Engines and traffic managers number attempts
+across scheduler failovers: a request's ``submission`` (the gateway's n-th submit of it)
+offsets them, ``wire_attempt(submission, attempt)``, so a scheduler that took over (counting
+from 0 again) never reuses a number of the one that died. Commands that reach them carry
+that number (``wire_attempt``, ``wire_before``); what engines report (``finished_attempts``,
+``holding_attempts``, ``TaskFailed.attempt``) is in it too, and the core maps it back (an
+attempt of another submission is late). With submission 0 both numberings are the same.
 
 The types are slotted, keyword-only dataclasses and hold no I/O objects; ``payload`` and
 ``region`` are opaque to the core (the driver's own request and region descriptor, handed
@@ -47,19 +57,23 @@ from enum import IntEnum
 from typing import Any
 
 from dualpath.policy.values import ReadSide, Role
+from dualpath.protocol.messages import ALL_ATTEMPTS, SUBMISSION_ATTEMPTS
 
 __all__ = [
+    "ALL_ATTEMPTS",
     "BUFFER_FULL",
     "Command",
     "Decision",
     "Dispatch",
     "DispatchAnswered",
     "DispatchFailed",
+    "EngineLost",
     "EngineReported",
     "Event",
     "ExpelEngine",
     "FailRequest",
     "FreeSlot",
+    "NodeLost",
     "NodeReported",
     "ReadSide",
     "RejectRequest",
@@ -70,13 +84,30 @@ __all__ = [
     "Role",
     "SlotReserved",
     "Stage",
+    "StopAttempts",
     "TaskFailed",
     "TimeAdvanced",
+    "core_attempt",
+    "wire_attempt",
 ]
 
 BUFFER_FULL = 507  # DispatchFailed.code: a node buffer had no room now (back-pressure, not a failure)
 
 _ev = {"slots": True, "kw_only": True}  # not frozen: see the module docstring
+
+
+def wire_attempt(submission: int, attempt: int) -> int:
+    """A request's ``attempt`` here as engines and traffic managers number it."""
+    return submission * SUBMISSION_ATTEMPTS + attempt
+
+
+def core_attempt(submission: int, wire: int) -> int:
+    """``wire_attempt``'s inverse: -1 for -1 (not said); an attempt of another submission maps
+    past every attempt of this one (late, never current)."""
+    if wire < 0:
+        return -1
+    attempt = wire - submission * SUBMISSION_ATTEMPTS
+    return attempt if 0 <= attempt < SUBMISSION_ATTEMPTS else SUBMISSION_ATTEMPTS
 
 
 class Stage(IntEnum):
@@ -99,7 +130,9 @@ class RequestSubmitted:
     ``hit_blocks`` × ``block_tokens`` leading prompt tokens are persisted (read, not
     computed, but never the block of the last prompt token: ``kv.hits.readable_hit_blocks``). ``forced_side`` forces the
     read side for this request (the API's ``dualpath_read_path``); None lets the policy
-    choose (or its stack-wide ``read_path``).
+    choose (or its stack-wide ``read_path``). ``submission``: the gateway's n-th submit of
+    the request (above 0: resubmitted after a scheduler failover); one no newer than a
+    submission this core already ran to its end is refused (409: a late copy).
     """
 
     now: float
@@ -111,6 +144,7 @@ class RequestSubmitted:
     forced_side: ReadSide | None = None
     payload: Any = None
     session: str = ""  # the agent session the turn belongs to ("": unknown); prefetch stages its blocks
+    submission: int = 0
 
     def __init__(
         self,
@@ -124,6 +158,7 @@ class RequestSubmitted:
         forced_side: ReadSide | None = None,
         payload: Any = None,
         session: str = "",
+        submission: int = 0,
     ) -> None:
         self.now = now
         self.request_id = request_id
@@ -134,6 +169,7 @@ class RequestSubmitted:
         self.forced_side = forced_side
         self.payload = payload
         self.session = session
+        self.submission = submission
 
 
 @dataclass(**_ev, init=False)
@@ -145,7 +181,9 @@ class EngineReported:
     earlier attempt is late and changes nothing). A prefill engine may list every task it
     holds now (``holding``, with ``holding_attempts`` by position; None: not said): a
     prefill the core placed there that two such reports in a row leave out is lost (its
-    ``TaskFailed`` never came) and retried."""
+    ``TaskFailed`` never came) and retried. Attempts are wire attempts (module docstring).
+    ``incarnation`` names the engine's process: a known engine reporting a new one restarted
+    under its name, losing what it held, and is expelled before it joins again."""
 
     now: float
     engine: str
@@ -160,6 +198,7 @@ class EngineReported:
     finished_attempts: tuple[int, ...] = ()
     holding: tuple[str, ...] | None = None
     holding_attempts: tuple[int, ...] = ()
+    incarnation: str = ""
 
     def __init__(
         self,
@@ -177,6 +216,7 @@ class EngineReported:
         finished_attempts: tuple[int, ...] = (),
         holding: tuple[str, ...] | None = None,
         holding_attempts: tuple[int, ...] = (),
+        incarnation: str = "",
     ) -> None:
         self.now = now
         self.engine = engine
@@ -191,6 +231,7 @@ class EngineReported:
         self.finished_attempts = finished_attempts
         self.holding = holding
         self.holding_attempts = holding_attempts
+        self.incarnation = incarnation
 
 
 @dataclass(**_ev, init=False)
@@ -267,8 +308,10 @@ class DispatchFailed:
 @dataclass(**_ev)
 class TaskFailed:
     """``engine`` gave up on a request it held; ``unreachable`` names an engine it could not
-    reach. ``attempt``: the attempt that failed (-1: not known); a failure of an earlier attempt
-    is late and changes nothing (the engine may hold the current attempt too). ``abandoned``:
+    reach, ``node_unreachable`` a node whose traffic manager died under the task (the node
+    leaves scheduling until it reports again, before the retry is placed). ``attempt``: the
+    wire attempt that failed (-1: not known); a failure of an earlier attempt is late and
+    changes nothing (the engine may hold the current attempt too). ``abandoned``:
     the request needs nothing more from this scheduler (the decode engine refused the hand-off
     because it holds or ran a newer run, another scheduler's after a failover; or the client
     cancelled it during its prefill): it leaves, neither retried nor answered."""
@@ -280,6 +323,27 @@ class TaskFailed:
     unreachable: str = ""
     attempt: int = -1
     abandoned: bool = False
+    node_unreachable: str = ""
+
+
+@dataclass(**_ev)
+class EngineLost:
+    """``engine`` is gone (its process restarted or died, as the driver learned outside any
+    one request): the core stops using it and re-queues what it held."""
+
+    now: float
+    engine: str
+    reason: str
+
+
+@dataclass(**_ev)
+class NodeLost:
+    """``node``'s traffic manager is gone: its engines leave scheduling until it reports again
+    (what they hold fails on its own)."""
+
+    now: float
+    node: str
+    reason: str
 
 
 @dataclass(**_ev, init=False)
@@ -317,6 +381,8 @@ Event = (
     | DispatchAnswered
     | DispatchFailed
     | TaskFailed
+    | EngineLost
+    | NodeLost
     | RequestFinished
     | TimeAdvanced
 )
@@ -395,7 +461,8 @@ class RejectRequest:
 @dataclass(**_ev, init=False)
 class ReserveSlot:
     """Reserve ``blocks`` Full Blocks of ``block_bytes`` in ``node``'s buffer for the request;
-    answer with ``SlotReserved`` or ``DispatchFailed(stage=RESERVE)``."""
+    answer with ``SlotReserved`` or ``DispatchFailed(stage=RESERVE)`` (naming ``attempt``).
+    ``wire_attempt``: the attempt as the traffic manager numbers it."""
 
     request_id: str
     attempt: int
@@ -404,12 +471,23 @@ class ReserveSlot:
     block_bytes: int
     decision: Decision
     payload: Any = None
+    wire_attempt: int = -1
 
     def __init__(
-        self, *, request_id: str, attempt: int, node: str, blocks: int, block_bytes: int, decision: Decision, payload: Any = None
+        self,
+        *,
+        request_id: str,
+        attempt: int,
+        node: str,
+        blocks: int,
+        block_bytes: int,
+        decision: Decision,
+        payload: Any = None,
+        wire_attempt: int = -1,
     ) -> None:
         self.request_id = request_id
         self.attempt = attempt
+        self.wire_attempt = attempt if wire_attempt < 0 else wire_attempt
         self.node = node
         self.blocks = blocks
         self.block_bytes = block_bytes
@@ -420,7 +498,8 @@ class ReserveSlot:
 @dataclass(**_ev, init=False)
 class Dispatch:
     """Send the request to its prefill engine, naming its decode engine and DE slot; answer
-    with ``DispatchAnswered`` or ``DispatchFailed(stage=DISPATCH)``."""
+    with ``DispatchAnswered`` or ``DispatchFailed(stage=DISPATCH)`` (naming ``attempt``);
+    ``wire_attempt``: the attempt as engines number it."""
 
     request_id: str
     attempt: int
@@ -433,6 +512,7 @@ class Dispatch:
     offset: int
     decision: Decision
     payload: Any = None
+    wire_attempt: int = -1
 
     def __init__(
         self,
@@ -448,9 +528,11 @@ class Dispatch:
         offset: int,
         decision: Decision,
         payload: Any = None,
+        wire_attempt: int = -1,
     ) -> None:
         self.request_id = request_id
         self.attempt = attempt
+        self.wire_attempt = attempt if wire_attempt < 0 else wire_attempt
         self.prefill_engine = prefill_engine
         self.prefill_node = prefill_node
         self.decode_engine = decode_engine
@@ -465,19 +547,20 @@ class Dispatch:
 @dataclass(**_ev, init=False)
 class FreeSlot:
     """Release the request's slot in ``node``'s buffer (best effort: the node may be gone):
-    every attempt's before the current one (all of them once the request is gone), or only
-    ``attempt``'s when it is given (an abandoned request; ``payload``: its submission)."""
+    that of ``wire_attempt`` only (an abandoned request, a reservation for an attempt that is
+    over), or, when it is -1, those of every attempt below ``wire_before`` (``ALL_ATTEMPTS``:
+    all of them, once the request is gone)."""
 
     node: str
     request_id: str
-    attempt: int = -1
-    payload: Any = None
+    wire_attempt: int = -1
+    wire_before: int = ALL_ATTEMPTS
 
-    def __init__(self, *, node: str, request_id: str, attempt: int = -1, payload: Any = None) -> None:
+    def __init__(self, *, node: str, request_id: str, wire_attempt: int = -1, wire_before: int = ALL_ATTEMPTS) -> None:
         self.node = node
         self.request_id = request_id
-        self.attempt = attempt
-        self.payload = payload
+        self.wire_attempt = wire_attempt
+        self.wire_before = wire_before
 
 
 @dataclass(**_ev)
@@ -493,10 +576,12 @@ class FailRequest:
 
 @dataclass(**_ev)
 class ExpelEngine:
-    """The core stopped using ``engine`` (it re-joins with its next report)."""
+    """The core stopped using ``engine`` (it re-joins with its next report); ``incarnation``:
+    the process it knew (what gateways compare with the one that served a request)."""
 
     engine: str
     reason: str
+    incarnation: str = ""
 
 
 @dataclass(**_ev)
@@ -508,6 +593,16 @@ class Requeued:
     attempt: int
     reason: str
     counted: bool
+
+
+@dataclass(**_ev)
+class StopAttempts:
+    """Tell every engine to drop its runs of the request below ``before`` (a wire attempt),
+    silently: a retry or a resubmission replaces them. Sent before the new attempt's dispatch."""
+
+    request_id: str
+    before: int
+    reason: str
 
 
 @dataclass(**_ev, init=False)
@@ -527,4 +622,4 @@ class Prefetch:
         self.payload = payload
 
 
-Command = RejectRequest | ReserveSlot | Dispatch | FreeSlot | FailRequest | ExpelEngine | Requeued | Prefetch
+Command = RejectRequest | ReserveSlot | Dispatch | FreeSlot | FailRequest | ExpelEngine | Requeued | StopAttempts | Prefetch

@@ -34,15 +34,17 @@ class Holder:
 
 
 class EngineMember(Holder):
-    """One engine: where it runs, its role and capacity, its last report."""
+    """One engine: where it runs, its role and capacity, its last report, and the process its
+    reports came from (``incarnation``; "" until one names it)."""
 
-    __slots__ = ("block_bytes", "capacity_tokens", "free_hbm", "node", "role", "seq", "tok")
+    __slots__ = ("block_bytes", "capacity_tokens", "free_hbm", "incarnation", "node", "role", "seq", "tok")
 
     def __init__(self, name: str, num: int, now: float, *, node: str, role: Role, capacity_tokens: int, block_bytes: int) -> None:
         super().__init__(name, num, now)
         self.node, self.role, self.capacity_tokens, self.block_bytes = node, role, capacity_tokens, block_bytes
         self.seq = self.tok = 0
         self.free_hbm = capacity_tokens
+        self.incarnation = ""
 
 
 class NodeMember(Holder):
