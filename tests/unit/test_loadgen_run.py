@@ -201,3 +201,16 @@ def test_the_overhead_benchmark_reports_both_legs_for_loadgen_and_probe() -> Non
             assert phase[leg]["loadgen_ms"]["n"] > 0
     assert r["load"]["legs"]["added"]["probe_ms"]["n"] > 0  # the probe ran beside the load
     assert r["load"]["legs"]["added"]["loadgen_ms"]["p50"] > 0 and isinstance(r["meets_target"], bool)
+
+
+def test_agents_spread_over_processes_are_merged_into_one_report_with_every_turn() -> None:
+    r = run_overhead_bench(90, turns=3, gen_tokens=4, ttft_s=0.05, tpot_s=0.01, idle_turns=20, compare_httpx=False, processes=3)
+    load = r["load"]
+    assert (r["agents"], r["processes"]) == (90, 3)
+    assert load["errors"] == 0 and load["turns"] == 90 * 3  # every worker's turns are in the merged run
+    assert load["active_sessions"]["max"] == 90  # the workers' agents overlap in time
+    assert load["legs"]["added"]["loadgen_ms"]["n"] > 0 and r["added_p50_ms"] == load["legs"]["added"]["loadgen_ms"]["p50"]
+    assert r["added_p99_ms"] >= r["added_p50_ms"] > 0
+    assert r["client_cores"] > 0 and r["agents_per_core"] == pytest.approx(90 / r["client_cores"])
+    with pytest.raises(ValueError, match="processes"):
+        run_overhead_bench(2, processes=3)

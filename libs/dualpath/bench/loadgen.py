@@ -29,6 +29,15 @@ between tokens), so all of them are active at once; figures cover the steady win
 generator is busy, so the probe pays wake-up costs the load generator often does not:
 on a small VM the idle overhead can come out negative. The receive leg is reported too
 because it needs no probe.
+
+``--processes N`` spreads the load phase's agents over N client processes (each a share of
+the agents and of the arrival rate, against the one server), merged into one report: turns,
+agents and loop lag of all of them, their CPU time summed. The report's top-level keys are
+the contract: ``agents``, ``added_p50_ms`` and ``added_p99_ms`` (the load generator's added
+latency under load, steady window), ``overhead_p50_ms`` (less the probe's),
+``agents_per_core`` (agents over the client processes' CPU cores used), ``processes``.
+
+    dualpath bench loadgen --agents 14000 --processes 2 --json
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -52,6 +62,7 @@ from loadgen.arrivals import arrival_times
 from loadgen.client import Endpoint
 from loadgen.instant_server import start_instant_server
 from loadgen.prompts import PromptText
+from loadgen.report import AgentRecord, LogHistogram, TurnRecord
 from loadgen.runner import LoadSpec, RunState, run_load
 from loadgen.trajectory import Trajectory
 
@@ -132,10 +143,19 @@ def _window(samples: list[tuple[float, float, float]], lo: float, hi: float) -> 
 
 
 async def _loadgen(
-    url: str, *, agents: int, turns: int, gen: int, rate: float | None, transport: str, prompts: PromptText, seed: int
+    url: str,
+    *,
+    agents: int,
+    turns: int,
+    gen: int,
+    rate: float | None,
+    transport: str,
+    prompts: PromptText,
+    seed: int,
+    first_id: int = 0,
 ) -> RunState:
     trajectories = tuple(
-        Trajectory(id=str(i), system_tokens=64, append_tokens=(32,) * turns, gen_tokens=(gen,) * turns) for i in range(agents)
+        Trajectory(id=str(first_id + i), system_tokens=64, append_tokens=(32,) * turns, gen_tokens=(gen,) * turns) for i in range(agents)
     )
     arrivals = arrival_times(agents, rate=rate, seed=seed)
     spec = LoadSpec(
@@ -150,6 +170,96 @@ async def _loadgen(
     state = RunState()
     await run_load(spec, prompts, state)
     return state
+
+
+def _state_to_json(state: RunState, cpu_s: float) -> dict:
+    """What a worker process measured, with absolute CLOCK_MONOTONIC times (one clock for every
+    process on the host), for the parent to merge."""
+    t0 = state.t0
+    return {
+        "cpu_s": cpu_s,
+        "t0": t0,
+        "wall_s": state.wall_s,
+        "max_active": state.max_active,
+        "errors": state.errors,
+        "first_error": state.first_error,
+        "lag_counts": state.loop_lag.counts.tolist(),
+        "lag_max": state.loop_lag.max,
+        "turns": [[t0 + t.t_start, t.error_kind, t.ttft, t.server_timing, t.completion_tokens] for t in state.turns],
+        "agents": [[t0 + a.started, t0 + a.ended, a.status] for a in state.agents],
+    }
+
+
+def _merge(parts: list[dict]) -> SimpleNamespace:
+    """The workers' runs as one run (the attributes ``_load_figures`` reads), from the
+    earliest start to the latest end; ``max_active`` adds the workers' maxima."""
+    t0 = min(p["t0"] for p in parts)
+    end = max(p["t0"] + (p["wall_s"] or 0.0) for p in parts)
+    lag = LogHistogram()
+    for p in parts:
+        lag.counts += np.asarray(p["lag_counts"], dtype=np.int64)
+        lag.max = max(lag.max, p["lag_max"])
+    turns = [
+        TurnRecord(
+            agent=0,
+            turn=0,
+            t_start=send - t0,
+            expected_prompt_tokens=0,
+            expected_gen_tokens=0,
+            error_kind=kind,
+            ttft=ttft,
+            server_timing=timing,
+            completion_tokens=tokens,
+        )
+        for p in parts
+        for send, kind, ttft, timing, tokens in p["turns"]
+    ]
+    agents = [
+        AgentRecord(agent=0, scheduled=0.0, started=start - t0, ended=stop - t0, turns_done=0, turns_total=0, status=status)
+        for p in parts
+        for start, stop, status in p["agents"]
+    ]
+    first_error = next((p["first_error"] for p in parts if p["first_error"]), None)
+    return SimpleNamespace(
+        t0=t0,
+        wall_s=end - t0,
+        turns=turns,
+        agents=agents,
+        max_active=sum(p["max_active"] for p in parts),
+        errors=sum(p["errors"] for p in parts),
+        first_error=first_error,
+        loop_lag=lag,
+    )
+
+
+def _worker_cmd(url: str, agents: int, turns: int, gen: int, rate: float | None, seed: int, first_id: int) -> list[str]:
+    cmd = [sys.executable, "-m", "dualpath.bench.loadgen", "--worker", url, "--agents", str(agents), "--turns", str(turns)]
+    cmd += ["--gen-tokens", str(gen), "--seed", str(seed), "--first-id", str(first_id)]
+    return cmd + (["--rate", repr(rate)] if rate is not None else [])
+
+
+def _run_workers(
+    url: str, *, agents: int, processes: int, turns: int, gen: int, rate: float | None, seed: int
+) -> tuple[SimpleNamespace, float]:
+    """The load phase over ``processes`` client processes: their merged run and summed CPU seconds.
+
+    Raises:
+        RuntimeError: a worker failed (its last output included).
+    """
+    shares = [agents // processes + (1 if i < agents % processes else 0) for i in range(processes)]
+    procs, first = [], 0
+    for i, n in enumerate(shares):
+        share_rate = None if rate is None else rate * n / agents
+        cmd = _worker_cmd(url, n, turns, gen, share_rate, seed + 100 * i, first)
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        first += n
+    parts = []
+    for proc in procs:
+        out, err = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"load generator worker failed ({proc.returncode}): {err.strip()[-800:]}")
+        parts.append(json.loads(out))
+    return _merge(parts), sum(p["cpu_s"] for p in parts)
 
 
 def _legs(state: RunState, lo: float = -np.inf, hi: float = np.inf) -> dict:
@@ -226,13 +336,20 @@ def run_overhead_bench(
     compare_httpx: bool = True,
     seed: int = 0,
     target_ms: float = 1.0,
+    processes: int = 1,
 ) -> dict:
     """Run the benchmark described in the module docstring and return its figures (ms).
 
     ``meets_target``: under load, the overhead's p50 and mean are below ``target_ms``, no
-    turn failed, and at least min(agents, 1000) agents were active at once. Raises
-    RuntimeError when the instant server or the probe cannot be started.
+    turn failed, and at least min(agents, 1000) agents were active at once. ``processes``
+    spreads the load phase's agents over that many client processes (module docstring).
+
+    Raises:
+        RuntimeError: the instant server or the probe cannot be started, or a worker failed.
+        ValueError: ``processes`` below 1 or above ``agents``.
     """
+    if not 1 <= processes <= max(1, agents):
+        raise ValueError(f"processes must be between 1 and the number of agents ({agents}), got {processes}")
     prompts = PromptText()
     loadavg_before = list(os.getloadavg())
     idle_phase = _Phase(probe_interval_s)  # answers at once: per-request cost only
@@ -248,10 +365,17 @@ def run_overhead_bench(
         turn_s = ttft_s + gen_tokens * tpot_s
         rate = agents / turn_s if turn_s > 0 else None  # arrivals spread over one turn
         cpu0, server0 = time.process_time(), load_phase.server_cpu_s()
-        load = anyio.run(
-            lambda: _loadgen(url, agents=agents, turns=turns, gen=gen_tokens, rate=rate, transport="fast", prompts=prompts, seed=seed + 2)
-        )
-        cpu, server1 = time.process_time() - cpu0, load_phase.server_cpu_s()
+        load: Any
+        if processes == 1:
+            load = anyio.run(
+                lambda: _loadgen(
+                    url, agents=agents, turns=turns, gen=gen_tokens, rate=rate, transport="fast", prompts=prompts, seed=seed + 2
+                )
+            )
+            cpu = time.process_time() - cpu0
+        else:
+            load, cpu = _run_workers(url, agents=agents, processes=processes, turns=turns, gen=gen_tokens, rate=rate, seed=seed + 2)
+        server1 = load_phase.server_cpu_s()
         server_cpu = None if server0 is None or server1 is None else server1 - server0
     config = dict(
         agents=agents,
@@ -262,6 +386,7 @@ def run_overhead_bench(
         idle_turns=idle_turns,
         probe_interval_s=probe_interval_s,
         seed=seed,
+        processes=processes,
     )
     result: dict[str, Any] = {
         "method": "legs from CLOCK_MONOTONIC stamps of client and server; overhead = load generator's "
@@ -272,6 +397,17 @@ def run_overhead_bench(
         "load": _load_figures(load, load_phase.samples, cpu, server_cpu),
     }
     overhead = result["load"]["legs"]["added"]["overhead_ms"]
+    added = result["load"]["legs"]["added"]["loadgen_ms"]
+    cores = result["load"]["client_cpu_share"]
+    result.update(
+        agents=agents,
+        processes=processes,
+        added_p50_ms=added.get("p50"),
+        added_p99_ms=added.get("p99"),
+        overhead_p50_ms=overhead.get("p50"),
+        client_cores=cores,
+        agents_per_core=agents / cores if cores > 0 else None,
+    )
     result["target_ms"] = target_ms
     result["meets_target"] = (
         bool(overhead)
@@ -287,14 +423,15 @@ def _state_window(state: RunState) -> tuple[float, float]:
     return state.t0, state.t0 + (state.wall_s or 0.0)
 
 
-def _idle_figures(idle: RunState, httpx_idle: RunState | None, samples) -> dict:
+def _idle_figures(idle: RunState, httpx_idle: RunState | None, samples: list) -> dict:
     out = {"fast": _compare(_legs(idle), _window(samples, *_state_window(idle)))}
     if httpx_idle is not None:
         out["httpx"] = _compare(_legs(httpx_idle), _window(samples, *_state_window(httpx_idle)))
     return out
 
 
-def _load_figures(load: RunState, samples, cpu_s: float, server_cpu_s: float | None) -> dict:
+def _load_figures(load: Any, samples: list, cpu_s: float, server_cpu_s: float | None) -> dict:
+    """``load``: a ``RunState``, or the workers' merged run (``_merge``)."""
     starts = [load.t0 + a.started for a in load.agents]
     ends = [load.t0 + a.ended for a in load.agents if a.status == "done"]
     lo, hi = max(starts, default=load.t0), min(ends, default=load.t0)
@@ -329,6 +466,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft", type=float, default=0.5, help="server delay before the first token, s")
     p.add_argument("--tpot", type=float, default=0.05, help="server delay between tokens, s")
     p.add_argument("--no-httpx", action="store_true", help="skip the httpx comparison")
+    p.add_argument("--processes", type=int, default=1, help="client processes the load phase's agents are spread over")
+    p.add_argument("--json", action="store_true", help="print the whole report as JSON (default: the headline figures)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one share of the load against this URL
+    p.add_argument("--rate", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--first-id", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--probe", help=argparse.SUPPRESS)  # internal: run as the probe process
     p.add_argument("--probe-interval", type=float, default=0.02, help="seconds between probe requests")
     p.add_argument("--probe-connections", type=int, default=1, help=argparse.SUPPRESS)
@@ -337,17 +480,60 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
         anyio.run(_probe, a.probe, a.probe_interval, a.probe_connections)
         return 0
-    result = run_overhead_bench(
-        a.agents,
-        turns=a.turns,
-        gen_tokens=a.gen_tokens,
-        ttft_s=a.ttft,
-        tpot_s=a.tpot,
-        probe_interval_s=a.probe_interval,
-        compare_httpx=not a.no_httpx,
-    )
-    print(json.dumps(result, indent=2))
+    if a.worker:
+        cpu0 = time.process_time()
+        state = anyio.run(
+            lambda: _loadgen(
+                a.worker,
+                agents=a.agents,
+                turns=a.turns,
+                gen=a.gen_tokens,
+                rate=a.rate,
+                transport="fast",
+                prompts=PromptText(),
+                seed=a.seed,
+                first_id=a.first_id,
+            )
+        )
+        print(json.dumps(_state_to_json(state, time.process_time() - cpu0)))
+        return 0
+    try:
+        result = run_overhead_bench(
+            a.agents,
+            turns=a.turns,
+            gen_tokens=a.gen_tokens,
+            ttft_s=a.ttft,
+            tpot_s=a.tpot,
+            probe_interval_s=a.probe_interval,
+            compare_httpx=not a.no_httpx,
+            processes=a.processes,
+        )
+    except (RuntimeError, ValueError) as exc:
+        print(f"dualpath bench loadgen: {exc}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(_headline(result))
     return 0 if result["meets_target"] else 1
+
+
+def _headline(r: dict) -> str:
+    def ms(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.2f} ms"
+
+    per_core = "n/a" if r["agents_per_core"] is None else f"{r['agents_per_core']:,.0f}"
+    load = r["load"]
+    return "\n".join(
+        [
+            f"load generator: {r['agents']:,} agents in {r['processes']} process(es), {load['active_sessions']['max']:,} active at most, "
+            f"{load['turns']:,} turns, {load['errors']} errors",
+            f"added latency (TTFT less server time): p50 {ms(r['added_p50_ms'])}, p99 {ms(r['added_p99_ms'])}; "
+            f"over the probe: p50 {ms(r['overhead_p50_ms'])}",
+            f"client CPU {r['client_cores']:.2f} cores -> {per_core} agents per core; server {load['server_cpu_share'] or 0:.2f} cores",
+            f"meets the {r['target_ms']} ms overhead target: {r['meets_target']}",
+        ]
+    )
 
 
 if __name__ == "__main__":
