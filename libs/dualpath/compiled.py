@@ -41,6 +41,7 @@ MODULES = (
     "dualpath.core.scheduler_events",
     "dualpath.core.scheduler_members",
     "dualpath.core.scheduler_queue",
+    "dualpath.core.scheduler_request",
     "dualpath.cost.model",
     "dualpath.policy.balance",
     "dualpath.policy.baselines",

@@ -64,6 +64,7 @@ class Cluster:
         attempts: tuple[int, ...] = (),
         holding: tuple[str, ...] | None = None,
         holding_attempts: tuple[int, ...] = (),
+        incarnation: str = "",
     ):
         node, role = self.engines[engine]
         decode = role == Role.DECODE
@@ -82,6 +83,7 @@ class Cluster:
                 finished_attempts=attempts,
                 holding=holding,
                 holding_attempts=holding_attempts,
+                incarnation=incarnation,
             )
         )
 

@@ -4,12 +4,11 @@ their name, and engines or nodes lost outside any one request."""
 
 from __future__ import annotations
 
-from test_scheduler_core import HBM, Cluster, kinds
+from test_scheduler_core import Cluster, kinds
 
 from dualpath.core import (
     ALL_ATTEMPTS,
     EngineLost,
-    EngineReported,
     ExpelEngine,
     FreeSlot,
     NodeLost,
@@ -22,7 +21,6 @@ from dualpath.core import (
     core_attempt,
     wire_attempt,
 )
-from dualpath.policy.values import Role
 from dualpath.protocol.messages import SUBMISSION_ATTEMPTS
 
 
@@ -30,26 +28,6 @@ def _submit(c: Cluster, rid: str, submission: int):
     return c.handle(
         RequestSubmitted(
             now=c.now, request_id=rid, prompt_tokens=300, hit_blocks=2, block_tokens=64, payload={"id": rid}, submission=submission
-        )
-    )
-
-
-def _report(c: Cluster, engine: str, incarnation: str, **kw):
-    node, role = c.engines[engine]
-    decode = role == Role.DECODE
-    return c.handle(
-        EngineReported(
-            now=c.now,
-            engine=engine,
-            node=node,
-            role=role,
-            seq=0,
-            tok=0,
-            free_hbm_tokens=HBM if decode else 0,
-            capacity_tokens=HBM if decode else 0,
-            block_bytes=1024,
-            incarnation=incarnation,
-            **kw,
         )
     )
 
@@ -101,15 +79,15 @@ def test_a_submission_no_newer_than_one_run_here_is_refused_as_a_late_copy() -> 
 def test_an_engine_reporting_a_new_incarnation_is_expelled_first_and_its_requests_retried() -> None:
     c = Cluster()
     for name in c.engines:
-        _report(c, name, incarnation="a")
+        c.report(name, incarnation="a")
     d = c.place("r1")
-    cmds = _report(c, d.prefill_engine, incarnation="b")
+    cmds = c.report(d.prefill_engine, incarnation="b")
     expel = cmds[0]
     assert expel == ExpelEngine(engine=d.prefill_engine, reason="restarted (incarnation a -> b)", incarnation="a")
     assert "Requeued" in kinds(cmds) and not c.core.is_current("r1", 0)
     assert c.core.members.engines[d.prefill_engine].incarnation == "b"  # joined again as the new process
-    assert _report(c, d.prefill_engine, incarnation="b") == []  # the same process again: nothing
-    assert _report(c, d.prefill_engine, incarnation="") == []  # a report that names none changes nothing
+    assert c.report(d.prefill_engine, incarnation="b") == []  # the same process again: nothing
+    assert c.report(d.prefill_engine, incarnation="") == []  # a report that names none changes nothing
 
 
 def test_lost_engines_and_nodes_are_events_of_their_own() -> None:

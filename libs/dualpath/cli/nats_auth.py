@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -120,8 +121,6 @@ def _parse_owner(text: str) -> tuple[int, int] | None:
 
 def _hand_over(out: Path, folders: list[str], owner: tuple[int, int]) -> None:
     """Give each identity's folder (and the server's) and what is in it to ``owner``."""
-    import os
-
     for name in folders:
         folder = out / name
         for path in (folder, *folder.rglob("*")):

@@ -1,7 +1,8 @@
 """Decision cores with no I/O and no clock of their own: the scheduler core and the engine cores (prefill and decode batchers).
 
 ``SchedulerCore`` (``scheduler``) takes the events of ``scheduler_events`` and returns its
-commands; ``scheduler_members`` holds membership and the report/charge ledger.
+commands; ``scheduler_members`` holds membership and the report/charge ledger,
+``scheduler_request`` the per-request record and the submissions seen.
 """
 
 from dualpath.core.gc_tuning import GC_THRESHOLDS, tune_gc

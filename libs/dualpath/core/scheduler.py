@@ -77,7 +77,6 @@ randomness, dicts iterated in insertion order).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -122,6 +121,11 @@ from dualpath.core.scheduler_members import (
     reflect,
 )
 from dualpath.core.scheduler_queue import Queued, QueueOrder, RankedQueue
+from dualpath.core.scheduler_request import DISPATCHING as _DISPATCHING
+from dualpath.core.scheduler_request import QUEUED as _QUEUED
+from dualpath.core.scheduler_request import RESERVING as _RESERVING
+from dualpath.core.scheduler_request import RUNNING as _RUNNING
+from dualpath.core.scheduler_request import CoreRequest, Submissions
 from dualpath.kv.hits import readable_hit_blocks
 from dualpath.policy import ClusterState, PendingRequest, Policy
 from dualpath.policy.errors import InvalidRequestError
@@ -129,9 +133,6 @@ from dualpath.policy.history import DecodeHistory
 from dualpath.policy.values import Assignment, ReadSide, Role
 
 __all__ = ["CoreConfig", "SchedulerCore"]
-
-_QUEUED, _RESERVING, _DISPATCHING, _RUNNING = 0, 1, 2, 3  # _Request.stage
-_MAX_SUBMISSIONS = 65536  # requests whose newest submission is remembered (a late older copy is refused)
 
 
 def _split_blocks(a: Assignment, block_tokens: int) -> tuple[int, int] | None:
@@ -169,59 +170,6 @@ class CoreConfig:
     prefetch: bool = False  # agent-aware prefetch: a session's finished turn emits Prefetch for its prefill node
 
 
-class _Request(Queued):
-    """One request the core knows (queued or placed)."""
-
-    __slots__ = (
-        "attempt",
-        "blocks",
-        "buffer_waits",
-        "de",
-        "de_charge",
-        "decision",
-        "num",
-        "open_reads",
-        "payload",
-        "pe",
-        "pe_charge",
-        "pending",
-        "prefill_done",
-        "prefill_done_at",
-        "queued_since",
-        "read_charge",
-        "read_side",
-        "rid",
-        "session",
-        "slot_charge",
-        "submission",
-        "split_charge",
-        "stage",
-        "wait_start",
-    )
-
-    def __init__(self, rid: str, num: int, pending: PendingRequest, blocks: int, payload: object, now: float) -> None:
-        self.rid, self.num, self.pending, self.blocks, self.payload = rid, num, pending, blocks, payload
-        self.attempt = self.buffer_waits = 0
-        self.wait_start = -1.0  # now of the first back-pressure (-1: none yet)
-        super().__init__(now)
-        self.queued_since = now
-        self.open_reads: tuple[tuple[NodeMember, int], ...] = ()  # (node, hit tokens) of its reads until its prefill ends
-        self.stage = _QUEUED
-        self.pe: EngineMember | None = None
-        self.de: EngineMember | None = None
-        self.pe_charge: Charge | None = None
-        self.de_charge: Charge | None = None
-        self.read_charge: Charge | None = None
-        self.split_charge: Charge | None = None  # a split read's DE share (policy.split)
-        self.slot_charge: Charge | None = None  # its slot in the decode node's buffer (bytes, as hbm)
-        self.session = ""  # the agent session (prefetch)
-        self.submission = 0  # the gateway's n-th submit of it: offsets its attempts on the wire
-        self.read_side: ReadSide | None = None
-        self.prefill_done = False
-        self.prefill_done_at = -1.0  # now of the prefill engine's hand-off (DecodeHistory measures from it)
-        self.decision: Decision | None = None
-
-
 class SchedulerCore:
     """The scheduler's queue, membership, placement, retries and back-pressure (see the
     module docstring). One owner drives it; not thread-safe."""
@@ -236,7 +184,7 @@ class SchedulerCore:
             urgent_wait_s=config.urgent_wait_s,
             waiting=self._waiting,
         )
-        self.requests: dict[str, _Request] = {}  # queued and placed, by request id
+        self.requests: dict[str, CoreRequest] = {}  # queued and placed, by request id
         self.buffer_waits = 0  # placements put back because a decode node's buffer was full
         self.now = 0.0
         self._state: ClusterState | None = None
@@ -248,7 +196,7 @@ class SchedulerCore:
         self._reserving: dict[tuple[str, int], str] = {}  # (request, attempt) -> node of an unanswered ReserveSlot
         self._staged: dict[str, str] = {}  # prefetch: session -> node asked to stage its next turn's hits
         self._held = HeldTasks()  # the lost-failure check of prefill engines that list their tasks
-        self._submissions: OrderedDict[str, int] = OrderedDict()  # request -> newest submission accepted (bounded)
+        self._submissions = Submissions()  # the newest submission accepted per request (a late copy is refused)
         self._handlers: dict[type, Callable[[Any], list[Command]]] = {  # each takes its own event type
             RequestSubmitted: self._submitted,
             EngineReported: self._engine_reported,
@@ -324,7 +272,7 @@ class SchedulerCore:
 
     def _waiting(self, t: Queued, attempt: int) -> bool:
         """Whether ``t`` is still in the queue as ``attempt`` (QueueOrder asks)."""
-        return isinstance(t, _Request) and t.stage == _QUEUED and t.attempt == attempt and self.requests.get(t.rid) is t
+        return isinstance(t, CoreRequest) and t.stage == _QUEUED and t.attempt == attempt and self.requests.get(t.rid) is t
 
     def is_current(self, request_id: str, attempt: int) -> bool:
         """Whether ``attempt`` is the live placement of the request."""
@@ -338,7 +286,7 @@ class SchedulerCore:
             return [RejectRequest(request_id=rid, code=429, reason=f"scheduler queue full ({self.cfg.max_queue} requests waiting)")]
         if rid in self.requests:
             return [RejectRequest(request_id=rid, code=409, reason=f"request {rid} already submitted")]
-        newest = self._submissions.get(rid, -1)
+        newest = self._submissions.newest(rid)
         if ev.submission <= newest:
             # Run here already and over: a late copy of an unanswered submit after a failover, or
             # an older submission than one run here (the gateway resubmitted it meanwhile).
@@ -375,15 +323,12 @@ class SchedulerCore:
             )
         except InvalidRequestError as exc:
             return [RejectRequest(request_id=rid, code=400, reason=exc.reason)]
-        t = _Request(rid, self._num, pending, -(-ev.prompt_tokens // ev.block_tokens), ev.payload, ev.now)
+        t = CoreRequest(rid, self._num, pending, -(-ev.prompt_tokens // ev.block_tokens), ev.payload, ev.now)
         t.session = ev.session
         t.submission = ev.submission
         self._num += 1
         self.requests[rid] = t
-        self._submissions[rid] = ev.submission
-        self._submissions.move_to_end(rid)
-        if len(self._submissions) > _MAX_SUBMISSIONS:
-            self._submissions.popitem(last=False)
+        self._submissions.accept(rid, ev.submission)
         self.order.submit(t, ev.now, t.attempt, ev.session, ev.max_tokens)
         if ev.submission > 0:
             # The scheduler that held it died. A run of it that engines may still hold stops
@@ -534,7 +479,7 @@ class SchedulerCore:
             )
         ]
 
-    def _stale_slot(self, t: _Request | None, ev: SlotReserved) -> list[Command]:
+    def _stale_slot(self, t: CoreRequest | None, ev: SlotReserved) -> list[Command]:
         """A slot reserved for an attempt that is over: nothing will use it (the traffic
         manager holds a slot per attempt); that one is freed, or every one of the request
         once it is gone."""
@@ -639,13 +584,13 @@ class SchedulerCore:
         if state is None:
             return
         queue = self.order.items
-        window = [cast("_Request", t).pending for t in queue.head(self.pass_window)]
+        window = [cast("CoreRequest", t).pending for t in queue.head(self.pass_window)]
         for a in self.policy.schedule(window, state):
-            t = cast("_Request", queue.popleft())  # it holds only the core's requests
+            t = cast("CoreRequest", queue.popleft())  # it holds only the core's requests
             assert t.num == a.request_id, "the policy places a FIFO prefix"
             self._place(t, a, state, cmds)
 
-    def _place(self, t: _Request, a: Assignment, state: ClusterState, cmds: list[Command]) -> None:
+    def _place(self, t: CoreRequest, a: Assignment, state: ClusterState, cmds: list[Command]) -> None:
         m = self.members
         pe, de = m.engine_by_num[a.prefill_engine], m.engine_by_num[a.decode_engine]
         read_node = m.node_by_num[a.read_node]
@@ -722,7 +667,7 @@ class SchedulerCore:
         return seen
 
     # ---- failures -----------------------------------------------------------------------
-    def _retry(self, t: _Request, reason: str, cmds: list[Command], *, counted: bool = True) -> None:
+    def _retry(self, t: CoreRequest, reason: str, cmds: list[Command], *, counted: bool = True) -> None:
         """Put ``t`` back at the head of the queue as a new attempt, or fail it after
         ``max_attempts`` (back-pressure, ``counted=False``, does not use one up)."""
         self._release_all(t)
@@ -813,7 +758,7 @@ class SchedulerCore:
         elif h.num in state.engines:
             state.adjust_engine(h.num, -c.seq, -c.tok, c.hbm)
 
-    def _release_all(self, t: _Request) -> None:
+    def _release_all(self, t: CoreRequest) -> None:
         self._release(t.pe_charge)
         self._release(t.de_charge)
         self._release(t.read_charge)
@@ -821,13 +766,13 @@ class SchedulerCore:
         self._release(t.slot_charge)
         self._close_reads(t)
 
-    def _open_read(self, t: _Request, node: NodeMember, tokens: int, state: ClusterState) -> None:
+    def _open_read(self, t: CoreRequest, node: NodeMember, tokens: int, state: ClusterState) -> None:
         """Count ``tokens`` of ``t``'s reads as open on ``node`` until its prefill ends."""
         node.reads_open += tokens
         state.adjust_reads_open(node.num, tokens)
         t.open_reads = (*t.open_reads, (node, tokens))
 
-    def _close_reads(self, t: _Request) -> None:
+    def _close_reads(self, t: CoreRequest) -> None:
         """``t``'s reads are over (its prefill ended, or its placement did): no longer open."""
         if not t.open_reads:
             return
