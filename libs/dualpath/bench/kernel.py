@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
+
+from dualpath.bus.embedded import free_port
 
 __all__ = ["IPERF3_HINT", "IPERF3_MAX_WRITE", "iperf3_gbps", "iperf3_status"]
 
@@ -34,12 +35,6 @@ def iperf3_status() -> tuple[bool, str]:
         return False, f"iperf3 not found on PATH; {IPERF3_HINT}"
     out = subprocess.run(["iperf3", "--version"], capture_output=True, text=True, check=False).stdout
     return True, (out.splitlines() or ["iperf3"])[0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def iperf3_gbps(write_bytes: int, total_bytes: int, *, timeout_s: float = 60.0) -> float:
@@ -66,7 +61,7 @@ def iperf3_gbps(write_bytes: int, total_bytes: int, *, timeout_s: float = 60.0) 
 
 def _iperf3_run(length: int, total: int, timeout_s: float) -> tuple[float, float, float]:
     """One server and one client run: the receiver's bytes and seconds, and the bytes sent."""
-    port = str(_free_port())
+    port = str(free_port())
     server = subprocess.Popen(
         ["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", port], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

