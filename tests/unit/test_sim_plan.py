@@ -1,0 +1,123 @@
+"""The planner's split search: it finds what simulating every split finds, with fewer runs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from dualpath.sim.config import SimConfig
+from dualpath.sim.plan import AGENTS_PER_NODE, POLICIES, evaluate, search_splits
+from dualpath.sim.workload import Workload
+
+
+def _search(nodes: int, f, infeasible=lambda p: False, policies=("dualpath",)):
+    asked: list[tuple[str, int]] = []
+
+    def score(keys):
+        asked.extend(keys)
+        return {k: f(k[1]) for k in keys if not infeasible(k[1])}
+
+    return search_splits(nodes, policies, score), asked
+
+
+@pytest.mark.parametrize("nodes", [20, 64, 144])
+@pytest.mark.parametrize("where", [0.02, 0.2, 1 / 3, 0.5, 0.77, 0.98])
+def test_the_search_finds_the_best_split_of_a_unimodal_metric_with_few_runs(nodes, where):
+    best_p = max(1, min(nodes - 1, round(where * nodes)))
+    f = lambda p: -abs(math.log(p / (nodes - p)) - math.log(best_p / (nodes - best_p))) - 1e-3 * abs(p - best_p)
+    scores, asked = _search(nodes, f)
+    found = max(scores, key=scores.__getitem__)
+    assert found == ("dualpath", best_p)
+    assert len(asked) == len(set(asked))  # no split simulated twice
+    assert {("dualpath", p) for p in (best_p - 1, best_p + 1) if 0 < p < nodes} <= set(scores)  # neighbours compared
+    if nodes == 144:
+        assert len(asked) <= 30  # of 143
+
+
+def test_each_policy_is_searched_on_its_own_and_infeasible_splits_are_left_out():
+    nodes = 144
+    peaks = {"dualpath": 48, "basic": 100}
+    asked: list[tuple[str, int]] = []
+
+    def score(keys):
+        asked.extend(keys)
+        return {(pol, p): -abs(p - peaks[pol]) for pol, p in keys if p <= 120}  # past 120 P the weights do not fit D
+
+    scores = search_splits(nodes, POLICIES, score)
+    for pol, peak in peaks.items():
+        assert max((k for k in scores if k[0] == pol), key=scores.__getitem__) == (pol, peak)
+    assert all(p <= 120 for _, p in scores)
+
+
+def test_a_plateau_or_a_monotone_metric_ends_at_an_edge_or_a_local_best():
+    scores, _ = _search(100, lambda p: p)  # more prefill is always better: the last split
+    assert max(scores, key=scores.__getitem__) == ("dualpath", 99)
+    scores, _ = _search(100, lambda p: -p)
+    assert max(scores, key=scores.__getitem__) == ("dualpath", 1)
+
+
+def test_on_the_simulator_the_search_picks_the_split_that_every_split_picks():
+    """A smaller budget (20 nodes, 19 splits per policy, the planner's default load per node)
+    simulated exhaustively, then searched over those same runs: the same best split per policy
+    (or one within 0.5% of its JCT: splits that close are a tie to the simulator's resolution)."""
+    nodes = 20
+    base = SimConfig(target="ds660b", prefill_nodes=1, decode_nodes=1)
+    workload = Workload(dataset="64k", agents=round(AGENTS_PER_NODE * nodes), turns=2, start_at=0.5)
+    rows = evaluate(base, workload, nodes, online=False, slo=(0.0, 0.0), probes=0, say=lambda _: None, exhaustive=True, jobs=2)
+    jct = {(r["policy"], r["prefill_nodes"]): r["jct_s"] for r in rows if "infeasible" not in r}
+    assert len(jct) == 2 * (nodes - 1)
+    asked: list[tuple[str, int]] = []
+
+    def score(keys):
+        asked.extend(keys)
+        return {k: -jct[k] for k in keys}
+
+    scores = search_splits(nodes, POLICIES, score)
+    for policy in POLICIES:
+        curve = {k[1]: round(v, 1) for k, v in jct.items() if k[0] == policy}
+        exhaustive_best = min((k for k in jct if k[0] == policy), key=jct.__getitem__)
+        searched_best = max((k for k in scores if k[0] == policy), key=scores.__getitem__)
+        assert jct[searched_best] <= 1.005 * jct[exhaustive_best], (policy, searched_best, exhaustive_best, curve)
+        assert curve[1] > 1.1 * jct[exhaustive_best] and curve[nodes - 1] > 1.1 * jct[exhaustive_best], curve  # a real optimum inside
+    assert len(asked) < len(jct)
+
+
+def test_the_cli_searches_a_large_budget_and_reports_how(capsys):
+    from dualpath.cli import main as dualpath
+
+    args = ["sim", "plan", "--target", "ds27b", "--gpus", "144", "--agents", "72", "--turns", "1", "--jobs", "1", "--json"]
+    assert dualpath(args) == 0
+    searched = json.loads(capsys.readouterr().out)
+    assert searched["nodes"] == 18 and searched["splits"] == 17 and searched["search"] == "search" and searched["jobs"] == 1
+    assert searched["simulated"] == len(searched["frontier"]) < 2 * 17
+    assert searched["best"] in searched["frontier"]
+    for policy, nb in searched["near_best"].items():
+        assert nb["p_over_d_min"] <= nb["best"]["p_over_d"] <= nb["p_over_d_max"] and nb["best"]["policy"] == policy
+    assert dualpath([*args, "--exhaustive"]) == 0
+    every = json.loads(capsys.readouterr().out)
+    assert every["search"] == "exhaustive" and every["simulated"] == 2 * 17
+    assert every["best"]["jct_s"] <= searched["best"]["jct_s"]  # the same runs, deterministic: the search can only miss
+
+
+@pytest.mark.parametrize("flag", [["--jobs", "-1"], ["--tolerance", "1.5"], ["--gpus", "8"]])
+def test_bad_planner_arguments_are_refused_with_a_message(flag, capsys):
+    from dualpath.cli import main as dualpath
+
+    argv = ["sim", "plan", "--target", "ds27b", "--gpus", "24", *flag]
+    assert dualpath(argv) == 2
+    assert "dualpath sim plan:" in capsys.readouterr().err
+
+
+def test_phases_compare_each_phase_best_split_with_the_static_one_on_a_searched_budget(capsys):
+    from dualpath.cli import main as dualpath
+
+    argv = ["sim", "plan", "--target", "ds27b", "--gpus", "144", "--agents", "72", "--turns", "2", "--jobs", "1", "--phases", "--json"]
+    assert dualpath(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    best = result["best"]
+    assert [ph["phase"].split()[0] for ph in result["phases"]] == ["early", "late"]
+    for ph in result["phases"]:
+        assert ph["static"] == f"{best['prefill_nodes']}P{best['decode_nodes']}D"
+        assert ph["best_jct_s"] <= ph["static_jct_s"] and ph["gain"] == pytest.approx(1 - ph["best_jct_s"] / ph["static_jct_s"])
