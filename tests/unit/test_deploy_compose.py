@@ -406,3 +406,20 @@ def test_the_requirements_script_leaves_out_exactly_the_named_distribution(capsy
     assert module.main(["--without", "torch"]) == 0
     printed = capsys.readouterr().out.split()
     assert printed == without and "numpy" in {module.requirement_name(r) for r in printed}
+
+
+def test_the_secure_compose_prometheus_presents_the_gateways_api_key_on_every_api_scrape():
+    """With compose.secure.yaml the gateway's /metrics needs a key: the scraper reads the same
+    DUALPATH_API_KEY from a secret, and otherwise scrapes what the plain form scrapes."""
+    secure = _load(COMPOSE_DIR / "compose.secure.yaml")
+    prometheus = secure["services"]["prometheus"]
+    (mount,) = prometheus["configs"]
+    config_file = COMPOSE_DIR / secure["configs"][mount["source"]]["file"]
+    assert mount["target"] == "/etc/prometheus/prometheus.yml"
+    (secret,) = prometheus["secrets"]
+    assert secure["secrets"][secret]["environment"] == "DUALPATH_API_KEY"
+    assert secure["services"]["gateway"]["environment"]["DUALPATH_API_KEY"].startswith("${DUALPATH_API_KEY")
+    scraped = yaml.safe_load(config_file.read_text())
+    api = next(job for job in scraped["scrape_configs"] if job["job_name"] == "dualpath-api")
+    assert api.pop("authorization") == {"type": "Bearer", "credentials_file": f"/run/secrets/{secret}"}
+    assert scraped == yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
