@@ -121,3 +121,18 @@ def test_phases_compare_each_phase_best_split_with_the_static_one_on_a_searched_
     for ph in result["phases"]:
         assert ph["static"] == f"{best['prefill_nodes']}P{best['decode_nodes']}D"
         assert ph["best_jct_s"] <= ph["static_jct_s"] and ph["gain"] == pytest.approx(1 - ph["best_jct_s"] / ph["static_jct_s"])
+
+
+def test_online_plans_rank_by_the_highest_aps_within_the_slo_and_say_which_sweeps_found_the_knee(capsys):
+    from dualpath.cli import main as dualpath
+
+    argv = ["sim", "plan", "--target", "ds660b", "--gpus", "48", "--online", "--turns", "2", "--duration", "20", "--jobs", "1", "--json"]
+    assert dualpath(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["metric"] == "max_aps"
+    feasible = [r for r in result["frontier"] if "infeasible" not in r]
+    assert result["best"]["max_aps"] == max(r["max_aps"] for r in feasible)
+    assert all(r["max_aps"] > 0 and r["probes"] >= 2 for r in feasible)
+    assert result["unbracketed"] == [f"{r['prefill_nodes']}P{r['decode_nodes']}D {r['policy']}" for r in feasible if not r["bracketed"]]
+    by = {(r["policy"], r["prefill_nodes"]): r["max_aps"] for r in feasible}
+    assert by[("dualpath", 2)] > by[("basic", 2)]  # 2P4D: both SNICs' reads beat the prefill side's alone

@@ -76,11 +76,23 @@ def _run_split(base: SimConfig, workload: Workload, p: int, d: int, mode: str, o
     cfg = replace(base, prefill_nodes=p, decode_nodes=d, mode=mode)
     row: dict = {"prefill_nodes": p, "decode_nodes": d, "p_over_d": p / d, "policy": mode}
     if online:
-        w = replace(workload, rate=0.2 * p, duration_s=workload.duration_s or 300.0)
-        row["max_aps"] = sweep_online(cfg, w, slo_ttft=slo[0], slo_tpot=slo[1], start_rate=0.2 * p, probes=probes)["max_aps"]
+        start = online_start_rate(cfg, workload.turns or 1)
+        sweep = sweep_online(cfg, replace(workload, rate=start), slo_ttft=slo[0], slo_tpot=slo[1], start_rate=start, probes=probes)
+        row["max_aps"] = sweep["max_aps"]
+        # a sweep that never failed (or never passed) says only a bound: more --probes would tell
+        row["bracketed"] = any(pt["passed"] for pt in sweep["points"]) and any(not pt["passed"] for pt in sweep["points"])
+        row["probes"] = len(sweep["points"])
     else:
         row["jct_s"] = _offline_jct(cfg, workload)
     return row
+
+
+def online_start_rate(cfg: SimConfig, turns: int) -> float:
+    """Where a split's APS sweep starts: half the rate at which agents of ``turns`` turns of
+    ~45K hit tokens each would saturate the storage NICs its policy reads through (the prefill
+    nodes', or every node's); the sweep doubles or halves from there."""
+    nodes = cfg.prefill_nodes if cfg.mode == "basic" else cfg.prefill_nodes + cfg.decode_nodes
+    return 0.5 * nodes * cfg.snic_bytes_per_s() / (45_000 * get_target(cfg.target).kv_bytes_per_token()) / turns
 
 
 Key = tuple[str, int]  # (policy, prefill nodes)
@@ -236,7 +248,8 @@ def main(argv: list[str], add_cluster_arguments, make_config, make_workload) -> 
     p.add_argument("--online", action="store_true", help="rank by the highest APS within the SLO instead of JCT")
     p.add_argument("--slo-ttft", type=float, default=4.0)
     p.add_argument("--slo-tpot", type=float, default=0.05)
-    p.add_argument("--probes", type=int, default=5, help="online: sweep probes per candidate")
+    p.add_argument("--probes", type=int, default=6, help="online: sweep probes per candidate")
+    p.add_argument("--duration", type=float, default=60.0, help="online: seconds of arrivals per probe")
     p.add_argument("--phases", action="store_true", help="also compare early and late rollout phases (see above)")
     p.add_argument("--exhaustive", action="store_true", help=f"simulate every split (default up to {EXHAUSTIVE_SPLITS}; a search beyond)")
     p.add_argument("--tolerance", type=float, default=0.01, help="near-best: within this share of a policy's best (default 1%%)")
@@ -252,10 +265,16 @@ def main(argv: list[str], add_cluster_arguments, make_config, make_workload) -> 
     if not 0 <= ns.tolerance < 1:
         print(f"dualpath sim plan: --tolerance must be in [0, 1), got {ns.tolerance}", file=sys.stderr)
         return 2
-    if ns.agents == 0:  # the paper's load per node (a fixed count would leave a large cluster idle)
-        ns.agents = max(1, round(AGENTS_PER_NODE * nodes))
+    if ns.online and not (ns.duration > 0 and ns.probes >= 1):
+        print(f"dualpath sim plan: --duration must be > 0 and --probes >= 1, got {ns.duration} and {ns.probes}", file=sys.stderr)
+        return 2
+    if ns.agents == 0:  # offline: the paper's load per node (a fixed count would leave a large cluster idle);
+        # online: as many as arrive in a probe (each run builds only those)
+        ns.agents = 1 << 20 if ns.online else max(1, round(AGENTS_PER_NODE * nodes))
     say = lambda msg: print(msg, file=sys.stderr, flush=True)
     base, workload = make_config(ns), make_workload(ns)
+    if ns.online:
+        workload = replace(workload, duration_s=ns.duration)
     jobs = ns.jobs or os.cpu_count() or 1
     t0 = time.perf_counter()
     rows = evaluate(
@@ -290,6 +309,7 @@ def main(argv: list[str], add_cluster_arguments, make_config, make_workload) -> 
         "no_bottleneck_range": [lo, hi],
         "best_in_range": lo <= best["p_over_d"] <= hi,
         "near_best": near_best(rows, ns.online, ns.tolerance),
+        "unbracketed": [f"{r['prefill_nodes']}P{r['decode_nodes']}D {r['policy']}" for r in rows if r.get("bracketed") is False],
         "tolerance": ns.tolerance,
         "phases": _phases(base, workload, nodes, best, say, exhaustive=ns.exhaustive, jobs=jobs) if ns.phases else None,
         "wall_s": time.perf_counter() - t0,  # phases included
@@ -303,6 +323,8 @@ def main(argv: list[str], add_cluster_arguments, make_config, make_workload) -> 
     for r in rows:
         v = r.get(key)
         mark = " <- best" if r is best else ("  infeasible: weights do not fit" if "infeasible" in r else "")
+        if r.get("bracketed") is False:
+            mark += "  (a bound: the sweep never both passed and failed; raise --probes)"
         print(
             f"{r['prefill_nodes']}P{r['decode_nodes']}D".ljust(7) + f" {r['p_over_d']:>5.2f} {r['policy']:<9} "
             f"{(f'{v:.2f}' if v is not None else '-'):>9}{mark}"
