@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
+import subprocess
+import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,3 +145,29 @@ def tm_answers(stack, node: str) -> bool:
             await nc.close()
 
     return asyncio.run(probe())
+
+
+def netns_unusable() -> str:
+    """Why ``dualpath netns`` cannot run here ('' when it can): not Linux, not root, or
+    ``ip netns add`` not permitted."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces are Linux only"
+    if os.geteuid() != 0:
+        return "dualpath netns needs root (ip netns add)"
+    probe = f"dpprobe{uuid.uuid4().hex[:6]}"
+    try:
+        r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"no usable `ip` command: {exc}"
+    if r.returncode != 0:
+        return f"`ip netns add` is not permitted here: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return ""
+
+
+def ip_state() -> dict[str, list[str]]:
+    """The root namespace's addresses, routes and namespace list (to compare before and after)."""
+    out = {}
+    for key, cmd in (("addr", ["ip", "-br", "addr"]), ("route", ["ip", "route"]), ("netns", ["ip", "netns", "list"])):
+        out[key] = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()
+    return out

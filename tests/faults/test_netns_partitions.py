@@ -16,6 +16,8 @@ import json
 import os
 import re
 import signal
+import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from conftest import _STACK_LOGS
-from faultkit import Answer, complete, concurrently, health, log_events, record, wait_until
+from faultkit import Answer, complete, concurrently, health, ip_state, log_events, netns_unusable, record, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
@@ -33,30 +35,8 @@ PROMPTS = [f"agent {i} reports: the deploy failed on host {i}, the log says " + 
 DP = [sys.executable, "-m", "dualpath.cli", "netns"]
 
 
-def _netns_permitted() -> str:
-    """Why network namespaces cannot be used here ('' when they can)."""
-    if os.geteuid() != 0:
-        return "dualpath netns needs root (ip netns add)"
-    probe = f"dpprobe{uuid.uuid4().hex[:6]}"
-    try:
-        r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"no usable `ip` command: {exc}"
-    if r.returncode != 0:
-        return f"`ip netns add` is not permitted here: {r.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return ""
-
-
-_WHY = _netns_permitted() if sys.platform.startswith("linux") else "network namespaces are Linux only"
+_WHY = netns_unusable()
 pytestmark.append(pytest.mark.skipif(bool(_WHY), reason=_WHY or "ok"))
-
-
-def _ip_state() -> dict[str, list[str]]:
-    out = {}
-    for key, cmd in (("addr", ["ip", "-br", "addr"]), ("route", ["ip", "route"]), ("netns", ["ip", "netns", "list"])):
-        out[key] = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()
-    return out
 
 
 class Deployment:
@@ -108,7 +88,7 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def before() -> dict[str, list[str]]:
-    return _ip_state()
+    return ip_state()
 
 
 @pytest.fixture(scope="module")
@@ -265,39 +245,75 @@ def test_active_scheduler_host_cut_off_standby_takes_over_and_rejoins_as_standby
     assert health(dep)["prefill_engines"] == 2 and health(dep)["decode_engines"] == 2
 
 
+def _connect_rtt(netns: str, address: str, port: int, k: int = 5) -> float:
+    """Median seconds of ``k`` TCP connects from ``netns`` to ``address:port`` (a connect is one round trip)."""
+    from dualpath.cli.launcher.netns_relay import in_netns
+
+    took = []
+    for _ in range(k):
+        with in_netns(netns):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # it belongs to netns from now on
+        s.settimeout(10)  # a lost SYN is sent again after 1 s
+        t = time.monotonic()
+        s.connect((address, port))
+        took.append(time.monotonic() - t)
+        s.close()
+    return statistics.median(took)
+
+
+SLOW_LINK = ["--delay-ms", "50", "--loss", "1"]  # the issue's case (netem delay 50 ms, 1% loss), each way
+SLOW_ANSWER_S = 10.0  # an answer's bound on the slowed link (observed: see docs/results.md#deployment-forms)
+
+
+def _ask_batch(dep) -> tuple[list[Answer | None], float]:
+    """PROMPTS at once, every other one reading its KV over the DE path; None for no answer in 70 s.
+    Also returns the seconds until the last one settled."""
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = [
+            pool.submit(complete, dep, p, max_tokens=48, timeout=60, read_path="de" if i % 2 else None) for i, p in enumerate(PROMPTS)
+        ]
+        answers: list[Answer | None] = []
+        for f in futures:
+            try:
+                answers.append(f.result(timeout=70))
+            except cf.TimeoutError:
+                answers.append(None)
+    return answers, time.monotonic() - t0
+
+
 def test_node_link_slowed_and_lossy_answers_stay_exact(dep, reference):
-    """Bound: with a decode node's link shaped (netem delay 50 ms and 1% loss each way where the
-    kernel has netem; else 1% loss each way at 100 Mbit/s, tbf-like shaping and a BPF drop filter)
-    every answer, half of them reading their KV over the DE path, is exact and each takes under
-    30 s; after the shaping is cleared the node serves as before."""
-    shape = ["--delay-ms", "50", "--loss", "1"]
-    r = dep.cli("shape", "d0", *shape)
-    if r.returncode != 0 and "lacks" in r.stderr:  # no netem in this kernel: no delay either
-        shape = ["--loss", "1", "--rate-mbit", "100"]
-        r = dep.cli("shape", "d0", *shape)
+    """Bound: with decode node d0's link slowed (50 ms added each way, so 100 ms a round trip)
+    and lossy (1% of packets dropped each way), by netem where the kernel has it and by the link
+    relay where it has not, a TCP round trip from d0 takes 100 to 150 ms; every answer, half of
+    them reading their KV over the DE path, is exact and takes under 10 s, some of them decoded
+    on d0; once the shaping is cleared a round trip from d0 is back under 20 ms."""
+    host, port = dep.url.removeprefix("http://").rsplit(":", 1)
+    d0 = dep.net.netns("d0")
+    unshaped, _ = _ask_batch(dep)
+    assert _tally(unshaped, reference, PROMPTS) == (len(PROMPTS), 0, 0)
+    r = dep.cli("shape", "d0", *SLOW_LINK)
     assert r.returncode == 0, r.stderr
     try:
-        t0 = time.monotonic()
-        with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
-            futures = [
-                pool.submit(complete, dep, p, max_tokens=48, timeout=60, read_path="de" if i % 2 else None) for i, p in enumerate(PROMPTS)
-            ]
-            answers: list[Answer | None] = []
-            for f in futures:
-                try:
-                    answers.append(f.result(timeout=70))
-                except cf.TimeoutError:
-                    answers.append(None)
-        took = time.monotonic() - t0
+        rtt = _connect_rtt(d0, host, int(port))
+        assert 0.100 <= rtt < 0.150, rtt  # the delay is there, each way
+        answers, took = _ask_batch(dep)
     finally:
         r = dep.cli("shape", "d0")
     assert r.returncode == 0, r.stderr
+    cleared = _connect_rtt(d0, host, int(port))
     answered, failed, lost = _tally(answers, reference, PROMPTS)
     served_by_d0 = sum(1 for a in answers if a and a.info.get("decode_engine") == "d0e0")
-    print(f"netns d0 shaped {' '.join(shape)}: answered {answered}, failed {failed}, lost {lost}, {served_by_d0} decoded on d0")
+    slowest = max(a.seconds for a in answers if a)
+    print(
+        f"netns d0 shaped {' '.join(SLOW_LINK)}: round trip {rtt * 1000:.1f} ms (cleared: {cleared * 1000:.2f} ms); answered {answered}, "
+        f"failed {failed}, lost {lost}, {served_by_d0} decoded on d0; slowest answer {slowest:.2f} s "
+        f"(unshaped: {max(a.seconds for a in unshaped if a):.2f} s), all in {took:.2f} s"
+    )
     assert (answered, failed, lost) == (len(PROMPTS), 0, 0)
-    assert max(a.seconds for a in answers if a) < 30.0
-    record(f"netns: decode node link shaped ({' '.join(shape)}) (all answered exactly)", took, 30.0)
+    assert served_by_d0 > 0
+    assert cleared < 0.020
+    record(f"netns: decode node link slowed ({' '.join(SLOW_LINK)}) (slowest exact answer)", slowest, SLOW_ANSWER_S)
 
 
 def _stream(dep, prompt: str, max_tokens: int, timeout: float = 60.0) -> Answer:
@@ -485,7 +501,7 @@ def test_an_up_that_cannot_become_ready_leaves_nothing_behind_beside_a_running_d
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "did not become ready" in r.stderr, (r.stdout, r.stderr)
     assert subprocess.run([*DP, "down", "--run-dir", str(run_dir)], capture_output=True, timeout=90).returncode == 0
-    state = _ip_state()
+    state = ip_state()
     assert not [line for lines in state.values() for line in lines if prefix in line], state
     assert complete(dep, PROMPTS[0], max_tokens=8).error is None
 
@@ -494,7 +510,7 @@ def test_down_removes_every_namespace_interface_and_route_it_made(dep, before):
     st = dep.status()
     r = dep.cli("down", timeout=90)
     assert r.returncode == 0, r.stderr
-    after = _ip_state()
+    after = ip_state()
     ours = re.compile(rf"{st['prefix']}|198\.1[89]\.{st['hosts'][0]['address'].split('.')[2]}\.")
     for key in before:
         assert not [line for line in after[key] if ours.search(line)], (key, after[key])

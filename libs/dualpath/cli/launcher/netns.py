@@ -15,17 +15,25 @@ Every name starts with the deployment's prefix, so parallel deployments do not c
 shaping happen inside the namespaces only: ``link`` sets a host's ``eth0`` down or up,
 ``shape`` puts ``tc`` qdiscs on both ends of its veth (netem for delay, loss and rate where the
 kernel has it; without netem, htb for rate and a classic-BPF filter that sends a random share
-of packets to a class that drops everything).
+of packets to a class that drops everything, and for a delay a relay process in the bridge
+namespace that carries the link's frames, ``netns_relay``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
+import os
 import re
+import signal
 import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from dualpath.cli.launcher import netns_relay
 
 __all__ = ["Host", "NetnsError", "NetnsNetwork", "plan_hosts", "service_host"]
 
@@ -36,7 +44,7 @@ _PREFIX = re.compile(r"^[a-z][a-z0-9]{1,9}$")
 
 class NetnsError(RuntimeError):
     """Raised when an ``ip``/``tc`` command fails (its stderr is the message), when no deployment
-    number is free, or when the kernel lacks what a shaping request needs (netem for delay)."""
+    number is free, or when a link relay (a delay without netem) does not start."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,11 +107,13 @@ def _loss_bytecode(loss_pct: float) -> str:
 
 @dataclass(slots=True, kw_only=True)
 class NetnsNetwork:
-    """The namespaces, veths and bridge of one deployment (prefix ``prefix``, number ``n``)."""
+    """The namespaces, veths and bridge of one deployment (prefix ``prefix``, number ``n``);
+    ``run_dir`` keeps a link relay's pid file and log (``shape`` with a delay, without netem)."""
 
     prefix: str
     n: int
     host_names: list[str]
+    run_dir: str = ""
 
     def __post_init__(self) -> None:
         if not _PREFIX.match(self.prefix):
@@ -209,29 +219,116 @@ class NetnsNetwork:
 
     def shape(self, host: str, *, delay_ms: float = 0.0, loss_pct: float = 0.0, rate_mbit: float = 0.0) -> None:
         """Set ``host``'s link (both directions: its ``eth0`` and its bridge port) to add
-        ``delay_ms``, drop ``loss_pct`` percent of packets and carry at most ``rate_mbit``;
-        all zero clears the shaping. netem does it where the kernel has it; elsewhere loss and
-        rate are made with htb and a BPF filter, and delay cannot be.
+        ``delay_ms`` each way, drop ``loss_pct`` percent of packets each way and carry at most
+        ``rate_mbit``; all zero clears the shaping. netem does it where the kernel has it;
+        elsewhere loss and rate are made with htb and a BPF filter, and a delay (with the loss
+        and rate asked with it) by a relay process (``netns_relay``) on the bridge side.
 
         Raises:
-            NetnsError: delay asked for on a kernel without netem, or a ``tc`` command failed.
+            NetnsError: a ``tc`` command failed, or the relay did not start.
         """
-        for ns, dev in ((self.netns(host), "eth0"), (self.bridge_ns, f"v-{host}")):
-            tc = ["ip", "netns", "exec", ns, "tc"]
+        self._stop_relay(host)
+        ends = [(["ip", "netns", "exec", ns, "tc"], dev) for ns, dev in self._link_ends(host)]
+        for tc, dev in ends:
             _run(*tc, "qdisc", "del", "dev", dev, "root", check=False)
-            if not (delay_ms or loss_pct or rate_mbit):
-                continue
-            spec = ["delay", f"{delay_ms}ms"] if delay_ms else []
-            spec += ["loss", f"{loss_pct}%"] if loss_pct else []
-            spec += ["rate", f"{rate_mbit}mbit"] if rate_mbit else []
-            netem = _run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", *spec, check=False)
-            if netem.returncode == 0:
-                continue
-            if "unknown" not in netem.stderr.lower():  # netem is there and refused the request
-                raise NetnsError(f"tc netem {' '.join(spec)} on {dev}: {netem.stderr.strip()}")
-            if delay_ms:
-                raise NetnsError("link delay needs the kernel's netem qdisc (sch_netem), which this kernel lacks")
-            _shape_without_netem(tc, dev, loss_pct=loss_pct, rate_mbit=rate_mbit)
+        if not (delay_ms or loss_pct or rate_mbit):
+            return
+        spec = ["delay", f"{delay_ms}ms"] if delay_ms else []
+        spec += ["loss", f"{loss_pct}%"] if loss_pct else []
+        spec += ["rate", f"{rate_mbit}mbit"] if rate_mbit else []
+        if _netem(*ends[0], spec):
+            _netem(*ends[1], spec)
+        elif delay_ms:
+            self._start_relay(host, delay_ms=delay_ms, loss_pct=loss_pct, rate_mbit=rate_mbit)
+        else:
+            for tc, dev in ends:
+                _shape_without_netem(tc, dev, loss_pct=loss_pct, rate_mbit=rate_mbit)
+
+    def _link_ends(self, host: str) -> list[tuple[str, str]]:
+        return [(self.netns(host), "eth0"), (self.bridge_ns, netns_relay.port_name(host))]
+
+    def _relay_files(self, host: str) -> tuple[Path, Path]:
+        """The relay's pid file and log."""
+        return Path(self.run_dir) / f"relay-{host}.pid", Path(self.run_dir) / "logs" / f"relay-{host}.log"
+
+    def _start_relay(self, host: str, *, delay_ms: float, loss_pct: float, rate_mbit: float) -> int:
+        """Start the relay that carries ``host``'s link; its pid once the link runs through it."""
+        if not self.run_dir:
+            raise NetnsError("a link delay without netem runs a relay process, which needs the deployment's run dir")
+        pid_file, log = self._relay_files(host)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        start = log.stat().st_size if log.exists() else 0
+        cmd = ["ip", "netns", "exec", self.bridge_ns, sys.executable, "-m", netns_relay.__name__]
+        cmd += ["--bridge-netns", self.bridge_ns, "--host-netns", self.netns(host), "--host", host]
+        cmd += ["--delay-ms", str(delay_ms), "--loss", str(loss_pct), "--rate-mbit", str(rate_mbit)]
+        with open(log, "ab") as out:
+            relay = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        _RELAYS[relay.pid] = relay  # reaped when stopped (a CLI that started it exits first: init reaps it)
+        deadline = time.monotonic() + 20.0
+        while time.monotonic() < deadline and relay.poll() is None:
+            with open(log, "rb") as f:
+                f.seek(start)
+                if netns_relay.READY.encode() in f.read():
+                    pid_file.write_text(f"{relay.pid}\n")
+                    return relay.pid
+            time.sleep(0.05)
+        relay.kill()
+        relay.wait()
+        del _RELAYS[relay.pid]
+        netns_relay.restore(self.bridge_ns, self.netns(host), host)
+        tail = log.read_bytes()[start:].decode(errors="replace").strip().splitlines()[-5:]
+        raise NetnsError(f"the link relay of {host} did not start: {' / '.join(tail) or 'no output'}")
+
+    def _stop_relay(self, host: str) -> None:
+        """Stop ``host``'s relay, if one runs (SIGTERM; SIGKILL after 5 s), and restore its link."""
+        pid_file, _ = self._relay_files(host)
+        try:
+            pid = int(pid_file.read_text()) if self.run_dir else 0
+        except (OSError, ValueError):
+            pid = 0
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not pid or not _is_relay(pid, host) or _gone(pid):
+                break
+            with contextlib.suppress(ProcessLookupError):  # it exited in between
+                os.kill(pid, sig)
+            deadline = time.monotonic() + 5.0
+            while not _gone(pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        if pid:
+            pid_file.unlink(missing_ok=True)
+        netns_relay.restore(self.bridge_ns, self.netns(host), host)  # also after a relay that died
+
+
+_RELAYS: dict[int, subprocess.Popen] = {}  # relays this process started, by pid
+
+
+def _is_relay(pid: int, host: str) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return netns_relay.__name__.encode() in argv and host.encode() in argv
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a relay this process started is reaped)."""
+    if pid in _RELAYS:
+        if _RELAYS[pid].poll() is None:
+            return False
+        del _RELAYS[pid]
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _netem(tc: list[str], dev: str, spec: list[str]) -> bool:
+    """netem with ``spec`` as ``dev``'s root qdisc; False when the kernel has no netem.
+    Raises NetnsError when netem refuses the request."""
+    r = _run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", *spec, check=False)
+    if r.returncode != 0 and "unknown" not in r.stderr.lower():
+        raise NetnsError(f"tc netem {' '.join(spec)} on {dev}: {r.stderr.strip()}")
+    return r.returncode == 0
 
 
 def _shape_without_netem(tc: list[str], dev: str, *, loss_pct: float, rate_mbit: float) -> None:

@@ -100,9 +100,9 @@ def _parser() -> argparse.ArgumentParser:
         if name == "link":
             s.add_argument("state", choices=("down", "up"))
         if name == "shape":
-            s.add_argument("--delay-ms", type=float, default=0.0)
+            s.add_argument("--delay-ms", type=float, default=0.0, help="added to each direction (a round trip gets twice)")
             s.add_argument("--loss", type=float, default=0.0, help="percent of packets dropped, each direction")
-            s.add_argument("--rate-mbit", type=float, default=0.0)
+            s.add_argument("--rate-mbit", type=float, default=0.0, help="each direction's rate (0: not limited)")
     return p
 
 
@@ -123,7 +123,8 @@ def _write_state(run_dir: str | Path, state: dict) -> None:
 
 
 def _network(state: dict) -> NetnsNetwork:
-    return NetnsNetwork(prefix=state["prefix"], n=state["n"], host_names=[h["name"] for h in state["hosts"]])
+    names = [h["name"] for h in state["hosts"]]
+    return NetnsNetwork(prefix=state["prefix"], n=state["n"], host_names=names, run_dir=state.get("run_dir", ""))
 
 
 def scheduler_roles(run_dir: str | Path) -> dict[str, str]:
