@@ -12,16 +12,14 @@ running request; whenever a request's KV fills a block, the block goes to storag
 way (through a small staging slot). When a request ends on a token that completes a block,
 one more forward computes that token's KV so every full block of the context is persisted.
 
-Attempts: the scheduler may place a request again (a retry after a failure, or a new
-scheduler's placement after a failover: ``DecodeTask.attempt`` orders them). A newer attempt
-of a request held here replaces the old run, which stops silently (no more token events, no
-final event, not reported finished: the scheduler's current attempt is the new one); an
-older attempt arriving late (its hand-off crossed the retry) is refused, and so is one the
-scheduler's retry cancel (``CancelRequest.before_attempt``) already retired. Either way the
-refused or replaced attempt's buffer slot is given back (slots are per attempt). A client's
-cancel of a request not held here is remembered (the newest 4,096): a hand-off that crossed
-it is taken, its slot given back and reported finished at once, instead of decoding for
-nobody.
+Attempts: which run of a request is current, and what happens to the others, is decided by
+the attempt core (``dualpath.core.attempts.AttemptTable``: newest attempt wins, retired
+attempts refused, a hand-off that crossed its client's cancel ends on arrival). This engine
+keeps that table as its one table of requests, with ``DecodePhase`` as each one's phase, and
+carries out its commands: a refused, discarded or dropped attempt's buffer slot is given back
+(slots are per attempt); a halted one stops at the next step, silently when superseded (no
+more token events, no final event, not reported finished), reported finished when its client
+cancelled it.
 
 Tracing: each request has a ``decode.request`` span (child of the request's root, from the
 task's ``trace`` carrier) from arrival to its final event, with ``decode.admit`` and one
@@ -33,8 +31,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING
 
 import anyio
@@ -45,6 +43,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from dualpath.bus import Bus
 from dualpath.config import EngineConfig
+from dualpath.core.attempts import Attempt, AttemptCommand, AttemptTable, Discard, Drop, Halt, Refuse, Start, Stop
 from dualpath.core.batch_errors import BatcherError
 from dualpath.core.decode_batcher import CANCELLED, DecodeBatcher, DecodeStep
 from dualpath.engine.common import EngineSetup, FinishedReports, read_path_name
@@ -66,19 +65,11 @@ __all__ = ["DecodeEngine"]
 
 log = get_logger("decode-engine")
 tracer = get_tracer("dualpath.decode")
-_MAX_RETIRED = 4096  # requests remembered as retired below an attempt, or as cancelled (the oldest forgotten first)
-
-
-def _remember(memory: OrderedDict, rid: str, value) -> None:
-    """Keep ``rid -> value`` as the newest entry of a memory bounded at ``_MAX_RETIRED``."""
-    memory[rid] = value
-    while len(memory) > _MAX_RETIRED:
-        memory.popitem(last=False)
 
 
 @dataclass(slots=True, kw_only=True)
 class Running:
-    task: m.DecodeTask
+    held: Attempt[m.DecodeTask]  # the attempt table's entry of this run
     seq: DecodeSequence
     params: SamplingParams
     gen: torch.Generator | None
@@ -90,8 +81,32 @@ class Running:
     span: trace.Span = trace.INVALID_SPAN  # decode.request
     unsent: list = field(default_factory=list)  # (token, logprob, top) not yet streamed (stream interval)
     constraint: TokenConstraint | None = None  # the request's grammar state (structured outputs), the first token replayed
-    superseded: bool = False  # a newer attempt replaced it: it leaves without events or a report
     persist_off: bool = False  # a generated block could not be staged: its later blocks are not persisted either
+
+    @property
+    def task(self) -> m.DecodeTask:
+        return self.held.task
+
+    @property
+    def superseded(self) -> bool:
+        """A newer attempt replaced it (or a retry retired it): it leaves without events or a report."""
+        return self.held.stop is Stop.SUPERSEDED
+
+
+class DecodePhase(Enum):
+    """Where a request held by the decode engine is (``AttemptTable``'s phase)."""
+
+    LOADING = "loading"  # its prompt KV still crossing the emulated CNIC (testbed)
+    WAITING = "waiting"  # in the batcher's waiting queue
+    ADMITTING = "admitting"  # its prompt KV moving into KV memory
+    RUNNING = "running"  # decoding (``Attempt.state`` is its ``Running``)
+
+    @property
+    def queued(self) -> bool:
+        return self in (DecodePhase.LOADING, DecodePhase.WAITING)
+
+
+Held = Attempt[m.DecodeTask]
 
 
 class DecodeEngine:
@@ -110,52 +125,95 @@ class DecodeEngine:
         self.batcher = DecodeBatcher(
             capacity_tokens=cfg.kv_capacity_tokens, block_tokens=setup.layout.block_tokens, max_running=cfg.max_running
         )
-        self.waiting: dict[str, m.DecodeTask] = {}  # arrived, not admitted yet (the batcher's waiting queue)
-        self.running: dict[str, Running] = {}
+        # The one table of requests: each one's current attempt (its phase, its Running once
+        # admitted), the successor waiting for it, the attempts retired and the cancels that
+        # came before their hand-off (a hand-off that crossed its client's cancel ends on arrival).
+        self.requests: AttemptTable[m.DecodeTask] = AttemptTable(DecodePhase.WAITING, remember_cancels=True)
         self.finished: list[tuple[str, int]] = []  # (request, attempt) done since the last report
         self._named = FinishedReports()  # each finish is named in 3 reports in a row
         self._regions: dict[str, MemoryRegion] = {}
         self._wake = asyncio.Event()
-        self._loading: dict[str, m.DecodeTask] = {}  # arrived, prompt KV still crossing the emulated CNIC (testbed)
-        self._successors: dict[str, m.DecodeTask] = {}  # newer attempts waiting for the run they replace to leave
-        self._admitting: dict[str, m.DecodeTask] = {}  # prompt KV moving into KV memory (neither waiting nor running)
-        self._stop_admitted: set[str] = set()  # replaced during admission: stopped as soon as admitted
-        self._retired: OrderedDict[str, int] = OrderedDict()  # request -> attempts below this one are over
-        # Client cancels of requests not held here: a hand-off that crossed its cancel comes
-        # later and is taken only to end at once (else it would decode for nobody).
-        self._cancelled: OrderedDict[str, None] = OrderedDict()
         self.incarnation = uuid.uuid4().hex[:12]  # this process (reports and token events name it)
         self.served_by = f"{cfg.engine_id}@{self.incarnation}"
         self._arrived_ns: dict[str, int] = {}  # task arrival, where decode.request spans start
         self.busy_s = 0.0  # wall time inside decode steps
         self.observer = setup.observer  # told each step's start and end (testbed: host time per step, in stats)
 
+    def count(self, *phases: DecodePhase) -> int:
+        """Requests held in any of ``phases``."""
+        return len(self.requests.in_phase(*phases))
+
+    def running(self, rid: str) -> Running:
+        """The ``Running`` of a request the batcher runs."""
+        held = self.requests.get(rid)
+        assert held is not None and held.state is not None, rid
+        return held.state
+
     # ---- intake ----------------------------------------------------------------------------
     async def on_task(self, task: m.DecodeTask) -> m.Ok:
         """Take a hand-off: a new request, a newer attempt of one held here (it replaces the old
         run), or an older / retired attempt (refused: ``superseded``)."""
-        rid = task.request_id
-        if rid in self._cancelled:  # its client cancelled it before the hand-off came: done, nothing to run
-            del self._cancelled[rid]
-            log.info("decode_task_cancelled_before_handoff", request_id=rid, attempt=task.attempt)
-            self._free_slot(task)
-            self.finished.append((rid, task.attempt))  # the scheduler forgets the request (its charges go)
-            return m.Ok(detail="cancelled")
-        held = self._held(rid)
-        if task.attempt < self._retired.get(rid, 0) or (held is not None and task.attempt < held.attempt):
-            log.info("decode_task_refused_older_attempt", request_id=rid, attempt=task.attempt)
-            self._free_slot(task)
-            return m.Ok(detail="superseded")
-        if held is not None:
-            if task.attempt == held.attempt:
-                return m.Ok(detail="duplicate")
-            log.info("decode_task_superseded", request_id=rid, attempt=held.attempt, by=task.attempt)
-            self._retire(rid, task.attempt)
-            await self._stop_run(rid, successor=task)
-            return m.Ok()
-        return await self._intake(task)
+        return m.Ok(detail=await self._apply(self.requests.arrive(task.request_id, task.attempt, task)))
 
-    async def _intake(self, task: m.DecodeTask) -> m.Ok:
+    async def on_cancel(self, req: m.CancelRequest) -> None:
+        """A client's cancel stops the request (reported finished); the scheduler's retry cancel
+        (``before_attempt``) stops older attempts only, silently (see the module docstring)."""
+        if req.before_attempt >= 0:
+            await self._apply(self.requests.retry_cancel(req.request_id, req.before_attempt))
+        else:
+            await self._apply(self.requests.client_cancel(req.request_id))
+
+    async def _apply(self, cmds: list[AttemptCommand[m.DecodeTask]]) -> str:
+        """Carry out the attempt core's commands; the detail of a refusal, else ""."""
+        detail = ""
+        for c in cmds:
+            if isinstance(c, Start):
+                await self._intake(c.run)
+            elif isinstance(c, Refuse):
+                detail = c.detail
+                t = c.task
+                log.info("decode_task_refused", request_id=t.request_id, attempt=t.attempt, detail=c.detail)
+                if c.detail != "duplicate":
+                    self._free_slot(t)
+                if c.detail == Stop.CANCELLED.value:  # its client cancelled it before the hand-off came
+                    self.finished.append((t.request_id, t.attempt))  # the scheduler forgets the request
+            elif isinstance(c, Discard):  # a successor that never started
+                self._free_slot(c.task)
+                if c.why is Stop.CANCELLED:
+                    self.finished.append((c.task.request_id, c.task.attempt))
+            elif isinstance(c, Drop):  # loading or waiting: nothing of it runs yet
+                held, rid = c.run, c.run.request_id
+                log.info("decode_task_dropped", request_id=rid, attempt=held.attempt, why=held.stop.value if held.stop else "")
+                if held.phase is DecodePhase.WAITING:
+                    self.batcher.evict(rid)
+                self._arrived_ns.pop(rid, None)
+                self._free_slot(held.task)
+                if held.stop is Stop.CANCELLED:
+                    self.finished.append((rid, held.attempt))
+            elif isinstance(c, Halt):  # admitting or running: it leaves at the loop's next pass
+                self._halt(c.run)
+        return detail
+
+    def _halt(self, held: Held) -> None:
+        """Stop an admitted run at the next step: silently when superseded (no more token
+        events, no final event, not reported finished), as cancelled by its client otherwise.
+        One still being admitted is stopped as soon as it is (``_receive``)."""
+        rid = held.request_id
+        r: Running | None = held.state
+        if held.stop is Stop.SUPERSEDED:
+            log.info("decode_task_superseded", request_id=rid, attempt=held.attempt)
+            if r is not None:
+                r.finish = CANCELLED
+                r.unsent.clear()
+                self.batcher.finish(rid, CANCELLED)
+        else:
+            if r is not None and r.finish is None:
+                r.finish = CANCELLED
+            self.batcher.finish(rid, CANCELLED)
+        self._wake.set()
+
+    async def _intake(self, held: Held) -> None:
+        task = held.task
         try:  # the slot is in use now, whichever scheduler reserved it (the traffic manager's reclaim)
             await self.bus.publish(self.subjects.tm(self.node_id, "claim"), m.SlotClaimed(request_id=task.request_id, attempt=task.attempt))
         except Exception as exc:  # noqa: BLE001 - only matters if its scheduler died meanwhile
@@ -164,63 +222,16 @@ class DecodeEngine:
         if nic is not None and not self.setup.oracle:
             # Testbed: the prompt KV's H2D goes through the GPU's CNIC (both directions: a
             # loopback) while the running batch keeps decoding; the request joins once it landed.
-            self._loading[task.request_id] = task
-            start_logged(self.tasks, f"h2d:{task.request_id}", self._h2d_then_add, task, nic)
-            return m.Ok()
-        return await self._add(task)
-
-    async def _h2d_then_add(self, task: m.DecodeTask, nic) -> None:
-        lay = self.setup.layout
-        try:
-            await nic.copy(lay.blocks_for(len(task.prompt_tokens)) * lay.block_bytes)
-        finally:
-            current = self._loading.get(task.request_id) is task
-            if current:
-                del self._loading[task.request_id]
-        if current:  # else a newer attempt replaced it while it loaded
-            await self._add(task)
-
-    def _held(self, rid: str) -> m.DecodeTask | None:
-        """The newest attempt of ``rid`` held here (waiting to replace a run, running, waiting or loading)."""
-        successor = self._successors.get(rid)
-        if successor is not None:
-            return successor
-        r = self.running.get(rid)
-        return r.task if r is not None else self.waiting.get(rid) or self._admitting.get(rid) or self._loading.get(rid)
-
-    def _retire(self, rid: str, before: int) -> None:
-        """Remember that attempts of ``rid`` below ``before`` are over (a late hand-off is refused)."""
-        _remember(self._retired, rid, max(before, self._retired.pop(rid, 0)))
-
-    async def _stop_run(self, rid: str, successor: m.DecodeTask | None) -> None:
-        """Stop the run of ``rid`` held here silently: no more token events, no final event, not
-        reported finished. A running one leaves at the loop's next pass (its step may be under
-        way) and ``successor`` starts then; one not running yet goes now and ``successor`` starts now."""
-        r = self.running.get(rid)
-        if r is None and rid in self._admitting:  # stopped once admitted (``_receive``); leaves like a running one
-            self._stop_admitted.add(rid)
-        if r is not None or rid in self._admitting:
-            replaced = self._successors.pop(rid, None)
-            if replaced is not None:  # a successor that never started, replaced in turn
-                self._free_slot(replaced)
-            if r is not None and not r.superseded:
-                self._supersede(r)
-            if successor is not None:
-                self._successors[rid] = successor
+            self.requests.move(held, DecodePhase.LOADING)
+            start_logged(self.tasks, f"h2d:{task.request_id}", self._h2d_then_add, held, nic)
             return
-        for old in (self.waiting.pop(rid, None), self._loading.pop(rid, None)):
-            if old is not None:
-                self.batcher.evict(rid)
-                self._arrived_ns.pop(rid, None)
-                self._free_slot(old)
-        if successor is not None:
-            await self._intake(successor)
+        await self._add(held)
 
-    def _supersede(self, r: Running) -> None:
-        r.superseded, r.finish = True, CANCELLED
-        r.unsent.clear()
-        self.batcher.finish(r.task.request_id, CANCELLED)
-        self._wake.set()
+    async def _h2d_then_add(self, held: Held, nic) -> None:
+        lay = self.setup.layout
+        await nic.copy(lay.blocks_for(len(held.task.prompt_tokens)) * lay.block_bytes)
+        if self.requests.get(held.request_id) is held:  # else it was dropped while it loaded
+            await self._add(held)
 
     def _free_slot(self, task: m.DecodeTask) -> None:
         """Give back the DE buffer slot of an attempt that will never be admitted (this node's)."""
@@ -234,39 +245,16 @@ class DecodeEngine:
 
         start_logged(self.tasks, f"free:{task.request_id}", free)
 
-    async def _add(self, task: m.DecodeTask) -> m.Ok:
+    async def _add(self, held: Held) -> None:
+        task = held.task
         try:
             max_tokens = SamplingParams(**task.sampling).max_tokens
             self.batcher.add(task.request_id, prompt_tokens=len(task.prompt_tokens), max_tokens=max_tokens)
         except (BatcherError, ValueError, TypeError) as exc:  # a request this engine can never hold, or bad sampling
-            await self._fail_task(task, str(exc))
-            return m.Ok(detail="refused")
-        self.waiting[task.request_id] = task
+            await self._fail(held, str(exc))
+            return
+        self.requests.move(held, DecodePhase.WAITING)
         self._arrived_ns[task.request_id] = time.time_ns()
-        self._wake.set()
-        return m.Ok()
-
-    async def on_cancel(self, req: m.CancelRequest) -> None:
-        """A client's cancel stops the request (reported finished); the scheduler's retry cancel
-        (``before_attempt``) stops older attempts only, silently (see the module docstring)."""
-        rid = req.request_id
-        if req.before_attempt >= 0:
-            self._retire(rid, req.before_attempt)
-            held = self._held(rid)
-            if held is not None and held.attempt < req.before_attempt:
-                await self._stop_run(rid, successor=None)
-            return
-        if self._held(rid) is None:  # not here (yet): a hand-off that crossed this cancel ends on arrival
-            _remember(self._cancelled, rid, None)
-            return
-        successor = self._successors.pop(rid, None)
-        if successor is not None:  # it never starts: reported finished so the scheduler forgets the request
-            self._free_slot(successor)
-            self.finished.append((rid, successor.attempt))
-        r = self.running.get(rid)
-        if r is not None and r.finish is None:
-            r.finish = CANCELLED
-        self.batcher.finish(rid, CANCELLED)  # a waiting one leaves as soon as it is admitted
         self._wake.set()
 
     def _region(self, region_id: str) -> MemoryRegion:
@@ -275,8 +263,9 @@ class DecodeEngine:
             region = self._regions[region_id] = MemoryRegion.attach(region_id)
         return region
 
-    def _admit(self, task: m.DecodeTask) -> Running:
+    def _admit(self, held: Held) -> Running:
         """Copy the prompt KV from the DE buffer slot into KV memory (the DE's H2D)."""
+        task = held.task
         lay = self.setup.layout
         d = self.setup.decoder
         n = len(task.prompt_tokens)
@@ -294,7 +283,7 @@ class DecodeEngine:
         )
         full = n // lay.block_tokens
         return Running(
-            task=task,
+            held=held,
             seq=seq,
             params=params,
             gen=gen,
@@ -428,18 +417,12 @@ class DecodeEngine:
                 if self.observer is not None:
                     self.observer.ran(len(step.batch))
             except Exception as exc:
-                log.exception("decode_step_failed", requests=len(self.running))
-                for r in list(self.running.values()):
-                    rid = r.task.request_id
-                    self.running.pop(rid, None)
-                    self.batcher.evict(rid)
-                    self.memory.release(r.seq.kv)
-                    if r.superseded:  # not the scheduler's current attempt: its successor starts instead
-                        successor = self._successors.pop(rid, None)
-                        if successor is not None:
-                            await self._intake(successor)
-                        continue
-                    await self._fail_task(r.task, f"decode failed: {type(exc).__name__}: {exc}")
+                running = self.requests.in_phase(DecodePhase.RUNNING)
+                log.exception("decode_step_failed", requests=len(running))
+                for held in running:
+                    self.batcher.evict(held.request_id)
+                    self.memory.release(held.state.seq.kv)
+                    await self._fail(held, f"decode failed: {type(exc).__name__}: {exc}")
             self.busy_s += time.perf_counter() - t0
         # Persists and final events still running end in the service's task group (the runner's grace).
 
@@ -451,33 +434,27 @@ class DecodeEngine:
     async def _receive(self) -> None:
         """Admission: the batcher picks who fits the KV memory; their prompt KV moves in."""
         for rid in self.batcher.admit():
-            task = self._admitting[rid] = self.waiting.pop(rid)
+            held = self.requests.get(rid)
+            assert held is not None and held.phase is DecodePhase.WAITING, rid
+            self.requests.move(held, DecodePhase.ADMITTING)
+            task = held.task
             span = self._request_span(task)
             try:
                 with tracer.start_as_current_span("decode.admit", context=trace.set_span_in_context(span)):
-                    r = await asyncio.to_thread(self._admit, task)  # its H2D time was paid on arrival (on_task)
+                    r = await asyncio.to_thread(self._admit, held)  # its H2D time was paid on arrival (on_task)
             except MemoryError as exc:  # the batcher's reservation should make this impossible
-                del self._admitting[rid]
                 span.set_status(Status(StatusCode.ERROR, str(exc)))
                 span.end()
                 self.batcher.evict(rid)
-                if rid in self._stop_admitted:  # replaced meanwhile: its successor runs instead
-                    self._stop_admitted.discard(rid)
-                    successor = self._successors.pop(rid, None)
-                    if successor is not None:
-                        await self._intake(successor)
-                    continue
-                await self._fail_task(task, str(exc))
+                await self._fail(held, str(exc))
                 continue
             r.span = span
-            del self._admitting[rid]
-            self.running[rid] = r
+            held.state = r
+            self.requests.move(held, DecodePhase.RUNNING)
             self._persist_prompt(r)
-            if rid in self._stop_admitted:  # a newer attempt came while its KV moved in
-                self._stop_admitted.discard(rid)
-                self._supersede(r)
+            if held.stop is not None:  # stopped while its KV moved in: it leaves at the next pass
+                self._halt(held)
                 continue
-            r.finish = self.batcher.finish_reason(rid)  # cancelled while it waited
             reason = r.finish or self._finish_reason(r, task.first_token)
             if reason:
                 r.finish = reason
@@ -485,13 +462,13 @@ class DecodeEngine:
 
     async def _run_step(self, step: DecodeStep) -> torch.Tensor:
         """One token through the model for every request of ``step`` (decode first, then flush)."""
-        seqs = [self.running[rid].seq for rid in step.batch]
+        seqs = [self.running(rid).seq for rid in step.batch]
         inputs = [s.tokens[s.kv_len] for s in seqs]  # the one token without KV yet
         return await decode_step_async(self.setup.decoder, self.memory, seqs, inputs)
 
     async def _process_result(self, step: DecodeStep, logits: torch.Tensor) -> None:
         """Sample and stream the decoded requests' tokens, persist filled blocks, answer the finished."""
-        active = [self.running[rid] for rid in step.decode]
+        active = [self.running(rid) for rid in step.decode]
         ended: dict[str, str] = {}
         if active:
             toks = sample(
@@ -514,12 +491,13 @@ class DecodeEngine:
                     await self._emit(r)
         outcome = self.batcher.finish_step(step, ended)
         for rid, block in outcome.filled:  # a block just filled with KV: persist it
-            await self._persist_block(self.running[rid], block)
+            await self._persist_block(self.running(rid), block)
         await self._leave(outcome.leaving)
 
     async def _leave(self, leaving: tuple[tuple[str, str], ...]) -> None:
         for rid, reason in leaving:
-            r = self.running.get(rid)
+            held = self.requests.get(rid)
+            r: Running | None = held.state if held is not None else None
             if r is not None:
                 r.finish = reason
                 await self._finish(r)
@@ -574,21 +552,19 @@ class DecodeEngine:
     async def _finish(self, r: Running) -> None:
         """Release the request's KV memory; its final event goes out once its blocks are durable."""
         t = r.task
-        self.running.pop(t.request_id, None)
         self.memory.release(r.seq.kv)
         r.decode_s = time.perf_counter() - r.t_start
-        if r.superseded:
+        if r.superseded:  # not the scheduler's current attempt: its successor starts instead
             self._end_span(r)
-            successor = self._successors.pop(t.request_id, None)
-            if successor is not None:
-                await self._intake(successor)
+            await self._apply(self.requests.leave(r.held))
             return
-        self._retire(t.request_id, t.attempt + 1)  # a late copy of this hand-off must not run it again
+        cmds = self.requests.leave(r.held, finished=True)  # a late copy of this hand-off must not run it again
         if r.finish == CANCELLED:
             self.finished.append((t.request_id, t.attempt))
             self._end_span(r)
-            return
-        start_logged(self.tasks, f"final:{t.request_id}", self._final_event, r)
+        else:
+            start_logged(self.tasks, f"final:{t.request_id}", self._final_event, r)
+        await self._apply(cmds)
 
     async def _final_event(self, r: Running) -> None:
         # Waiting for the last persist makes "answer received" imply "the next turn hits
@@ -638,12 +614,17 @@ class DecodeEngine:
             )
         r.span.end()
 
-    async def _fail_task(self, task: m.DecodeTask, reason: str) -> None:
-        log.warning("decode_task_failed", request_id=task.request_id, reason=reason)
-        await self.bus.publish(
-            self.subjects.task_failed(self.cfg.engine_id),
-            m.TaskFailed(request_id=task.request_id, engine_id=self.cfg.engine_id, reason=reason, attempt=task.attempt),
-        )
+    async def _fail(self, held: Held, reason: str) -> None:
+        """``held`` leaves with a ``TaskFailed`` (none when superseded: the scheduler's current
+        attempt is its successor, which starts instead)."""
+        task = held.task
+        if held.stop is not Stop.SUPERSEDED:
+            log.warning("decode_task_failed", request_id=task.request_id, reason=reason)
+            await self.bus.publish(
+                self.subjects.task_failed(self.cfg.engine_id),
+                m.TaskFailed(request_id=task.request_id, engine_id=self.cfg.engine_id, reason=reason, attempt=task.attempt),
+            )
+        await self._apply(self.requests.leave(held))
 
     def report(self) -> m.EngineReport:
         """In the scheduler's units (see ``m.EngineReport``): ``seq_e``: requests here (running
@@ -654,7 +635,7 @@ class DecodeEngine:
             engine_id=self.cfg.engine_id,
             role=m.Role.DECODE,
             node_id=self.node_id,
-            seq=len(self.running) + len(self.waiting),
+            seq=self.count(DecodePhase.RUNNING, DecodePhase.WAITING),
             incarnation=self.incarnation,
             tok=self.batcher.committed_tokens(),
             free_hbm_tokens=self.batcher.unreserved_tokens,

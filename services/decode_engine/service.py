@@ -7,7 +7,7 @@ import argparse
 from dualpath.engine.service import engine_parser, run_engine
 from dualpath.protocol import messages as m
 from dualpath.telemetry.metrics import nic_observations, observe
-from services.decode_engine.engine import DecodeEngine
+from services.decode_engine.engine import DecodeEngine, DecodePhase
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,10 +20,10 @@ def register_metrics(engine: DecodeEngine) -> None:
     observe(
         "dualpath.engine.seq",
         "requests on the engine, running or waiting for admission (seq_e)",
-        lambda: [(len(engine.running) + len(engine.waiting), me)],
+        lambda: [(engine.count(DecodePhase.RUNNING, DecodePhase.WAITING), me)],
     )
     observe("dualpath.engine.tok", "context tokens of those requests (tok_e)", lambda: [(engine.batcher.context_tokens(), me)])
-    observe("dualpath.engine.incoming", "prefilled requests waiting for admission", lambda: [(len(engine.waiting), me)])
+    observe("dualpath.engine.incoming", "prefilled requests waiting for admission", lambda: [(engine.count(DecodePhase.WAITING), me)])
     observe("dualpath.engine.busy", "seconds spent in decode steps", lambda: [(engine.busy_s, me)], unit="s", kind="counter")
     observe(
         "dualpath.engine.kv_used",

@@ -14,6 +14,14 @@ Life of a task here:
 A failure fails only the tasks involved: ``TaskFailed`` lets the scheduler retry them (a
 batch that raises fails its tasks; sampling or handing off one request fails that one alone).
 
+Attempts: which run of a request is current (newest attempt wins; a retry's newer attempt
+replaces the run held here, older or retired ones are refused) is the attempt core's decision
+(``dualpath.core.attempts.AttemptTable``), kept as this engine's one table of requests with
+``PrefillPhase`` as each one's phase. A stopped run that is only queued goes at once; one
+loading, computing or handing off leaves when that ends (its KV may still be written), then
+its successor starts. A superseded run leaves silently; a client's cancel is told to the
+scheduler as abandoned.
+
 The quota is checked against a predicted batch time (``dualpath.engine.profile``): the
 cost model on the modeled backend (exactly what ``ModeledDecoder`` then charges), a profile
 timed at start-up on the torch backend.
@@ -33,6 +41,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 from anyio.abc import TaskGroup
@@ -41,6 +50,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from dualpath.bus import Bus, BusTimeoutError
 from dualpath.config import EngineConfig
+from dualpath.core.attempts import Attempt, AttemptCommand, AttemptTable, Drop, Halt, Refuse, Start, Stop
 from dualpath.core.batch_errors import BatcherError
 from dualpath.core.prefill_batcher import BatchItem, PrefillBatch, PrefillBatcher
 from dualpath.engine.common import EngineSetup, FinishedReports, read_path_name
@@ -73,22 +83,52 @@ def _planned(task: m.PrefillTask, block_tokens: int) -> int:
     return planned_hit_blocks(len(task.prompt_tokens), task.hit_blocks, block_tokens, reads=reads)
 
 
+class PrefillPhase(Enum):
+    """Where a task held by the prefill engine is (``AttemptTable``'s phase)."""
+
+    LOADING = "loading"  # its hits are being read (the read may still write): tok_e counts the hits planned
+    QUEUED = "queued"  # loaded, waiting for the batcher (or between two chunks)
+    COMPUTING = "computing"  # in the running batch (its KV is being written)
+    HANDING_OFF = "handing_off"  # first token sampled, the DecodeTask on its way
+
+    @property
+    def queued(self) -> bool:
+        return self is PrefillPhase.QUEUED
+
+
 @dataclass(slots=True, kw_only=True)
 class Job:
-    task: m.PrefillTask
+    """The prefill engine's record of one run (``Attempt.state``)."""
+
+    held: Attempt[m.PrefillTask]  # the attempt table's entry of this run
     hit_blocks: int = 0  # blocks loaded (set when the load ends)
-    loading: bool = True  # its hits are being read: until then tok_e counts the hits planned (the scheduler's charge)
     source: RegionDescriptor | None = None  # where the hits are (PE buffer or DE slot)
     source_offset: int = 0
     dest: RegionDescriptor  # the DE buffer slot
     pe_slot: bool = False
     split_tokens: int = -1  # split read: cached tokens [split_tokens, hits) were read into the DE slot
     read_split: list[int] = field(default_factory=list)  # [PE blocks, DE blocks] read (the response's dualpath record)
-    cancelled: bool = False  # cancelled while its batch ran or its load: dropped when that ends
-    superseded: bool = False  # a newer attempt of the request came: dropped without a report or TaskFailed
     t_submit: float = field(default_factory=time.perf_counter)
     t_first_batch: float = 0.0  # wall time its first prefill batch started (TTFT: queueing before, execution after)
     span: trace.Span = trace.INVALID_SPAN  # prefill.request: open from arrival to hand-off (or failure)
+
+    @property
+    def task(self) -> m.PrefillTask:
+        return self.held.task
+
+    @property
+    def loading(self) -> bool:
+        return self.held.phase is PrefillPhase.LOADING
+
+    @property
+    def stopping(self) -> bool:
+        """Stopped while its load, batch or hand-off ran: it leaves when that ends."""
+        return self.held.stop is not None
+
+    @property
+    def superseded(self) -> bool:
+        """A newer attempt replaced it (or a retry retired it): it leaves without a report or TaskFailed."""
+        return self.held.stop is Stop.SUPERSEDED
 
 
 def vanished_node(exc: Exception, jobs: list[Job]) -> str:
@@ -108,8 +148,9 @@ class PrefillEngine:
     def __init__(self, bus: Bus, subjects: Subjects, cfg: EngineConfig, node_id: str, setup: EngineSetup, tasks: TaskGroup) -> None:
         self.bus, self.subjects, self.cfg, self.node_id, self.setup = bus, subjects, cfg, node_id, setup
         self.tasks = tasks  # the service's task group: KV loads run there
-        self.jobs: dict[str, Job] = {}
-        self._successors: dict[str, m.PrefillTask] = {}  # newer attempts waiting for the superseded job to go
+        # The one table of requests: each one's current attempt (its phase, its Job), the
+        # successor waiting for it and the attempts retired (``dualpath.core.attempts``).
+        self.requests: AttemptTable[m.PrefillTask] = AttemptTable(PrefillPhase.LOADING)
         self.loaded: deque[Job] = deque()  # KV loaded, not yet received by the batcher
         quota_s = cfg.compute_quota_ms / 1000.0
         predict, self.predicted_by = prefill_predictor(setup.decoder, quota_s)
@@ -132,23 +173,44 @@ class PrefillEngine:
 
     # ---- intake ----------------------------------------------------------------------------
     async def on_task(self, task: m.PrefillTask) -> m.Ok:
-        old = self.jobs.get(task.request_id)
-        if old is not None:
-            if old.task.reply_subject == task.reply_subject and task.attempt <= old.task.attempt:
-                return m.Ok(detail="duplicate")
-            # A newer placement of a request still held here (the scheduler retried it, or a new
-            # scheduler got it after a failover): the old one must neither hand off nor write
-            # more KV into a decode slot that was given up. Answering "duplicate" would lose the
-            # new attempt (its scheduler would wait for it, then retry it once the old one failed).
-            log.info("prefill_task_superseded", request_id=task.request_id, attempt=old.task.attempt, by=task.attempt)
-            self._successors[task.request_id] = task
-            await self._supersede(old)
-            return m.Ok()
-        self._start(task)
-        return m.Ok()
+        """Take a task: a new request starts its load; a newer attempt of a request held here
+        replaces it (the old one must neither hand off nor write more KV into a decode slot that
+        was given up: it stops silently); an older or retired attempt is refused (``superseded``)."""
+        return m.Ok(detail=await self._apply(self.requests.arrive(task.request_id, task.attempt, task)))
 
-    def _start(self, task: m.PrefillTask) -> None:
-        job = Job(task=task, dest=RegionDescriptor.from_wire(task.de_region))
+    async def on_cancel(self, req: m.CancelRequest) -> None:
+        """A client's cancel stops the request's task: a queued one is dropped now, one loading,
+        computing or handing off when that ends. A scheduler's retry (``before_attempt``) stops
+        older attempts only, silently."""
+        if req.before_attempt >= 0:
+            await self._apply(self.requests.retry_cancel(req.request_id, req.before_attempt))
+        else:
+            await self._apply(self.requests.client_cancel(req.request_id))
+
+    async def _apply(self, cmds: list[AttemptCommand[m.PrefillTask]]) -> str:
+        """Carry out the attempt core's commands; the detail of a refusal, else ""."""
+        detail = ""
+        for c in cmds:
+            if isinstance(c, Start):
+                self._start(c.run)
+            elif isinstance(c, Refuse):
+                detail = c.detail
+                log.info("prefill_task_refused", request_id=c.task.request_id, attempt=c.task.attempt, detail=c.detail)
+            elif isinstance(c, Drop):  # loaded and queued: nothing of it runs
+                job: Job = c.run.state
+                if job in self.loaded:
+                    self.loaded.remove(job)
+                self.batcher.remove(c.run.request_id)
+                await self._drop_stopped(job)
+            elif isinstance(c, Halt):  # it leaves when its load, batch or hand-off ends
+                why = c.run.stop.value if c.run.stop else ""
+                log.info("prefill_task_stopping", request_id=c.run.request_id, attempt=c.run.attempt, why=why)
+            # Discard: a successor that never started holds nothing here
+        return detail
+
+    def _start(self, held: Attempt[m.PrefillTask]) -> None:
+        task = held.task
+        job = held.state = Job(held=held, dest=RegionDescriptor.from_wire(task.de_region))
         job.span = tracer.start_span("prefill.request", context=context_from(task.trace))
         if job.span.is_recording():
             job.span.set_attributes(
@@ -161,39 +223,12 @@ class PrefillEngine:
                     "attempt": task.attempt,
                 }
             )
-        self.jobs[task.request_id] = job
         start_logged(self.tasks, f"load:{task.request_id}", self._load, job)
 
-    async def _supersede(self, old: Job) -> None:
-        """Stop ``old`` silently (``_stop``); its successor starts once it is gone (``_drop``)."""
-        old.superseded = True
-        await self._stop(old)
-
-    async def _stop(self, job: Job) -> None:
-        """Drop ``job`` now if it only waits in a queue; else (loading, in the running batch, or
-        handing off) mark it cancelled: it is dropped when that ends (its KV may still be read)."""
-        rid = job.task.request_id
-        running = self.batcher.in_flight
-        in_batch = running is not None and any(it.request_id == rid for it in running.items)
-        if job.loading or in_batch or not (job in self.loaded or rid in self.batcher):
-            job.cancelled = True
-            return
-        if job in self.loaded:
-            self.loaded.remove(job)
-        self.batcher.remove(rid)
-        await self._drop_stopped(job)
-
-    async def on_cancel(self, req: m.CancelRequest) -> None:
-        """Stop the request's task (``_stop``): a queued one is dropped now, one loading or in the
-        running batch when that ends. A scheduler's retry (``before_attempt``) supersedes older attempts only (see ``_supersede``)."""
-        job = self.jobs.get(req.request_id)
-        if req.before_attempt >= 0:  # the scheduler retried the request: only older attempts stop, silently
-            if job is not None and job.task.attempt < req.before_attempt:
-                await self._supersede(job)
-            return
-        self._successors.pop(req.request_id, None)
-        if job is not None:
-            await self._stop(job)
+    def job(self, request_id: str) -> Job | None:
+        """The current run of ``request_id``, or None."""
+        held = self.requests.get(request_id)
+        return held.state if held is not None else None
 
     async def _load_when_room(self, node: str, req: m.LoadRequest) -> m.LoadReply:
         """Ask ``node``'s traffic manager to read the hits; while its buffer is full (the PE
@@ -263,12 +298,12 @@ class PrefillEngine:
         except Exception as exc:  # noqa: BLE001 - any load failure fails this task only
             lost = lost_load(exc)  # a dead traffic manager: the scheduler leaves its node out until it reports again
             # cancelled by its client meanwhile: nothing to retry (the node's loss is still told)
-            await self._fail(job, f"KV load failed: {lost or exc}", node_unreachable=lost.node if lost else "", abandoned=job.cancelled)
+            await self._fail(job, f"KV load failed: {lost or exc}", node_unreachable=lost.node if lost else "", abandoned=job.stopping)
             return
-        job.loading = False
-        if job.cancelled:
+        if job.stopping:
             await self._drop_stopped(job)
             return
+        self.requests.move(job.held, PrefillPhase.QUEUED)
         self.loaded.append(job)
         self._wake.set()
 
@@ -282,18 +317,28 @@ class PrefillEngine:
                 await self._idle(stop)
                 continue
             t0 = time.perf_counter()
-            jobs = [self.jobs[it.request_id] for it in batch.items]  # the runs this batch serves (not a later attempt's)
+            jobs = self._batch_started(batch)
             try:
                 result = await self._run_batch(batch, jobs)
             except Exception as exc:  # noqa: BLE001 - a failed batch fails its tasks, not the engine
                 log.warning("prefill_batch_failed", error=f"{type(exc).__name__}: {exc}", requests=len(batch.items))
-                jobs = [job for rid in self.batcher.fail_batch() if (job := self.jobs.get(rid)) is not None]
+                jobs = [job for rid in self.batcher.fail_batch() if (job := self.job(rid)) is not None]
                 gone = vanished_node(exc, jobs)  # a buffer gone with its traffic manager: that node leaves scheduling
                 for job in jobs:
                     await self._fail(job, f"prefill failed: {type(exc).__name__}: {exc}", node_unreachable=gone)
             else:
                 await self._process_result(batch, jobs, result)
             self.busy_s += time.perf_counter() - t0
+
+    def _batch_started(self, batch: PrefillBatch) -> list[Job]:
+        """The runs ``batch`` serves (not a later attempt's), now computing: a stop waits for the batch."""
+        jobs = []
+        for it in batch.items:
+            job = self.job(it.request_id)
+            assert job is not None, it.request_id
+            self.requests.move(job.held, PrefillPhase.COMPUTING)
+            jobs.append(job)
+        return jobs
 
     async def _receive(self) -> None:
         """Loaded tasks join the batcher's FIFO queue (their hits are cached tokens)."""
@@ -414,12 +459,15 @@ class PrefillEngine:
             if it.last:  # one logits row per prompt-ending chunk, in batch order
                 logits = result.logits[row : row + 1]
                 row += 1
-            if self.jobs.get(it.request_id) is not job:  # dropped meanwhile (and perhaps succeeded)
+            if self.job(it.request_id) is not job:  # dropped meanwhile (and perhaps succeeded)
                 continue
-            if job.cancelled:
+            if job.stopping:
                 self.batcher.remove(it.request_id)
                 await self._drop_stopped(job)
-            elif logits is not None:
+            elif logits is None:  # a chunk: the rest of its prompt waits for a later batch
+                self.requests.move(job.held, PrefillPhase.QUEUED)
+            else:
+                self.requests.move(job.held, PrefillPhase.HANDING_OFF)
                 try:
                     await self._handoff(job, logits)
                 except Exception as exc:  # noqa: BLE001 - one request's bad sampling fails that request, not its batch
@@ -526,10 +574,10 @@ class PrefillEngine:
         """Forget ``job``; reported finished (with its attempt) unless it was superseded or
         ``failed`` (its ``TaskFailed`` tells the scheduler: a failure is not a finish)."""
         rid = job.task.request_id
-        if self.jobs.get(rid) is job:
-            del self.jobs[rid]
-        if not job.superseded and not failed:  # the scheduler counts it done here
+        finished = not job.superseded and not failed
+        if finished:  # the scheduler counts it done here
             self.finished.append((rid, job.task.attempt))
+        cmds = self.requests.leave(job.held, finished=finished)
         job.span.end()
         job.span = trace.INVALID_SPAN
         if job.pe_slot:
@@ -543,9 +591,7 @@ class PrefillEngine:
                 )
             except Exception as exc:  # noqa: BLE001
                 log.warning("pe_slot_free_failed", request_id=job.task.request_id, error=str(exc))
-        successor = self._successors.pop(rid, None) if rid not in self.jobs else None
-        if successor is not None:
-            self._start(successor)
+        await self._apply(cmds)  # its successor starts
 
     async def _fail(self, job: Job, reason: str, unreachable: str = "", node_unreachable: str = "", abandoned: bool = False) -> None:
         """Forget ``job`` and tell the scheduler with a ``TaskFailed`` (none for a superseded
@@ -588,19 +634,20 @@ class PrefillEngine:
         """In the scheduler's units (see ``m.EngineReport``): ``seq_e``: unfinished tasks here;
         ``tok_e``: the miss tokens they still have to compute (``tokens_left``)."""
         tok = self.tokens_left()
+        held = self.requests.holding()
         done, self.finished = self._named.name(self.finished), []
         return m.EngineReport(
             engine_id=self.cfg.engine_id,
             role=m.Role.PREFILL,
             node_id=self.node_id,
-            seq=len(self.jobs),
+            seq=len(self.requests),
             tok=tok,
             free_hbm_tokens=0,
             capacity_tokens=0,
             finished=[rid for rid, _ in done],
             finished_attempts=[attempt for _, attempt in done],
-            holding=[*self.jobs, *self._successors],
-            holding_attempts=[*(j.task.attempt for j in self.jobs.values()), *(t.attempt for t in self._successors.values())],
+            holding=[rid for rid, _ in held],
+            holding_attempts=[attempt for _, attempt in held],
             block_bytes=self.setup.layout.block_bytes,
             stats=self._stats(),
             ts=time.time(),
@@ -611,11 +658,11 @@ class PrefillEngine:
         (loading: less the hits planned, as the scheduler charged them; loaded: less the
         blocks actually loaded)."""
         bt = self.setup.layout.block_tokens
-        queued = sum(
-            miss_tokens(len(j.task.prompt_tokens), _planned(j.task, bt) if j.loading else j.hit_blocks, bt)
-            for j in self.jobs.values()
-            if j.task.request_id not in self.batcher
-        )
+        queued = 0
+        for held in self.requests:
+            j: Job = held.state
+            if held.request_id not in self.batcher:
+                queued += miss_tokens(len(j.task.prompt_tokens), _planned(j.task, bt) if j.loading else j.hit_blocks, bt)
         return queued + self.batcher.tokens_left()
 
     def _stats(self) -> dict:

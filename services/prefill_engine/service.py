@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
 def register_metrics(engine: PrefillEngine) -> None:
     """seq_e/tok_e, the ready queue, KV bytes moved, transfer-window occupancy and the CNIC (read at scrape time)."""
     me = {"engine": engine.cfg.engine_id, "role": "prefill"}
-    observe("dualpath.engine.seq", "unfinished requests on the engine (seq_e)", lambda: [(len(engine.jobs), me)])
+    observe("dualpath.engine.seq", "unfinished requests on the engine (seq_e)", lambda: [(len(engine.requests), me)])
     observe("dualpath.engine.tok", "tokens the engine still has to compute (tok_e)", lambda: [(engine.tokens_left(), me)])
     observe(
         "dualpath.engine.ready",

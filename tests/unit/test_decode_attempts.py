@@ -15,7 +15,7 @@ import torch
 from dualpath.model.config import KvSpec
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
-from services.decode_engine.engine import DecodeEngine
+from services.decode_engine.engine import DecodeEngine, DecodePhase
 
 VOCAB = 32
 TOKEN = 7
@@ -170,10 +170,10 @@ def test_the_schedulers_retry_cancel_stops_older_runs_silently_and_refuses_their
         await engine.on_task(_task(1))
         await _until(lambda: len(bus.events("r")) >= 2)
         await engine.on_cancel(m.CancelRequest(request_id="r", reason="retried", before_attempt=1))
-        seen["kept"] = "r" in engine.running  # attempt 1 is not older than 1
+        seen["kept"] = engine.requests.get("r") is not None  # attempt 1 is not older than 1
         await engine.on_cancel(m.CancelRequest(request_id="r", reason="retried", before_attempt=2))
         n = len(bus.events("r"))
-        await _until(lambda: "r" not in engine.running)
+        await _until(lambda: engine.requests.get("r") is None)
         await _two_more_steps(engine, bus)
         seen["events_after_cancel"] = len(bus.events("r")) - n
         seen["late"] = (await engine.on_task(_task(1))).detail  # its hand-off crossed the retry
@@ -194,7 +194,7 @@ def test_a_hand_off_that_crossed_its_clients_cancel_ends_on_arrival_instead_of_d
         await engine.on_cancel(m.CancelRequest(request_id="r", reason="client"))  # nothing of it here yet
         seen["answer"] = (await engine.on_task(_task(0))).detail
         await _two_more_steps(engine, bus)  # had it been taken in, it would be decoding by now
-        seen["held"] = engine._held("r") is not None
+        seen["held"] = [h for h in engine.requests.holding() if h[0] == "r"] != []
         seen["report"] = engine.report()
         seen["repeated"] = [engine.report().finished for _ in range(3)]
         seen["again"] = (await engine.on_task(_task(1, max_tokens=3))).detail  # a later run of the request is not cancelled
@@ -208,17 +208,22 @@ def test_a_hand_off_that_crossed_its_clients_cancel_ends_on_arrival_instead_of_d
     assert seen["again"] == "" and [e.attempt for e in bus.events("r")] and all(e.attempt == 1 for e in bus.events("r"))
 
 
+def _phase(engine: DecodeEngine, rid: str) -> DecodePhase | None:
+    held = engine.requests.get(rid)
+    return held.phase if held is not None else None
+
+
 def test_a_retry_of_a_request_waiting_for_admission_replaces_it_at_once():
     seen: dict = {}
 
     async def body(engine: DecodeEngine, bus: FakeBus) -> None:
         engine.batcher.max_running = 1
         await engine.on_task(m.DecodeTask(**{**_task(0).to_wire(), "request_id": "other"}))  # holds the only running place
-        await _until(lambda: "other" in engine.running)
+        await _until(lambda: _phase(engine, "other") is DecodePhase.RUNNING)
         await engine.on_task(_task(0))
-        seen["waiting"] = "r" in engine.waiting
+        seen["waiting"] = _phase(engine, "r") is DecodePhase.WAITING
         seen["retry"] = (await engine.on_task(_task(1))).detail
-        seen["held"] = engine.waiting["r"].attempt
+        seen["held"] = engine.requests.get("r").attempt if _phase(engine, "r") is DecodePhase.WAITING else None
         await _until(lambda: ("r", 0) in bus.freed())  # the replaced attempt's slot is given back
 
     bus = _with_engine(body)

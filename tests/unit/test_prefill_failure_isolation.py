@@ -13,11 +13,12 @@ from types import SimpleNamespace
 
 import torch
 
+from dualpath.core.attempts import AttemptTable
 from dualpath.core.prefill_batcher import PrefillBatcher
 from dualpath.engine.common import FinishedReports
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
-from services.prefill_engine.engine import Job, PrefillEngine
+from services.prefill_engine.engine import Job, PrefillEngine, PrefillPhase
 
 BT = 64
 VOCAB = 32
@@ -64,11 +65,11 @@ def test_one_requests_bad_sampling_fails_that_request_and_the_rest_of_its_batch_
     engine.cfg = SimpleNamespace(engine_id="p0")
     engine.setup = SimpleNamespace(eos_ids=[0], model_dir="", layout=SimpleNamespace(block_tokens=BT))
     engine.batcher = PrefillBatcher(lambda _items: 0.001, block_tokens=BT)
-    engine.finished, engine._successors = [], {}
+    engine.finished, engine.loaded = [], deque()
+    engine.requests = AttemptTable(PrefillPhase.LOADING)
     tasks = [_task("a", {"temperature": 0.0}), _task("bad", {"temperature": -1.0}), _task("c", {"temperature": 0.0})]
-    engine.jobs = {t.request_id: Job(task=t, dest=SimpleNamespace(region_id="de-slot"), loading=False) for t in tasks}
     for t in tasks:
-        engine.batcher.add(t.request_id, cached=0, total=len(t.prompt_tokens))
+        _hold(engine, t)
     batch = engine.batcher.next_batch()
     assert batch is not None and len(batch.items) == 3
     logits = torch.zeros(3, VOCAB)
@@ -86,7 +87,17 @@ def test_one_requests_bad_sampling_fails_that_request_and_the_rest_of_its_batch_
     # Only the hand-offs are reported finished: a report names no attempt, so a failure listed
     # there would pass for the prefill of a retry the scheduler placed on this engine again.
     assert engine.finished == [("a", 1), ("c", 1)]
-    assert engine.jobs == {}
+    assert len(engine.requests) == 0
+
+
+def _hold(engine: PrefillEngine, task: m.PrefillTask) -> Job:
+    """``task`` held by ``engine``, loaded and queued in its batcher."""
+    [start] = engine.requests.arrive(task.request_id, task.attempt, task)
+    held = start.run
+    job = held.state = Job(held=held, dest=SimpleNamespace(region_id="de-slot"))
+    engine.requests.move(held, PrefillPhase.QUEUED)
+    engine.batcher.add(task.request_id, cached=0, total=len(task.prompt_tokens))
+    return job
 
 
 def _engine_with(jobs: list[m.PrefillTask]) -> tuple[PrefillEngine, FakeBus, list[m.PrefillTask]]:
@@ -97,19 +108,24 @@ def _engine_with(jobs: list[m.PrefillTask]) -> tuple[PrefillEngine, FakeBus, lis
     engine.cfg = SimpleNamespace(engine_id="p0")
     engine.setup = SimpleNamespace(eos_ids=[0], model_dir="", layout=SimpleNamespace(block_tokens=BT))
     engine.batcher = PrefillBatcher(lambda _items: 0.001, block_tokens=BT)
-    engine.finished, engine.loaded, engine._successors = [], deque(), {}
+    engine.finished, engine.loaded = [], deque()
     engine._named = FinishedReports()
-    engine.jobs = {t.request_id: Job(task=t, dest=SimpleNamespace(region_id="de-slot"), loading=False) for t in jobs}
+    engine.requests = AttemptTable(PrefillPhase.LOADING)
     for t in jobs:
-        engine.batcher.add(t.request_id, cached=0, total=len(t.prompt_tokens))
+        _hold(engine, t)
     started: list[m.PrefillTask] = []
-    engine._start = started.append  # type: ignore[method-assign]
+
+    def start(held) -> None:  # takes the task, loads nothing
+        started.append(held.task)
+        held.state = Job(held=held, dest=SimpleNamespace(region_id="de-slot"))
+
+    engine._start = start  # type: ignore[method-assign]
     return engine, bus, started
 
 
 def _ran(engine: PrefillEngine, batch) -> list[Job]:
     """The jobs ``batch`` runs, as the engine loop captures them when the batch starts."""
-    return [engine.jobs[it.request_id] for it in batch.items]
+    return engine._batch_started(batch)
 
 
 def _attempt(task: m.PrefillTask, attempt: int) -> m.PrefillTask:
@@ -119,7 +135,8 @@ def _attempt(task: m.PrefillTask, attempt: int) -> m.PrefillTask:
 def test_a_retry_of_a_request_still_queued_here_replaces_it_instead_of_being_taken_for_a_duplicate():
     old = _task("q", {"temperature": 0.0})
     engine, bus, started = _engine_with([old])
-    assert asyncio.run(engine.on_task(_attempt(old, 0))).detail == "duplicate"  # the same attempt again
+    assert asyncio.run(engine.on_task(_attempt(old, 1))).detail == "duplicate"  # the same attempt again
+    assert asyncio.run(engine.on_task(_attempt(old, 0))).detail == "superseded"  # an older one, late
     assert asyncio.run(engine.on_task(_attempt(old, 2))).detail == ""
     assert [t.attempt for t in started] == [2]  # the newer attempt runs
     assert "q" not in engine.batcher and engine.finished == []  # the old one is gone, not reported as done
@@ -130,9 +147,10 @@ def test_a_retry_of_a_request_whose_batch_is_running_starts_when_the_batch_ends_
     old = _task("q", {"temperature": 0.0})
     engine, bus, started = _engine_with([old])
     batch = engine.batcher.next_batch()  # the old attempt is being computed
+    ran = _ran(engine, batch)
     asyncio.run(engine.on_task(_attempt(old, 2)))
     assert started == []  # not while the old attempt's batch still writes its KV
-    asyncio.run(engine._process_result(batch, _ran(engine, batch), SimpleNamespace(logits=torch.zeros(1, VOCAB))))
+    asyncio.run(engine._process_result(batch, ran, SimpleNamespace(logits=torch.zeros(1, VOCAB))))
     assert [t.attempt for t in started] == [2]
     assert not [msg for _, msg in bus.requested if isinstance(msg, m.DecodeTask)]  # no hand-off of the superseded attempt
     assert not [msg for _, msg in bus.published if isinstance(msg, (m.TaskFailed, m.TokenEvent))] and engine.finished == []
@@ -148,11 +166,12 @@ def test_reports_list_every_held_task_with_its_attempt_and_the_successor_waiting
     engine.setup.layout.block_bytes = 1024
     engine._stats = dict  # type: ignore[method-assign]
     batch = engine.batcher.next_batch()  # both are being computed
+    ran = _ran(engine, batch)
     asyncio.run(engine.on_task(_attempt(a, 3)))  # a retry of "a" waits for that batch
     r = engine.report()
     assert list(zip(r.holding, r.holding_attempts)) == [("a", 1), ("b", 1), ("a", 3)]
     asyncio.run(engine.on_cancel(m.CancelRequest(request_id="b", reason="client disconnected")))
-    asyncio.run(engine._process_result(batch, _ran(engine, batch), SimpleNamespace(logits=torch.zeros(2, VOCAB))))
+    asyncio.run(engine._process_result(batch, ran, SimpleNamespace(logits=torch.zeros(2, VOCAB))))
     r = engine.report()
     assert "b" not in r.holding and r.holding is not None
 
@@ -177,21 +196,24 @@ def test_a_newer_attempt_that_started_while_the_batch_ran_is_not_handed_the_old_
     engine, bus, _ = _engine_with([old])
     batch = engine.batcher.next_batch()
     ran = _ran(engine, batch)
-    successor = Job(task=_attempt(old, 2), dest=SimpleNamespace(region_id="de-slot"), loading=True)
-    engine.jobs["q"] = successor  # attempt 1 was dropped meanwhile and attempt 2 started loading
+    # attempt 1 was dropped meanwhile and attempt 2 started loading
+    ran[0].held.phase = PrefillPhase.QUEUED
+    asyncio.run(engine.on_task(_attempt(old, 2)))
+    successor = engine.requests.get("q")
+    assert successor is not None and successor.attempt == 2
     asyncio.run(engine._process_result(batch, ran, SimpleNamespace(logits=torch.zeros(1, VOCAB))))
     assert not [msg for _, msg in bus.requested if isinstance(msg, m.DecodeTask)]  # no hand-off with attempt 1's logits
     assert not [msg for _, msg in bus.published if isinstance(msg, m.TokenEvent)]
-    assert engine.jobs == {"q": successor} and engine.finished == []
+    assert engine.requests.get("q") is successor and engine.finished == []
 
 
 def test_the_schedulers_retry_cancel_stops_only_older_attempts_and_silently():
     old = _task("q", {"temperature": 0.0})  # attempt 1
     engine, bus, started = _engine_with([old])
     asyncio.run(engine.on_cancel(m.CancelRequest(request_id="q", reason="retried", before_attempt=1)))
-    assert "q" in engine.jobs  # attempt 1 is not older than 1: kept
+    assert engine.job("q") is not None  # attempt 1 is not older than 1: kept
     asyncio.run(engine.on_cancel(m.CancelRequest(request_id="q", reason="retried", before_attempt=2)))
-    assert "q" not in engine.jobs and "q" not in engine.batcher
+    assert engine.job("q") is None and "q" not in engine.batcher
     assert engine.finished == [] and started == []  # not reported done: the scheduler's attempt 2 is not this one
     client = _task("c", {"temperature": 0.0})
     engine2, bus2, _ = _engine_with([client])
@@ -226,7 +248,7 @@ def test_a_hand_off_the_decode_engine_refused_as_superseded_is_a_failure_that_sa
     asyncio.run(engine._process_result(batch, _ran(engine, batch), SimpleNamespace(logits=logits)))
     failed = [msg for _, msg in bus.published if isinstance(msg, m.TaskFailed)]
     assert [(f.request_id, f.abandoned, f.attempt) for f in failed] == [("old", True, 1)]
-    assert engine.finished == [("a", 1)] and engine.jobs == {}
+    assert engine.finished == [("a", 1)] and len(engine.requests) == 0
 
 
 def test_a_clients_cancel_during_the_prefill_is_told_as_abandoned_not_as_a_finish():
@@ -235,13 +257,13 @@ def test_a_clients_cancel_during_the_prefill_is_told_as_abandoned_not_as_a_finis
     queued, batched = _task("queued", {"temperature": 0.0}), _task("batched", {"temperature": 0.0})
     engine, bus, _ = _engine_with([batched])
     batch = engine.batcher.next_batch()  # "batched" is being computed
-    engine.jobs["queued"] = Job(task=queued, dest=SimpleNamespace(region_id="de-slot"), loading=False)
-    engine.batcher.add("queued", cached=0, total=len(queued.prompt_tokens))
+    ran = _ran(engine, batch)
+    _hold(engine, queued)
     for rid in ("queued", "batched"):
         asyncio.run(engine.on_cancel(m.CancelRequest(request_id=rid, reason="client went away")))
-    assert "queued" not in engine.jobs and "batched" in engine.jobs  # the batched one leaves when its batch ends
-    asyncio.run(engine._process_result(batch, _ran(engine, batch), SimpleNamespace(logits=torch.zeros(1, VOCAB))))
+    assert engine.job("queued") is None and engine.job("batched") is not None  # the batched one leaves when its batch ends
+    asyncio.run(engine._process_result(batch, ran, SimpleNamespace(logits=torch.zeros(1, VOCAB))))
     failed = [msg for _, msg in bus.published if isinstance(msg, m.TaskFailed)]
     assert [(f.request_id, f.abandoned, f.attempt) for f in failed] == [("queued", True, 1), ("batched", True, 1)]
     assert not [msg for _, msg in bus.requested if isinstance(msg, m.DecodeTask)]  # neither handed off
-    assert engine.finished == [] and engine.jobs == {}
+    assert engine.finished == [] and len(engine.requests) == 0

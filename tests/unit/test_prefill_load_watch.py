@@ -160,7 +160,8 @@ def test_a_prefill_task_whose_kv_load_died_with_its_traffic_manager_fails_within
     loss told all the same."""
     from types import SimpleNamespace
 
-    from services.prefill_engine.engine import Job, PrefillEngine
+    from dualpath.core.attempts import AttemptTable
+    from services.prefill_engine.engine import Job, PrefillEngine, PrefillPhase
 
     bus = DeadTmBus()
     engine = PrefillEngine.__new__(PrefillEngine)  # no model: only the load runs
@@ -168,7 +169,7 @@ def test_a_prefill_task_whose_kv_load_died_with_its_traffic_manager_fails_within
     engine.cfg = SimpleNamespace(engine_id="pe0")
     layout = SimpleNamespace(block_tokens=4, layers=2, bytes_per_token_layer=8, kv_layout=0)
     engine.setup = SimpleNamespace(oracle=False, layout=layout, dtype="bf16")
-    engine.jobs, engine.finished, engine._successors, engine.buffer_waits = {}, [], {}, 0
+    engine.requests, engine.finished, engine.buffer_waits = AttemptTable(PrefillPhase.LOADING), [], 0
     task = m.PrefillTask(
         request_id="r",
         model="m",
@@ -187,9 +188,10 @@ def test_a_prefill_task_whose_kv_load_died_with_its_traffic_manager_fails_within
         de_offset=0,
         attempt=1,
     )
-    job = Job(task=task, dest=SimpleNamespace(region_id="de-slot"))
-    job.cancelled = cancelled
-    engine.jobs["r"] = job
+    [start] = engine.requests.arrive("r", task.attempt, task)
+    job = start.run.state = Job(held=start.run, dest=SimpleNamespace(region_id="de-slot"))
+    if cancelled:  # while it loads: it leaves when the load ends
+        engine.requests.client_cancel("r")
 
     async def main() -> float:
         t0 = time.monotonic()
@@ -209,16 +211,17 @@ def test_a_batch_that_finds_a_nodes_buffer_gone_fails_its_tasks_naming_that_node
     from collections import deque
     from types import SimpleNamespace
 
+    from dualpath.core.attempts import AttemptTable
     from dualpath.core.prefill_batcher import PrefillBatcher
     from dualpath.transfer import RegionDescriptor, UnknownRegionError
-    from services.prefill_engine.engine import Job, PrefillEngine
+    from services.prefill_engine.engine import Job, PrefillEngine, PrefillPhase
 
     bus = DeadTmBus()
     engine = PrefillEngine.__new__(PrefillEngine)
     engine.bus, engine.subjects, engine.node_id = bus, Subjects("t"), "P"
     engine.cfg = SimpleNamespace(engine_id="pe0")
     engine.batcher = PrefillBatcher(lambda _items: 0.001, block_tokens=4)
-    engine.jobs, engine.finished, engine._successors, engine.loaded = {}, [], {}, deque()
+    engine.requests, engine.finished, engine.loaded = AttemptTable(PrefillPhase.LOADING), [], deque()
     engine.busy_s = 0.0
     slot = RegionDescriptor(region_id="t-D-buf", node_id="D", size=1 << 20, transport="tcp")
     for rid in ("a", "b"):
@@ -239,7 +242,9 @@ def test_a_batch_that_finds_a_nodes_buffer_gone_fails_its_tasks_naming_that_node
             de_region=slot.to_wire(),
             de_offset=0,
         )
-        engine.jobs[rid] = Job(task=task, dest=slot, loading=False)
+        [start] = engine.requests.arrive(rid, task.attempt, task)
+        start.run.state = Job(held=start.run, dest=slot)
+        engine.requests.move(start.run, PrefillPhase.QUEUED)
         engine.batcher.add(rid, cached=0, total=10)
     stop = asyncio.Event()
 
