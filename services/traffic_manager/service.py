@@ -2,12 +2,12 @@
 
 Handlers (subjects ``{ns}.tm.{node}.*``):
 
-- ``alloc``/``free``: slots of the buffer, one per request attempt (the DE buffer slot is
-  reserved by the scheduler before dispatch, so prefill never waits for room on the decode
-  side); an older attempt of a request can never read, write or free a newer one's slot. The
-  slots of attempts a retry gave up are kept out of reuse for ``QUARANTINE_S`` (a cancelled
-  prefill batch may still be writing into one), and a persist from a slot that is gone writes
-  nothing (its bytes may be another request's by now);
+- ``alloc``/``free``/``claim``: slots of the buffer, one per request attempt (the DE buffer slot
+  is reserved by the scheduler before dispatch, so prefill never waits for room on the decode
+  side); an older attempt of a request can never read, write or free a newer one's slot. Their
+  lifecycle (placement, use, quarantine of given-up attempts, reclaim of a dead scheduler's
+  reservations, retained prefetch runs) is the node core's, ``dualpath.node.slots.NodeBuffer``;
+  a persist from a slot that is gone writes nothing (its bytes may be another request's by now);
 - ``load``: Full Blocks storage -> buffer (PE read path into the PE buffer, DE read path into
   the DE buffer slot); its queue is the node's ``read_q`` the scheduler balances;
 - ``persist``: Full Blocks buffer -> storage (atomic files), then commit to kv-persistence;
@@ -17,24 +17,16 @@ Handlers (subjects ``{ns}.tm.{node}.*``):
 
 Every ``report_interval`` it publishes a ``NodeReport`` (read queue, buffer room).
 
-Reservations of a dead scheduler: a DE slot is reserved by a scheduler instance (its heartbeat
-name, ``AllocRequest.instance``) and *claimed* when the decode engine takes the hand-off
-(``claim``: ``SlotClaimed``) or persists from it; a read into it does not claim it (a read in
-progress holds the slot anyway, and the prefill that asked may be superseded right after).
-When the heartbeat names another instance, the old one's state died with it: nobody would
-free its reservations that were never claimed (a dispatch that never happened, a prefill
-superseded by the resubmission). They are given back ``reclaim_after_s`` after the change:
-long enough for a hand-off in flight to be claimed. A scheduler that accepts a resubmission
-cancels the old runs of the request at once, so none keeps writing into its old slot that
-long; what stays at risk is a run of a request nobody resubmitted (its gateway died too) whose
-prefill is still going ``reclaim_after_s`` after the failover.
+A scheduler that accepts a resubmission cancels the old runs of the request at once, so none
+keeps writing into its old slot after it is reclaimed (``NodeBuffer``); what stays at risk is a
+run of a request nobody resubmitted (its gateway died too) whose prefill is still going
+``reclaim_after_s`` after the failover.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import time
 
@@ -51,8 +43,8 @@ from dualpath.config import (
 )
 from dualpath.kv import BlockStore
 from dualpath.node import BufferFullError, BufferPool, StorageIO
-from dualpath.node.buffer import Slot
 from dualpath.node.prefetch import PrefetchCache
+from dualpath.node.slots import RECLAIM_AFTER_S, NodeBuffer, Reclaimed, slot_key
 from dualpath.node.storage_io import BlockFormat
 from dualpath.protocol import ProtocolError, decode
 from dualpath.protocol import messages as m
@@ -68,13 +60,6 @@ from services.traffic_manager.prefetcher import Prefetcher
 
 log = get_logger("traffic-manager")
 tracer = get_tracer("dualpath.traffic_manager")
-QUARANTINE_S = 5.0  # a given-up attempt's slot is not reused this long (its prefill's last batch may still write)
-RECLAIM_AFTER_S = 30.0  # NodeConfig.reclaim_after_s's default (an inactive scheduler's unclaimed slots go back this long after)
-
-
-def slot_key(request_id: str, attempt: int) -> str:
-    """The buffer pool's owner name of a request attempt's slot (ids are subject-safe: no ``#``)."""
-    return f"{request_id}#{attempt}"
 
 
 class TrafficManager:
@@ -91,120 +76,55 @@ class TrafficManager:
         self.bus, self.cfg, self.subjects = bus, cfg, subjects
         self.region = region
         self.descriptor = descriptor
-        self.pool = BufferPool(region.size)
+        pool = BufferPool(region.size)
         # The request buffer (what the scheduler plans with): requests' slots hold at most this
         # much of the region; the rest (``--prefetch-mb``, beside it) is for staged prefetch runs.
-        self.buffer_bytes = region.size - (cfg.prefetch_mb << 20)
-        if self.buffer_bytes <= 0:
+        buffer_bytes = region.size - (cfg.prefetch_mb << 20)
+        if buffer_bytes <= 0:
             raise ValueError(f"region of {region.size} bytes leaves no request buffer beside a {cfg.prefetch_mb} MiB prefetch cache")
         self.io = storage
-        # A slot is not given back while a storage read or write still uses it: a free that
-        # comes meanwhile (a retried request, a lost engine) takes effect when the last ends,
-        # so no late bytes land in a slot already handed to another request.
-        self._busy: dict[str, int] = {}  # slot key -> storage transfers using its slot
-        self._loads: dict[str, int] = {}  # slot key -> load handlers running (``probe``'s answer)
-        self._free_later: set[str] = set()
-        self._attempts: dict[str, set[int]] = {}  # request id -> attempts holding a slot here
-        # Reservations not claimed yet: slot key -> (scheduler instance, monotonic time reserved).
-        self._reserved: dict[str, tuple[str, float]] = {}
-        self._scheduler = ""  # the active scheduler's instance, as its heartbeat names it
-        self._scheduler_since = 0.0  # when it became the one heard
-        self.reclaim_after_s = reclaim_after_s
-        self.clock = time.monotonic  # of reservations and scheduler changes
-        self.reclaimed = 0  # reservations given back after a scheduler change
-        self._quarantine: dict[str, float] = {}  # slot key -> when a given-up attempt's slot may be reused
         # Agent-aware prefetch (a hint): staged runs are slots of the same region, beside the
         # request buffer (at most ``prefetch_mb`` of them), given up first whenever a request
-        # needs physical room the runs hold (_alloc).
-        cache = PrefetchCache(self.pool, region.buf, cfg.prefetch_mb << 20, cfg.prefetch_ttl_s) if cfg.prefetch_mb > 0 else None
+        # needs physical room the runs hold.
+        cache = PrefetchCache(pool, region.buf, cfg.prefetch_mb << 20, cfg.prefetch_ttl_s) if cfg.prefetch_mb > 0 else None
         self.prefetcher = Prefetcher(storage, cache) if cache is not None else None
-        # Retained runs (PrefetchCache.retain): slot key -> (model digest, hashes, block bytes) of
-        # the verified leading blocks a load put in the slot, and of the slots whose free keeps them.
-        self._loaded: dict[str, tuple[int, list[int], int]] = {}
-        self._keep: dict[str, tuple[int, list[int], int]] = {}
+        # The slots' lifecycle (placement, use, quarantine, reclaim, retained runs): the node core.
+        self.buffer = NodeBuffer(pool, buffer_bytes, cache, reclaim_after_s=reclaim_after_s)
+        self.clock = time.monotonic  # of reservations and scheduler changes
+        self._loads: dict[str, int] = {}  # slot key -> load handlers running (``probe``'s answer)
 
-    @contextlib.contextmanager
-    def _using(self, key: str):
-        self._busy[key] = self._busy.get(key, 0) + 1
-        try:
-            yield
-        finally:
-            left = self._busy.pop(key) - 1
-            if left:
-                self._busy[key] = left
-            elif key in self._free_later:
-                self._free_later.discard(key)
-                self._pool_free(key)
+    @property
+    def pool(self) -> BufferPool:
+        return self.buffer.pool
 
-    def _release(self, key: str) -> str:
-        """Free the slot ``key`` now, or once the transfers using it end."""
-        self._reserved.pop(key, None)
-        if key in self._busy:
-            self._free_later.add(key)
-            return "deferred"
-        return "freed" if self._pool_free(key) else "no slot"
+    @property
+    def buffer_bytes(self) -> int:
+        return self.buffer.buffer_bytes
 
-    def _pool_free(self, key: str) -> bool:
-        rid, _, attempt = key.rpartition("#")
-        held = self._attempts.get(rid)
-        if held is not None:
-            held.discard(int(attempt))
-            if not held:
-                del self._attempts[rid]
-        self._loaded.pop(key, None)
-        keep = self._keep.pop(key, None)
-        if keep is not None and self.prefetcher is not None and self.prefetcher.cache.retain(key, *keep):
-            return True  # the slot is a prefetch run now (a hint, given up first)
-        return self.pool.free(key)
+    @property
+    def reclaim_after_s(self) -> float:
+        return self.buffer.reclaim_after_s
 
-    def request_bytes(self) -> int:
-        """Bytes of the region held by requests' slots (not by staged prefetch runs)."""
-        return self.region.size - self.pool.free_bytes - self._prefetch_bytes()
-
-    def _alloc(self, request_id: str, attempt: int, nbytes: int) -> Slot:
-        """A request attempt's slot, within the request buffer; staged prefetch runs are dropped,
-        oldest first, when they hold the physical room it needs.
-
-        Raises:
-            BufferFullError: the request buffer has no room, or no room even without any staged run.
-        """
-        key = slot_key(request_id, attempt)
-        if self.pool.get(key) is None:
-            need, used = BufferPool.rounded(nbytes), self.request_bytes()
-            if used + need > self.buffer_bytes:
-                raise BufferFullError(need, self.buffer_bytes - used, self.buffer_bytes - used)
-        slot = self.pool.alloc(key, nbytes) if self.prefetcher is None else self.prefetcher.cache.alloc(key, nbytes)
-        self._attempts.setdefault(request_id, set()).add(attempt)
-        self._free_later.discard(key)  # allocated again: a pending free of an earlier use no longer applies
-        self._keep.pop(key, None)
-        return slot
+    @property
+    def reclaimed(self) -> int:
+        return self.buffer.reclaimed
 
     def sweep(self) -> None:
         """Periodic upkeep (every report): quarantined slots whose time is up, and ``reclaim``."""
-        now = self.clock()
-        for key in [k for k, t in self._quarantine.items() if now >= t]:
-            del self._quarantine[key]
-            self._release(key)
-        self.reclaim()
+        self._log_reclaimed(self.buffer.sweep(self.clock()))
 
-    # ---- reservations of a scheduler that is gone ---------------------------------------------
     def on_scheduler(self, instance: str) -> None:
         """The active scheduler's heartbeat named ``instance`` (``Subjects.sched_alive``)."""
-        if instance and instance != self._scheduler:
-            self._scheduler, self._scheduler_since = instance, self.clock()
+        self.buffer.on_scheduler(instance, self.clock())
 
     def reclaim(self) -> list[str]:
-        """Give back the reservations of inactive scheduler instances that nothing claimed within
-        ``reclaim_after_s`` of the change (or of their reservation, if later); returns their keys."""
-        now = self.clock()
-        if not self._scheduler or now - self._scheduler_since < self.reclaim_after_s:
-            return []
-        gone = [k for k, (inst, t) in self._reserved.items() if inst != self._scheduler and now - t >= self.reclaim_after_s]
-        for key in gone:
-            instance = self._reserved[key][0]
-            log.warning("reservation_reclaimed", slot=key, instance=instance, active=self._scheduler, outcome=self._release(key))
-        self.reclaimed += len(gone)
-        return gone
+        """Give back the reservations of inactive scheduler instances (``NodeBuffer.reclaim``); their keys."""
+        return self._log_reclaimed(self.buffer.reclaim(self.clock()))
+
+    def _log_reclaimed(self, gone: list[Reclaimed]) -> list[str]:
+        for r in gone:
+            log.warning("reservation_reclaimed", slot=r.key, instance=r.instance, active=self.buffer.scheduler, outcome=r.outcome)
+        return [r.key for r in gone]
 
     def _slot_view(self, offset: int, nbytes: int) -> memoryview:
         self.region.check_range(offset, nbytes)
@@ -217,29 +137,18 @@ class TrafficManager:
                 f"request {req.request_id} needs {req.blocks * req.block_bytes} bytes, more than node "
                 f"{self.cfg.node_id}'s whole {self.buffer_bytes}-byte buffer",
             )
-        try:
-            slot = self._alloc(req.request_id, req.attempt, req.blocks * req.block_bytes)
+        try:  # a scheduler's reservation names its instance: claimed by the hand-off or the persist
+            slot = self.buffer.alloc(req.request_id, req.attempt, req.blocks * req.block_bytes, instance=req.instance, now=self.clock())
         except BufferFullError as exc:
             raise HandlerError(m.BUFFER_FULL, str(exc)) from None
-        if req.instance:  # a scheduler's reservation: claimed by its load or persist (see the module docstring)
-            self._reserved[slot_key(req.request_id, req.attempt)] = (req.instance, self.clock())
         return m.AllocReply(region=self.descriptor.to_wire(), offset=slot.offset, nbytes=slot.nbytes)
 
     async def free(self, req: m.FreeRequest) -> m.Ok:
         """The slot of ``(request_id, attempt)``, or of every attempt below ``before_attempt``."""
         if req.before_attempt < 0:
-            key = slot_key(req.request_id, req.attempt)
-            loaded = self._loaded.get(key)
-            if loaded is not None:  # the PE read path's slot, done with: its hits stay as a prefetch run
-                self._keep[key] = loaded
-            return m.Ok(detail=self._release(key))
-        older = sorted(a for a in self._attempts.get(req.request_id, ()) if a < req.before_attempt)
-        until = self.clock() + QUARANTINE_S
-        for a in older:  # given up by a retry: out of reuse for a while (see the module docstring)
-            key = slot_key(req.request_id, a)
-            self._reserved.pop(key, None)
-            self._quarantine.setdefault(key, until)
-        return m.Ok(detail=f"quarantined {len(older)}" if older else "no slot")
+            return m.Ok(detail=self.buffer.free(req.request_id, req.attempt))
+        older = self.buffer.give_up_below(req.request_id, req.before_attempt, self.clock())  # out of reuse for a while
+        return m.Ok(detail=f"quarantined {older}" if older else "no slot")
 
     async def load(self, req: m.LoadRequest) -> m.LoadReply:
         key = slot_key(req.request_id, req.attempt)
@@ -273,7 +182,7 @@ class TrafficManager:
             if max(req.total_blocks, len(req.hashes)) * fmt.block_bytes > self.buffer_bytes:
                 raise HandlerError(400, f"request {req.request_id}'s KV is larger than node {self.cfg.node_id}'s whole buffer")
             try:
-                slot = self._alloc(req.request_id, req.attempt, max(req.total_blocks, len(req.hashes)) * fmt.block_bytes)
+                slot = self.buffer.alloc(req.request_id, req.attempt, max(req.total_blocks, len(req.hashes)) * fmt.block_bytes)
             except BufferFullError as exc:
                 raise HandlerError(m.BUFFER_FULL, str(exc)) from None
         need = len(req.hashes) * fmt.block_bytes
@@ -287,13 +196,13 @@ class TrafficManager:
             view = self._slot_view(slot.offset + skip, max(need, 0))
             cache = self.prefetcher.cache if self.prefetcher is not None else None
             staged = cache.take_prefix(req.model_digest, req.hashes, fmt.block_bytes, view) if cache is not None else 0
-            with self._using(key):
+            with self.buffer.using(key):
                 res = await self.io.read_blocks(req.model_digest, req.hashes[staged:], fmt, view[staged * fmt.block_bytes :])
             if staged:  # the leading blocks came from the prefetch cache (a memory copy, no storage read)
                 res = dataclasses.replace(res, loaded=staged + res.loaded)
                 span.set_attribute("prefetched_blocks", staged)
-            if cache is not None and skip == 0 and res.loaded:  # the slot's leading blocks, verified: it may be retained
-                self._loaded[key] = (req.model_digest, list(req.hashes[: res.loaded]), fmt.block_bytes)
+            if skip == 0 and res.loaded:  # the slot's leading blocks, verified: it may be retained
+                self.buffer.loaded(key, req.model_digest, req.hashes[: res.loaded], fmt.block_bytes)
             if span.is_recording():
                 span.set_attributes(
                     {
@@ -337,14 +246,14 @@ class TrafficManager:
         if self.prefetcher is not None:
             self.prefetcher.fmt = fmt
         key = slot_key(req.request_id, req.attempt)
-        self._reserved.pop(key, None)  # claimed: the decode engine took its KV in
+        self.buffer.claim(req.request_id, req.attempt)  # the decode engine took its KV in
         slot = self.pool.get(key)
         nbytes = len(req.hashes) * fmt.block_bytes
         if req.hashes and (slot is None or not slot.offset <= req.offset <= req.offset + nbytes <= slot.offset + slot.nbytes):
             # its slot was given back (a retry, a reclaim): the bytes there may be another request's
             log.warning("persist_without_slot", request_id=req.request_id, attempt=req.attempt, blocks=len(req.hashes))
             if req.free_after:
-                self._release(key)
+                self.buffer.release(key)
             return m.Ok(detail="no slot")
         persisted = False
         try:
@@ -356,7 +265,7 @@ class TrafficManager:
                     "bytes": len(req.hashes) * fmt.block_bytes,
                     "request_id": req.request_id,
                 }
-                with tracer.start_as_current_span("storage.write", attributes=attrs), self._using(key):
+                with tracer.start_as_current_span("storage.write", attributes=attrs), self.buffer.using(key):
                     await self.io.write_blocks(req.model_digest, req.hashes, fmt, src)
                 # the index needs only the parent of the new blocks, not the whole chain (which grows with the context)
                 chain = [*req.parent_chain[-1:], *req.hashes]
@@ -366,23 +275,14 @@ class TrafficManager:
             persisted = True
         finally:
             if req.free_after:
-                if persisted:
-                    self._keep_prompt(key, req, fmt.block_bytes)
-                self._release(key)
+                if persisted:  # a DE read path's slot may stay as a prefetch run of the whole prompt
+                    self.buffer.keep_prompt(key, req.model_digest, req.parent_chain, req.hashes, req.offset, fmt.block_bytes)
+                self.buffer.release(key)
         return m.Ok(detail=f"persisted {len(req.hashes)}")
-
-    def _keep_prompt(self, key: str, req: m.PersistRequest, block_bytes: int) -> None:
-        """The DE read path's slot, its new prompt blocks just persisted from it: when a load read
-        its hits here, the slot holds the whole prompt's blocks (hits, then the new ones) and
-        stays as a prefetch run once freed."""
-        slot, loaded = self.pool.get(key), self._loaded.get(key)
-        if slot is None or loaded is None or slot.offset + len(req.parent_chain) * block_bytes != req.offset:
-            return
-        self._keep[key] = (req.model_digest, [*req.parent_chain, *req.hashes], block_bytes)
 
     async def claim(self, req: m.SlotClaimed) -> None:
         """A decode engine took the hand-off of this slot: it is in use (see the module docstring)."""
-        self._reserved.pop(slot_key(req.request_id, req.attempt), None)
+        self.buffer.claim(req.request_id, req.attempt)
 
     async def on_scheduler_alive(self, raw) -> None:
         """NATS callback of the scheduler's heartbeat (``SubmitReply`` naming its instance)."""
@@ -401,7 +301,7 @@ class TrafficManager:
             node_id=self.cfg.node_id,
             read_q_tokens=self.io.read_q_tokens,
             read_q_bytes=self.io.read_q_bytes,
-            buffer_free_bytes=self.buffer_bytes - self.request_bytes(),  # staged runs are not the requests' room
+            buffer_free_bytes=self.buffer.free_request_bytes(),  # staged runs are not the requests' room
             buffer_bytes=self.buffer_bytes,
             regions=[self.descriptor.to_wire()],
             bytes_read=self.io.bytes_read,
@@ -410,8 +310,9 @@ class TrafficManager:
             ts=time.time(),
         )
 
-    def _prefetch_bytes(self) -> int:
-        return self.prefetcher.cache.bytes if self.prefetcher is not None else 0
+    def request_bytes(self) -> int:
+        """Bytes of the region held by requests' slots (not by staged prefetch runs)."""
+        return self.buffer.request_bytes()
 
     def _prefetch_stats(self) -> dict:
         p = self.prefetcher
@@ -453,7 +354,7 @@ def register_metrics(tm: TrafficManager) -> None:
     observe(
         "dualpath.buffer.prefetch",
         "bytes of the node's DRAM held by staged prefetch runs (beside the request buffer)",
-        lambda: [(tm._prefetch_bytes(), node)],
+        lambda: [(tm.pool.size - tm.pool.free_bytes - tm.request_bytes(), node)],
         unit="By",
     )
     observe("dualpath.buffer.size", "bytes of the node DRAM buffer for requests", lambda: [(tm.buffer_bytes, node)], unit="By")

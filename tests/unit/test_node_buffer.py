@@ -1,97 +1,72 @@
-"""The node buffer allocator and the slot layout (Layer Blocks are runs inside Full Blocks)."""
+"""The node core's slot lifecycle, event by event (no traffic manager, no clock of its own)."""
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from dualpath.engine.layout import SlotLayout
-from dualpath.node.buffer import BufferFullError, BufferPool
+from dualpath.node import BufferFullError, BufferPool, NodeBuffer, slot_key
 
-
-@settings(max_examples=150, deadline=None)
-@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 15), st.integers(1, 40000)), max_size=80))
-def test_slots_never_overlap_and_freeing_everything_restores_one_run(ops):
-    pool = BufferPool(1 << 18)
-    live = {}
-    for alloc, owner_num, size in ops:
-        owner = f"r{owner_num}"
-        if alloc and owner not in live:
-            try:
-                live[owner] = pool.alloc(owner, size)
-            except BufferFullError:
-                continue
-        elif not alloc and owner in live:
-            assert pool.free(owner)
-            del live[owner]
-        spans = sorted((s.offset, s.offset + s.nbytes) for s in live.values())
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-        assert all(0 <= a and b <= pool.size for a, b in spans)
-        assert pool.free_bytes == pool.size - sum(s.nbytes for s in live.values())
-    for owner in list(live):
-        pool.free(owner)
-    assert pool.free_bytes == pool.size
-    assert pool.alloc("all", pool.size).nbytes == pool.size
+MB = 1 << 20
 
 
-def test_full_buffer_raises_a_named_error_with_the_figures():
-    pool = BufferPool(8192)
-    pool.alloc("a", 8192)
-    with pytest.raises(BufferFullError, match="need 4096"):
-        pool.alloc("b", 1)
+def buffer(size: int = 8 * MB, share: int = 6 * MB, **kw) -> NodeBuffer:
+    return NodeBuffer(BufferPool(size), share, **kw)
 
 
-def test_layer_runs_address_layer_blocks_inside_full_blocks():
-    lay = SlotLayout(layers=3, block_tokens=4, bytes_per_token_layer=10)
-    assert (lay.layer_bytes, lay.block_bytes) == (40, 120)
-    # tokens 2..9 of layer 1: block 0 tokens 2-3, block 1 tokens 4-7, block 2 tokens 8-9
-    assert lay.layer_runs(1, 2, 10) == [(0 + 40 + 20, 2, 2), (120 + 40, 4, 4), (240 + 40, 8, 2)]
-    assert lay.layer_runs(0, 5, 5) == []
-    assert lay.slot_bytes(9) == 3 * 120
+def test_slots_are_one_per_attempt_within_the_request_buffers_share_and_a_second_alloc_is_the_same_slot():
+    b = buffer()
+    s0 = b.alloc("r", 0, 2 * MB)
+    assert b.alloc("r", 0, 2 * MB) == s0 and b.slot("r", 0) == s0
+    s1 = b.alloc("r", 1, 2 * MB)
+    assert s1.offset != s0.offset and b.request_bytes() == 4 * MB
+    with pytest.raises(BufferFullError):
+        b.alloc("q", 0, 3 * MB)  # 2 MiB are left of the 6 MiB share (the region has 4)
+    assert b.free_request_bytes() == 2 * MB
 
 
-@settings(max_examples=100, deadline=None)
-@given(
-    layers=st.integers(1, 6),
-    bt=st.integers(1, 16),
-    bpt=st.integers(1, 32),
-    start=st.integers(0, 100),
-    n=st.integers(0, 100),
-    layer=st.integers(0, 5),
-)
-def test_layer_runs_cover_each_token_exactly_once_at_its_address(layers, bt, bpt, start, n, layer):
-    layer %= layers
-    lay = SlotLayout(layers=layers, block_tokens=bt, bytes_per_token_layer=bpt)
-    seen = []
-    for off, tok, cnt in lay.layer_runs(layer, start, start + n):
-        for i in range(cnt):
-            t = tok + i
-            assert off + i * bpt == (t // bt) * lay.block_bytes + layer * lay.layer_bytes + (t % bt) * bpt
-            seen.append(t)
-    assert seen == list(range(start, start + n))
+def test_a_free_while_a_transfer_uses_the_slot_takes_effect_when_the_transfer_ends():
+    b = buffer()
+    b.alloc("r", 0, MB)
+    key = slot_key("r", 0)
+    with b.using(key):
+        assert b.free("r", 0) == "deferred" and b.slot("r", 0) is not None
+    assert b.slot("r", 0) is None and b.request_bytes() == 0
+    assert b.free("r", 0) == "no slot"
 
 
-@settings(max_examples=150, deadline=None)
-@given(
-    layers=st.integers(1, 6),
-    bt=st.integers(1, 16),
-    bpt=st.integers(1, 32),
-    start=st.integers(0, 100),
-    n=st.integers(0, 100),
-    layer=st.integers(0, 5),
-)
-def test_layer_strided_is_layer_runs_grouped_into_at_most_three_strided_runs(layers, bt, bpt, start, n, layer):
-    layer %= layers
-    lay = SlotLayout(layers=layers, block_tokens=bt, bytes_per_token_layer=bpt)
-    strided = lay.layer_strided(layer, start, start + n)
-    expanded = [(off + k * lay.block_bytes, tok + k * cnt, cnt) for off, tok, cnt, count in strided for k in range(count)]
-    assert expanded == lay.layer_runs(layer, start, start + n)
-    assert len(strided) <= 3
+def test_an_alloc_again_cancels_a_pending_free():
+    b = buffer()
+    b.alloc("r", 0, MB)
+    key = slot_key("r", 0)
+    with b.using(key):
+        b.release(key)
+        b.alloc("r", 0, MB)  # the same attempt takes its slot again (e.g. a DE read after a persist)
+    assert b.slot("r", 0) is not None
 
 
-def test_layer_strided_puts_whole_blocks_in_one_run():
-    lay = SlotLayout(layers=3, block_tokens=4, bytes_per_token_layer=10)
-    # tokens 2..17 of layer 1: block 0 tokens 2-3, blocks 1-3 whole, block 4 token 16
-    assert lay.layer_strided(1, 2, 17) == [(60, 2, 2, 1), (160, 4, 4, 3), (520, 16, 1, 1)]
-    assert lay.layer_strided(0, 0, 8) == [(0, 0, 4, 2)]
+def test_slots_given_up_by_a_retry_are_quarantined_until_their_time():
+    b = buffer(quarantine_s=5.0)
+    for a in (0, 1, 2):
+        b.alloc("r", a, MB)
+    assert b.give_up_below("r", 2, now=100.0) == 2
+    b.sweep(104.9)
+    assert b.slot("r", 0) is not None and b.slot("r", 1) is not None
+    b.sweep(105.0)
+    assert b.slot("r", 0) is None and b.slot("r", 1) is None and b.slot("r", 2) is not None
+
+
+def test_a_dead_schedulers_unclaimed_reservations_go_back_after_the_grace_and_claimed_ones_stay():
+    b = buffer(reclaim_after_s=30.0)
+    b.on_scheduler("old", now=0.0)
+    b.alloc("claimed", 0, MB, instance="old", now=10.0)
+    b.alloc("unclaimed", 0, MB, instance="old", now=10.0)
+    b.alloc("engine-owned", 0, MB)  # not a reservation (a prefill's PE slot)
+    b.claim("claimed", 0)
+    assert b.reclaim(now=1000.0) == []  # the old scheduler is still the active one
+    b.on_scheduler("new", now=100.0)
+    b.alloc("new-one", 0, MB, instance="new", now=101.0)
+    assert b.reclaim(now=129.9) == []
+    gone = b.reclaim(now=130.0)
+    assert [(r.key, r.instance, r.outcome) for r in gone] == [(slot_key("unclaimed", 0), "old", "freed")]
+    assert all(b.slot(rid, 0) is not None for rid in ("claimed", "engine-owned", "new-one"))
+    assert b.reclaimed == 1 and b.reclaim(now=1e9) == []

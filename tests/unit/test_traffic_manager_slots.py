@@ -10,12 +10,13 @@ from dataclasses import replace
 
 from dualpath.config import NodeConfig
 from dualpath.kv import BlockStore
+from dualpath.node.slots import QUARANTINE_S, slot_key
 from dualpath.node.storage_io import StorageIO
 from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Subjects
 from dualpath.transfer import MemoryRegion, RegionDescriptor
 from dualpath.transfer.nic import EmulatedNic
-from services.traffic_manager.service import QUARANTINE_S, TrafficManager, slot_key
+from services.traffic_manager.service import TrafficManager
 
 LAYERS, TOKENS, BPT = 2, 4, 8  # 64 B blocks
 DIGEST = 3
