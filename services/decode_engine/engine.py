@@ -158,10 +158,7 @@ class DecodeEngine:
     async def on_cancel(self, req: m.CancelRequest) -> None:
         """A client's cancel stops the request (reported finished); the scheduler's retry cancel
         (``before_attempt``) stops older attempts only, silently (see the module docstring)."""
-        if req.before_attempt >= 0:
-            await self._apply(self.requests.retry_cancel(req.request_id, req.before_attempt))
-        else:
-            await self._apply(self.requests.client_cancel(req.request_id))
+        await self._apply(self.requests.cancel(req.request_id, req.before_attempt))
 
     async def _apply(self, cmds: list[AttemptCommand[m.DecodeTask]]) -> str:
         """Carry out the attempt core's commands; the detail of a refusal, else ""."""
@@ -229,7 +226,12 @@ class DecodeEngine:
 
     async def _h2d_then_add(self, held: Held, nic) -> None:
         lay = self.setup.layout
-        await nic.copy(lay.blocks_for(len(held.task.prompt_tokens)) * lay.block_bytes)
+        try:
+            await nic.copy(lay.blocks_for(len(held.task.prompt_tokens)) * lay.block_bytes)
+        except Exception as exc:  # noqa: BLE001 - the emulated copy failed: the scheduler retries the request
+            if self.requests.get(held.request_id) is held:
+                await self._fail(held, f"prompt KV copy failed: {type(exc).__name__}: {exc}")
+            return
         if self.requests.get(held.request_id) is held:  # else it was dropped while it loaded
             await self._add(held)
 

@@ -182,10 +182,7 @@ class PrefillEngine:
         """A client's cancel stops the request's task: a queued one is dropped now, one loading,
         computing or handing off when that ends. A scheduler's retry (``before_attempt``) stops
         older attempts only, silently."""
-        if req.before_attempt >= 0:
-            await self._apply(self.requests.retry_cancel(req.request_id, req.before_attempt))
-        else:
-            await self._apply(self.requests.client_cancel(req.request_id))
+        await self._apply(self.requests.cancel(req.request_id, req.before_attempt))
 
     async def _apply(self, cmds: list[AttemptCommand[m.PrefillTask]]) -> str:
         """Carry out the attempt core's commands; the detail of a refusal, else ""."""

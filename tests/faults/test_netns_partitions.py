@@ -273,13 +273,19 @@ def _ask_batch(dep) -> tuple[list[Answer | None], float]:
         futures = [
             pool.submit(complete, dep, p, max_tokens=48, timeout=60, read_path="de" if i % 2 else None) for i, p in enumerate(PROMPTS)
         ]
-        answers: list[Answer | None] = []
-        for f in futures:
-            try:
-                answers.append(f.result(timeout=70))
-            except cf.TimeoutError:
-                answers.append(None)
+        answers = _settle(futures)
     return answers, time.monotonic() - t0
+
+
+def _settle(futures) -> list[Answer | None]:
+    """Each request's answer, or None for one that did not end within 70 s (lost)."""
+    answers: list[Answer | None] = []
+    for f in futures:
+        try:
+            answers.append(f.result(timeout=70))
+        except cf.TimeoutError:
+            answers.append(None)
+    return answers
 
 
 def test_node_link_slowed_and_lossy_answers_stay_exact(dep, reference):
@@ -375,12 +381,7 @@ def test_decode_host_cut_off_mid_stream_answers_complete_exactly_or_fail_explici
         marks["cut"] = time.monotonic()
         dep.link("d0", "down")
         try:
-            answers: list[Answer | None] = []
-            for f in futures:
-                try:
-                    answers.append(f.result(timeout=70))
-                except cf.TimeoutError:
-                    answers.append(None)
+            answers = _settle(futures)
             settled = time.monotonic() - marks["cut"]
         finally:
             dep.link("d0", "up")

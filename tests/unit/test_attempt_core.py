@@ -209,3 +209,10 @@ def test_random_event_sequences_keep_at_most_one_run_and_one_successor_per_reque
             if succ is not None:
                 assert run is not None and run.stopping  # a successor waits only for a run on its way out
                 assert int(succ[1:]) > run.attempt
+
+
+def test_a_cancel_request_is_the_schedulers_retry_cancel_with_an_attempt_and_the_clients_without():
+    t = table()
+    run = running(t, "r", 1, "r1")
+    assert t.cancel("r", 1) == [] and run.stop is None  # retry cancel below 1: not this run
+    assert kinds(t.cancel("r")) == [("Halt", "r1")] and run.stop is Stop.CANCELLED

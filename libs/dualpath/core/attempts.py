@@ -205,6 +205,12 @@ class AttemptTable(Generic[T]):
             cmds += self._promote(request_id)
         return cmds
 
+    def cancel(self, request_id: str, before_attempt: int = -1) -> list[AttemptCommand[T]]:
+        """A ``CancelRequest``: the scheduler's retry cancel when ``before_attempt >= 0``, else its client's."""
+        if before_attempt >= 0:
+            return self.retry_cancel(request_id, before_attempt)
+        return self.client_cancel(request_id)
+
     def client_cancel(self, request_id: str) -> list[AttemptCommand[T]]:
         """The request's client cancelled it: its run stops (told as cancelled), no successor starts."""
         cmds: list[AttemptCommand[T]] = []
