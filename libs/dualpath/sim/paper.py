@@ -112,17 +112,22 @@ NOTES = {
     "ablation_layerwise_jct_reduction_pct": "the simulated Basic is pinned at the prefill nodes' SNICs, which layer-wise prefill "
     "does not touch (its loads come from the DRAM buffer over a CNIC 8x the GPU's share of the SNIC); the paper's "
     "reason (a prefill batch without it must hold every layer's KV in HBM) caps no batch here: the 300 ms quota "
-    "admits fewer tokens than HBM holds. An earlier 16.7% (a few turns per agent) came from refused "
-    "decode-buffer reservations, not from layer-wise prefill: docs/paper.md says which commit and why",
+    "admits fewer tokens than HBM holds, and the prefill engines are mostly idle. An earlier 16.7% (six turns per "
+    "agent, before f60a855) came from refused decode-buffer reservations and their back-off, which Basic without "
+    "layer-wise prefill met more often (its decode slots are held through loads, compute and stores in turn), not "
+    "from layer-wise prefill: docs/paper.md gives the measurements",
     "ablation_dual_path_jct_reduction_pct": "follows the headline ratio (same runs)",
     "ablation_scheduler_jct_reduction_pct": "follows the headline ratio (same runs)",
     "snic_max_over_avg_round_robin": "round robin reads every other request on the prefill side: with P < D prefill nodes "
     "each prefill node reads (P + D) / (2P) times the average, the decode nodes less; the figure follows P/D",
     "snic_max_over_avg_dualpath": "quick size: too few reads for a stable figure",
     "ds27b_1p1d_dualpath_over_basic": "quick size: the cluster is not storage-bound",
-    "ds27b_1p1d_dualpath_over_oracle": "DualPath is bound by the two SNICs while Oracle is bound by compute; the paper's "
-    "27B (an internal model: heads, indexer and expert widths are assumed here) computes slower relative to its "
-    "storage than the modeled one",
+    "ds27b_1p1d_dualpath_over_oracle": "DualPath is bound by the two SNICs (its JCT is the trajectories' hit bytes over "
+    "both nodes' storage NICs) while Oracle is bound by compute, decode the busiest: a roofline step with the EP8 "
+    "group inside one node, no all-to-all charged. The paper's range says its 27B Oracle takes at least 1/1.85 of "
+    "the storage-bound time, a decode several times slower than the modeled one (an internal model: heads, indexer "
+    "and expert widths are assumed here). The earlier 1.84x (six turns per agent from mid-trajectory, before "
+    "d2d1933) measured the longest agents' turn chains, not throughput: docs/paper.md gives the measurements",
     "pd_speedup_average": "the speedup follows how storage-bound the cluster is at the simulated batch sizes",
     "pd_speedup_max": "the speedup follows how storage-bound the cluster is at the simulated batch sizes",
     "dualpath_2p1d_over_dualpath_1p2d": "small sizes: JCT is set by a few slow agents, not by storage bandwidth",
