@@ -138,9 +138,9 @@ NOTES = {
     "scale_offline_jct_ratio": "the larger cluster runs proportionally more agents; JCT is set by the slowest agents",
     "online_ds27b_aps_ratio": "DualPath and Basic are both bound by storage-side TTFT queueing; the paper's 1.67 (under the "
     "2x of the SNICs) says its 27B DualPath meets another limit first, which the modeled 27B's fast compute does not reach",
-    "online_ds660b_aps_ratio": "Basic is bound by the prefill nodes' SNICs (TTFT queueing) as in the paper; the simulated "
-    "DualPath is bound by decode (TPOT, which counts the wait for decode HBM) with TTFT far under its bound, while the "
-    "paper's DualPath at 0.4 APS has TTFT 1.74 s and TPOT 39 ms: its limit is on the prefill side",
+    "online_ds660b_aps_ratio": "Basic is bound by the prefill nodes' SNICs (TTFT queueing) as in the paper; see the "
+    "sweep's best point for which SLO binds the simulated DualPath (TTFT, or TPOT, which counts the wait for decode "
+    "HBM) against the paper's DualPath at 0.4 APS (TTFT 1.74 s, TPOT 39 ms: a prefill-side limit)",
     "online_scale_aps_ratio": "the sweep brackets max APS within 5%; ratios carry that error twice",
 }
 
