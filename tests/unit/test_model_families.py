@@ -3,7 +3,8 @@
 The integration test serves whole checkpoints; these check the parts it cannot isolate:
 each RoPE scaling against transformers' own init functions, MLA's two exact attention
 forms against each other, the batched MoE against a per-token loop, the KV a token keeps,
-and the tiny checkpoints ``make_tiny_model`` writes for every family (loaded by
+a decode step over sequences of different lengths against each one's full recompute, and
+the tiny checkpoints ``make_tiny_model`` writes for every family (loaded by
 transformers, same logits; cached decoding equals a full recompute).
 """
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 from conftest import decode_from_memory
 
+from dualpath.engine.decode import DecodeSequence, KvMemory, decode_step
 from dualpath.model import Decoder, ModelConfig, ModelLoadError, greedy_generate, make_tiny_model
 from dualpath.model.rope import attention_factor, inverse_frequencies, mla_softmax_scale
 from dualpath.model.tiny import ARCHS
@@ -114,6 +116,40 @@ def test_cached_decoding_in_kv_memory_equals_greedy_by_full_recompute(family):
         reference.append(nxt)
         ids.append(nxt)
     assert decode_from_memory(dec, PROMPT, 12) == reference, arch
+
+
+def _random_checkpoint(path, arch: str):
+    """A tiny checkpoint with transformers' random init (not peaked like ``make_tiny_model``'s,
+    so attention moves the logits) of a GQA family."""
+    config = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[arch](
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+def test_one_decode_step_over_sequences_of_different_lengths_gives_each_its_full_recompute(arch, tmp_path):
+    """The decode engine's step batches sequences of different lengths, each attending over
+    its own buffer with its new token written there first: every row is its sequence's."""
+    dec = Decoder.load(_random_checkpoint(tmp_path, arch))
+    spec = dec.kv_spec
+    memory = KvMemory(layers=dec.num_layers, spec=spec, dtype=dec.dtype, device=dec.device, capacity_tokens=1024, block_tokens=16)
+    seqs, inputs, want = [], [], []
+    for n in (5, len(PROMPT), 17):
+        prompt = PROMPT[:n]
+        logits, k, v = dec.forward_full(prompt)
+        kv = memory.allocate(n + 1)
+        for layer in range(dec.num_layers):
+            spec.pack_into(kv[layer, :n], k[layer], v[layer])
+        seqs.append(DecodeSequence(request_id=str(n), tokens=list(prompt), kv=kv, kv_len=n))
+        inputs.append(int(logits[-1].argmax()))
+        want.append(dec.forward_full(prompt + [inputs[-1]])[0][-1])
+    got = decode_step(dec, memory, seqs, inputs)
+    torch.testing.assert_close(got, torch.stack(want), rtol=0, atol=1e-4)
+    assert [s.kv_len for s in seqs] == [6, len(PROMPT) + 1, 18]
 
 
 def test_the_kv_a_token_keeps_is_the_latent_and_rotary_key_for_mla_and_k_v_otherwise(family):

@@ -8,8 +8,12 @@ the other:
   prefill engine's call; transformers: ``model(ids, use_cache=True, logits_to_keep=1)``);
 - **decode**: ``--batch`` sequences of ``--context`` cached tokens each, ``--decode-steps``
   greedy steps (ours: ``engine.decode.decode_step`` over ``KvMemory``, the decode engine's
-  step; transformers: ``model(next_ids, past_key_values=cache, logits_to_keep=1)``). Both
-  start from the KV of a prefill of the same tokens.
+  step; transformers: ``model(next_ids, cache=cache, logits_to_keep=1)``). Both start from
+  the KV of a prefill of the same tokens, and both write each step's KV in place into memory
+  allocated beforehand, as a server does: transformers gets a ``StaticCache`` (its
+  ``DynamicCache`` would copy the whole cache at every layer of every step, a cost no server
+  pays; ``transformers_cache`` says ``dynamic`` where the installed version has no layered
+  ``StaticCache``).
 
 Each figure is the median of ``--repeats`` timed runs after one warm-up, ours and
 transformers' runs alternating. ``prefill_ratio`` and
@@ -21,12 +25,15 @@ transformers' runs alternating. ``prefill_ratio`` and
 from __future__ import annotations
 
 import argparse
+import copy
+import inspect
 import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main", "run_bench"]
 
@@ -62,6 +69,36 @@ def _compare(ours, theirs, device, repeats: int) -> tuple[float, float]:
 
 def _none() -> None:
     return None
+
+
+def _static_cache(model, prefix, batch: int, max_len: int):
+    """A transformers ``StaticCache`` of ``max_len`` tokens for ``batch`` sequences, filled
+    by ``_refill``, or None where the installed transformers has no ``StaticCache`` made of
+    layers with a ``cumulative_length`` tensor."""
+    import torch
+    import transformers
+
+    layers = getattr(prefix, "layers", None)
+    if layers is None or not hasattr(transformers, "StaticCache"):
+        return None
+    cache: Any = transformers.StaticCache(config=model.config, max_cache_len=max_len)  # layers typed loosely across versions
+    if len(cache.layers) != len(layers) or not all(isinstance(getattr(x, "cumulative_length", None), torch.Tensor) for x in cache.layers):
+        return None
+    for dst, src in zip(cache.layers, layers):
+        dst.lazy_initialization(src.keys.expand(batch, -1, -1, -1), src.values.expand(batch, -1, -1, -1))
+    return _refill(cache, prefix)
+
+
+def _refill(cache, prefix):
+    """``cache`` (from ``_static_cache``) holding the ``DynamicCache`` ``prefix`` (one
+    sequence) for each of its sequences, and nothing after it: copied afresh, as our decode
+    run copies its sequences' KV into newly allocated memory."""
+    for dst, src in zip(cache.layers, prefix.layers):
+        t = src.keys.shape[2]
+        dst.keys[:, :, :t].copy_(src.keys.expand(dst.keys.shape[0], -1, -1, -1))  # [B, kvh, T, hd]
+        dst.values[:, :, :t].copy_(src.values.expand(dst.values.shape[0], -1, -1, -1))
+        dst.cumulative_length.fill_(t)
+    return cache
 
 
 def make_bench_model(out: Path, arch: str) -> Path:
@@ -162,11 +199,15 @@ def run_bench(
             for s in seqs:
                 memory.release(s.kv)
 
-        cache0 = theirs(ctx[None], use_cache=True).past_key_values
+        cache_kw = "cache" if "cache" in inspect.signature(theirs.forward).parameters else "past_key_values"
+        out = theirs(ctx[None], use_cache=True)
+        cache0 = out.cache if cache_kw == "cache" else out.past_key_values
+        static = _static_cache(theirs, cache0, batch, context + decode_steps)
+        result["transformers_cache"] = "dynamic" if static is None else "static"
 
         def theirs_setup():
-            import copy
-
+            if static is not None:
+                return _refill(static, cache0)  # the run before's steps forgotten, its memory kept
             cache = copy.deepcopy(cache0)
             cache.batch_repeat_interleave(batch)
             return cache
@@ -174,8 +215,8 @@ def run_bench(
         def theirs_decode(cache):
             nxt = torch.full((batch, 1), first, device=dev)
             for _ in range(decode_steps):
-                step = theirs(nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                cache = step.past_key_values
+                step = theirs(nxt, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+                cache = cache if static is not None else step[cache_kw]
                 nxt = step.logits[:, -1].argmax(-1, keepdim=True)
 
         say(f"decode {batch} x {context} context, {decode_steps} steps: ours and transformers, {repeats} runs each")

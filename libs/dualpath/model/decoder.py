@@ -46,10 +46,25 @@ PastKV = tuple[torch.Tensor, torch.Tensor] | None  # (k, v): [P, *kv_spec.k_shap
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # In float32 then back, as transformers' RMSNorm modules do.
+    # In float32 then back, as transformers' RMSNorm modules do (the same operations, fewer
+    # temporaries: the per-row scale and the product are updated in place).
     x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    scale = x32.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()  # [..., 1]
+    return (x32 * scale).to(x.dtype).mul_(weight)
+
+
+def _transposed(w: torch.Tensor) -> torch.Tensor:
+    """A linear layer's weight ``[out, in]`` kept as ``[in, out]`` (contiguous) for ``_linear``."""
+    return w.t().contiguous()
+
+
+def _linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w_t.T, bias)`` for ``x [N, in]`` and a weight kept transposed, ``w_t [in, out]``.
+
+    The same product; on CPU, MKL's float32 GEMM streams an ``[in, out]`` weight faster when
+    ``N`` is small (a decode step's batch, an expert's tokens) and as fast for a prefill.
+    """
+    return x @ w_t if bias is None else torch.addmm(bias, x, w_t)
 
 
 def _causal_mask(n: int, past_len: int, device: torch.device) -> torch.Tensor:
@@ -122,26 +137,60 @@ def _each_sequence(segments: Sequence[tuple[int, int]], attend) -> torch.Tensor:
 class _GqaAttention:
     def __init__(self, cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, rope: RotaryEmbedding) -> None:
         names = ("q_proj", "k_proj", "v_proj")
-        self.qkv = torch.cat([t[f"{p}{n}.weight"] for n in names])  # [(heads + 2 kvh) * hd, H]
+        self.qkv = _transposed(torch.cat([t[f"{p}{n}.weight"] for n in names]))  # [H, (heads + 2 kvh) * hd]
         self.qkv_bias = torch.cat([t[f"{p}{n}.bias"] for n in names]) if cfg.attention_bias else None
-        self.o = t[p + "o_proj.weight"]  # [H, heads * hd]
+        self.o = _transposed(t[p + "o_proj.weight"])  # [heads * hd, H]
         self.o_bias = t.get(p + "o_proj.bias")
-        self.qk_norm = (t[p + "q_norm.weight"], t[p + "k_norm.weight"]) if cfg.qk_norm else None  # Qwen3: per head
         self.heads, self.kv_heads, self.hd, self.eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+        # Qwen3's per-head q and k norms as one weight over the q heads then the k heads: [heads + kvh, hd]
+        self.qk_norm = (
+            torch.cat((t[p + "q_norm.weight"].expand(self.heads, -1), t[p + "k_norm.weight"].expand(self.kv_heads, -1)))
+            if cfg.qk_norm
+            else None
+        )
         self.rope, self.spec = rope, cfg.kv_spec
 
     def __call__(self, x, cos, sin, segments, past, caches: Caches = None):
-        n, hd = x.shape[0], self.hd
-        qkv = F.linear(x, self.qkv, self.qkv_bias)  # [N, (heads + 2 kvh) * hd]
-        q, k, v = qkv.split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
-        q, k = q.reshape(n, self.heads, hd), k.reshape(n, self.kv_heads, hd)
+        n, hd, heads, kvh = x.shape[0], self.hd, self.heads, self.kv_heads
+        qkv = _linear(x, self.qkv, self.qkv_bias)  # [N, (heads + 2 kvh) * hd]
+        qk = qkv[:, : (heads + kvh) * hd].view(n, heads + kvh, hd)
         if self.qk_norm is not None:
-            q, k = _rms_norm(q, self.qk_norm[0], self.eps), _rms_norm(k, self.qk_norm[1], self.eps)
-        q = self.rope.rotate(q, cos, sin)  # [N, heads, hd]
-        k = self.rope.rotate(k, cos, sin)  # [N, kvh, hd]
-        v = v.reshape(n, self.kv_heads, hd).contiguous()  # [N, kvh, hd]
-        attn = _each_sequence(segments, lambda i, s, e: self._attend(q[s:e], *_kv_all(self.spec, i, k[s:e], v[s:e], past, caches)))
-        return F.linear(attn.reshape(n, -1), self.o, self.o_bias), k, v  # attn [N, heads, hd]
+            qk = _rms_norm(qk, self.qk_norm, self.eps)
+        # q and k rotated together and written head by head, [heads + kvh, N, hd]: the fused
+        # attention kernel reads each head's rows back to back
+        out = torch.empty((heads + kvh, n, hd), dtype=qkv.dtype, device=qkv.device)
+        qk = self.rope.rotate(qk.transpose(0, 1), cos.transpose(0, 1), sin.transpose(0, 1), out=out).transpose(0, 1)
+        q, k = qk[:, :heads], qk[:, heads:]  # [N, heads, hd], [N, kvh, hd]
+        v = qkv[:, (heads + kvh) * hd :].view(n, kvh, hd)
+        if caches is not None and all(length == 1 for _, length in segments):
+            attn, k, v = self._decode(q, k, v, segments, caches)
+        else:
+            v = v.transpose(0, 1).contiguous().transpose(0, 1)  # head by head as well
+            attn = _each_sequence(segments, lambda i, s, e: self._attend(q[s:e], *_kv_all(self.spec, i, k[s:e], v[s:e], past, caches)))
+        return _linear(attn.reshape(n, -1), self.o, self.o_bias), k, v  # attn [N, heads, hd]
+
+    def _decode(self, q, k, v, segments, caches: Sequence[tuple[torch.Tensor, int]]):
+        """A decode step: sequence ``i``'s one new token (row ``segments[i][0]``) is written
+        into its buffer ``caches[i]`` (one copy of the token's K and V) and attends over every
+        token there: two batched matmuls, its query heads grouped by KV head as the rows (no
+        tiling and no threads to wake for one query, as the fused kernel would). Softmax in
+        float32 as transformers does. Returns ``(attn [N, heads, hd], k, v)``, ``k``/``v`` views
+        of the new tokens' parts."""
+        n, kvh, hd = k.shape
+        kw, g = self.spec.k_width, self.heads // kvh
+        new = torch.empty((n, self.spec.width), dtype=k.dtype, device=k.device)  # as a cache holds a token
+        new[:, :kw].view(n, kvh, hd).copy_(k)
+        new[:, kw:].view(n, kvh, hd).copy_(v)
+        out = torch.empty((n, kvh, g, hd), dtype=q.dtype, device=q.device)  # query heads grouped by KV head
+        q = torch.mul(q.reshape(out.shape), hd**-0.5, out=torch.empty_like(out))  # the softmax scale, once for all
+        for (row, _), (buf, plen) in zip(segments, caches):
+            t = plen + 1
+            buf[plen].copy_(new[row])
+            kv = buf[:t].view(t, 2, kvh, hd)  # K then V per token
+            scores = torch.bmm(q[row], kv[:, 0].permute(1, 2, 0))  # [kvh, g, T]
+            probs = scores.softmax(-1, dtype=torch.float32)
+            torch.bmm(probs if probs.dtype == q.dtype else probs.to(q.dtype), kv[:, 1].transpose(0, 1), out=out[row])
+        return out.view(n, self.heads, hd), new[:, :kw].view(n, kvh, hd), new[:, kw:].view(n, kvh, hd)
 
     def _attend(self, q, k, v):
         """Causal GQA attention of ``q [n, heads, hd]`` (the last ``n`` positions) over ``k, v [T, kvh, hd]``."""
@@ -160,8 +209,8 @@ class _MlaAttention:
         kv_a_bias = t[p + "kv_a_proj_with_mqa.bias"] if bias else None
         self.q_lora: tuple[torch.Tensor, torch.Tensor] | None = None  # (q_a_layernorm, q_b_proj)
         if m.q_lora_rank is None:
-            # q and the latent from one matmul: [heads * qk_head + r + d, H]
-            self.down = torch.cat((t[p + "q_proj.weight"], kv_a))
+            # q and the latent from one matmul: [H, heads * qk_head + r + d]
+            self.down = _transposed(torch.cat((t[p + "q_proj.weight"], kv_a)))
             self.down_bias = (
                 None
                 if kv_a_bias is None
@@ -169,25 +218,25 @@ class _MlaAttention:
             )
             self.q_split = self.heads * m.qk_head_dim
         else:
-            self.down = torch.cat((t[p + "q_a_proj.weight"], kv_a))  # [q_lora + r + d, H]
+            self.down = _transposed(torch.cat((t[p + "q_a_proj.weight"], kv_a)))  # [H, q_lora + r + d]
             self.down_bias = None if kv_a_bias is None else torch.cat((t[p + "q_a_proj.bias"], kv_a_bias))
             self.q_split = m.q_lora_rank
-            self.q_lora = (t[p + "q_a_layernorm.weight"], t[p + "q_b_proj.weight"])
+            self.q_lora = (t[p + "q_a_layernorm.weight"], _transposed(t[p + "q_b_proj.weight"]))
         self.kv_a_norm = t[p + "kv_a_layernorm.weight"]
         kv_b = t[p + "kv_b_proj.weight"]  # [heads * (nope + v), r]
         self.kv_b = kv_b
         w = kv_b.view(self.heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         self.w_uk = w[:, : m.qk_nope_head_dim].contiguous()  # [heads, nope, r]: q_nope -> latent space
         self.w_uv_t = w[:, m.qk_nope_head_dim :].transpose(1, 2).contiguous()  # [heads, r, v]: latent -> v
-        self.o, self.o_bias = t[p + "o_proj.weight"], t.get(p + "o_proj.bias") if bias else None
+        self.o, self.o_bias = _transposed(t[p + "o_proj.weight"]), t.get(p + "o_proj.bias") if bias else None
         self.scale = mla_softmax_scale(m.qk_head_dim, cfg.rope_scaling)
         self.spec = cfg.kv_spec
 
     def __call__(self, x, cos, sin, segments, past, caches: Caches = None):
         m, n, heads = self.m, x.shape[0], self.heads
-        down = F.linear(x, self.down, self.down_bias)
+        down = _linear(x, self.down, self.down_bias)
         q_in, latent = down.split([self.q_split, m.kv_lora_rank + m.qk_rope_head_dim], dim=-1)
-        q = q_in if self.q_lora is None else F.linear(_rms_norm(q_in, self.q_lora[0], self.eps), self.q_lora[1])
+        q = q_in if self.q_lora is None else _linear(_rms_norm(q_in, self.q_lora[0], self.eps), self.q_lora[1])
         q = q.reshape(n, heads, m.qk_head_dim)
         q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = latent.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
@@ -197,7 +246,7 @@ class _MlaAttention:
         attn = _each_sequence(
             segments, lambda i, s, e: self._attend(q_nope[s:e], q_pe[s:e], *_kv_all(self.spec, i, c[s:e], k_pe[s:e], past, caches))
         )  # [N, heads, v_head_dim]
-        return F.linear(attn.reshape(n, -1), self.o, self.o_bias), c, k_pe
+        return _linear(attn.reshape(n, -1), self.o, self.o_bias), c, k_pe
 
     def _attend(self, q_nope, q_pe, c, k_pe):
         """Causal MLA of the last ``n`` positions' queries over ``c [T, 1, r]``, ``k_pe [T, 1, d]``:
@@ -233,12 +282,25 @@ class _MlaAttention:
 
 class _Mlp:
     def __init__(self, t: dict[str, torch.Tensor], p: str) -> None:
-        self.gate_up = torch.cat((t[p + "gate_proj.weight"], t[p + "up_proj.weight"]))  # [2 I, H]
-        self.down = t[p + "down_proj.weight"]  # [H, I]
+        self.gate_up = _transposed(torch.cat((t[p + "gate_proj.weight"], t[p + "up_proj.weight"])))  # [H, 2 I]
+        self.down = _transposed(t[p + "down_proj.weight"])  # [I, H]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate).mul_(up), self.down)
+        n, (inner, hidden) = x.shape[0], self.down.shape
+        # On CPU, row blocks whose [rows, 2 I] intermediate stays within 16 MiB: glibc hands
+        # out blocks that size again from its heap, but maps every one over 32 MiB afresh,
+        # and faulting it in costs about as much as the GEMM that fills it.
+        rows = n if x.device.type != "cpu" else max(256, (16 << 20) // (2 * inner * x.element_size()))
+        if n <= rows:
+            return self._rows(x)
+        out = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
+        for start in range(0, n, rows):
+            self._rows(x[start : start + rows], out=out[start : start + rows])
+        return out
+
+    def _rows(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        gate, up = _linear(x, self.gate_up).chunk(2, dim=-1)
+        return torch.mm(F.silu(gate, inplace=True).mul_(up), self.down, out=out)
 
 
 class _Moe:
@@ -318,7 +380,8 @@ class Decoder:
         self.kv_spec: KvSpec = config.kv_spec
         self.kv_heads, self.head_dim = self.kv_spec.k_shape  # GQA: K's (kv_heads, head_dim)
         self._embed = tensors["model.embed_tokens.weight"]  # [V, H]
-        self._lm_head = self._embed if config.tie_word_embeddings else tensors["lm_head.weight"]  # [V, H]
+        # [H, V] for _linear; a tied head is the embedding itself (no transposed second copy)
+        self._lm_head = None if config.tie_word_embeddings else _transposed(tensors["lm_head.weight"])
         self._norm = tensors["model.norm.weight"]  # [H]
         self._rope = RotaryEmbedding(config, device)
         self._layers = [self._layer(tensors, i) for i in range(self.num_layers)]
@@ -400,13 +463,24 @@ class Decoder:
             self._check_caches(hidden, segments, caches)
         past = [None] * len(segments) if past is None else past
         self._check(layer, hidden, positions, segments, past)
-        w = self._layers[layer]
-        eps = self.config.rms_norm_eps
         cos, sin = self._rope.cos_sin(positions, self.dtype)
+        return self._run_layer(self._layers[layer], hidden, cos, sin, segments, past, caches)
+
+    def _run_layer(
+        self,
+        w: _Layer,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        segments: Sequence[tuple[int, int]],
+        past: Sequence[PastKV],
+        caches: Caches,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``forward_layer`` on checked arguments, with the rotation tables of ``positions``."""
+        eps = self.config.rms_norm_eps
         attn, k, v = w.attention(_rms_norm(hidden, w.input_norm, eps), cos, sin, segments, past, caches)
-        out = hidden + attn
-        out = out + w.mlp(_rms_norm(out, w.post_norm, eps))
-        return out, k, v
+        out = attn.add_(hidden)  # the residual (attn is this layer's own tensor)
+        return w.mlp(_rms_norm(out, w.post_norm, eps)).add_(out), k, v
 
     @torch.no_grad()
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -416,7 +490,8 @@ class Decoder:
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``[M, H]`` -> ``[M, V]`` float32."""
-        return F.linear(self.final_norm(hidden), self._lm_head).float()
+        x = self.final_norm(hidden)
+        return (F.linear(x, self._embed) if self._lm_head is None else _linear(x, self._lm_head)).float()
 
     async def forward_layer_async(
         self,
@@ -445,9 +520,18 @@ class Decoder:
         pos_t = torch.tensor(list(kv_lens), dtype=torch.long, device=self.device)
         segments = [(i, 1) for i in range(len(kv_lens))]
         hidden = self.embed(token_t)
-        for layer in range(self.num_layers):
+        past: list[PastKV] = [None] * len(segments)
+        for kv in kvs:
+            if kv.dim() != 3 or kv.shape[0] != self.num_layers:
+                raise ModelInputError(f"a sequence's KV must be [{self.num_layers}, capacity, {self.kv_spec.width}], got {tuple(kv.shape)}")
+        # Every layer's buffers and inputs have the same shapes: checked once, and the
+        # rotation tables computed once, for the whole step.
+        self._check_caches(hidden, segments, [(kv[0], n) for kv, n in zip(kvs, kv_lens)])
+        self._check(0, hidden, pos_t, segments, past)
+        cos, sin = self._rope.cos_sin(pos_t, self.dtype)
+        for layer, w in enumerate(self._layers):
             caches = [(kv[layer], n) for kv, n in zip(kvs, kv_lens)]
-            hidden, _, _ = self.forward_layer(layer, hidden, pos_t, segments, None, caches=caches)
+            hidden, _, _ = self._run_layer(w, hidden, cos, sin, segments, past, caches)
         return self.logits(hidden)
 
     async def decode_step_async(self, kvs: Sequence[torch.Tensor], kv_lens: Sequence[int], inputs: Sequence[int]) -> torch.Tensor:

@@ -113,18 +113,24 @@ class RotaryEmbedding:
             cos, sin = cos * self.scale, sin * self.scale
         return cos.to(dtype), sin.to(dtype)
 
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [N, heads, dim]`` in this model's pair layout."""
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``x [N, heads, dim]`` in this model's pair layout: a new tensor, or ``out``
+        (``x``'s shape, any strides). ``x`` may be a permuted view (heads first, say) when
+        ``cos`` and ``sin`` are permuted alike."""
         if not self.interleave:
-            return self.apply(x, cos, sin)
+            return self.apply(x, cos, sin, out)
         half = x.shape[-1] // 2
         c, s = cos[..., :half], sin[..., :half]
         x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1, out=out)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [N, heads, dim]`` ("rotate half" layout) by the tables from ``cos_sin``."""
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``x [N, heads, dim]`` ("rotate half" layout) by the tables from ``cos_sin``:
+        ``x cos + (-x2, x1) sin``, each half updated in place (no rotated copy of ``x``)."""
         half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        x1, x2 = x[..., :half], x[..., half:]
+        out = torch.mul(x, cos, out=out)
+        out[..., :half].sub_(x2 * sin[..., :half])
+        out[..., half:].add_(x1 * sin[..., half:])
+        return out
