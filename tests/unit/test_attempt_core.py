@@ -216,3 +216,11 @@ def test_a_cancel_request_is_the_schedulers_retry_cancel_with_an_attempt_and_the
     run = running(t, "r", 1, "r1")
     assert t.cancel("r", 1) == [] and run.stop is None  # retry cancel below 1: not this run
     assert kinds(t.cancel("r")) == [("Halt", "r1")] and run.stop is Stop.CANCELLED
+
+
+def test_leaving_forgets_the_services_record_so_a_record_pointing_back_at_its_attempt_is_no_cycle():
+    t = table()
+    run = running(t, "r", 0, "r0")
+    run.state = {"attempt": run}  # a service record that refers to its attempt
+    t.leave(run, finished=True)
+    assert run.state is None

@@ -230,7 +230,10 @@ class AttemptTable(Generic[T]):
 
     def leave(self, run: Attempt[T], *, finished: bool = False) -> list[AttemptCommand[T]]:
         """``run`` ended: ``finished`` (its work is done: a late copy must not run it again),
-        failed, or stopped at its safe point. Its successor, if any, starts."""
+        failed, or stopped at its safe point. Its successor, if any, starts. The table forgets
+        ``run.state``: a service record that points back at its ``Attempt`` would otherwise
+        make a cycle that only the cyclic collector frees (and with it the run's KV views)."""
+        run.state = None
         rid = run.request_id
         if finished:
             self._retire(rid, run.attempt + 1)
