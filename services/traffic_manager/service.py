@@ -354,7 +354,7 @@ def register_metrics(tm: TrafficManager) -> None:
     observe(
         "dualpath.buffer.prefetch",
         "bytes of the node's DRAM held by staged prefetch runs (beside the request buffer)",
-        lambda: [(tm.pool.size - tm.pool.free_bytes - tm.request_bytes(), node)],
+        lambda: [(tm.buffer.prefetch_bytes, node)],
         unit="By",
     )
     observe("dualpath.buffer.size", "bytes of the node DRAM buffer for requests", lambda: [(tm.buffer_bytes, node)], unit="By")

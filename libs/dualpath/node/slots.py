@@ -82,9 +82,14 @@ class NodeBuffer:
     def slot(self, request_id: str, attempt: int) -> Slot | None:
         return self.pool.get(slot_key(request_id, attempt))
 
+    @property
+    def prefetch_bytes(self) -> int:
+        """Bytes of the region held by staged or retained prefetch runs."""
+        return self.cache.bytes if self.cache is not None else 0
+
     def request_bytes(self) -> int:
         """Bytes of the region held by requests' slots (not by staged prefetch runs)."""
-        return self.pool.size - self.pool.free_bytes - (self.cache.bytes if self.cache is not None else 0)
+        return self.pool.size - self.pool.free_bytes - self.prefetch_bytes
 
     def free_request_bytes(self) -> int:
         """The request buffer's room (staged runs are not the requests' room)."""
