@@ -25,7 +25,7 @@ from collections import deque
 
 from dualpath.kv.block import HEADER_BYTES, decode_header
 from dualpath.kv.errors import BlockMissingError, CorruptBlockError
-from dualpath.node.prefetch import PrefetchCache, Run
+from dualpath.node.prefetch import MAX_PENDING_HINTS, PrefetchCache, Run
 from dualpath.node.storage_io import BlockFormat, StorageIO
 from dualpath.protocol import messages as m
 from dualpath.runtime import wait_any
@@ -36,14 +36,13 @@ from dualpath.transfer.types import TrafficClass
 __all__ = ["Prefetcher"]
 
 log = get_logger("traffic-manager")
-_MAX_PENDING = 64  # hints queued; older ones are dropped first
 _IDLE_POLL_S = 0.005  # how often a waiting prefetch looks at the read queue and the NIC again
 
 
 class Prefetcher:
     def __init__(self, io: StorageIO, cache: PrefetchCache) -> None:
         self.io, self.cache = io, cache
-        self._pending: deque[m.PrefetchRequest] = deque(maxlen=_MAX_PENDING)
+        self._pending: deque[m.PrefetchRequest] = deque(maxlen=MAX_PENDING_HINTS)
         self._wake = asyncio.Event()
         self.hints = self.blocks_read = 0
         self.bytes_read = 0  # storage bytes the prefetch moved over the SNIC (not in StorageIO.bytes_read)

@@ -301,7 +301,7 @@ class TrafficManager:
             node_id=self.cfg.node_id,
             read_q_tokens=self.io.read_q_tokens,
             read_q_bytes=self.io.read_q_bytes,
-            buffer_free_bytes=self.buffer.free_request_bytes(),  # staged runs are not the requests' room
+            buffer_free_bytes=self.buffer.room(),  # the largest slot it can place (staged runs are not the requests' room)
             buffer_bytes=self.buffer_bytes,
             regions=[self.descriptor.to_wire()],
             bytes_read=self.io.bytes_read,

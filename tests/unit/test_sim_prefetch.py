@@ -1,6 +1,6 @@
-"""Agent-aware prefetch in the simulator (mode ``prefetch``): staged copies serve next turns,
-are held in the node's prefetch cache beside the request buffer (never its room), and leave
-nothing behind."""
+"""Agent-aware prefetch in the simulator (mode ``prefetch``): the traffic manager's own
+``PrefetchCache`` beside each node's ``NodeBuffer``; staged and retained runs serve next
+turns, never take a request's room, and leave nothing behind."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ def test_staged_copies_serve_next_turns_and_every_turn_completes():
     pf = sim.prefetch.summary()
     kept = pf["staged_bytes"] + pf["retained_bytes"]  # read from storage while idle, or kept from the turn's own read
     assert pf["staged_bytes"] > 0 and pf["retained_bytes"] > 0 and pf["used_bytes"] > 0.5 * kept
-    assert abs(kept - pf["used_bytes"] - pf["dropped_bytes"] - sum(n.bytes for n in sim.prefetch.nodes.values())) < 1.0
-    # the hits a staged copy served were not read from storage again
-    read = sum(s.hit_tokens_read for s in sim.storage.values()) * sim.kv_bytes_per_token
-    assert read + pf["used_bytes"] == m.hit_tokens * sim.kv_bytes_per_token
+    assert kept == pf["used_bytes"] + pf["dropped_bytes"] + sim.prefetch.cached_bytes()  # every kept byte is accounted for
+    # the hits a run served were not read from storage again
+    assert sum(s.hit_tokens_read for s in sim.storage.values()) == m.hit_tokens
+    assert sum(s.bytes_read for s in sim.storage.values()) + pf["used_bytes"] == m.hit_tokens * sim.kv_bytes_per_token
     assert all(s.read_q == 0 and not s.slots for s in sim.storage.values())
 
 
@@ -49,47 +49,57 @@ def test_a_small_buffer_still_completes_every_turn_and_copies_stay_within_the_ca
     roomy.run(), tight.run()
     assert tight.metrics.turns_done == roomy.metrics.turns_done
     pf = tight.prefetch.summary()
-    assert pf["cap_bytes_per_node"] == 1.0e9 * tight.cfg.node_share
+    assert 1.0e9 * tight.cfg.node_share - 4096 < pf["cap_bytes_per_node"] <= 1.0e9 * tight.cfg.node_share  # whole pages
     assert 0 < pf["peak_cache_bytes"] <= pf["cap_bytes_per_node"]
 
 
-def test_staged_copies_sit_beside_the_buffer_and_never_take_a_requests_room():
+def test_staged_runs_sit_beside_the_buffer_and_never_take_a_requests_room():
     sim = gapped("prefetch", prefetch_gb=80.0)
     node, storage = sim.prefetch.nodes["d0"], sim.storage["d0"]
-    tokens = int(0.3 * storage.buffer_bytes / sim.kv_bytes_per_token) // 64 * 64
-    for agent in (1, 2, 3):  # three copies as large as 90% of the request buffer
-        node.stage(agent, tokens)
+    blocks = int(0.3 * storage.buffer_bytes / storage.block_bytes)
+    for agent in (1, 2, 3):  # three runs as large as 90% of the request buffer
+        node.stage(agent, blocks)
     sim.loop.run(60.0)
-    assert len(node.copies) == 3 and node.bytes == 3 * tokens * sim.kv_bytes_per_token
-    assert storage.buffer_used == 0 and storage.buffer_report() == (int(storage.buffer_bytes), int(storage.buffer_bytes))
-    assert storage.reserve("r", storage.buffer_bytes)  # the whole request buffer, and no copy given up
-    assert list(node.copies) == [1, 2, 3] and sim.prefetch.summary()["dropped_bytes"] == 0
+    cache = storage.cache
+    assert cache.ready_bytes() == 3 * blocks * storage.block_bytes and cache.stats.staged_bytes == cache.ready_bytes()
+    assert storage.buffer_used == 0 and storage.buffer_report() == (storage.buffer_bytes, storage.buffer_bytes)
+    assert storage.reserve("r", storage.buffer_bytes)  # the whole request buffer, and no run given up
+    assert cache.stats.evictions == 0 and cache.stats.dropped_bytes == 0
     assert not storage.reserve("r2", 1.0)  # the request buffer is full: the cache does not lend it room
 
 
-def test_a_copy_a_pe_read_uses_passes_into_the_request_buffer():
+def test_a_read_takes_the_staged_leading_blocks_and_reads_only_the_rest():
     sim = gapped("prefetch")
     node, storage = sim.prefetch.nodes["p0"], sim.storage["p0"]
-    node.stage(7, 64 * 10)
+    node.stage(7, 10)
     sim.loop.run(60.0)
-    assert node.copies[7].ready == 640 and storage.buffer_used == 0
-    assert node.take(7, 64 * 20, keep=True) == 640
-    assert 7 not in node.copies and node.bytes == 0 and storage.buffer_used == 640 * sim.kv_bytes_per_token
+    bb = storage.block_bytes
+    assert storage.cache.ready_bytes() == 10 * bb and storage.buffer_used == 0
+    req = sim.agents[7]  # a turn of agent 7 with 20 hit blocks, read on the PE path
+    from dualpath.sim.request import SimRequest
+
+    turn = SimRequest(999, req, prompt=64 * 21, hit=64 * 20, gen=8, now=sim.loop.now)
+    before, done = storage.bytes_read, []
+    storage._on_read = done.append  # this read alone: not handed to a prefill engine
+    storage.read(turn, 20 * bb, into_buffer=True, staged=True)
+    assert storage.buffer_used >= 20 * bb and storage.cache.ready_bytes() == 0  # the run moved into the request's slot
+    sim.loop.run(sim.loop.now + 60.0)
+    assert done == [turn] and storage.bytes_read - before == 10 * bb and storage.cache.stats.used_bytes == 10 * bb
 
 
 def test_staging_waits_while_the_node_reads_for_a_request():
     sim = gapped("prefetch")
     node, storage = sim.prefetch.nodes["p0"], sim.storage["p0"]
     storage.active = 1  # a request's read is running
-    node.stage(1, 64 * 100)
+    node.stage(1, 100)
     sim.loop.run(1.0)
-    assert not node.busy and node.copies[1].ready == 0 and storage.read_link.active == 0
+    assert not node.busy and storage.cache.ready_bytes() == 0 and storage.read_link.active == 0
     storage.active = 0
     node.pump()
     assert node.busy and storage.read_link.active == 1
 
 
-def test_the_cap_bounds_the_cache_staged_copies_hold():
+def test_the_budget_bounds_the_cache_runs_hold():
     sim = gapped("prefetch", prefetch_gb=0.5)
     sim.run()
     assert 0 < sim.prefetch.summary()["peak_cache_bytes"] <= 0.5e9 * sim.cfg.node_share

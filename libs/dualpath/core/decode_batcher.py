@@ -183,6 +183,43 @@ class DecodeBatcher:
                 filled.append((rid, s.kv_len // self.block_tokens - 1))
         return StepOutcome(filled=tuple(filled), leaving=self._leave())
 
+    def steps_left(self, request_id: str) -> int:
+        """Steps a running request still takes if no stop token ends it: its decode steps up
+        to ``max_tokens``, and one flush step when its final token completes a block."""
+        s = self._running[request_id]
+        if s.finish is not None:
+            return 1 if s.finish != CANCELLED and self._needs_flush(s) else 0
+        decode = s.max_tokens - s.generated
+        return decode + (1 if (s.tokens + decode) % self.block_tokens == 0 else 0)
+
+    def run_steps(self, request_id: str, steps: int) -> StepOutcome:
+        """Account ``steps`` steps of one running request at once, as ``steps`` calls of
+        ``finish_step`` with it in every batch would (no stop token: the length limit ends it).
+        The simulator's fluid decode batch, which has no per-token events, settles each
+        request this way when it leaves (``steps_left`` steps after it joined).
+
+        Raises:
+            KeyError: the request is not running.
+        """
+        s = self._running[request_id]
+        bt = self.block_tokens
+        before = s.kv_len
+        decode = min(steps, s.max_tokens - s.generated) if s.finish is None else 0
+        if decode > 0:
+            s.tokens += decode
+            s.generated += decode
+            s.kv_len += decode
+        if s.finish is None and s.generated >= s.max_tokens:
+            s.finish = "length"  # its first token came from prefill and was its last
+        if steps > decode and s.finish not in (None, CANCELLED) and self._needs_flush(s):
+            s.kv_len += 1
+        filled = tuple((request_id, b) for b in range(before // bt, s.kv_len // bt)) if s.finish != CANCELLED else ()
+        leaving: tuple[tuple[str, str], ...] = ()
+        if s.finish == CANCELLED or (s.finish is not None and not self._needs_flush(s)):
+            leaving = ((request_id, s.finish),)
+            self._release(request_id)
+        return StepOutcome(filled=filled, leaving=leaving)
+
     def finish(self, request_id: str, reason: str) -> None:
         """Mark a request done outside a step (its first token was final, or "cancelled");
         it leaves at the next ``finish_step`` or ``drain`` once it needs no flush. A waiting

@@ -46,6 +46,10 @@ class BufferPool:
         """The bytes a slot of ``nbytes`` takes (rounded up to 4 KiB, at least 4 KiB)."""
         return max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
 
+    def largest_free(self) -> int:
+        """Bytes of the largest free run: the largest slot ``alloc`` could place now."""
+        return max((n for _, n in self._free), default=0)
+
     def get(self, owner: str) -> Slot | None:
         return self._slots.get(owner)
 
@@ -72,8 +76,7 @@ class BufferPool:
                 self._slots[owner] = slot
                 self.free_bytes -= need
                 return slot
-        largest = max((n for _, n in self._free), default=0)
-        raise BufferFullError(need, self.free_bytes, largest)
+        raise BufferFullError(need, self.free_bytes, self.largest_free())
 
     def free(self, owner: str) -> bool:
         """Release ``owner``'s slot (False when it held none); merges neighbouring free runs."""

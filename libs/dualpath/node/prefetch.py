@@ -42,6 +42,8 @@ is consumed).
 
 Layout: run ``r`` holds block ``i`` of its hint at ``r.offset + i * block_bytes`` of the
 buffer region ``[blocks][layers, block_tokens, bytes]``, exactly as a request's slot does.
+The simulator drives the same cache with no region (``region=None``): placement, budget, TTL,
+eviction and the counters are the same, only no byte is copied.
 """
 
 from __future__ import annotations
@@ -54,8 +56,9 @@ from dataclasses import dataclass
 
 from dualpath.node.buffer import BufferFullError, BufferPool, Slot
 
-__all__ = ["PREFETCH_CACHE_GB", "PREFETCH_OWNER", "PrefetchCache", "PrefetchStats", "Run"]
+__all__ = ["MAX_PENDING_HINTS", "PREFETCH_CACHE_GB", "PREFETCH_OWNER", "PrefetchCache", "PrefetchStats", "Run"]
 
+MAX_PENDING_HINTS = 64  # hints a node's prefetch worker keeps waiting; older ones are dropped first
 PREFETCH_OWNER = "prefetch:"  # prefix of the buffer slots that hold runs (never a request id)
 # The prefetch cache of an 8-GPU node in the testbed and the simulator, GB: the paper's Qwen
 # buffer size (PAPER.md: 80 GB for DeepSeek, 320 GB for Qwen; the SGLang+Mooncake baseline
@@ -95,14 +98,15 @@ class Run:
 
 class PrefetchCache:
     """Runs of prefetched blocks in ``pool`` (the node's region), read and written through
-    ``region`` (its bytes), within ``budget_bytes`` for ``ttl_s`` each.
+    ``region`` (its bytes; None: bookkeeping only, as in the simulator), within
+    ``budget_bytes`` for ``ttl_s`` each.
 
     Raises:
         ValueError: a negative budget or a TTL that is not positive.
     """
 
     def __init__(
-        self, pool: BufferPool, region: memoryview, budget_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
+        self, pool: BufferPool, region: memoryview | None, budget_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
     ) -> None:
         if budget_bytes < 0 or not ttl_s > 0:
             raise ValueError(f"prefetch budget {budget_bytes} bytes / ttl {ttl_s} s: budget must be >= 0, ttl > 0")
@@ -117,6 +121,10 @@ class PrefetchCache:
 
     def __len__(self) -> int:
         return len(self._index)
+
+    def ready_bytes(self) -> int:
+        """Block bytes of the runs staged or retained and not yet used, dropped or expired."""
+        return sum(r.block_bytes * sum(r.ready) for r in self._runs.values())
 
     def __contains__(self, key: tuple[int, int]) -> bool:
         entry = self._index.get(key)
@@ -166,23 +174,25 @@ class PrefetchCache:
         self.stats.retained_bytes += n * block_bytes
         return True
 
-    def fill(self, run: Run, i: int, data: memoryview) -> bool:
-        """Keep verified block ``i`` of ``run`` (False: the run was dropped meanwhile)."""
+    def fill(self, run: Run, i: int, data: memoryview | None) -> bool:
+        """Keep verified block ``i`` of ``run`` (False: the run was dropped meanwhile);
+        ``data`` is copied into the region (None without one)."""
         if not run.live:
             return False
         bb = run.block_bytes
-        start = run.offset + i * bb
-        self.region[start : start + bb] = data
+        if self.region is not None and data is not None:
+            start = run.offset + i * bb
+            self.region[start : start + bb] = data
         run.ready[i] = True
         self._index[(run.digest, run.hashes[i])] = (run, i)
         self.stats.staged_bytes += bb
         return True
 
     # ---- use (a load) ---------------------------------------------------------------------------
-    def take_prefix(self, digest: int, hashes: list[int], block_bytes: int, dest: memoryview) -> int:
+    def take_prefix(self, digest: int, hashes: list[int], block_bytes: int, dest: memoryview | None) -> int:
         """Copy the leading blocks of ``hashes`` found here into ``dest`` (block i at
-        ``i*block_bytes``) and consume the runs they came from; returns how many. Stops at
-        the first one absent."""
+        ``i*block_bytes``; None: count them only) and consume the runs they came from; returns
+        how many. Stops at the first one absent."""
         self._expire()
         n, used = 0, set()
         for i, h in enumerate(hashes):
@@ -190,8 +200,9 @@ class PrefetchCache:
             if entry is None or entry[0].block_bytes != block_bytes:
                 break
             run, k = entry
-            src = run.offset + k * block_bytes
-            dest[i * block_bytes : (i + 1) * block_bytes] = self.region[src : src + block_bytes]
+            if dest is not None and self.region is not None:
+                src = run.offset + k * block_bytes
+                dest[i * block_bytes : (i + 1) * block_bytes] = self.region[src : src + block_bytes]
             used.add(run.owner)
             n += 1
         self.stats.used_bytes += n * block_bytes

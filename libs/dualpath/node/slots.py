@@ -95,6 +95,15 @@ class NodeBuffer:
         """The request buffer's room (staged runs are not the requests' room)."""
         return self.buffer_bytes - self.request_bytes()
 
+    def room(self) -> int:
+        """The largest slot a request could be given now, what the node reports as its free
+        buffer: the request buffer's room, and no more than the largest free run of the
+        region where no prefetch cache is beside it (with one, a request gives up runs for
+        room). Reporting the total free bytes would send the scheduler reservations that
+        first-fit fragmentation refuses."""
+        free = self.free_request_bytes()
+        return free if self.cache is not None else min(free, self.pool.largest_free())
+
     @property
     def scheduler(self) -> str:
         """The active scheduler's instance, as its heartbeat last named it."""

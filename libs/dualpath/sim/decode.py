@@ -1,10 +1,13 @@
 """A decode engine in virtual time, with decode steps aggregated between membership changes.
 
-Admission is the engine's own core, ``dualpath.core.decode_batcher.DecodeBatcher``: a
-prefilled request waits there until its whole footprint (prompt + generation, in blocks)
-fits the engine's KV memory, FIFO. Leaving releases it (``evict``: the simulator never
-drives the per-token ``next_step``/``finish_step`` loop, which would make event volume grow
-with tokens generated).
+Admission, steps and finishes are the engine's own core,
+``dualpath.core.decode_batcher.DecodeBatcher``: a prefilled request waits there until its
+whole footprint (prompt + generation, in blocks) fits the engine's KV memory, FIFO; once
+admitted it runs ``steps_left`` steps (its decode steps, and a flush step when its final
+token completes a block, as the decode engine runs them); when it leaves, ``run_steps``
+accounts those steps at once and releases it, and the blocks it reports filled are the ones
+persisted. The per-token ``next_step``/``finish_step`` loop is not driven one step at a time,
+which would make event volume grow with tokens generated.
 
 Between two membership changes (a request joins or leaves) every running request gains one
 token per step, so the step time is a function of progress ``x`` (steps since the engine
@@ -190,7 +193,7 @@ class DecodeEngineSim:
             else:
                 self.sat += 1
             self._seq += 1
-            self.heap.push(_Running(x + req.gen - 1, self._seq, req, v))
+            self.heap.push(_Running(x + self.batcher.steps_left(key), self._seq, req, v))
             joined.append(req)
         return joined
 
@@ -207,7 +210,8 @@ class DecodeEngineSim:
             self.keys0 -= m.v
             if self.below.pop(req.key, None) is None:
                 self.sat -= 1
-            self.batcher.evict(req.key)
+            out = self.batcher.run_steps(req.key, self.batcher.steps_left(req.key))
+            req.kv_blocks = out.filled[-1][1] + 1 if out.filled else 0
             done.append(req)
         joined = self._admit()
         self._reschedule()

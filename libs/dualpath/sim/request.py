@@ -17,19 +17,20 @@ class SimRequest:
     """A request (one agent turn), where the scheduler placed it, and the times it passed
     each stage (virtual seconds).
 
-    ``buffer``/``buffer_bytes``: the prefill node's DRAM buffer its hit KV occupies on the PE
-    read path, from the storage read to the end of its prefill (on the DE read path the hits
-    land in the request's slot in the decode node's buffer, reserved by the scheduler).
+    ``buffer``: the prefill node whose DRAM buffer holds a slot of its hit KV on the PE read
+    path, from the start of the storage read to the end of its prefill (on the DE read path
+    the hits land in the request's slot in the decode node's buffer, reserved by the
+    scheduler).
     """
 
     __slots__ = (
         "agent",
         "buffer",
-        "buffer_bytes",
         "de",
         "gen",
         "hit",
         "key",
+        "kv_blocks",
         "loaded",
         "pe",
         "prompt",
@@ -61,6 +62,6 @@ class SimRequest:
         self.ttst = -1.0  # first -> second token
         self.loaded = False  # its hit KV went to the prefill engine (first chunk)
         self.buffer: NodeStorage | None = None
-        self.buffer_bytes = 0.0
+        self.kv_blocks = 0  # blocks whose KV the decode completed (its last filled block + 1; 0: none)
         self.split_de = 0  # split read (read_path split): the last hit tokens, read by the decode node
         self.reads_left = 0  # storage reads still running (2 for a split read)

@@ -81,7 +81,7 @@ class Simulation:
             prefetch=self._prefetch_hint if self.mode.prefetch else None,
         )
         self._build_nodes()
-        self.prefetch = SimPrefetch(self, cfg.prefetch_gb * 1e9 * cfg.node_share, cfg.prefetch_ttl_s) if self.mode.prefetch else None
+        self.prefetch = SimPrefetch(self) if self.mode.prefetch else None
         self.agents = agents if agents is not None else build_agents(workload, cfg.block_tokens)
         self._gap = gap_sampler(workload.tool_gap_s, workload.seed)
         self._next_rid = 0
@@ -109,12 +109,17 @@ class Simulation:
             self.storage[name] = NodeStorage(
                 node_id,
                 name,
+                self.loop,
                 read,
                 write,
                 buffer_bytes=cfg.buffer_bytes(),
                 parallel=cfg.storage_parallel,
+                block_tokens=cfg.block_tokens,
+                kv_bytes_per_token=self.kv_bytes_per_token,
                 on_read=self._read_done,
                 changed=self.scheduler.node_changed,
+                prefetch_bytes=cfg.prefetch_gb * 1e9 * cfg.node_share if self.mode.prefetch else 0.0,
+                prefetch_ttl_s=cfg.prefetch_ttl_s,
             )
             self.node_storage.append(self.storage[name])
             if not self.mode.oracle:  # oracle has no buffers (every slot is granted): no buffer figure to report
@@ -169,11 +174,8 @@ class Simulation:
             return
         req.reads_left = 1
         node = cmd.prefill_node if cmd.read_side == ReadSide.PE else cmd.decode_node
-        staged = self.prefetch.take(req, node, keep=cmd.read_side == ReadSide.PE) if self.prefetch is not None else 0
-        if staged and self.prefetch is not None:  # agent-aware prefetch: the leading hits are in this node's buffer already
-            self.prefetch.read_rest(req, self.storage[node], staged, self._read_done)
-            return
-        self.storage[node].read(req, req.hit * kvb, into_buffer=cmd.read_side == ReadSide.PE)
+        # agent-aware prefetch: the leading hits the node's cache holds are taken, not read
+        self.storage[node].read(req, req.hit * kvb, into_buffer=cmd.read_side == ReadSide.PE, staged=self.prefetch is not None)
 
     def _prefetch_hint(self, req: SimRequest, node: str) -> None:
         if self.prefetch is not None:
@@ -191,20 +193,17 @@ class Simulation:
         """Its last chunk ran: first token; the decode engine copies its KV into HBM."""
         req.t_first = self.loop.now
         self.scheduler.finished(req, req.pe.name)
-        if req.buffer is not None:  # PE read path: the hits leave the prefill node's buffer (prefetch: for its cache)
-            if self.prefetch is not None:
-                self.prefetch.retain_pe(req)
-            req.buffer.release(req.buffer_bytes)
-            req.buffer = None
+        if req.buffer is not None:  # PE read path: the hits leave the prefill node's slot (prefetch: a run of its cache)
+            req.buffer.free_read(req)
         nbytes = 0.0 if self.mode.oracle else req.prompt * self.kv_bytes_per_token
         self.net.start((req.de.cnic_in,), nbytes, self._in_hbm, req)
 
     def _in_hbm(self, req: SimRequest) -> None:
         de = req.de
         if not self.mode.oracle:
-            if self.prefetch is not None:  # the DE read path's slot keeps the prompt as a copy
-                self.prefetch.retain_de(req, self.node_storage[de.node_id])
-            self.node_storage[de.node_id].free_slot(req.key)
+            storage = self.node_storage[de.node_id]
+            storage.keep_prompt(req)  # prefetch: the DE read path's slot stays as a run of the prompt
+            storage.free_slot(req.key)
         de.add(req)
 
     def decode_done(self, req: SimRequest, de: DecodeEngineSim) -> None:
@@ -215,8 +214,10 @@ class Simulation:
             submit=req.t_submit, first=req.t_first, batch=req.t_batch, ttst=req.ttst, end=now, gen=req.gen, prompt=req.prompt, hit=req.hit
         )
         agent = req.agent
-        kv_tokens = req.prompt + req.gen - 1  # the last token's KV is never computed
-        persisted = kv_tokens - kv_tokens % self.cfg.block_tokens
+        bt = self.cfg.block_tokens
+        # the prompt's full blocks and those the decode filled (a final token that completes a
+        # block gets its flush step; any other last token's KV is never computed)
+        persisted = max(req.prompt - req.prompt % bt, req.kv_blocks * bt)
         agent.ctx = req.prompt + req.gen
         nbytes = 0.0 if self.mode.oracle else (persisted - agent.persisted) * self.kv_bytes_per_token
         agent.persisted = persisted
