@@ -129,6 +129,19 @@ _CONSTANTS = (
         "the testbed's measured figure (dualpath.testbed.HostPerStep), whose Python host does not overlap it",
     ),
     Constant(
+        key="ds27b_decode_step_s",
+        value=0.020,
+        unit="s per decode step",
+        what="the DS 27B's decode step time beyond its roofline (the paper table's 27B runs add it to every step)",
+        kind="fitted",
+        row="ds27b_1p1d_dualpath_over_oracle",
+        source="the paper gives no TPOT or compute figure for its internal 27B; its roofline step (1.8 ms for one "
+        "40K-context request, 5.5 ms for 64 of 32K, EP 8 inside one node) makes Oracle ~3x faster than the paper's "
+        "1.09-1.85x DualPath/Oracle range allows. 20 ms per step (scheduling, sampling, launch gaps and all-to-all "
+        "latency that a small model's short kernels do not hide) puts the row at 1.01-1.77x over 128-1,024 agents; "
+        "it also moves the other 27B rows (over Basic, P/D speedups, online APS), which it was not chosen for",
+    ),
+    Constant(
         key="hbm_reserve_fraction",
         value=0.08,
         unit="of HBM",
