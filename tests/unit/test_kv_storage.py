@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dualpath.kv import HEADER_BYTES, BlockMissingError, BlockStore, CorruptBlockError, hash_hex, model_digest
+from dualpath.kv.direct import PIECE_BYTES
 
 DIGEST = model_digest("test-model")
 LAYERS, TOKENS, BPT = 4, 64, 32
@@ -113,6 +114,21 @@ def test_flipped_payload_byte_is_corrupt(store: BlockStore, offset: int) -> None
     path.write_bytes(raw)
     with pytest.raises(CorruptBlockError, match="checksum"):
         read(store)
+
+
+@pytest.mark.parametrize("offset", [0, PIECE_BYTES - HEADER_BYTES, 2 * PIECE_BYTES + 5, 3 * PIECE_BYTES + 122])
+def test_a_block_of_several_pieces_is_checksummed_whole(store: BlockStore, offset: int) -> None:
+    """Reads land and are checksummed piece by piece; every piece counts, the last short one too."""
+    size = 3 * PIECE_BYTES + 123
+    data = payload(5, size)
+    put(store, data, layers=1, tokens=1, bytes_per_token_layer=size)
+    assert bytes(read(store, dest=bytearray(size), layers=1, tokens=1, bytes_per_token_layer=size)) == data
+    path = store.path_for(DIGEST, 0xB10C)
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_BYTES + offset] ^= 0x01
+    path.write_bytes(raw)
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        read(store, dest=bytearray(size), layers=1, tokens=1, bytes_per_token_layer=size)
 
 
 @pytest.mark.parametrize(

@@ -90,3 +90,55 @@ def test_the_read_queue_counts_blocks_not_yet_read(tmp_path):
     midway, result = asyncio.run(run())
     assert 0 < midway < len(hashes) * FMT.block_tokens
     assert result.loaded == len(hashes) and io.read_q_tokens == 0
+
+
+@pytest.mark.parametrize("bad_at", [0, 3, 4, 9])
+def test_a_bad_block_ends_the_hit_while_later_groups_are_in_flight(tmp_path, bad_at):
+    """Without an SNIC a request's groups run in parallel: the hit is still the prefix before
+    the first bad block, and nothing is left in the read queue."""
+    store = BlockStore(tmp_path)
+    hashes = list(range(400, 410))
+    _write(store, [h for i, h in enumerate(hashes) if i != bad_at])
+    io = StorageIO(store, fanout=3)
+    dest = memoryview(bytearray(len(hashes) * FMT.block_bytes))
+
+    result = asyncio.run(io.read_blocks(DIGEST, hashes, FMT, dest))
+
+    assert result.loaded == bad_at and result.bad == [hashes[bad_at]] and io.bytes_read == bad_at * FMT.block_bytes
+    assert (io.read_q_tokens, io.read_q_bytes) == (0, 0)
+    io.close()
+
+
+def test_writes_in_parallel_groups_all_land_and_read_back(tmp_path):
+    store = BlockStore(tmp_path)
+    hashes = list(range(500, 537))
+    io = StorageIO(store, fanout=4)
+    src = memoryview(b"".join(_payload(i) for i in range(len(hashes))))
+    dest = memoryview(bytearray(len(src)))
+
+    async def run():
+        written = await io.write_blocks(DIGEST, hashes, FMT, src)
+        return written, await io.read_blocks(DIGEST, hashes, FMT, dest)
+
+    written, result = asyncio.run(run())
+    assert result.loaded == len(hashes) and bytes(dest) == bytes(src)
+    assert written == io.bytes_written > len(src)  # headers included
+    io.close()
+
+
+def test_a_buffer_can_be_closed_as_soon_as_a_read_returns(tmp_path):
+    """No worker thread keeps a view of the caller's buffer once the read has returned."""
+    store = BlockStore(tmp_path)
+    hashes = list(range(600, 604))
+    _write(store, hashes)
+    io = StorageIO(store)
+
+    async def run():
+        for _ in range(200):
+            buf = bytearray(len(hashes) * FMT.block_bytes)
+            with memoryview(buf) as dest:
+                assert (await io.read_blocks(DIGEST, hashes, FMT, dest)).loaded == len(hashes)
+            buf.extend(b"x")  # a bytearray with a view still exported refuses to resize
+
+    asyncio.run(run())
+    io.close()

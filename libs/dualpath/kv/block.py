@@ -38,6 +38,8 @@ __all__ = [
     "BlockHeader",
     "decode_header",
     "encode_header",
+    "header_template",
+    "match_header",
 ]
 
 MAGIC = b"DPKV"
@@ -49,6 +51,7 @@ _DTYPE_BYTES = 16
 _BODY = struct.Struct("<4sHHQQIIIQ16s")  # everything the header CRC covers
 _CRC = struct.Struct("<I")
 HEADER_BYTES = _BODY.size + _CRC.size
+_CHECKSUM = slice(36, 44)  # the payload checksum's bytes inside the header body
 _U16_MAX = (1 << 16) - 1
 _U32_MAX = (1 << 32) - 1
 
@@ -162,3 +165,34 @@ def decode_header(raw: bytes | bytearray | memoryview) -> BlockHeader:
         )
     except (ValueError, UnicodeDecodeError) as exc:
         raise CorruptBlockError(None, f"impossible header field: {exc}") from exc
+
+
+def header_template(
+    *, model_digest: int, block_hash: int, layers: int, tokens: int, bytes_per_token_layer: int, dtype: str, kv_layout: int = 0
+) -> bytes | None:
+    """The header body (``HEADER_BYTES`` minus the CRC) that a current-format block with these
+    fields has, its checksum field zeroed, for ``match_header``; None if a field cannot be
+    encoded (such a block cannot exist: ``decode_header`` says why)."""
+    try:
+        return _BODY.pack(
+            MAGIC, FORMAT_VERSION, kv_layout, model_digest, block_hash, layers, tokens, bytes_per_token_layer, 0, dtype.encode("ascii")
+        )
+    except (struct.error, UnicodeEncodeError):
+        return None
+
+
+def match_header(raw: bytes | bytearray | memoryview, template: bytes) -> int | None:
+    """The payload checksum of header ``raw`` if it is the one ``template`` describes (every
+    field equal but the checksum) and its CRC holds; None otherwise (``decode_header`` then
+    tells what is wrong). A read's check without building a ``BlockHeader``: one comparison of
+    bytes stands for the field checks, since fields that decode equal are encoded equal."""
+    body = bytes(raw[: _BODY.size])
+    if (
+        len(raw) < HEADER_BYTES
+        or body[: _CHECKSUM.start] != template[: _CHECKSUM.start]
+        or body[_CHECKSUM.stop :] != template[_CHECKSUM.stop :]
+    ):
+        return None
+    if zlib.crc32(body) != int.from_bytes(raw[_BODY.size : HEADER_BYTES], "little"):
+        return None
+    return int.from_bytes(body[_CHECKSUM], "little")

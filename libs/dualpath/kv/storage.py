@@ -29,8 +29,10 @@ from dualpath.kv.block import (
     BlockHeader,
     decode_header,
     encode_header,
+    header_template,
+    match_header,
 )
-from dualpath.kv.direct import open_direct, read_direct, write_direct
+from dualpath.kv.direct import PIECE_BYTES, open_direct, read_direct, write_direct
 from dualpath.kv.errors import BlockMissingError, CorruptBlockError
 from dualpath.kv.hashing import hash_hex
 
@@ -74,27 +76,53 @@ def _as_bytes_view(buf: object, *, writable: bool) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-def _read_buffered(fd: int, target: memoryview, on_head: Callable[[memoryview], None]) -> int:
-    """Read the header and the payload (straight into ``target``) in one ``preadv``, then
-    hand the header to ``on_head`` (which may raise); returns the payload bytes read (short if
-    the file ended early).
+def _read_buffered(fd: int, target: memoryview, on_head: Callable[[memoryview], None], on_data: Callable[[memoryview], None]) -> int:
+    """Read the header and the payload straight into ``target``, ``PIECE_BYTES`` at a time:
+    the header goes to ``on_head`` (which may raise) after the first request, and each piece of
+    ``target`` to ``on_data`` just after it landed, while it is still in the CPU's cache (a
+    checksum of the whole block afterwards would read it back from memory). Returns the
+    payload bytes read (short if the file ended early).
 
-    One request for the whole file lets the kernel read it ahead in full at once; a small
-    header read first would start its readahead window small and grow it read by read.
+    Sequential requests keep the kernel's readahead going ahead of them (measured on 16 MiB
+    blocks, 8 threads: 1.5-1.7 GB/s in 256 KiB pieces against 1.2 for one request and a
+    checksum after it).
     """
     head = bytearray(HEADER_BYTES)
-    got = os.preadv(fd, [head, target], 0)
+    size = len(target)
+    got = os.preadv(fd, [head, target[: PIECE_BYTES - HEADER_BYTES]], 0)
     if got < HEADER_BYTES:
         return 0
     on_head(memoryview(head))
-    size = len(target)
     got -= HEADER_BYTES
-    while got < size:  # a short read (signals, some network filesystems): the rest in place
-        n = os.preadv(fd, [target[got:]], HEADER_BYTES + got)
+    done = 0  # bytes handed to on_data
+    while True:
+        if got > done:
+            on_data(target[done:got])
+            done = got
+        if got >= size:
+            return got
+        n = os.preadv(fd, [target[got : got + PIECE_BYTES]], HEADER_BYTES + got)
         if not n:
-            break
+            return got  # the file ended early (torn or truncated)
         got += n
-    return got
+
+
+def _check_header(path: str, raw: memoryview, expected: tuple[object, ...]) -> int:
+    """The payload checksum of header ``raw``, decoded in full, if its fields are ``expected``
+    (``model_digest, block_hash, layers, tokens, bytes_per_token_layer, dtype, kv_layout``).
+
+    Raises:
+        CorruptBlockError: the header does not decode, or its fields are not the expected ones.
+    """
+    try:
+        header = decode_header(raw)
+    except CorruptBlockError as exc:
+        raise CorruptBlockError(Path(path), exc.reason) from None
+    got = (header.model_digest, header.block_hash, header.layers, header.tokens,
+           header.bytes_per_token_layer, header.dtype, header.kv_layout)  # fmt: skip
+    if got != expected:
+        raise CorruptBlockError(Path(path), f"header fields {got} != expected {expected}")
+    return header.checksum
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,43 +312,42 @@ class BlockStore:
         """
         view = _as_bytes_view(dest, writable=True)
         path = self._path_str(model_digest, block_hash)
-        expected = (model_digest, block_hash, layers, tokens, bytes_per_token_layer, dtype, kv_layout)
         if min(layers, tokens, bytes_per_token_layer) < 1:
             raise ValueError("layers, tokens and bytes_per_token_layer must be >= 1")
         size = layers * tokens * bytes_per_token_layer
         if len(view) < size:
             raise ValueError(f"dest is {len(view)} bytes, block payload is {size}")
         target = view[:size]
+        expected = (model_digest, block_hash, layers, tokens, bytes_per_token_layer, dtype, kv_layout)
+        template = header_template(
+            model_digest=model_digest, block_hash=block_hash, layers=layers, tokens=tokens,
+            bytes_per_token_layer=bytes_per_token_layer, dtype=dtype, kv_layout=kv_layout,
+        )  # fmt: skip
+        checksums: list[int] = []
         fd, direct = self._open_read(path)
         try:
             file_size = os.fstat(fd).st_size
-            found: list[BlockHeader] = []
 
             def check(raw: memoryview) -> None:
-                try:
-                    header = decode_header(raw)
-                except CorruptBlockError as exc:
-                    raise CorruptBlockError(Path(path), exc.reason) from None
-                got = (header.model_digest, header.block_hash, header.layers, header.tokens,
-                       header.bytes_per_token_layer, header.dtype, header.kv_layout)  # fmt: skip
-                if got != expected:
-                    raise CorruptBlockError(Path(path), f"header fields {got} != expected {expected}")
+                checksum = match_header(raw, template) if template is not None else None
+                if checksum is None:  # not the expected header: decode it to say why
+                    checksum = _check_header(path, raw, expected)
                 if file_size != HEADER_BYTES + size:  # torn or truncated: a miss, before any payload is read
                     raise CorruptBlockError(Path(path), f"file is {file_size} bytes, want {HEADER_BYTES + size}")
-                found.append(header)
+                checksums.append(checksum)
 
+            digest = xxhash.xxh3_64()  # fed piece by piece as the payload lands; equals xxh3_64 of it all
             if direct:
-                copied = read_direct(fd, HEADER_BYTES + size, target, check)
+                copied = read_direct(fd, HEADER_BYTES + size, target, check, digest.update)
             else:
-                copied = _read_buffered(fd, target, check)
-            if not found:
+                copied = _read_buffered(fd, target, check, digest.update)
+            if not checksums:
                 raise CorruptBlockError(Path(path), "header truncated")
             if copied < size:
                 raise CorruptBlockError(Path(path), f"payload truncated at {copied} of {size} bytes")
         finally:
             os.close(fd)
-        header = found[0]
-        if xxhash.xxh3_64_intdigest(target) != header.checksum:
+        if digest.intdigest() != checksums[0]:
             raise CorruptBlockError(Path(path), "payload checksum mismatch")
         return size
 
