@@ -49,7 +49,7 @@ def test_fio_runs_at_the_same_queue_depth_file_size_and_mode(tmp_path: Path) -> 
     args = storage.fio_args("direct", tmp_path, 8192, 8, 4)
     assert {"--numjobs=4", "--nrfiles=2", "--filesize=8192", "--bs=8192", "--rw=read", "--direct=1", "--invalidate=1"} <= set(args)
     args = storage.fio_args("write-buffered", tmp_path, 8192, 8, 4)
-    assert {"--rw=write", "--direct=0", "--fsync=1", "--create_on_open=1"} <= set(args)
+    assert {"--rw=write", "--direct=0", "--fsync=1", "--openfiles=1", "--end_fsync=1", "--create_on_open=1"} <= set(args)
     with pytest.raises(ValueError):
         storage.fio_args("sideways", tmp_path, 8192, 8, 4)
 

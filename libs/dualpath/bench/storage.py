@@ -4,14 +4,18 @@ For each block size (the Full Blocks of the bundled targets at the default 64 to
 test model's, and 256 KiB), ``files`` block files are written and read back through the
 traffic manager's own path: ``StorageIO`` over a ``BlockStore``, into a ``MemoryRegion`` (the
 node buffer a transport serves), checksums verified, ``qd`` requests in flight (its default
-read parallelism). In the same run ``fio`` moves the same number of files of the same size at
-the same queue depth (``qd`` psync jobs, one whole file per I/O), in the same mode:
+read parallelism; each request keeps ``FANOUT`` groups of files in flight, so up to
+``qd * FANOUT`` files move at once). The StorageIO, its threads and the event loop are made
+once and kept across passes, as a node keeps them. In the same run ``fio`` moves the same
+number of files of the same size at the requested queue depth (``qd`` psync jobs, one whole
+file per I/O), in the same mode:
 
 - ``buffered`` / ``direct``: reads from a cold page cache (``posix_fadvise(DONTNEED)`` on
   every file before each pass, ours and fio's alike: fio's ``invalidate``), buffered or
   ``O_DIRECT``;
 - ``write-buffered`` / ``write-direct``: new files, each fsynced after its write (ours also
-  renames it into place and fsyncs its directory: the atomic write the format promises).
+  renames it into place and fsyncs its directory: the atomic write the format promises; fio
+  keeps one file open at a time, without which its ``fsync`` lands on the next, empty file).
 
 fio's files are the block file's size rounded up to 4 KiB (what ``O_DIRECT`` needs); each
 side's GB/s is the bytes it moved over its own time. Ours and fio's passes alternate, round
@@ -36,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from dualpath.kv import HEADER_BYTES, BlockStore, model_digest
-from dualpath.node.storage_io import BlockFormat, StorageIO
+from dualpath.node.storage_io import FANOUT, BlockFormat, StorageIO
 from dualpath.transfer.region import MemoryRegion
 
 __all__ = ["FIO_HINT", "MODES", "FioMissingError", "block_formats", "fio_args", "format_report", "main", "run_bench"]
@@ -96,8 +100,14 @@ def fio_args(mode: str, directory: Path, file_bytes: int, files: int, qd: int) -
         "--group_reporting",
         "--output-format=json",
     ]
-    if write:  # new files, each fsynced after its one write, space allocated by the writes, as ours are
-        args += ["--fsync=1", "--create_on_open=1", "--fallocate=none"]
+    if write:
+        # New files, each fsynced after its one write, space allocated by the writes, as ours
+        # are. ``fsync=1`` alone syncs the wrong file when a job has several: fio moves on to
+        # its next file (opened, empty) before the sync, so the one just written stays dirty
+        # (strace: open A, write A, open B, fsync B) and fio's read pass then finds it in the
+        # page cache, which ``invalidate`` cannot drop. One file open at a time puts each
+        # fsync on the file just written; ``end_fsync`` syncs each job's last one.
+        args += ["--fsync=1", "--openfiles=1", "--end_fsync=1", "--create_on_open=1", "--fallocate=none"]
     else:
         args += ["--invalidate=1"]
     return args
@@ -123,20 +133,29 @@ def _drop_cache(directory: Path) -> None:
 
 
 class _Ours:
-    """Our side of one block size: a store, a StorageIO over it and a registered buffer."""
+    """Our side of one block size: a StorageIO per mode (buffered, direct) over a store, a
+    registered buffer and one event loop, all made once and kept across passes, as a node
+    keeps them (fio's timed run leaves out its setup too)."""
 
     def __init__(self, root: Path, fmt: BlockFormat, files: int, qd: int) -> None:
         self.root, self.fmt, self.qd = root, fmt, qd
         self.hashes = [0x5EED0000 + i for i in range(files)]
         self.region = MemoryRegion(f"bench-storage-{uuid.uuid4().hex[:10]}", files * fmt.block_bytes)
         self.region.as_array()[:] = 7  # fault the pages in now, not inside the timed passes
+        self._runner = asyncio.Runner()
+        self._ios: dict[bool, StorageIO] = {}
 
     def close(self) -> None:
+        for io in self._ios.values():
+            io.close()
+        self._runner.close()
         self.region.close()
         self.region.unlink()
 
     def _io(self, direct: bool) -> StorageIO:
-        return StorageIO(BlockStore(self.root, direct=direct), max_parallel=self.qd)
+        if direct not in self._ios:  # a store re-creates its directories when a pass removed them
+            self._ios[direct] = StorageIO(BlockStore(self.root, direct=direct), max_parallel=self.qd)
+        return self._ios[direct]
 
     def _requests(self) -> list[tuple[list[int], memoryview]]:
         """``qd`` requests, each a contiguous share of the blocks and of the buffer."""
@@ -167,7 +186,7 @@ class _Ours:
 
     def _timed(self, go: Callable[[], Any]) -> float:
         t0 = time.perf_counter()
-        asyncio.run(go())
+        self._runner.run(go())
         return len(self.hashes) * (HEADER_BYTES + self.fmt.block_bytes) / (time.perf_counter() - t0) / 1e9
 
 
@@ -211,6 +230,7 @@ def run_bench(
     return {
         "rows": rows,
         "qd": qd,
+        "ours_files_in_flight": qd * FANOUT,  # qd requests, FANOUT groups of files in flight each
         "rounds": rounds,
         "directory": str(directory or tempfile.gettempdir()),
         "cache_drop": "posix_fadvise(DONTNEED) on every file before each read pass (fio: invalidate=1)",
@@ -275,7 +295,8 @@ def format_report(d: dict[str, Any]) -> str:
     """The human-readable table of a ``run_bench`` result."""
     lines = [
         f"dualpath bench storage: ours (StorageIO + BlockStore into a MemoryRegion, checksums verified) vs fio, "
-        f"queue depth {d['qd']}, median of {d['rounds']} alternating rounds ({d['cpus']} CPUs, {d['elapsed_s']} s; {d['fio']})",
+        f"queue depth {d['qd']} (ours: {d['qd']} requests, up to {d.get('ours_files_in_flight', d['qd'])} files in flight), "
+        f"median of {d['rounds']} alternating rounds ({d['cpus']} CPUs, {d['elapsed_s']} s; {d['fio']})",
         f"reads from a cold page cache: {d['cache_drop']}",
         "",
         f"{'block':>8} {'bytes':>10} {'files':>6} {'mode':>15} {'ours GB/s':>10} {'fio GB/s':>9} {'ratio':>6}",
