@@ -250,8 +250,8 @@ def _measure_size(
     got: dict[tuple[str, str], list[float]] = {}
     # reads need files: each round writes first (buffered before direct, so reads find them)
     order = sorted(modes, key=lambda m: ("write-buffered", "buffered", "direct", "write-direct").index(m))
-    if not any(m.startswith("write") for m in modes):
-        order = ["write-buffered", *order]  # files to read, not reported
+    if "write-buffered" not in modes and any(not m.startswith("write") for m in modes):
+        order = ["write-buffered", *order]  # files to read before the reads, not reported
     try:
         for r in range(rounds):
             for mode in order:

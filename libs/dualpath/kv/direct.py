@@ -27,10 +27,10 @@ import numpy as np
 __all__ = ["ALIGN", "CHUNK_BYTES", "PIECE_BYTES", "open_direct", "read_direct", "write_direct"]
 
 ALIGN = 4096  # a page: a multiple of every logical block size in use (512, 4096)
-# The largest single I/O, and the most a thread's bounce buffer grows to: a Full Block of the
-# bundled targets (16 MiB at most) moves in one request, which the kernel splits into device
+# The largest single I/O, and the most a thread's bounce buffer grows to: a Full Block file of
+# the bundled targets (16 MiB of payload at most) moves in one request, which the kernel splits into device
 # requests that are in flight together (fio reads a file so, one I/O for the whole file).
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = (16 << 20) + ALIGN  # a 16 MiB payload with its header
 # What a read lands and hands on at a time: small enough that a piece is still in the CPU's
 # cache (L2) when it is checksummed, rather than read back from memory after the whole block.
 PIECE_BYTES = 256 << 10
@@ -124,27 +124,47 @@ def read_direct(fd: int, total: int, dest: memoryview, on_head: Callable[[memory
     return copied
 
 
-def write_direct(fd: int, head: bytes, payload: memoryview) -> None:
-    """Write ``head`` then ``payload`` to an empty file opened with ``O_DIRECT``, in aligned
-    chunks (the last one zero-padded), then cut the file to its true size.
+def write_direct(fd: int, head_bytes: int, payload: memoryview, on_data: Callable[[memoryview], None], head: Callable[[], bytes]) -> None:
+    """Write a ``head_bytes`` header then ``payload`` to an empty file opened with ``O_DIRECT``,
+    in aligned chunks (the last one zero-padded), then cut the file to its true size.
+
+    Every piece of ``payload`` goes to ``on_data`` (the caller's checksum) before ``head()`` is
+    called for the header. A file that fits one chunk is copied into the bounce buffer piece by
+    piece, each piece handed on while it is still in the CPU's cache, and the header goes in
+    front of it last; a larger one is handed on from ``payload`` first, since its header leaves
+    with the first chunk.
 
     Raises:
         OSError: the filesystem refused a write or the truncate.
     """
-    total = len(head) + len(payload)
+    total = head_bytes + len(payload)
     bounce = _bounce.get(total)
-    bounce[: len(head)] = head
-    fill, taken, off = len(head), 0, 0
-    while off < total:
-        n = min(len(bounce) - fill, len(payload) - taken)
-        _copy(bounce[fill : fill + n], payload[taken : taken + n])
-        taken += n
-        used = fill + n
-        padded = _round_up(used)
-        bounce[used:padded] = bytes(padded - used)
-        done = 0
-        while done < padded:
-            done += os.pwritev(fd, [bounce[done:padded]], off + done)
-        off += used
-        fill = 0
+    if total <= len(bounce):
+        for taken in range(0, len(payload), PIECE_BYTES):
+            piece = bounce[head_bytes + taken : head_bytes + min(taken + PIECE_BYTES, len(payload))]
+            _copy(piece, payload[taken : taken + len(piece)])
+            on_data(piece)
+        bounce[:head_bytes] = head()
+        _write_padded(fd, bounce, total, 0)
+    else:
+        for taken in range(0, len(payload), PIECE_BYTES):
+            on_data(payload[taken : taken + PIECE_BYTES])
+        bounce[:head_bytes] = head()
+        fill, taken, off = head_bytes, 0, 0
+        while off < total:
+            n = min(len(bounce) - fill, len(payload) - taken)
+            _copy(bounce[fill : fill + n], payload[taken : taken + n])
+            taken += n
+            _write_padded(fd, bounce, fill + n, off)
+            off += fill + n
+            fill = 0
     os.ftruncate(fd, total)
+
+
+def _write_padded(fd: int, bounce: memoryview, used: int, off: int) -> None:
+    """Write ``bounce[:used]`` at file offset ``off``, zero-padded to ``ALIGN``."""
+    padded = _round_up(used)
+    bounce[used:padded] = bytes(padded - used)
+    done = 0
+    while done < padded:
+        done += os.pwritev(fd, [bounce[done:padded]], off + done)

@@ -18,7 +18,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import xxhash
@@ -236,7 +236,7 @@ class BlockStore:
     def _write_temp(self, shape: BlockShape, block_hash: int, data: memoryview) -> tuple[Path, Path]:
         """Write one block to a fresh temp file beside its final path (fsynced if asked);
         return both paths. Raises as ``write_many``; a failed temp file is removed."""
-        header = BlockHeader(
+        header = BlockHeader(  # its fields checked before any file is made; the checksum comes later
             version=FORMAT_VERSION,
             model_digest=shape.model_digest,
             block_hash=block_hash,
@@ -244,7 +244,7 @@ class BlockStore:
             tokens=shape.tokens,
             bytes_per_token_layer=shape.bytes_per_token_layer,
             dtype=shape.dtype,
-            checksum=xxhash.xxh3_64_intdigest(data),
+            checksum=0,
             kv_layout=shape.kv_layout,
         )
         if len(data) != header.payload_bytes:
@@ -259,10 +259,16 @@ class BlockStore:
             fd = os.open(tmp, flags, FILE_MODE)
         try:
             try:
-                if direct:
-                    write_direct(fd, encode_header(header), data)
+                if direct:  # the checksum is taken piece by piece as the payload is copied out
+                    digest = xxhash.xxh3_64()
+
+                    def head() -> bytes:
+                        return encode_header(replace(header, checksum=digest.intdigest()))
+
+                    write_direct(fd, HEADER_BYTES, data, digest.update, head)
                 else:
-                    _write_all(fd, memoryview(encode_header(header)), data)
+                    checksummed = replace(header, checksum=xxhash.xxh3_64_intdigest(data))
+                    _write_all(fd, memoryview(encode_header(checksummed)), data)
                 if self.fsync:
                     os.fsync(fd)
             finally:
