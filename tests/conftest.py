@@ -250,7 +250,7 @@ def decode_from_memory(decoder, prompt: list[int], steps: int) -> list[int]:
     logits, k, v = decoder.forward_full(prompt)
     kv = memory.allocate(len(prompt) + steps)
     for layer in range(decoder.num_layers):
-        spec.pack_into(kv[layer, : len(prompt)], k[layer], v[layer])
+        spec.pack_rows_into(kv[layer, :, : len(prompt)], k[layer], v[layer])
     seq = DecodeSequence(request_id="r", tokens=list(prompt), kv=kv, kv_len=len(prompt))
     out = [int(logits[-1].argmax())]
     for _ in range(steps - 1):

@@ -277,7 +277,8 @@ class DecodeEngine:
             slot = self._region(task.de_region_id).as_tensor(task.de_offset, nb * lay.block_bytes, d.dtype)
             width = d.kv_spec.width
             slot = slot.view(nb, lay.layers, lay.block_tokens, width)  # [blocks, layers, bt, width]
-            kv[:, :n].copy_(slot.permute(1, 0, 2, 3).reshape(lay.layers, nb * lay.block_tokens, width)[:, :n])
+            tokens = slot.permute(1, 0, 2, 3).reshape(lay.layers, nb * lay.block_tokens, width)[:, :n]
+            self.memory.tokens(kv)[:, :n].copy_(d.kv_spec.as_rows(tokens))  # into KV memory's head-major layout
         params = SamplingParams(**task.sampling)
         gen = torch.Generator(device="cpu").manual_seed(params.seed + 1) if params.seed is not None else None
         seq = DecodeSequence(
@@ -344,7 +345,7 @@ class DecodeEngine:
         r.chain.append(h)
         region = self._region(reply.region["region_id"])
         dst = region.as_tensor(reply.offset, lay.block_bytes, d.dtype).view(lay.layers, bt, d.kv_spec.width)
-        dst.copy_(r.seq.kv[:, b * bt : (b + 1) * bt])
+        d.kv_spec.as_rows(dst).copy_(self.memory.tokens(r.seq.kv)[:, b * bt : (b + 1) * bt])  # token-major again
         self._spawn_persist(
             r,
             m.PersistRequest(

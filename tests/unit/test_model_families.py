@@ -18,6 +18,7 @@ from conftest import decode_from_memory
 
 from dualpath.engine.decode import DecodeSequence, KvMemory, decode_step
 from dualpath.model import Decoder, ModelConfig, ModelLoadError, greedy_generate, make_tiny_model
+from dualpath.model.config import KvSpec
 from dualpath.model.rope import attention_factor, inverse_frequencies, mla_softmax_scale
 from dualpath.model.tiny import ARCHS
 
@@ -130,6 +131,28 @@ def _random_checkpoint(path, arch: str):
     return path
 
 
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_kv_memory_holds_a_tokens_bytes_head_major_and_gives_them_back_unchanged(kind):
+    """Storage blocks are token-major ``[layers, T, width]``; the decode engine's memory keeps
+    each KV head's tokens back to back. Copied in and out through ``KvMemory.tokens``, the
+    bytes come back as they were, also after ``grow``."""
+    spec = KvSpec(kind="gqa", k_shape=(2, 4), v_shape=(2, 4)) if kind == "gqa" else KvSpec(kind="mla", k_shape=(1, 6), v_shape=(1, 2))
+    memory = KvMemory(layers=3, spec=spec, dtype=torch.float32, device=torch.device("cpu"), capacity_tokens=64, block_tokens=4)
+    block = torch.randn(3, 5, spec.width)  # token-major, as storage holds it
+    seq = DecodeSequence(request_id="r", tokens=[], kv=memory.allocate(5), kv_len=5)
+    assert seq.kv.shape == (3, *spec.rows[:1], 8, spec.rows[1])
+    memory.tokens(seq.kv)[:, :5].copy_(spec.as_rows(block))
+    if kind == "gqa":  # head-major: K's head 1 is one run of tokens
+        assert torch.equal(seq.kv[0, 1, :5], block[0, :, 4:8])
+    memory.grow(seq, 9)
+    back = torch.empty_like(block)
+    spec.as_rows(back).copy_(memory.tokens(seq.kv)[:, :5])
+    assert seq.capacity == 12 and torch.equal(back, block)
+    k, v = spec.unpack_rows(seq.kv[1, :, :5])
+    want_k, want_v = spec.unpack(block[1])
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
 def test_one_decode_step_over_sequences_of_different_lengths_gives_each_its_full_recompute(arch, tmp_path):
     """The decode engine's step batches sequences of different lengths, each attending over
@@ -143,7 +166,7 @@ def test_one_decode_step_over_sequences_of_different_lengths_gives_each_its_full
         logits, k, v = dec.forward_full(prompt)
         kv = memory.allocate(n + 1)
         for layer in range(dec.num_layers):
-            spec.pack_into(kv[layer, :n], k[layer], v[layer])
+            spec.pack_rows_into(kv[layer, :, :n], k[layer], v[layer])
         seqs.append(DecodeSequence(request_id=str(n), tokens=list(prompt), kv=kv, kv_len=n))
         inputs.append(int(logits[-1].argmax()))
         want.append(dec.forward_full(prompt + [inputs[-1]])[0][-1])

@@ -188,7 +188,7 @@ def run_bench(
             seqs = []
             for i in range(batch):
                 kv = memory.allocate(context + decode_steps)
-                kv[:, :context].copy_(base)
+                memory.tokens(kv)[:, :context].copy_(spec.as_rows(base))
                 seqs.append(DecodeSequence(request_id=str(i), tokens=[], kv=kv, kv_len=context))
             return seqs
 

@@ -1,8 +1,12 @@
 """The decode engine's KV memory and its continuous-batching decode step (torch, no I/O).
 
-Each running sequence owns a KV tensor ``[layers, capacity, width]`` on the compute device
-(``width`` values per token per layer, as the model's ``KvSpec`` lays them out: K then V, or
-MLA's latent then rotary key) (its share of "HBM"), grown a block at a time. A step feeds every running
+Each running sequence owns a KV tensor ``[layers, heads, capacity, head_width]`` on the
+compute device (its share of "HBM"), grown a block at a time: a token's ``width`` values per
+layer (as the model's ``KvSpec`` lays them out: K then V, or MLA's latent then rotary key)
+split into ``KvSpec.rows``, each row's tokens back to back (head-major, so that attention
+reads a head's keys as one run). ``KvMemory.tokens`` views it token by token: blocks of
+storage (token-major ``[layers, T, width]``) are copied in and out through that view, their
+bytes unchanged. A step feeds every running
 sequence's last token through all layers at once (linear layers batched, attention per
 sequence over its own cache) and returns the logits.
 """
@@ -25,13 +29,13 @@ class DecodeSequence:
 
     request_id: str
     tokens: list[int]
-    kv: torch.Tensor  # [layers, capacity, width]
+    kv: torch.Tensor  # [layers, heads, capacity, head_width] (KvSpec.rows)
     kv_len: int
     generated: list[int] = field(default_factory=list)
 
     @property
     def capacity(self) -> int:
-        return self.kv.shape[1]
+        return self.kv.shape[2]
 
 
 class KvMemory:
@@ -61,7 +65,8 @@ class KvMemory:
         return -(-tokens // self.block_tokens) * self.block_tokens
 
     def allocate(self, tokens: int) -> torch.Tensor:
-        """A zeroed KV tensor for ``tokens`` (rounded up to whole blocks).
+        """A zeroed KV tensor ``[layers, heads, capacity, head_width]`` for ``tokens`` (rounded
+        up to whole blocks).
 
         Raises:
             MemoryError: the budget has no room (the scheduler should not have sent it).
@@ -70,7 +75,14 @@ class KvMemory:
         if n > self.free_tokens:
             raise MemoryError(f"KV memory full: need {n} tokens, {self.free_tokens} free of {self.capacity_tokens}")
         self.used_tokens += n
-        return torch.zeros((self.layers, n, self.spec.width), dtype=self.dtype, device=self.device)
+        heads, head_width = self.spec.rows
+        return torch.zeros((self.layers, heads, n, head_width), dtype=self.dtype, device=self.device)
+
+    def tokens(self, kv: torch.Tensor) -> torch.Tensor:
+        """``kv`` (from ``allocate``) token by token: a view ``[layers, capacity, heads,
+        head_width]``, which token-major KV ``[layers, T, width]`` matches as
+        ``spec.as_rows(...)`` (copy either way; the bytes of a token are the same)."""
+        return kv.transpose(1, 2)
 
     def grow(self, seq: DecodeSequence, tokens: int) -> None:
         """Make room for ``tokens`` in ``seq`` (adds whole blocks, copies the used part).
@@ -90,11 +102,11 @@ class KvMemory:
         except MemoryError:
             self.used_tokens += old  # unchanged
             raise
-        new[:, : seq.kv_len].copy_(seq.kv[:, : seq.kv_len])
+        new[:, :, : seq.kv_len].copy_(seq.kv[:, :, : seq.kv_len])
         seq.kv = new
 
     def release(self, kv: torch.Tensor) -> None:
-        self.used_tokens -= kv.shape[1]
+        self.used_tokens -= kv.shape[2]
 
 
 async def decode_step_async(decoder: EngineDecoder, memory: KvMemory, seqs: list[DecodeSequence], inputs: list[int]) -> torch.Tensor:

@@ -106,9 +106,9 @@ class EngineDecoder(Protocol):
 
     def decode_step(self, kvs: Sequence[torch.Tensor], kv_lens: Sequence[int], inputs: Sequence[int]) -> torch.Tensor:
         """One token per sequence, in the calling thread: ``inputs[i]`` at position
-        ``kv_lens[i]`` of sequence ``i``, whose KV is ``kvs[i] [layers, capacity, width]``
-        (its first ``kv_lens[i]`` tokens valid, room for one more: the token's KV is written
-        there). Returns logits ``[len(inputs), vocab]``."""
+        ``kv_lens[i]`` of sequence ``i``, whose KV is ``kvs[i] [layers, heads, capacity,
+        head_width]`` (``KvMemory``'s head-major layout; its first ``kv_lens[i]`` tokens valid,
+        room for one more: the token's KV is written there). Returns logits ``[len(inputs), vocab]``."""
         ...
 
     async def decode_step_async(self, kvs: Sequence[torch.Tensor], kv_lens: Sequence[int], inputs: Sequence[int]) -> torch.Tensor:

@@ -146,6 +146,34 @@ class KvSpec:
         out[:, : self.k_width].copy_(k.reshape(t, self.k_width))
         out[:, self.k_width :].copy_(v.reshape(t, -1))
 
+    @property
+    def rows(self) -> tuple[int, int]:
+        """``(heads, head_width)``: a token's ``width`` values as rows, one per KV head (K's
+        heads then V's for GQA; MLA's one row of latent and rotary key). The decode engine's
+        memory keeps each row's tokens back to back (head-major, ``[heads, T, head_width]``),
+        so that attention reads one head's keys as one contiguous run."""
+        if self.kind == "gqa":
+            return self.k_shape[0] + self.v_shape[0], self.k_shape[1]
+        return 1, self.width
+
+    def as_rows(self, kv: torch.Tensor) -> torch.Tensor:
+        """Token-major ``[..., T, width]`` as a view ``[..., T, heads, head_width]`` (``rows``)."""
+        return kv.unflatten(-1, self.rows)
+
+    def pack_rows_into(self, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k [T, *k_shape]`` and ``v [T, *v_shape]`` into head-major ``out [heads, T, head_width]``."""
+        if self.kind == "gqa":
+            out[: self.k_shape[0]].copy_(k.transpose(0, 1))
+            out[self.k_shape[0] :].copy_(v.transpose(0, 1))
+        else:
+            self.pack_into(out[0], k, v)
+
+    def unpack_rows(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head-major ``[heads, T, head_width]`` -> views ``k [T, *k_shape]``, ``v [T, *v_shape]`` (no copy)."""
+        if self.kind == "gqa":
+            return buf[: self.k_shape[0]].transpose(0, 1), buf[self.k_shape[0] :].transpose(0, 1)
+        return self.unpack(buf[0])
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig:

@@ -108,8 +108,9 @@ def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
 
 
 # Where a layer's KV comes from, per sequence: ``past`` (cached parts, the new ones are
-# appended by a copy) or ``caches`` (the caller's ``[capacity, width]`` buffer with ``P``
-# tokens in it: the new parts are written in place after them, nothing is copied).
+# appended by a copy) or ``caches`` (the caller's head-major ``[heads, capacity, head_width]``
+# buffer, ``KvSpec.rows``, with ``P`` tokens in it: the new parts are written in place after
+# them, nothing is copied).
 Caches = Sequence[tuple[torch.Tensor, int]] | None
 
 
@@ -118,8 +119,8 @@ def _kv_all(spec: KvSpec, i: int, k_new: torch.Tensor, v_new: torch.Tensor, past
     if caches is not None:
         buf, plen = caches[i]
         n = k_new.shape[0]
-        spec.pack_into(buf[plen : plen + n], k_new, v_new)
-        return spec.unpack(buf[: plen + n])
+        spec.pack_rows_into(buf[:, plen : plen + n], k_new, v_new)
+        return spec.unpack_rows(buf[:, : plen + n])
     cached = past[i]
     if cached is None:
         return k_new, v_new
@@ -171,26 +172,24 @@ class _GqaAttention:
 
     def _decode(self, q, k, v, segments, caches: Sequence[tuple[torch.Tensor, int]]):
         """A decode step: sequence ``i``'s one new token (row ``segments[i][0]``) is written
-        into its buffer ``caches[i]`` (one copy of the token's K and V) and attends over every
-        token there: two batched matmuls, its query heads grouped by KV head as the rows (no
-        tiling and no threads to wake for one query, as the fused kernel would). Softmax in
-        float32 as transformers does. Returns ``(attn [N, heads, hd], k, v)``, ``k``/``v`` views
+        into its head-major buffer ``caches[i]`` (one copy of the token's K and V) and attends
+        over every token there with the fused kernel, each KV head's query heads as its rows of
+        queries (no mask: one position sees all). A head's keys and values are contiguous runs
+        of the buffer, read in place. Returns ``(attn [N, heads, hd], k, v)``, ``k``/``v`` views
         of the new tokens' parts."""
         n, kvh, hd = k.shape
         kw, g = self.spec.k_width, self.heads // kvh
         new = torch.empty((n, self.spec.width), dtype=k.dtype, device=k.device)  # as a cache holds a token
         new[:, :kw].view(n, kvh, hd).copy_(k)
         new[:, kw:].view(n, kvh, hd).copy_(v)
-        out = torch.empty((n, kvh, g, hd), dtype=q.dtype, device=q.device)  # query heads grouped by KV head
-        q = torch.mul(q.reshape(out.shape), hd**-0.5, out=torch.empty_like(out))  # the softmax scale, once for all
-        for (row, _), (buf, plen) in zip(segments, caches):
+        q = q.reshape(n, 1, kvh, g, hd)  # query heads grouped by KV head, as rows of queries
+        rows = new.view(n, 2 * kvh, hd)
+        outs = []
+        for (row, _), (buf, plen) in zip(segments, caches):  # buf [2 kvh, capacity, hd]: K's heads then V's
             t = plen + 1
-            buf[plen].copy_(new[row])
-            kv = buf[:t].view(t, 2, kvh, hd)  # K then V per token
-            scores = torch.bmm(q[row], kv[:, 0].permute(1, 2, 0))  # [kvh, g, T]
-            probs = scores.softmax(-1, dtype=torch.float32)
-            torch.bmm(probs if probs.dtype == q.dtype else probs.to(q.dtype), kv[:, 1].transpose(0, 1), out=out[row])
-        return out.view(n, self.heads, hd), new[:, :kw].view(n, kvh, hd), new[:, kw:].view(n, kvh, hd)
+            buf[:, plen].copy_(rows[row])
+            outs.append(F.scaled_dot_product_attention(q[row], buf[None, :kvh, :t], buf[None, kvh:, :t], scale=hd**-0.5))
+        return torch.cat(outs).view(n, self.heads, hd), new[:, :kw].view(n, kvh, hd), new[:, kw:].view(n, kvh, hd)
 
     def _attend(self, q, k, v):
         """Causal GQA attention of ``q [n, heads, hd]`` (the last ``n`` positions) over ``k, v [T, kvh, hd]``."""
@@ -449,9 +448,10 @@ class Decoder:
         ``[P_i, *kv_spec.k_shape]`` and ``[P_i, *kv_spec.v_shape]`` (as returned here; views
         such as ``KvSpec.unpack``'s are fine) or ``None``. Sequence ``i``'s queries attend
         causally to ``past_i ++ new_i``. Instead of ``past``, ``caches[i] = (buf, P_i)`` names a
-        ``[capacity, kv_spec.width]`` buffer holding sequence ``i``'s first ``P_i`` tokens of
-        this layer: the new tokens' parts are written into it in place and attention reads it
-        there (the decode engine's memory; no copy of the past per step).
+        head-major ``[heads, capacity, head_width]`` buffer (``kv_spec.rows``) holding sequence
+        ``i``'s first ``P_i`` tokens of this layer: the new tokens' parts are written into it in
+        place and attention reads it there (the decode engine's memory; no copy of the past per
+        step).
 
         Returns ``(hidden_out [N, H], k_new [N, *k_shape], v_new [N, *v_shape])``: GQA's K
         (RoPE applied) and V, or MLA's latent and rotary key (RoPE applied).
@@ -508,7 +508,8 @@ class Decoder:
     def decode_step(self, kvs: Sequence[torch.Tensor], kv_lens: Sequence[int], inputs: Sequence[int]) -> torch.Tensor:
         """One token per sequence: ``inputs[i]`` at position ``kv_lens[i]`` of sequence ``i``.
 
-        ``kvs[i] [layers, capacity, kv_spec.width]`` holds sequence ``i``'s first ``kv_lens[i]``
+        ``kvs[i] [layers, heads, capacity, head_width]`` (head-major, ``kv_spec.rows``, as
+        ``engine.decode.KvMemory`` allocates it) holds sequence ``i``'s first ``kv_lens[i]``
         tokens' KV and has room for one more: the new token's KV is written there in place
         and attention reads it there (``forward_layer``'s ``caches``). Returns logits
         ``[len(inputs), V]`` float32.
@@ -522,8 +523,8 @@ class Decoder:
         hidden = self.embed(token_t)
         past: list[PastKV] = [None] * len(segments)
         for kv in kvs:
-            if kv.dim() != 3 or kv.shape[0] != self.num_layers:
-                raise ModelInputError(f"a sequence's KV must be [{self.num_layers}, capacity, {self.kv_spec.width}], got {tuple(kv.shape)}")
+            if kv.dim() != 4 or kv.shape[0] != self.num_layers:
+                raise ModelInputError(f"a sequence's KV must be [{self.num_layers}, heads, capacity, head_width], got {tuple(kv.shape)}")
         # Every layer's buffers and inputs have the same shapes: checked once, and the
         # rotation tables computed once, for the whole step.
         self._check_caches(hidden, segments, [(kv[0], n) for kv, n in zip(kvs, kv_lens)])
@@ -575,11 +576,17 @@ class Decoder:
     def _check_caches(self, hidden: torch.Tensor, segments: Sequence[tuple[int, int]], caches: Sequence[tuple[torch.Tensor, int]]) -> None:
         if len(caches) != len(segments):
             raise ModelInputError(f"{len(segments)} segments but {len(caches)} caches")
+        heads, head_width = self.kv_spec.rows
         for (_, length), (buf, plen) in zip(segments, caches):
-            if buf.dim() != 2 or buf.shape[1] != self.kv_spec.width or buf.dtype != self.dtype or buf.device != hidden.device:
-                raise ModelInputError(f"a cache must be [capacity, {self.kv_spec.width}] {self.dtype}, got {tuple(buf.shape)} {buf.dtype}")
-            if plen < 0 or plen + length > buf.shape[0]:
-                raise ModelInputError(f"a cache of {buf.shape[0]} tokens cannot hold {plen} + {length}")
+            if (
+                buf.dim() != 3
+                or (buf.shape[0], buf.shape[2]) != (heads, head_width)
+                or buf.dtype != self.dtype
+                or buf.device != hidden.device
+            ):
+                raise ModelInputError(f"a cache must be [{heads}, capacity, {head_width}] {self.dtype}, got {tuple(buf.shape)} {buf.dtype}")
+            if plen < 0 or plen + length > buf.shape[1]:
+                raise ModelInputError(f"a cache of {buf.shape[1]} tokens cannot hold {plen} + {length}")
 
     def _check(
         self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, segments: Sequence[tuple[int, int]], past: Sequence[PastKV]
