@@ -284,15 +284,17 @@ class _Mlp:
         self.gate_up = _transposed(torch.cat((t[p + "gate_proj.weight"], t[p + "up_proj.weight"])))  # [H, 2 I]
         self.down = _transposed(t[p + "down_proj.weight"])  # [I, H]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [N, H]`` -> ``[N, H]``, into ``out`` (contiguous) when given."""
         n, (inner, hidden) = x.shape[0], self.down.shape
         # On CPU, row blocks whose [rows, 2 I] intermediate stays within 16 MiB: glibc hands
         # out blocks that size again from its heap, but maps every one over 32 MiB afresh,
         # and faulting it in costs about as much as the GEMM that fills it.
         rows = n if x.device.type != "cpu" else max(256, (16 << 20) // (2 * inner * x.element_size()))
         if n <= rows:
-            return self._rows(x)
-        out = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
+            return self._rows(x, out=out)
+        if out is None:
+            out = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
         for start in range(0, n, rows):
             self._rows(x[start : start + rows], out=out[start : start + rows])
         return out
@@ -343,11 +345,11 @@ class _Moe:
         w = weights.reshape(-1).index_select(0, order).to(x.dtype)[:, None]
         ys = torch.empty_like(xs)
         start = 0
-        for e, count in enumerate(counts):  # one matmul per active expert
+        for e, count in enumerate(counts):  # one matmul per active expert, written in place
             if count:
-                ys[start : start + count] = self.experts[e](xs[start : start + count])
+                self.experts[e](xs[start : start + count], out=ys[start : start + count])
                 start += count
-        out = torch.zeros_like(x).index_add_(0, tokens, ys * w)
+        out = torch.zeros_like(x).index_add_(0, tokens, ys.mul_(w))
         if self.shared is not None:
             out = out + self.shared(x)
         return out
