@@ -142,3 +142,25 @@ def test_a_buffer_can_be_closed_as_soon_as_a_read_returns(tmp_path):
 
     asyncio.run(run())
     io.close()
+
+
+def test_a_cancelled_read_empties_its_queue_and_frees_the_buffer(tmp_path):
+    """Cancelled while groups are in flight: it waits for them, so no thread writes into the
+    buffer afterwards, and its blocks leave the read queue."""
+    store = BlockStore(tmp_path)
+    hashes = list(range(700, 740))
+    _write(store, hashes)
+    io = StorageIO(store, read_nic=EmulatedNic(24_000, name="snic", chunk_bytes=240, burst_bytes=240))
+    dest = memoryview(bytearray(len(hashes) * FMT.block_bytes))
+
+    async def run():
+        task = asyncio.create_task(io.read_blocks(DIGEST, hashes, FMT, dest))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    assert (io.read_q_tokens, io.read_q_bytes) == (0, 0)
+    dest.release()  # raises BufferError while any slice of it is still alive
+    io.close()
