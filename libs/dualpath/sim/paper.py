@@ -124,8 +124,8 @@ NOTES = {
     "ds27b_1p1d_dualpath_over_basic": "quick size: the cluster is not storage-bound",
     "ds27b_1p1d_dualpath_over_oracle": "DualPath is bound by the two SNICs (its JCT is the trajectories' hit bytes over "
     "both nodes' storage NICs) while Oracle is bound by decode, so the row follows the 27B's decode step: the fitted "
-    "calibration ds27b_decode_step_s (the paper gives no compute figure for its internal 27B). With a roofline step "
-    "alone Oracle is ~3x faster and the row 3.2-5.7x; docs/paper.md gives the measurements",
+    "calibration ds27b_decode_per_request_s (the paper gives no compute figure for its internal 27B). With a roofline "
+    "step alone Oracle is ~3x faster and the row 3.2-5.7x; docs/paper.md gives the measurements",
     "pd_speedup_average": "the speedup follows how storage-bound the cluster is at the simulated batch sizes",
     "pd_speedup_max": "the speedup follows how storage-bound the cluster is at the simulated batch sizes",
     "dualpath_2p1d_over_dualpath_1p2d": "small sizes: JCT is set by a few slow agents, not by storage bandwidth",
@@ -136,7 +136,7 @@ NOTES = {
     "scale_offline_jct_ratio": "the larger cluster runs proportionally more agents; JCT is set by the slowest agents",
     "online_ds27b_aps_ratio": "Basic is bound by storage-side TTFT queueing; the paper's 1.67 (under the 2x of the SNICs) "
     "says its 27B DualPath meets another limit first: see the sweep's best point for which SLO binds the simulated "
-    "DualPath (its decode step includes the fitted ds27b_decode_step_s)",
+    "DualPath (its decode step includes the fitted ds27b_decode_per_request_s)",
     "online_ds660b_aps_ratio": "Basic is bound by the prefill nodes' SNICs (TTFT queueing) as in the paper; see the "
     "sweep's best point for which SLO binds the simulated DualPath (TTFT, or TPOT, which counts the wait for decode "
     "HBM) against the paper's DualPath at 0.4 APS (TTFT 1.74 s, TPOT 39 ms: a prefill-side limit)",
@@ -185,18 +185,19 @@ def cache_compute_rows() -> list[dict]:
 # (one core, compiled), so the pool starts the largest first and the progress bar moves by it.
 
 
-# Decode step time beyond the roofline, per target (calibration ``ds27b_decode_step_s``: fitted,
-# the paper gives no compute figure for its 27B); every other target adds the common figure.
-DECODE_STEP_S = {"ds27b": calibration.value("ds27b_decode_step_s")}
+# Decode step time beyond the roofline per running request, per target (calibration
+# ``ds27b_decode_per_request_s``: fitted, the paper gives no compute figure for its 27B).
+DECODE_PER_REQUEST_S = {"ds27b": calibration.value("ds27b_decode_per_request_s")}
 
 
-def _decode_host_s(target: str) -> float:
-    return DECODE_STEP_S.get(target, calibration.value("decode_step_host_s"))
+def _decode_extra(target: str) -> dict[str, float]:
+    """The SimConfig fields of a target's decode step time beyond its roofline."""
+    return {"decode_host_s": calibration.value("decode_step_host_s"), "decode_host_per_request_s": DECODE_PER_REQUEST_S.get(target, 0.0)}
 
 
 def _offline_run(target: str, p: int, d: int, agents: int, mode: str, turns: int | None, start_at: float, **extra) -> dict:
     decode_ep = extra.pop("decode_ep", 0)
-    cfg = SimConfig(target=target, prefill_nodes=p, decode_nodes=d, decode_ep=decode_ep, decode_host_s=_decode_host_s(target))
+    cfg = SimConfig(target=target, prefill_nodes=p, decode_nodes=d, decode_ep=decode_ep, **_decode_extra(target))
     w = Workload(dataset="64k", agents=agents, turns=turns, start_at=start_at, **extra)
     row = run_offline(cfg, w, [mode], progress=False)["modes"][mode]
     row.pop("snic_series", None)  # not needed by any row; keeps what crosses the pool small
@@ -204,7 +205,7 @@ def _offline_run(target: str, p: int, d: int, agents: int, mode: str, turns: int
 
 
 def _online_run(target: str, p: int, d: int, mode: str, size: Size, start_rate: float, decode_ep: int = 0) -> dict:
-    cfg = SimConfig(target=target, prefill_nodes=p, decode_nodes=d, decode_ep=decode_ep, mode=mode, decode_host_s=_decode_host_s(target))
+    cfg = SimConfig(target=target, prefill_nodes=p, decode_nodes=d, decode_ep=decode_ep, mode=mode, **_decode_extra(target))
     w = Workload(dataset="64k", agents=1 << 20, turns=size.online_turns, start_at=size.online_start_at, duration_s=size.online_duration)
     return sweep_online(
         cfg,
