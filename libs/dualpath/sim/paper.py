@@ -190,14 +190,16 @@ def cache_compute_rows() -> list[dict]:
 DECODE_PER_REQUEST_S = {"ds27b": calibration.value("ds27b_decode_per_request_s")}
 
 
-def _decode_extra(target: str) -> dict[str, float]:
-    """The SimConfig fields of a target's decode step time beyond its roofline."""
-    return {"decode_host_s": calibration.value("decode_step_host_s"), "decode_host_per_request_s": DECODE_PER_REQUEST_S.get(target, 0.0)}
+def _decode_per_request_s(target: str) -> float:
+    """The target's decode step time beyond its roofline, per running request."""
+    return DECODE_PER_REQUEST_S.get(target, 0.0)
 
 
 def _offline_run(target: str, p: int, d: int, agents: int, mode: str, turns: int | None, start_at: float, **extra) -> dict:
     decode_ep = extra.pop("decode_ep", 0)
-    cfg = SimConfig(target=target, prefill_nodes=p, decode_nodes=d, decode_ep=decode_ep, **_decode_extra(target))
+    cfg = SimConfig(
+        target=target, prefill_nodes=p, decode_nodes=d, decode_ep=decode_ep, decode_host_per_request_s=_decode_per_request_s(target)
+    )
     w = Workload(dataset="64k", agents=agents, turns=turns, start_at=start_at, **extra)
     row = run_offline(cfg, w, [mode], progress=False)["modes"][mode]
     row.pop("snic_series", None)  # not needed by any row; keeps what crosses the pool small
@@ -205,7 +207,14 @@ def _offline_run(target: str, p: int, d: int, agents: int, mode: str, turns: int
 
 
 def _online_run(target: str, p: int, d: int, mode: str, size: Size, start_rate: float, decode_ep: int = 0) -> dict:
-    cfg = SimConfig(target=target, prefill_nodes=p, decode_nodes=d, decode_ep=decode_ep, mode=mode, **_decode_extra(target))
+    cfg = SimConfig(
+        target=target,
+        prefill_nodes=p,
+        decode_nodes=d,
+        decode_ep=decode_ep,
+        mode=mode,
+        decode_host_per_request_s=_decode_per_request_s(target),
+    )
     w = Workload(dataset="64k", agents=1 << 20, turns=size.online_turns, start_at=size.online_start_at, duration_s=size.online_duration)
     return sweep_online(
         cfg,
