@@ -57,8 +57,10 @@ async def test_a_dead_schedulers_unclaimed_slot_is_given_back_after_another_sche
                 return await bus.request(subjects.tm("n0", "alloc"), req, m.AllocReply, timeout=5.0)
 
             await beat("old@1")
-            await alloc("never-dispatched")
             used = await alloc("handed-off")
+            # placed after it, next to the free tail: once given back, the free room is one run again
+            # (a node reports the largest slot it can place, not its free total)
+            await alloc("never-dispatched")
             persist = m.PersistRequest(
                 request_id="handed-off",
                 model_digest=1,

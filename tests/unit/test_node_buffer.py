@@ -84,3 +84,18 @@ def test_room_is_the_largest_slot_first_fit_can_place_not_the_free_total():
         node.alloc("big", 0, 2 * MB)
     node.free("r1", 0)
     assert node.room() == 3 * MB and node.alloc("big", 0, 3 * MB).offset == 0
+
+
+def test_a_de_slot_whose_prompt_blocks_were_persisted_is_retained_whole_not_just_its_hits():
+    """``keep_prompt`` marks the slot's hits and new prompt blocks as the run to keep; the free
+    that follows keeps all of them (not only the hits its load verified)."""
+    from dualpath.node.prefetch import PrefetchCache
+
+    pool, bb = BufferPool(16 * MB), 4096
+    cache = PrefetchCache(pool, None, 8 * MB, ttl_s=60.0, clock=lambda: 0.0)
+    node = NodeBuffer(pool, 8 * MB, cache)
+    slot = node.alloc("r", 0, 10 * bb)
+    node.loaded(slot_key("r", 0), 7, [1, 2, 3], bb)  # the load verified three hit blocks
+    node.keep_prompt(slot_key("r", 0), 7, [1, 2, 3], [4, 5], slot.offset + 3 * bb, bb)  # two prompt blocks persisted after them
+    node.free("r", 0)
+    assert cache.stats.retained_bytes == 5 * bb and all((7, h) in cache for h in (1, 2, 3, 4, 5))

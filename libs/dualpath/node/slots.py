@@ -164,7 +164,7 @@ class NodeBuffer:
         key = slot_key(request_id, attempt)
         loaded = self._loaded.get(key)
         if loaded is not None:
-            self._keep[key] = loaded
+            self._keep.setdefault(key, loaded)  # a run ``keep_prompt`` marked (hits and new prompt blocks) is kept whole
         return self.release(key)
 
     def give_up_below(self, request_id: str, before: int, now: float) -> int:
