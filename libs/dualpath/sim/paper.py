@@ -190,16 +190,16 @@ def cache_compute_rows() -> list[dict]:
 DECODE_PER_REQUEST_S = {"ds27b": calibration.value("ds27b_decode_per_request_s")}
 
 
-def _decode_per_request_s(target: str) -> float:
-    """The target's decode step time beyond its roofline, per running request."""
-    return DECODE_PER_REQUEST_S.get(target, 0.0)
+def _config(target: str, p: int, d: int, decode_ep: int, mode: str = "dualpath") -> SimConfig:
+    """A table run's cluster: the target's decode time beyond its roofline added per running
+    request (``DECODE_PER_REQUEST_S``)."""
+    extra = DECODE_PER_REQUEST_S.get(target, 0.0)
+    return SimConfig(target=target, prefill_nodes=p, decode_nodes=d, decode_ep=decode_ep, mode=mode, decode_host_per_request_s=extra)
 
 
 def _offline_run(target: str, p: int, d: int, agents: int, mode: str, turns: int | None, start_at: float, **extra) -> dict:
     decode_ep = extra.pop("decode_ep", 0)
-    cfg = SimConfig(
-        target=target, prefill_nodes=p, decode_nodes=d, decode_ep=decode_ep, decode_host_per_request_s=_decode_per_request_s(target)
-    )
+    cfg = _config(target, p, d, decode_ep)
     w = Workload(dataset="64k", agents=agents, turns=turns, start_at=start_at, **extra)
     row = run_offline(cfg, w, [mode], progress=False)["modes"][mode]
     row.pop("snic_series", None)  # not needed by any row; keeps what crosses the pool small
@@ -207,14 +207,7 @@ def _offline_run(target: str, p: int, d: int, agents: int, mode: str, turns: int
 
 
 def _online_run(target: str, p: int, d: int, mode: str, size: Size, start_rate: float, decode_ep: int = 0) -> dict:
-    cfg = SimConfig(
-        target=target,
-        prefill_nodes=p,
-        decode_nodes=d,
-        decode_ep=decode_ep,
-        mode=mode,
-        decode_host_per_request_s=_decode_per_request_s(target),
-    )
+    cfg = _config(target, p, d, decode_ep, mode)
     w = Workload(dataset="64k", agents=1 << 20, turns=size.online_turns, start_at=size.online_start_at, duration_s=size.online_duration)
     return sweep_online(
         cfg,

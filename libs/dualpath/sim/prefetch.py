@@ -96,12 +96,11 @@ class SimPrefetch:
         self.block_tokens = bt
         self.chunk_blocks = max(1, int(sim.cfg.snic_bytes_per_s() * CHUNK_S // block_bytes))
         self.nodes: dict[str, NodeStaging] = {}
-        self.cap = 0.0
         for name, storage in sim.storage.items():
             if storage.cache is None:
                 raise ValueError(f"node {name} has no prefetch cache")
             storage.prefetch = self.nodes[name] = NodeStaging(self, storage, storage.cache)
-            self.cap = float(storage.cache.budget)
+        self.cap = float(next(iter(self.nodes.values())).cache.budget) if self.nodes else 0.0  # the same on every node
         self._hinted: dict[int, str] = {}  # agent -> node asked to stage it, until its blocks are persisted
         self.hints = 0
         self.link_bytes = 0  # bytes staging moved over the storage NICs (used or not)

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from dualpath.node.buffer import BufferFullError, BufferPool
-from dualpath.node.prefetch import PrefetchCache
+from dualpath.node.prefetch import PREFETCH_OWNER, PrefetchCache
 from dualpath.node.slots import NodeBuffer, slot_key
 from dualpath.policy import ReadSide
 from dualpath.sim.clock import EventLoop
@@ -135,7 +135,7 @@ class NodeStorage:
     @property
     def slots(self) -> list[str]:
         """The requests holding a slot here."""
-        return [k for k in self.node.pool.owners() if not k.startswith("prefetch:")]
+        return [k for k in self.node.pool.owners() if not k.startswith(PREFETCH_OWNER)]
 
     def _fit(self, nbytes: float) -> int:
         return max(1, min(int(nbytes), self.buffer_bytes))  # an oversized slot takes the whole buffer
@@ -204,24 +204,24 @@ class NodeStorage:
             q.popleft()
             self.active += 1
             rest = nbytes
+            # the blocks' hashes, for the prefetch cache only: runs are found and kept by hash
+            hashes = block_hashes(req.agent.index, tokens // self.block_tokens) if self.cache is not None else []
             if staged and self.cache is not None:
-                bb = self.block_bytes
-                taken = self.cache.take_prefix(DIGEST, block_hashes(req.agent.index, tokens // self.block_tokens), bb, None)
-                rest = max(0.0, nbytes - taken * bb)
-            token = (req, rest, tokens, into_buffer)
+                rest = max(0.0, nbytes - self.cache.take_prefix(DIGEST, hashes, self.block_bytes, None) * self.block_bytes)
+            token = (req, rest, tokens, into_buffer, hashes)
             if rest > 0:
                 self.read_link.start(rest, self._done, token)
             else:
                 self.loop.at(self.loop.now, self._done, token)
 
-    def _done(self, token: tuple[SimRequest, float, int, bool]) -> None:
-        req, nbytes, tokens, into_buffer = token
+    def _done(self, token: tuple[SimRequest, float, int, bool, list[int]]) -> None:
+        req, nbytes, tokens, into_buffer, hashes = token
         self.active -= 1
         self.bytes_read += nbytes
         self.hit_tokens_read += tokens
         self.read_q -= tokens
         if self.cache is not None and (into_buffer or not req.split_de):  # the slot's leading blocks are verified
-            self.node.loaded(slot_key(req.key, 0), DIGEST, block_hashes(req.agent.index, tokens // self.block_tokens), self.block_bytes)
+            self.node.loaded(slot_key(req.key, 0), DIGEST, hashes, self.block_bytes)
         self._changed(self)
         self._pump()
         if self.prefetch is not None and not self.active:
