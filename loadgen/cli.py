@@ -83,6 +83,12 @@ def build_parser(prog: str = "dualpath loadgen") -> argparse.ArgumentParser:
     p.add_argument("--sweep", action="store_true", help="search for the highest APS meeting the SLO (online probes)")
     p.add_argument("--sweep-probes", type=int, default=8, help="most probes a sweep runs")
     p.add_argument("--sweep-tolerance", type=float, default=0.1, help="stop when pass/fail rates are this close (relative)")
+    p.add_argument(
+        "--sweep-step",
+        type=float,
+        default=2.0,
+        help="factor between probes until one passes and one fails (smaller when --rate is a good guess)",
+    )
     p.add_argument("--out", help="directory for report.json, turns.jsonl and plots (default loadgen-out/<time>)")
     p.add_argument("--json", action="store_true", help="print report.json to stdout instead of a table")
     p.add_argument("--api", choices=("completions", "chat"), default="completions", help="endpoint to drive")
@@ -125,6 +131,8 @@ def _check(args: argparse.Namespace) -> None:
         raise InputError(f"--untimed-turns ({args.untimed_turns}) leaves no timed turn of --turns {args.turns}")
     if args.drain < 0 or args.max_errors < 1 or args.sweep_probes < 1:
         raise InputError("--drain must be >= 0, --max-errors and --sweep-probes >= 1")
+    if not args.sweep_step > 1:
+        raise InputError(f"--sweep-step must be > 1, got {args.sweep_step}")
     if args.sweep and args.offline:
         raise InputError("--sweep probes arrival rates; it cannot be combined with --offline")
     if not args.stagger >= 0:
@@ -215,7 +223,7 @@ def _single(args, endpoint, trajectories, prompts, slo, report, out_dir) -> int:
 
 
 def _sweep(args, endpoint, trajectories, prompts, slo, report, out_dir) -> int:
-    plan = SweepPlan(start_rate=args.rate or 1.0, max_probes=args.sweep_probes, tolerance=args.sweep_tolerance)
+    plan = SweepPlan(start_rate=args.rate or 1.0, max_probes=args.sweep_probes, tolerance=args.sweep_tolerance, step=args.sweep_step)
     if args.duration is None:
         args.duration = 60.0
         report["config"]["duration"] = 60.0

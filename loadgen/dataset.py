@@ -1,9 +1,15 @@
 """The agents of a run: a synthetic set by name, or a JSONL trajectory file.
 
-A file with fewer trajectories than ``agents`` is cycled. Copies after the first of a
-recorded (text-carrying) trajectory get their first segment prefixed with an agent tag,
+A set holds a fixed number of trajectories: a file its lines, a synthetic set the paper's
+500 (``DEFAULT_AGENTS``: PAPER.md "Traces": 500 trajectories per set). More agents than
+that cycle through the set, as the paper's runs of 1K-48K agents replay its 500 traces, so
+the longest trajectory is the longest of 500 at any agent count (independent draws would
+lengthen the tail with the count: the longest of 2,048 draws of the 64K set has 2,062
+turns, of 500 has 1,478, and an offline JCT is its last agent's). Copies after the first of
+a recorded (text-carrying) trajectory get their first segment prefixed with an agent tag,
 so copies never share a prompt prefix (the paper gives extra agents "a synthetic random
-first round" for the same reason). Length-only agents get unique text at replay time.
+first round" for the same reason). Length-only agents get unique text at replay time: the
+replay seeds each agent's text with its index.
 """
 
 from __future__ import annotations
@@ -40,13 +46,14 @@ def load_dataset(
         raise InputError(f"--start-at must be in [0, 1), got {start_at}")
     key = name.lower()
     if key in SPECS:
-        base = generate(SPECS[key], agents or DEFAULT_AGENTS, seed)
+        count = agents or DEFAULT_AGENTS
+        traces = generate(SPECS[key], min(count, DEFAULT_AGENTS), seed)
     elif Path(name).is_file():
-        recorded = load_trajectories(name)
-        count = agents or len(recorded)
-        base = [_copy(recorded[i % len(recorded)], i, i // len(recorded)) for i in range(count)]
+        traces = load_trajectories(name)
+        count = agents or len(traces)
     else:
         raise InputError(f"--dataset must be one of {', '.join(SPECS)} or a trajectory JSONL file; {name!r} is neither")
+    base = [_copy(traces[i % len(traces)], i, i // len(traces)) for i in range(count)]
     return [t.from_turn(int(start_at * t.turns)).capped(turns).scaled(scale) for t in base]
 
 

@@ -1,7 +1,7 @@
 """Find the highest arrival rate (APS) whose turns meet the SLO.
 
-Search: probe the start rate; double after a pass (or halve after a failure) until one
-rate passes and one fails, then bisect geometrically between the highest pass and the
+Search: probe the start rate; multiply it by ``step`` (default 2) after a pass (or divide
+after a failure) until one rate passes and one fails, then bisect geometrically between the highest pass and the
 lowest failure until they are within ``tolerance`` of each other or ``max_probes`` probes
 have run. Each probe is an online run of ``duration_s`` seconds (plus its drain) with a
 fresh seed for arrivals and prompt text, so a probe never hits the KV cache of an
@@ -15,7 +15,7 @@ import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-__all__ = ["SweepPlan", "SweepState", "run_sweep", "next_rate"]
+__all__ = ["SweepPlan", "SweepState", "run_sweep", "next_rate", "next_rates"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,6 +25,11 @@ class SweepPlan:
     start_rate: float = 1.0
     max_probes: int = 8
     tolerance: float = 0.1
+    step: float = 2.0  # factor between probes until one passes and one fails: smaller when the start is a good guess
+
+    def __post_init__(self) -> None:
+        if not self.step > 1.0:
+            raise ValueError(f"step must be > 1, got {self.step}")
 
 
 @dataclass(slots=True)
@@ -39,19 +44,29 @@ class SweepState:
 
 def next_rate(plan: SweepPlan, state: SweepState) -> float | None:
     """The next rate to probe, or None when the search is over."""
-    if len(state.points) >= plan.max_probes or state.stopped:
-        return None
+    rates = next_rates(plan, state, 1)
+    return rates[0] if rates else None
+
+
+def next_rates(plan: SweepPlan, state: SweepState, k: int) -> list[float]:
+    """Up to ``k`` rates to probe at once (empty when the search is over): the next ``k`` steps
+    out from the start, the highest pass or the lowest failure; once bracketed, ``k`` points
+    splitting the bracket evenly in log(rate) (k = 1: its geometric midpoint). Parallel probes
+    (a simulator on several cores) shrink the bracket (k + 1)-fold per round instead of 2-fold."""
+    k = min(k, plan.max_probes - len(state.points))
+    if k <= 0 or state.stopped:
+        return []
     lo, hi = state.best, state.lowest_failure
     if lo is None and hi is None:
-        return plan.start_rate
+        return [plan.start_rate * plan.step**i for i in range(k)]
     if lo is None:
         assert hi is not None  # both None returned above
-        return hi / 2
+        return [hi / plan.step ** (i + 1) for i in range(k)]
     if hi is None:
-        return lo * 2
+        return [lo * plan.step ** (i + 1) for i in range(k)]
     if hi / lo - 1 <= plan.tolerance:
-        return None
-    return math.sqrt(lo * hi)
+        return []
+    return [lo * (hi / lo) ** ((i + 1) / (k + 1)) for i in range(k)]
 
 
 async def run_sweep(plan: SweepPlan, state: SweepState, probe: Callable[[float, int], Awaitable[dict]]) -> SweepState:

@@ -103,6 +103,25 @@ def test_sweep_doubles_until_a_failure_then_bisects_to_the_tolerance() -> None:
     assert 4.5 <= state.best <= capacity < state.lowest_failure <= 1.1 * state.best
 
 
+def test_sweep_step_takes_fewer_probes_from_a_good_start() -> None:
+    def probes(step: float) -> list[float]:
+        plan, state = SweepPlan(start_rate=4.6, max_probes=20, tolerance=0.05, step=step), SweepState()
+        while (rate := next_rate(plan, state)) is not None:
+            state.points.append({"rate": rate})
+            if rate <= 5.0:
+                state.best = max(rate, state.best or 0)
+            else:
+                state.lowest_failure = min(rate, state.lowest_failure or np.inf)
+        assert 5.0 / 1.05 <= state.best <= 5.0 < state.lowest_failure <= 1.05 * state.best
+        return [p["rate"] for p in state.points]
+
+    near = probes(1.2)
+    assert near[:2] == pytest.approx([4.6, 4.6 * 1.2])
+    assert len(near) < len(probes(2.0))
+    with pytest.raises(ValueError, match="step"):
+        SweepPlan(step=1.0)
+
+
 def test_sweep_halves_when_the_start_rate_fails_and_respects_the_probe_budget() -> None:
     plan = SweepPlan(start_rate=8.0, max_probes=3)
     state = SweepState()

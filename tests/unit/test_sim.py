@@ -417,3 +417,22 @@ def test_the_min_heap_gives_entries_in_end_then_seq_order():
     assert [(e.end, e.seq) for e in out] == expected
     with pytest.raises(IndexError):
         heap.pop()
+
+
+def test_a_parallel_sweep_brackets_the_same_knee_in_fewer_rounds() -> None:
+    """``sweep_online(jobs=2)`` probes two rates per round in two processes: it must find the
+    serial sweep's knee (to the tolerance) and spend no more rounds."""
+    from dualpath.sim.experiments import sweep_online
+
+    cfg = SimConfig(target="ds27b", prefill_nodes=1, decode_nodes=1, mode="basic")
+    w = Workload(dataset="64k", agents=1 << 12, turns=2, start_at=0.5, duration_s=40.0)
+    kw = {"slo_ttft": 4.0, "slo_tpot": 0.05, "start_rate": 20.0, "probes": 10, "tolerance": 0.05, "step": 1.5}  # knee ~41 APS
+    serial = sweep_online(cfg, w, **kw)
+    parallel = sweep_online(cfg, w, jobs=2, **kw)
+    for sweep in (serial, parallel):
+        points = sweep["points"]
+        assert any(p["passed"] for p in points) and any(not p["passed"] for p in points), points
+    lo, hi = sorted((serial["max_aps"], parallel["max_aps"]))
+    assert hi / lo <= 1.05**2, (serial["max_aps"], parallel["max_aps"])
+    assert -(-len(parallel["points"]) // 2) < len(serial["points"])  # rounds of two probes
+    assert parallel["cpu_s"] == pytest.approx(sum(p["cpu_s"] for p in parallel["points"]))

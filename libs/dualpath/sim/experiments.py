@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
 from dualpath.compiled import status as compiled_status
@@ -20,7 +21,7 @@ from dualpath.sim.config import ABLATION, SimConfig
 from dualpath.sim.report import run_figures
 from dualpath.sim.simulation import Simulation
 from dualpath.sim.workload import Agent, Workload, build_agents
-from loadgen.sweep import SweepPlan, SweepState, next_rate
+from loadgen.sweep import SweepPlan, SweepState, next_rates
 
 __all__ = ["Ticker", "run_offline", "run_online", "sweep_online"]
 
@@ -185,6 +186,8 @@ def sweep_online(
     start_rate: float = 0.5,
     probes: int = 8,
     tolerance: float = 0.05,
+    step: float = 2.0,
+    jobs: int = 1,
     warmup_s: float = 0.0,
     drain_s: float = float("inf"),
     tpot_after_second: bool = False,
@@ -192,48 +195,55 @@ def sweep_online(
     say: Callable[[str], None] | None = None,
 ) -> dict:
     """The highest APS whose turns meet the SLO (``attainment`` of them, counted after
-    ``warmup_s``: ``run_online``), by the load generator's search; every probe reported,
-    the best one's latencies as ``best``."""
-    plan, state = SweepPlan(start_rate=start_rate, max_probes=probes, tolerance=tolerance), SweepState()
+    ``warmup_s``: ``run_online``), by the load generator's search (``step``: its factor between
+    probes until one passes and one fails; ``jobs`` > 1: that many probes at once, each in its
+    own process); every probe reported, the best one's latencies as ``best``."""
+    plan, state = SweepPlan(start_rate=start_rate, max_probes=probes, tolerance=tolerance, step=step), SweepState()
     best: dict | None = None
-    while (rate := next_rate(plan, state)) is not None:
-        row = run_online(
-            cfg,
-            replace(workload, rate=rate),
-            slo_ttft=slo_ttft,
-            slo_tpot=slo_tpot,
-            warmup_s=warmup_s,
-            drain_s=drain_s,
-            tpot_after_second=tpot_after_second,
-            progress=progress,
-        )
-        passed = row["attainment"] is not None and row["attainment"] >= attainment
-        window = row["window_latency_s"]
-        point = {
-            "rate": rate,
-            "passed": passed,
-            "attainment": row["attainment"],
-            "failed_turns": 0,
-            "ttft_p50": window["ttft"].get("p50"),
-            "tpot_p50": window["tpot"].get("p50"),
-            "ttft_mean": window["ttft"].get("mean"),
-            "ttst_mean": window["ttst"].get("mean"),
-            "tpot_mean": window["tpot"].get("mean"),
-            "pace_mean": window["pace"].get("mean"),
-            "cpu_s": row["cpu_s"],
-            "slo_misses": row["slo_misses"],
-            "prefill_busy": row["prefill_busy"],
-            "decode_busy": row["decode_busy"],
-            "snic_util_prefill": row["snic_util_prefill"],
-            "snic_util_decode": row["snic_util_decode"],
-        }
-        state.points.append(point)
-        if passed and rate > (state.best or 0.0):
-            best = point
-        if passed:
-            state.best = max(rate, state.best or 0.0)
-        else:
-            state.lowest_failure = min(rate, state.lowest_failure or float("inf"))
-        if say:
-            say(f"[{cfg.mode}] {rate:.3f} APS: attainment {row['attainment']}, {'pass' if passed else 'fail'}")
-    return {"max_aps": state.best, "best": best, "points": state.points}
+    kw = {"slo_ttft": slo_ttft, "slo_tpot": slo_tpot, "warmup_s": warmup_s, "drain_s": drain_s, "tpot_after_second": tpot_after_second}
+    pool = ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else None
+    try:
+        while rates := next_rates(plan, state, jobs):
+            if pool is None:
+                rows = [run_online(cfg, replace(workload, rate=rates[0]), progress=progress, **kw)]
+            else:
+                futures = [pool.submit(run_online, cfg, replace(workload, rate=r), progress=False, **kw) for r in rates]
+                rows = [f.result() for f in futures]
+            for rate, row in zip(rates, rows, strict=True):
+                point = _probe_point(rate, row, attainment)
+                state.points.append(point)
+                if point["passed"] and rate > (state.best or 0.0):
+                    best = point
+                if point["passed"]:
+                    state.best = max(rate, state.best or 0.0)
+                else:
+                    state.lowest_failure = min(rate, state.lowest_failure or float("inf"))
+                if say:
+                    say(f"[{cfg.mode}] {rate:.3f} APS: attainment {row['attainment']}, {'pass' if point['passed'] else 'fail'}")
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    return {"max_aps": state.best, "best": best, "points": state.points, "cpu_s": sum(p["cpu_s"] for p in state.points)}
+
+
+def _probe_point(rate: float, row: dict, attainment: float) -> dict:
+    """One probe of a sweep: whether it met the SLO, its latencies and what was busy."""
+    window = row["window_latency_s"]
+    return {
+        "rate": rate,
+        "passed": row["attainment"] is not None and row["attainment"] >= attainment,
+        "attainment": row["attainment"],
+        "failed_turns": 0,
+        "ttft_p50": window["ttft"].get("p50"),
+        "tpot_p50": window["tpot"].get("p50"),
+        "ttft_mean": window["ttft"].get("mean"),
+        "ttst_mean": window["ttst"].get("mean"),
+        "tpot_mean": window["tpot"].get("mean"),
+        "pace_mean": window["pace"].get("mean"),
+        "cpu_s": row["cpu_s"],
+        "slo_misses": row["slo_misses"],
+        "prefill_busy": row["prefill_busy"],
+        "decode_busy": row["decode_busy"],
+        "snic_util_prefill": row["snic_util_prefill"],
+        "snic_util_decode": row["snic_util_decode"],
+    }

@@ -113,4 +113,21 @@ def run_figures(sim: Simulation) -> dict:
         "peak_memory_mb": peak_memory_mb(),
         "hbm_tokens_per_decode_engine": sim.hbm_tokens,
         "prefetch": sim.prefetch.summary() if sim.prefetch is not None else None,
+        **agent_ends(sim.agents),
+    }
+
+
+def agent_ends(agents: list) -> dict:
+    """When agents finished (``agent_end_s``: p50, p90, max; offline, the max is the JCT) and
+    the last one to finish (``last_agent``: its turns and mean time per turn). An offline JCT
+    is one agent's: the longest trajectory's turns run one after another however idle the
+    cluster gets, so a per-turn cost it pays (a read, a transfer) sets the JCT's tail."""
+    done = [a for a in agents if a.done_at >= 0]
+    if not done:
+        return {"agent_end_s": None, "last_agent": None}
+    ends = sorted(a.done_at for a in done)
+    last = max(done, key=lambda a: a.done_at)
+    return {
+        "agent_end_s": {"p50": ends[len(ends) // 2], "p90": ends[int(0.9 * (len(ends) - 1))], "max": ends[-1]},
+        "last_agent": {"index": last.index, "turns": last.turns, "turn_s": (last.done_at - last.arrival) / max(last.turns, 1)},
     }
