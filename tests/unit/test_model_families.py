@@ -11,6 +11,7 @@ transformers, same logits; cached decoding equals a full recompute).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,19 +69,17 @@ def test_rope_scalings_are_computed_as_transformers_computes_them(rope):
     assert attention_factor(ours.rope_scaling) == pytest.approx(want_factor, rel=1e-12)
 
 
-def test_mla_softmax_scale_folds_mscale_all_dim_like_transformers():
+def test_mla_softmax_scale_folds_mscale_all_dim_like_transformers(tmp_path):
     from transformers.modeling_rope_utils import yarn_apply_mscale
 
     rope = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 1.0}
-    cfg = ModelConfig.from_dir(_tiny_config("deepseek_v3", rope))
+    cfg = ModelConfig.from_dir(_tiny_config(tmp_path, "deepseek_v3", rope))
     assert mla_softmax_scale(192, cfg.rope_scaling) == pytest.approx(yarn_apply_mscale(rope, 192**-0.5), rel=1e-12)
     assert mla_softmax_scale(192, None) == 192**-0.5
 
 
-def _tiny_config(arch: str, rope: dict | None = None, **kw):
-    import tempfile
-
-    d = make_tiny_model(tempfile.mkdtemp(prefix=f"cfg-{arch}-"), arch=arch, layers=2, **kw)
+def _tiny_config(where: Path, arch: str, rope: dict | None = None, **kw):
+    d = make_tiny_model(where / f"cfg-{arch}", arch=arch, layers=2, **kw)
     if rope is not None:
         raw = json.loads((d / "config.json").read_text())
         raw["rope_scaling"] = rope
