@@ -99,3 +99,13 @@ def test_layer_slices_tile_the_payload_in_layer_major_order() -> None:
 def test_out_of_range_header_fields_are_refused(override: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         make_header(**override)
+
+
+def test_version_1_headers_still_decode_and_say_where_their_payload_starts() -> None:
+    from dualpath.kv.block import PAYLOAD_OFFSET, READ_VERSIONS, payload_offset
+
+    assert FORMAT_VERSION == 2 and READ_VERSIONS == (1, 2)
+    assert decode_header(encode_header(make_header(version=1))).version == 1
+    assert payload_offset(1) == HEADER_BYTES and payload_offset(2) == PAYLOAD_OFFSET == 4096
+    with pytest.raises(ValueError, match="version"):
+        payload_offset(3)

@@ -1,16 +1,19 @@
 """``O_DIRECT`` block files: the same bytes and the same guarantees as buffered ones, at sizes
-around the bounce buffer's chunk and into unaligned destinations."""
+around the bounce buffer's chunk, into unaligned destinations (the bounce buffer) and into
+aligned ones (straight into the slot)."""
 
 from __future__ import annotations
 
+import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from dualpath.kv import HEADER_BYTES, BlockStore, CorruptBlockError, model_digest
-from dualpath.kv.direct import ALIGN, CHUNK_BYTES, open_direct
+from dualpath.kv import PAYLOAD_OFFSET, BlockStore, CorruptBlockError, model_digest, storage
+from dualpath.kv.direct import ALIGN, CHUNK_BYTES, open_direct, read_aligned
 
 DIGEST = model_digest("direct-test")
 
@@ -38,13 +41,13 @@ def _shape(size: int) -> dict[str, object]:
 
 @pytest.mark.parametrize(
     "size",
-    [1, ALIGN - HEADER_BYTES, ALIGN, CHUNK_BYTES - HEADER_BYTES, CHUNK_BYTES, CHUNK_BYTES + 1, 2 * CHUNK_BYTES + 12345],
+    [1, ALIGN - 1, ALIGN, CHUNK_BYTES - PAYLOAD_OFFSET, CHUNK_BYTES, CHUNK_BYTES + 1, 2 * CHUNK_BYTES + 12345],
 )
 def test_direct_files_equal_buffered_ones_and_read_back_into_an_unaligned_buffer(stores: tuple[BlockStore, BlockStore], size: int) -> None:
     buffered, direct = stores
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
     for store in stores:
-        assert store.write(model_digest=DIGEST, block_hash=7, payload=data, **_shape(size)) == HEADER_BYTES + size  # type: ignore[arg-type]
+        assert store.write(model_digest=DIGEST, block_hash=7, payload=data, **_shape(size)) == PAYLOAD_OFFSET + size  # type: ignore[arg-type]
     assert direct.path_for(DIGEST, 7).read_bytes() == buffered.path_for(DIGEST, 7).read_bytes()
     dest = bytearray(size + 3)
     for store in stores:
@@ -67,7 +70,108 @@ def test_a_direct_read_catches_a_flipped_payload_byte_in_a_later_chunk(stores: t
     size = 2 * CHUNK_BYTES
     direct.write(model_digest=DIGEST, block_hash=9, payload=bytes(size), **_shape(size))  # type: ignore[arg-type]
     with open(direct.path_for(DIGEST, 9), "r+b") as f:
-        f.seek(HEADER_BYTES + CHUNK_BYTES + 17)
+        f.seek(PAYLOAD_OFFSET + CHUNK_BYTES + 17)
         f.write(b"\x01")
     with pytest.raises(CorruptBlockError, match="checksum"):
         direct.read_into(model_digest=DIGEST, block_hash=9, dest=bytearray(size), **_shape(size))  # type: ignore[arg-type]
+
+
+def _slot_buffer(nbytes: int) -> memoryview:
+    """A page-aligned buffer, as a node buffer's slots are, filled with a sentinel."""
+    view = memoryview(mmap.mmap(-1, nbytes))
+    view[:] = b"\xee" * nbytes
+    return view
+
+
+@pytest.mark.parametrize("size", [PAYLOAD_OFFSET, 3 * PAYLOAD_OFFSET + 512, 10_000, 2 * CHUNK_BYTES + 1])
+def test_an_aligned_direct_read_lands_in_the_slot_and_writes_nothing_past_its_end(
+    stores: tuple[BlockStore, BlockStore], monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """No bounce buffer for the payload (``read_direct`` is not called), and a payload that is
+    not a whole number of sectors gets its tail without the bytes after the slot changing."""
+    _, direct = stores
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    direct.write(model_digest=DIGEST, block_hash=10, payload=data, **_shape(size))  # type: ignore[arg-type]
+
+    def no_bounce(*args: object) -> int:
+        raise AssertionError("an aligned destination went through the bounce buffer")
+
+    monkeypatch.setattr(storage, "read_direct", no_bounce)
+    buf = _slot_buffer(2 * ALIGN + size + ALIGN)
+    slot = buf[2 * ALIGN : 2 * ALIGN + size]
+    assert direct.read_into(model_digest=DIGEST, block_hash=10, dest=slot, **_shape(size)) == size  # type: ignore[arg-type]
+    assert bytes(slot) == data
+    assert bytes(buf[: 2 * ALIGN]) == b"\xee" * 2 * ALIGN
+    assert bytes(buf[2 * ALIGN + size :]) == b"\xee" * ALIGN
+
+
+def test_a_block_at_a_sector_but_not_a_page_boundary_is_read_in_place(stores: tuple[BlockStore, BlockStore]) -> None:
+    """The bundled targets' blocks are multiples of 512 bytes, not of 4 KiB: every other block
+    of a slot starts mid-page, which is aligned enough where the filesystem asks for 512."""
+    _, direct = stores
+    size = 3 * ALIGN + 2048  # a 1,259,520-byte block's remainder modulo 4 KiB
+    data = bytes(range(256)) * (size // 256)
+    direct.write(model_digest=DIGEST, block_hash=11, payload=data, **_shape(size))  # type: ignore[arg-type]
+    buf = _slot_buffer(2 * size + ALIGN)
+    for i in range(2):
+        dest = buf[i * size : (i + 1) * size]
+        assert direct.read_into(model_digest=DIGEST, block_hash=11, dest=dest, **_shape(size)) == size  # type: ignore[arg-type]
+        assert bytes(dest) == data
+    assert bytes(buf[2 * size :]) == b"\xee" * ALIGN
+
+
+def test_a_filesystem_that_wants_more_alignment_than_it_said_falls_back_to_the_bounce_buffer(
+    stores: tuple[BlockStore, BlockStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``EINVAL`` from an aligned read or write is not an error: the block goes through the
+    bounce buffer (and its checksum is taken once)."""
+    buffered, direct = stores
+    monkeypatch.setattr(storage, "dio_alignment", lambda fd: 1)  # every address "aligned"
+    bounced: list[str] = []
+
+    def spy(name: str) -> Callable[..., object]:
+        real = getattr(storage, name)
+
+        def call(*args: object) -> object:
+            bounced.append(name)
+            return real(*args)
+
+        return call
+
+    for name in ("read_direct", "write_direct"):
+        monkeypatch.setattr(storage, name, spy(name))
+    size = 2 * ALIGN
+    data = bytes(range(256)) * (size // 256)
+    src = bytearray(size + 1)
+    src[1:] = data
+    assert direct.write(model_digest=DIGEST, block_hash=12, payload=memoryview(src)[1:], **_shape(size)) == PAYLOAD_OFFSET + size  # type: ignore[arg-type]
+    buffered.write(model_digest=DIGEST, block_hash=12, payload=data, **_shape(size))  # type: ignore[arg-type]
+    assert direct.path_for(DIGEST, 12).read_bytes() == buffered.path_for(DIGEST, 12).read_bytes()
+    monkeypatch.setattr(direct, "_dio_align", None)
+    dest = memoryview(bytearray(size + 1))[1:]
+    assert direct.read_into(model_digest=DIGEST, block_hash=12, dest=dest, **_shape(size)) == size  # type: ignore[arg-type]
+    assert bytes(dest) == data
+    assert bounced == ["write_direct", "read_direct"]
+
+
+@pytest.mark.parametrize("cut", [PAYLOAD_OFFSET - 1, PAYLOAD_OFFSET, PAYLOAD_OFFSET + ALIGN, PAYLOAD_OFFSET + 5 * ALIGN - 1])
+def test_a_torn_version_2_file_is_a_miss_on_the_aligned_path(stores: tuple[BlockStore, BlockStore], cut: int) -> None:
+    """Cut anywhere (in the header page, at the payload, mid-payload, a byte short), a file is
+    refused before its payload is used: by its size, and by the read itself if it is cut
+    between the size check and the read."""
+    _, direct = stores
+    size = 5 * ALIGN
+    direct.write(model_digest=DIGEST, block_hash=13, payload=bytes(range(256)) * (size // 256), **_shape(size))  # type: ignore[arg-type]
+    path = direct.path_for(DIGEST, 13)
+    os.truncate(path, cut)
+    with pytest.raises(CorruptBlockError):
+        direct.read_into(model_digest=DIGEST, block_hash=13, dest=_slot_buffer(size), **_shape(size))  # type: ignore[arg-type]
+    fd = open_direct(path, os.O_RDONLY)
+    assert fd is not None
+    heads: list[int] = []
+    try:
+        landed = read_aligned(fd, PAYLOAD_OFFSET, _slot_buffer(size), 512, lambda raw: heads.append(len(raw)), lambda data: None)
+    finally:
+        os.close(fd)
+    assert landed == max(0, cut - PAYLOAD_OFFSET) < size
+    assert heads == ([PAYLOAD_OFFSET] if cut >= PAYLOAD_OFFSET else [])

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dualpath.kv import HEADER_BYTES, BlockMissingError, BlockStore, CorruptBlockError, hash_hex, model_digest
+from dualpath.kv import PAYLOAD_OFFSET, BlockMissingError, BlockStore, CorruptBlockError, hash_hex, model_digest
 from dualpath.kv.direct import PIECE_BYTES
 
 DIGEST = model_digest("test-model")
@@ -52,7 +52,7 @@ def read(
 def test_written_block_reads_back_byte_for_byte(store: BlockStore) -> None:
     data = payload(1)
     written = put(store, data)
-    assert written == HEADER_BYTES + PAYLOAD_BYTES
+    assert written == PAYLOAD_OFFSET + PAYLOAD_BYTES
     assert store.path_for(DIGEST, 0xB10C).stat().st_size == written
     assert bytes(read(store)) == data
     assert store.exists(DIGEST, 0xB10C)
@@ -88,7 +88,7 @@ def test_missing_block_raises_block_missing_error(store: BlockStore) -> None:
     assert info.value.path == store.path_for(DIGEST, 0xB10C)
 
 
-@pytest.mark.parametrize("cut", [1, PAYLOAD_BYTES, PAYLOAD_BYTES + HEADER_BYTES - 10])
+@pytest.mark.parametrize("cut", [1, PAYLOAD_BYTES, PAYLOAD_BYTES + PAYLOAD_OFFSET - 10])
 def test_truncated_file_is_corrupt(store: BlockStore, cut: int) -> None:
     put(store, payload())
     path = store.path_for(DIGEST, 0xB10C)
@@ -110,13 +110,13 @@ def test_flipped_payload_byte_is_corrupt(store: BlockStore, offset: int) -> None
     put(store, payload())
     path = store.path_for(DIGEST, 0xB10C)
     raw = bytearray(path.read_bytes())
-    raw[HEADER_BYTES + offset] ^= 0x40
+    raw[PAYLOAD_OFFSET + offset] ^= 0x40
     path.write_bytes(raw)
     with pytest.raises(CorruptBlockError, match="checksum"):
         read(store)
 
 
-@pytest.mark.parametrize("offset", [0, PIECE_BYTES - HEADER_BYTES, 2 * PIECE_BYTES + 5, 3 * PIECE_BYTES + 122])
+@pytest.mark.parametrize("offset", [0, PIECE_BYTES - 1, PIECE_BYTES, 2 * PIECE_BYTES + 5, 3 * PIECE_BYTES + 122])
 def test_a_block_of_several_pieces_is_checksummed_whole(store: BlockStore, offset: int) -> None:
     """Reads land and are checksummed piece by piece; every piece counts, the last short one too."""
     size = 3 * PIECE_BYTES + 123
@@ -125,7 +125,7 @@ def test_a_block_of_several_pieces_is_checksummed_whole(store: BlockStore, offse
     assert bytes(read(store, dest=bytearray(size), layers=1, tokens=1, bytes_per_token_layer=size)) == data
     path = store.path_for(DIGEST, 0xB10C)
     raw = bytearray(path.read_bytes())
-    raw[HEADER_BYTES + offset] ^= 0x01
+    raw[PAYLOAD_OFFSET + offset] ^= 0x01
     path.write_bytes(raw)
     with pytest.raises(CorruptBlockError, match="checksum"):
         read(store, dest=bytearray(size), layers=1, tokens=1, bytes_per_token_layer=size)
@@ -267,3 +267,64 @@ def test_an_existing_root_keeps_its_mode(tmp_path: Path) -> None:
     root.chmod(0o750)
     BlockStore(root)
     assert root.stat().st_mode & 0o777 == 0o750
+
+
+def _write_v1(store: BlockStore, data: bytes, block_hash: int = 0xB10C) -> Path:
+    """A block file of the first layout (the payload right after the 64-byte header), as
+    stores wrote them before format version 2."""
+    import xxhash
+
+    from dualpath.kv import HEADER_BYTES, BlockHeader, encode_header
+
+    header = BlockHeader(version=1, model_digest=DIGEST, block_hash=block_hash, checksum=xxhash.xxh3_64_intdigest(data),
+                         layers=LAYERS, tokens=TOKENS, bytes_per_token_layer=BPT, dtype="bfloat16")  # fmt: skip
+    path = store.path_for(DIGEST, block_hash)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(encode_header(header) + data)
+    assert path.stat().st_size == HEADER_BYTES + len(data)
+    return path
+
+
+def test_a_version_1_file_is_still_read_and_verified(store: BlockStore) -> None:
+    data = payload(7)
+    path = _write_v1(store, data)
+    assert bytes(read(store)) == data
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0x01
+    path.write_bytes(raw)
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        read(store)
+
+
+def test_new_blocks_are_written_as_version_2_with_the_payload_at_4_kib(store: BlockStore) -> None:
+    from dualpath.kv import HEADER_BYTES, decode_header
+
+    data = payload(8)
+    put(store, data)
+    raw = store.path_for(DIGEST, 0xB10C).read_bytes()
+    assert decode_header(raw).version == 2
+    assert raw[HEADER_BYTES:PAYLOAD_OFFSET] == bytes(PAYLOAD_OFFSET - HEADER_BYTES)
+    assert raw[PAYLOAD_OFFSET:] == data
+    damaged = bytearray(raw)
+    damaged[HEADER_BYTES + 100] = 1
+    store.path_for(DIGEST, 0xB10C).write_bytes(damaged)
+    with pytest.raises(CorruptBlockError, match="padding"):
+        read(store)
+
+
+def test_a_header_whose_version_disagrees_with_the_file_size_is_corrupt(store: BlockStore) -> None:
+    """A version 1 header in front of a version 2 layout (or the other way round) is not read
+    at the wrong offset."""
+    from dualpath.kv import HEADER_BYTES
+
+    data = payload(9)
+    v1 = _write_v1(store, data).read_bytes()
+    path = store.path_for(DIGEST, 0xB10C)
+    path.write_bytes(v1[:HEADER_BYTES] + bytes(PAYLOAD_OFFSET - HEADER_BYTES) + data)  # v1 header, v2 layout
+    with pytest.raises(CorruptBlockError, match="version 1 header"):
+        read(store)
+    put(store, data)
+    v2 = path.read_bytes()
+    path.write_bytes(v2[:HEADER_BYTES] + data)  # v2 header, v1 layout
+    with pytest.raises(CorruptBlockError, match="version 2 header"):
+        read(store)

@@ -17,8 +17,8 @@ file per I/O), in the same mode:
   renames it into place and fsyncs its directory: the atomic write the format promises; fio
   keeps one file open at a time, without which its ``fsync`` lands on the next, empty file).
 
-fio's files are the block file's size rounded up to 4 KiB (what ``O_DIRECT`` needs); each
-side's GB/s is the bytes it moved over its own time. Ours and fio's passes alternate, round
+fio's files are the block file's size (4 KiB of padded header, then the payload) rounded up
+to 4 KiB (what ``O_DIRECT`` needs); each side's GB/s is the bytes it moved over its own time. Ours and fio's passes alternate, round
 by round, and each figure is the median of ``rounds`` passes, so load from other processes
 on a shared machine falls on both alike. A benchmark prints figures; the tests assert
 behaviour.
@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dualpath.kv import HEADER_BYTES, BlockStore, model_digest
+from dualpath.kv import PAYLOAD_OFFSET, BlockStore, model_digest
 from dualpath.node.storage_io import FANOUT, BlockFormat, StorageIO
 from dualpath.transfer.region import MemoryRegion
 
@@ -187,7 +187,7 @@ class _Ours:
     def _timed(self, go: Callable[[], Any]) -> float:
         t0 = time.perf_counter()
         self._runner.run(go())
-        return len(self.hashes) * (HEADER_BYTES + self.fmt.block_bytes) / (time.perf_counter() - t0) / 1e9
+        return len(self.hashes) * (PAYLOAD_OFFSET + self.fmt.block_bytes) / (time.perf_counter() - t0) / 1e9
 
 
 def _files_for(block_bytes: int, total_bytes: int, qd: int, max_files: int) -> int:
@@ -246,7 +246,7 @@ def _measure_size(
     """Every mode of one block size, ours and fio alternating within each round."""
     ours = _Ours(base / f"ours-{name}", fmt, files, qd)
     fio_dir = base / f"fio-{name}"
-    file_bytes = -(-(HEADER_BYTES + fmt.block_bytes) // 4096) * 4096
+    file_bytes = -(-(PAYLOAD_OFFSET + fmt.block_bytes) // 4096) * 4096
     got: dict[tuple[str, str], list[float]] = {}
     # reads need files: each round writes first (buffered before direct, so reads find them)
     order = sorted(modes, key=lambda m: ("write-buffered", "buffered", "direct", "write-direct").index(m))

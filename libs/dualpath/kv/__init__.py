@@ -11,6 +11,7 @@
 from dualpath.kv.block import (
     FORMAT_VERSION,
     HEADER_BYTES,
+    PAYLOAD_OFFSET,
     BlockHeader,
     decode_header,
     encode_header,
@@ -31,6 +32,7 @@ __all__ = [
     "BLOCK_TOKENS",
     "FORMAT_VERSION",
     "HEADER_BYTES",
+    "PAYLOAD_OFFSET",
     "BlockHeader",
     "BlockIndex",
     "BlockMissingError",

@@ -1,10 +1,11 @@
 """The Full Block file format.
 
-A block file is a fixed 64-byte header followed by the payload::
+A block file is a 64-byte header, zero padding up to ``PAYLOAD_OFFSET`` (4 KiB), then the
+payload::
 
     offset  size  field
     0       4     magic b"DPKV"
-    4       2     format version (u16)
+    4       2     format version (u16): 2 (1 in files of the first layout, below)
     6       2     KV layout (u16): what a token's bytes are (``KV_LAYOUTS``; 0 in files
                   written before the field existed, which were all per-head K/V)
     8       8     model digest (u64)
@@ -15,10 +16,20 @@ A block file is a fixed 64-byte header followed by the payload::
     36      8     payload checksum: xxh3_64 of the payload (u64)
     44      16    dtype name, ASCII, NUL-padded
     60      4     header CRC: zlib.crc32 of bytes 0..60 (u32)
+    64      4032  zeros (checked on read, so a file damaged anywhere is refused)
+    4096    ...   payload
 
 All integers are little-endian. The payload is ``[layers, tokens, bytes]`` in layer-major
 order, so the Layer Block of layer ``l`` (shape ``[1, tokens, bytes]``) is one contiguous
 byte range and a Full Block is the concatenation of its Layer Blocks.
+
+The payload starts at a 4 KiB offset so that an ``O_DIRECT`` read can land it straight in the
+caller's buffer (direct I/O needs file offsets aligned to the device's logical block). The
+padding costs no disk space where the payload is a multiple of 4 KiB: the filesystem rounds a
+file up to its block size either way. Version 1 files (the same header, the payload at
+``HEADER_BYTES``) are still read; nothing writes them. A file's size tells the two apart
+before any byte is read (``HEADER_BYTES`` or ``PAYLOAD_OFFSET`` plus the payload), and the
+header's version must agree with it.
 """
 
 from __future__ import annotations
@@ -33,6 +44,8 @@ from dualpath.kv.hashing import check_u64
 __all__ = [
     "FORMAT_VERSION",
     "HEADER_BYTES",
+    "PAYLOAD_OFFSET",
+    "READ_VERSIONS",
     "KV_LAYOUTS",
     "MAGIC",
     "BlockHeader",
@@ -40,10 +53,12 @@ __all__ = [
     "encode_header",
     "header_template",
     "match_header",
+    "payload_offset",
 ]
 
 MAGIC = b"DPKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what writers write
+READ_VERSIONS = (1, 2)  # what readers accept
 # What one token's ``bytes_per_token_layer`` hold: per-head K then V (GQA, MHA, MQA), MLA's
 # latent then rotary key, or the testbed's modeled stand-in bytes (not KV at all).
 KV_LAYOUTS = {"gqa": 0, "mla": 1, "modeled": 2}
@@ -51,6 +66,7 @@ _DTYPE_BYTES = 16
 _BODY = struct.Struct("<4sHHQQIIIQ16s")  # everything the header CRC covers
 _CRC = struct.Struct("<I")
 HEADER_BYTES = _BODY.size + _CRC.size
+PAYLOAD_OFFSET = 4096  # where a version 2 file's payload starts: the header, zero padded
 _CHECKSUM = slice(36, 44)  # the payload checksum's bytes inside the header body
 _U16_MAX = (1 << 16) - 1
 _U32_MAX = (1 << 32) - 1
@@ -137,7 +153,7 @@ def decode_header(raw: bytes | bytearray | memoryview) -> BlockHeader:
 
     Raises:
         CorruptBlockError: ``raw`` is too short, the magic or header CRC is wrong, the format
-            version is not ``FORMAT_VERSION``, or a field value is impossible.
+            version is not one of ``READ_VERSIONS``, or a field value is impossible.
     """
     if len(raw) < HEADER_BYTES:
         raise CorruptBlockError(None, f"header is {len(raw)} bytes, need {HEADER_BYTES}")
@@ -149,7 +165,7 @@ def decode_header(raw: bytes | bytearray | memoryview) -> BlockHeader:
     magic, version, kv_layout, digest, block_hash, layers, tokens, bpt, checksum, dtype = _BODY.unpack(body)
     if magic != MAGIC:
         raise CorruptBlockError(None, f"bad magic {magic!r}")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise CorruptBlockError(None, f"unsupported format version {version}")
     try:
         return BlockHeader(
@@ -167,15 +183,34 @@ def decode_header(raw: bytes | bytearray | memoryview) -> BlockHeader:
         raise CorruptBlockError(None, f"impossible header field: {exc}") from exc
 
 
+def payload_offset(version: int) -> int:
+    """Where the payload of a file of format ``version`` starts.
+
+    Raises:
+        ValueError: ``version`` is not one of ``READ_VERSIONS``.
+    """
+    if version not in READ_VERSIONS:
+        raise ValueError(f"format version must be one of {READ_VERSIONS}, got {version!r}")
+    return HEADER_BYTES if version == 1 else PAYLOAD_OFFSET
+
+
 def header_template(
-    *, model_digest: int, block_hash: int, layers: int, tokens: int, bytes_per_token_layer: int, dtype: str, kv_layout: int = 0
+    *,
+    model_digest: int,
+    block_hash: int,
+    layers: int,
+    tokens: int,
+    bytes_per_token_layer: int,
+    dtype: str,
+    kv_layout: int = 0,
+    version: int = FORMAT_VERSION,
 ) -> bytes | None:
-    """The header body (``HEADER_BYTES`` minus the CRC) that a current-format block with these
-    fields has, its checksum field zeroed, for ``match_header``; None if a field cannot be
-    encoded (such a block cannot exist: ``decode_header`` says why)."""
+    """The header body (``HEADER_BYTES`` minus the CRC) that a block of format ``version``
+    with these fields has, its checksum field zeroed, for ``match_header``; None if a field
+    cannot be encoded (such a block cannot exist: ``decode_header`` says why)."""
     try:
         return _BODY.pack(
-            MAGIC, FORMAT_VERSION, kv_layout, model_digest, block_hash, layers, tokens, bytes_per_token_layer, 0, dtype.encode("ascii")
+            MAGIC, version, kv_layout, model_digest, block_hash, layers, tokens, bytes_per_token_layer, 0, dtype.encode("ascii")
         )
     except (struct.error, UnicodeEncodeError):
         return None

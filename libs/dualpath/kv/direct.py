@@ -1,14 +1,18 @@
-"""``O_DIRECT`` reads and writes of Full Block files, through page-aligned bounce buffers.
+"""``O_DIRECT`` reads and writes of Full Block files.
 
-Direct I/O needs the file offset, the length and the memory address aligned to the device's
-logical block size. A block file's payload starts at byte ``HEADER_BYTES`` and lands at
-``i * block_bytes`` in the caller's buffer, so neither side is aligned in general: each
-thread owns one page-aligned anonymous mapping, as large as the largest file it has moved (up
-to ``CHUNK_BYTES``), and the file moves through it chunk by chunk (aligned offsets, lengths
-rounded up to ``ALIGN``; a read past the end of the file returns short, a write's padding is
-cut off with ``ftruncate``). The copy between the bounce buffer and the caller's buffer is the
-price (made with the GIL released, so other threads' reads go on meanwhile); the page cache is
-bypassed both ways.
+Direct I/O needs the file offset, the length and the memory address aligned to what the
+filesystem asks (``dio_alignment``: 512 bytes or 4 KiB on the devices in use). A version 2
+file's payload starts at a 4 KiB offset, so ``read_aligned`` lands it straight in the caller's
+buffer whenever that buffer's address is aligned: one request for the whole file (as fio
+makes), the header page and the last partial sector going to the thread's bounce buffer
+(nothing is written past the end of the caller's buffer). Otherwise (an unaligned buffer, a
+version 1 file whose payload starts at byte 64, any write) the file moves through the bounce
+buffer: each thread owns one page-aligned anonymous mapping, as large as the largest file it
+has moved (up to ``CHUNK_BYTES``), and the file moves through it chunk by chunk (aligned
+offsets, lengths rounded up to ``ALIGN``; a read past the end of the file returns short, a
+write's padding is cut off with ``ftruncate``). The copy between the bounce buffer and the
+caller's buffer is that path's price (made with the GIL released, so other threads' reads go
+on meanwhile); the page cache is bypassed both ways.
 
 Filesystems without ``O_DIRECT`` (tmpfs) refuse the open with ``EINVAL``; ``open_direct``
 returns None then and callers fall back to buffered I/O.
@@ -16,15 +20,27 @@ returns None then and callers fall back to buffered I/O.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
+import struct
 import threading
 from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["ALIGN", "CHUNK_BYTES", "PIECE_BYTES", "open_direct", "read_direct", "write_direct"]
+__all__ = [
+    "ALIGN",
+    "CHUNK_BYTES",
+    "PIECE_BYTES",
+    "dio_alignment",
+    "open_direct",
+    "read_aligned",
+    "read_direct",
+    "write_aligned",
+    "write_direct",
+]
 
 ALIGN = 4096  # a page: a multiple of every logical block size in use (512, 4096)
 # The largest single I/O, and the most a thread's bounce buffer grows to: a Full Block file of
@@ -87,6 +103,99 @@ def open_direct(path: str | os.PathLike[str], flags: int, mode: int = 0o600) -> 
         raise
 
 
+_STATX_DIOALIGN = 0x2000  # statx's request bit for stx_dio_mem_align and stx_dio_offset_align
+_AT_EMPTY_PATH = 0x1000
+_STATX = struct.Struct("<I148xII")  # stx_mask at 0, the two alignments at 152 and 156 of 256 bytes
+
+
+def _libc_statx() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).statx
+    except (OSError, AttributeError):  # no glibc statx (before 2.28, or not Linux)
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_statx = _libc_statx()
+
+
+def dio_alignment(fd: int) -> int:
+    """The alignment ``O_DIRECT`` asks of memory addresses, file offsets and lengths for the
+    file ``fd``: the larger of the two that ``statx`` reports (``STATX_DIOALIGN``, Linux 6.1
+    on; 512 on ext4 over a 512-byte-sector disk), ``ALIGN`` where it reports none."""
+    if _statx is None:
+        return ALIGN
+    raw = ctypes.create_string_buffer(256)
+    if _statx(fd, b"", _AT_EMPTY_PATH, _STATX_DIOALIGN, raw) != 0:
+        return ALIGN
+    mask, mem, offset = _STATX.unpack_from(raw.raw)
+    if not mask & _STATX_DIOALIGN or not mem or not offset:
+        return ALIGN
+    return int(max(mem, offset))
+
+
+def _address(view: memoryview) -> int:
+    """The memory address of ``view``'s first byte."""
+    return int(np.frombuffer(view, np.uint8).__array_interface__["data"][0])
+
+
+def _preadv_all(fd: int, bufs: list[memoryview], want: int) -> int:
+    """``preadv`` from offset 0 into ``bufs`` (``want`` bytes at most) until they hold
+    ``want`` bytes or the file ends; return the bytes read. A request may return short (a
+    signal, a filesystem's limit): the rest follows, still aligned, since direct reads stop
+    only at a sector's end."""
+    got = 0
+    while got < want:
+        n = os.preadv(fd, bufs, got)
+        if not n:
+            break
+        got += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if bufs and n:
+            bufs[0] = bufs[0][n:]
+    return got
+
+
+def read_aligned(
+    fd: int, head_bytes: int, dest: memoryview, align: int, on_head: Callable[[memoryview], None], on_data: Callable[[memoryview], None]
+) -> int | None:
+    """Read a file opened with ``O_DIRECT`` whose ``len(dest)``-byte payload starts at
+    ``head_bytes``, in one request: the payload straight into ``dest``, but for its last
+    ``len(dest) % align`` bytes, which come through the thread's bounce buffer with the first
+    ``head_bytes`` (so nothing is written past ``dest``'s end). Then the head goes to
+    ``on_head`` (which may raise), and the payload to ``on_data`` (the caller's checksum).
+
+    Returns the payload bytes landed (short if the file ended early: the caller reports a torn
+    file; ``on_head`` is not called if the head itself is short), or None, having read
+    nothing, if ``dest``'s address or ``head_bytes`` is not a multiple of ``align`` (the caller
+    goes through ``read_direct``).
+
+    Raises:
+        OSError: the read failed; ``EINVAL`` (nothing read) if the filesystem asks for a
+            larger alignment than ``align``.
+    """
+    if head_bytes % align or _address(dest) % align:
+        return None
+    size = len(dest)
+    body = size - size % align  # [body, size) is the tail: less than a sector
+    bounce = _bounce.get(head_bytes + align)
+    tail = bounce[head_bytes : head_bytes + align]
+    bufs = [bounce[:head_bytes]] + ([dest[:body]] if body else []) + ([tail] if body < size else [])
+    got = _preadv_all(fd, bufs, head_bytes + size)
+    if got < head_bytes:
+        return 0
+    landed = min(got - head_bytes, size)
+    if landed > body:
+        dest[body:landed] = tail[: landed - body]
+    on_head(bounce[:head_bytes])
+    on_data(dest[:landed])
+    return landed
+
+
 def read_direct(fd: int, total: int, dest: memoryview, on_head: Callable[[memoryview], None], on_data: Callable[[memoryview], None]) -> int:
     """Read a ``total``-byte file opened with ``O_DIRECT``: its first ``head`` bytes go to
     ``on_head`` (once, before any payload is copied), the rest into ``dest`` in order.
@@ -122,6 +231,49 @@ def read_direct(fd: int, total: int, dest: memoryview, on_head: Callable[[memory
         if got < want:
             break
     return copied
+
+
+def write_aligned(
+    fd: int, head_bytes: int, payload: memoryview, align: int, on_data: Callable[[memoryview], None], head: Callable[[], bytes]
+) -> bool:
+    """Write a ``head_bytes`` header then ``payload`` to an empty file opened with ``O_DIRECT``
+    in one request, the payload straight from the caller's buffer but for its last
+    ``len(payload) % align`` bytes, which go zero-padded through the bounce buffer (the file is
+    then cut to its true size). ``payload`` goes to ``on_data`` (the caller's checksum) before
+    ``head()`` is called for the header.
+
+    Returns False, having written nothing, if ``payload``'s address or ``head_bytes`` is not a
+    multiple of ``align`` (the caller goes through ``write_direct``).
+
+    Raises:
+        OSError: the filesystem refused the write or the truncate; ``EINVAL`` (nothing
+            written) if it asks for a larger alignment than ``align``.
+    """
+    if head_bytes % align or _address(payload) % align:
+        return False
+    size = len(payload)
+    body = size - size % align
+    on_data(payload)
+    bounce = _bounce.get(head_bytes + align)
+    bounce[:head_bytes] = head()
+    bufs = [bounce[:head_bytes]] + ([payload[:body]] if body else [])
+    if body < size:
+        tail = bounce[head_bytes : head_bytes + align]
+        tail[: size - body] = payload[body:]
+        tail[size - body :] = bytes(align - (size - body))
+        bufs.append(tail)
+    done, want = 0, sum(len(b) for b in bufs)
+    while done < want:
+        n = os.pwritev(fd, bufs, done)
+        done += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if bufs and n:
+            bufs[0] = bufs[0][n:]
+    if body < size:
+        os.ftruncate(fd, head_bytes + size)
+    return True
 
 
 def write_direct(fd: int, head_bytes: int, payload: memoryview, on_data: Callable[[memoryview], None], head: Callable[[], bytes]) -> None:

@@ -8,31 +8,37 @@ a shared mount's is its administrator's to set). Writes are atomic (temp file in
 the same directory, fsync, rename, fsync the directory): a reader sees either no file or a
 whole one, and a crashed writer leaves only a ``.tmp`` file that is never read as a block.
 Reads land directly in the caller's buffer and are verified before they are reported.
-``direct=True`` moves the bytes with ``O_DIRECT`` through a per-thread aligned bounce buffer
-(``dualpath.kv.direct``), bypassing the page cache, on filesystems that support it.
+``direct=True`` moves the bytes with ``O_DIRECT``, bypassing the page cache, on filesystems
+that support it (``dualpath.kv.direct``): a version 2 file's payload starts at 4 KiB, so it
+lands in an aligned destination by DMA (and is written from an aligned source so); other
+buffers, and version 1 files, go through a per-thread aligned bounce buffer.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NoReturn
 
 import xxhash
 
 from dualpath.kv.block import (
     FORMAT_VERSION,
     HEADER_BYTES,
+    PAYLOAD_OFFSET,
     BlockHeader,
     decode_header,
     encode_header,
     header_template,
     match_header,
+    payload_offset,
 )
-from dualpath.kv.direct import PIECE_BYTES, open_direct, read_direct, write_direct
+from dualpath.kv.direct import PIECE_BYTES, dio_alignment, open_direct, read_aligned, read_direct, write_aligned, write_direct
 from dualpath.kv.errors import BlockMissingError, CorruptBlockError
 from dualpath.kv.hashing import hash_hex
 
@@ -42,6 +48,8 @@ BLOCK_SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
 DIR_MODE = 0o700  # directories this store creates: only the owner may list or enter them
 FILE_MODE = 0o600  # block files (temp files included): only the owner may read them
+_VERSION_BY_EXTRA = {payload_offset(v): v for v in (1, 2)}  # a file's bytes beyond its payload -> its format
+_PADDING = bytes(PAYLOAD_OFFSET - HEADER_BYTES)  # between a version 2 header and its payload
 
 
 def _fsync_dir(path: Path) -> None:
@@ -76,8 +84,11 @@ def _as_bytes_view(buf: object, *, writable: bool) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-def _read_buffered(fd: int, target: memoryview, on_head: Callable[[memoryview], None], on_data: Callable[[memoryview], None]) -> int:
-    """Read the header and the payload straight into ``target``, ``PIECE_BYTES`` at a time:
+def _read_buffered(
+    fd: int, head_bytes: int, target: memoryview, on_head: Callable[[memoryview], None], on_data: Callable[[memoryview], None]
+) -> int:
+    """Read the file's first ``head_bytes`` (the header, padded in version 2) and the payload
+    after them straight into ``target``, ``PIECE_BYTES`` at a time:
     the header goes to ``on_head`` (which may raise) after the first request, and each piece of
     ``target`` to ``on_data`` just after it landed, while it is still in the CPU's cache (a
     checksum of the whole block afterwards would read it back from memory). Returns the
@@ -87,13 +98,13 @@ def _read_buffered(fd: int, target: memoryview, on_head: Callable[[memoryview], 
     blocks, 8 threads: 1.5-1.7 GB/s in 256 KiB pieces against 1.2 for one request and a
     checksum after it).
     """
-    head = bytearray(HEADER_BYTES)
+    head = bytearray(head_bytes)
     size = len(target)
-    got = os.preadv(fd, [head, target[: PIECE_BYTES - HEADER_BYTES]], 0)
-    if got < HEADER_BYTES:
+    got = os.preadv(fd, [head, target[: PIECE_BYTES - head_bytes]], 0)
+    if got < head_bytes:
         return 0
     on_head(memoryview(head))
-    got -= HEADER_BYTES
+    got -= head_bytes
     done = 0  # bytes handed to on_data
     while True:
         if got > done:
@@ -101,18 +112,20 @@ def _read_buffered(fd: int, target: memoryview, on_head: Callable[[memoryview], 
             done = got
         if got >= size:
             return got
-        n = os.preadv(fd, [target[got : got + PIECE_BYTES]], HEADER_BYTES + got)
+        n = os.preadv(fd, [target[got : got + PIECE_BYTES]], head_bytes + got)
         if not n:
             return got  # the file ended early (torn or truncated)
         got += n
 
 
-def _check_header(path: str, raw: memoryview, expected: tuple[object, ...]) -> int:
-    """The payload checksum of header ``raw``, decoded in full, if its fields are ``expected``
-    (``model_digest, block_hash, layers, tokens, bytes_per_token_layer, dtype, kv_layout``).
+def _check_header(path: str, raw: memoryview, expected: tuple[object, ...], version: int | None) -> BlockHeader:
+    """Header ``raw``, decoded in full, if its fields are ``expected`` (``model_digest,
+    block_hash, layers, tokens, bytes_per_token_layer, dtype, kv_layout``) and its format is
+    ``version`` (any readable one if None).
 
     Raises:
-        CorruptBlockError: the header does not decode, or its fields are not the expected ones.
+        CorruptBlockError: the header does not decode, its fields are not the expected ones,
+            or its version is not the one the file's size says.
     """
     try:
         header = decode_header(raw)
@@ -122,7 +135,22 @@ def _check_header(path: str, raw: memoryview, expected: tuple[object, ...]) -> i
            header.bytes_per_token_layer, header.dtype, header.kv_layout)  # fmt: skip
     if got != expected:
         raise CorruptBlockError(Path(path), f"header fields {got} != expected {expected}")
-    return header.checksum
+    if version is not None and header.version != version:
+        raise CorruptBlockError(Path(path), f"a version {header.version} header in a file of version {version}'s size")
+    return header
+
+
+def _raise_bad_size(path: str, file_size: int, size: int, expected: tuple[object, ...]) -> NoReturn:
+    """Raise for a file whose size is no format's for a ``size``-byte payload (torn,
+    truncated, or another block's): a header that is not the expected one says so, else the
+    size is the fault. Only failed reads come here, so the header is read again, buffered."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+    except OSError:
+        raw = b""
+    version = _check_header(path, memoryview(raw), expected, None).version if len(raw) == HEADER_BYTES else FORMAT_VERSION
+    raise CorruptBlockError(Path(path), f"file is {file_size} bytes, want {payload_offset(version) + size}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +192,9 @@ class BlockStore:
         self.root = Path(root)
         self._root_str = str(self.root)
         self.root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        # What O_DIRECT asks of addresses and lengths: None until the first direct read or write
+        # asks the filesystem, 0 once it refused an aligned request (all bounce from then on).
+        self._dio_align: int | None = None
 
     def path_for(self, model_digest: int, block_hash: int) -> Path:
         """The file path of a block. Raises TypeError/ValueError if either is not a u64."""
@@ -186,7 +217,8 @@ class BlockStore:
         payload: bytes | bytearray | memoryview,
         kv_layout: int = 0,
     ) -> int:
-        """Atomically write one Full Block; return the bytes written (header + payload).
+        """Atomically write one Full Block; return the bytes written (the padded header and
+        the payload: ``PAYLOAD_OFFSET + layers * tokens * bytes_per_token_layer``).
 
         ``payload`` is ``[layers, tokens, bytes_per_token_layer]`` bytes, layer-major;
         ``kv_layout`` says what a token's bytes are (``KV_LAYOUTS``).
@@ -231,7 +263,7 @@ class BlockStore:
         if self.fsync:
             for directory in dict.fromkeys(self.path_for(shape.model_digest, h).parent for h in hashes):
                 _fsync_dir(directory)
-        return len(hashes) * (HEADER_BYTES + shape.payload_bytes)
+        return len(hashes) * (PAYLOAD_OFFSET + shape.payload_bytes)
 
     def _write_temp(self, shape: BlockShape, block_hash: int, data: memoryview) -> tuple[Path, Path]:
         """Write one block to a fresh temp file beside its final path (fsynced if asked);
@@ -259,16 +291,16 @@ class BlockStore:
             fd = os.open(tmp, flags, FILE_MODE)
         try:
             try:
-                if direct:  # the checksum is taken piece by piece as the payload is copied out
+                if direct:  # the checksum is taken as the payload goes out
                     digest = xxhash.xxh3_64()
 
                     def head() -> bytes:
-                        return encode_header(replace(header, checksum=digest.intdigest()))
+                        return encode_header(replace(header, checksum=digest.intdigest())) + _PADDING
 
-                    write_direct(fd, HEADER_BYTES, data, digest.update, head)
+                    self._write_payload(fd, data, digest, head)
                 else:
                     checksummed = replace(header, checksum=xxhash.xxh3_64_intdigest(data))
-                    _write_all(fd, memoryview(encode_header(checksummed)), data)
+                    _write_all(fd, memoryview(encode_header(checksummed)), _PADDING, data)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -277,6 +309,23 @@ class BlockStore:
             tmp.unlink(missing_ok=True)
             raise
         return tmp, final
+
+    def _write_payload(self, fd: int, data: memoryview, digest: xxhash.xxh3_64, head: Callable[[], bytes]) -> None:
+        """Write a version 2 file's padded header and payload to the empty ``O_DIRECT`` file
+        ``fd``, feeding the payload to ``digest`` on the way: straight from ``data`` where it
+        is aligned, else through a bounce buffer."""
+        if self._dio_align is None:
+            self._dio_align = dio_alignment(fd)
+        if self._dio_align:
+            try:
+                if write_aligned(fd, PAYLOAD_OFFSET, data, self._dio_align, digest.update, head):
+                    return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._dio_align = 0  # the filesystem wants more than it said: bounce from now on
+                digest.reset()  # nothing was written; the bounce path feeds it again
+        write_direct(fd, PAYLOAD_OFFSET, data, digest.update, head)
 
     def delete_many(self, model_digest: int, hashes: Sequence[int]) -> int:
         """Delete the files of ``hashes`` (missing ones are skipped); returns how many went.
@@ -305,10 +354,11 @@ class BlockStore:
     ) -> int:
         """Read a block's payload straight into ``dest``; return the payload size.
 
-        The payload goes from the file into ``dest[:payload_bytes]`` with no intermediate
-        copy, then is verified: header fields must equal the expected ones and the payload
-        checksum must match. On any error the contents of ``dest`` are unspecified and must
-        not be used.
+        The payload goes from the file into ``dest[:payload_bytes]`` (by DMA with ``direct``
+        and a version 2 file, where ``dest`` is aligned; else copied from the page cache or a
+        bounce buffer), then is verified: the file's size must be its format's, the header
+        fields the expected ones and the payload checksum must match. Version 1 files are read
+        too. On any error the contents of ``dest`` are unspecified and must not be used.
 
         Raises:
             BlockMissingError: the block file does not exist.
@@ -325,28 +375,29 @@ class BlockStore:
             raise ValueError(f"dest is {len(view)} bytes, block payload is {size}")
         target = view[:size]
         expected = (model_digest, block_hash, layers, tokens, bytes_per_token_layer, dtype, kv_layout)
-        template = header_template(
-            model_digest=model_digest, block_hash=block_hash, layers=layers, tokens=tokens,
-            bytes_per_token_layer=bytes_per_token_layer, dtype=dtype, kv_layout=kv_layout,
-        )  # fmt: skip
-        checksums: list[int] = []
         fd, direct = self._open_read(path)
         try:
             file_size = os.fstat(fd).st_size
+            version = _VERSION_BY_EXTRA.get(file_size - size)
+            if version is None:  # torn or truncated (or not this shape): a miss, before any payload is read
+                _raise_bad_size(path, file_size, size, expected)
+            head_bytes = payload_offset(version)
+            template = header_template(
+                model_digest=model_digest, block_hash=block_hash, layers=layers, tokens=tokens,
+                bytes_per_token_layer=bytes_per_token_layer, dtype=dtype, kv_layout=kv_layout, version=version,
+            )  # fmt: skip
+            checksums: list[int] = []
 
             def check(raw: memoryview) -> None:
                 checksum = match_header(raw, template) if template is not None else None
                 if checksum is None:  # not the expected header: decode it to say why
-                    checksum = _check_header(path, raw, expected)
-                if file_size != HEADER_BYTES + size:  # torn or truncated: a miss, before any payload is read
-                    raise CorruptBlockError(Path(path), f"file is {file_size} bytes, want {HEADER_BYTES + size}")
+                    checksum = _check_header(path, raw, expected, version).checksum
+                if len(raw) > HEADER_BYTES and raw[HEADER_BYTES:].tobytes() != _PADDING:  # so damage anywhere is seen
+                    raise CorruptBlockError(Path(path), "header padding is not zeros")
                 checksums.append(checksum)
 
-            digest = xxhash.xxh3_64()  # fed piece by piece as the payload lands; equals xxh3_64 of it all
-            if direct:
-                copied = read_direct(fd, HEADER_BYTES + size, target, check, digest.update)
-            else:
-                copied = _read_buffered(fd, target, check, digest.update)
+            digest = xxhash.xxh3_64()  # fed as the payload lands; equals xxh3_64 of it all
+            copied = self._read_payload(fd, direct, head_bytes, target, check, digest.update)
             if not checksums:
                 raise CorruptBlockError(Path(path), "header truncated")
             if copied < size:
@@ -356,6 +407,33 @@ class BlockStore:
         if digest.intdigest() != checksums[0]:
             raise CorruptBlockError(Path(path), "payload checksum mismatch")
         return size
+
+    def _read_payload(
+        self,
+        fd: int,
+        direct: bool,
+        head_bytes: int,
+        target: memoryview,
+        on_head: Callable[[memoryview], None],
+        on_data: Callable[[memoryview], None],
+    ) -> int:
+        """Read a file's head and payload by the fastest path open to it (see ``read_into``);
+        return the payload bytes landed."""
+        if not direct:
+            return _read_buffered(fd, head_bytes, target, on_head, on_data)
+        if self._dio_align is None:
+            self._dio_align = dio_alignment(fd)
+        if self._dio_align:
+            try:
+                landed = read_aligned(fd, head_bytes, target, self._dio_align, on_head, on_data)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._dio_align = 0  # the filesystem wants more than it said: bounce from now on
+                landed = None
+            if landed is not None:
+                return landed
+        return read_direct(fd, head_bytes + len(target), target, on_head, on_data)
 
     def _open_read(self, path: str) -> tuple[int, bool]:
         """A read-only descriptor of ``path``, and whether it is ``O_DIRECT`` (when asked for

@@ -8,9 +8,8 @@ read or write returns when its last byte has crossed the SNIC (completion, not s
 
 Each request slot (``max_parallel``) gets ``fanout`` worker threads of StorageIO's own pool, and a
 request keeps up to ``fanout`` groups of blocks in flight: while one thread verifies a block
-(its checksum) or copies it out of a direct-I/O bounce buffer, or waits for the GIL, another
-has its next file read in flight, so the storage is not left idle between a request's reads.
-So up to ``max_parallel * fanout`` files are read (or written) at once; ``dualpath bench
+(its checksum) or waits for the GIL, another has its next file read in flight, so the storage
+is not left idle between a request's reads. So up to ``max_parallel * fanout`` files are read (or written) at once; ``dualpath bench
 storage`` compares that with fio at a queue depth of ``max_parallel``, the requested one.
 """
 
