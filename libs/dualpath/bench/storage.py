@@ -18,10 +18,12 @@ file per I/O), in the same mode:
   keeps one file open at a time, without which its ``fsync`` lands on the next, empty file).
 
 fio's files are the block file's size (4 KiB of padded header, then the payload) rounded up
-to 4 KiB (what ``O_DIRECT`` needs); each side's GB/s is the bytes it moved over its own time. Ours and fio's passes alternate, round
-by round, and each figure is the median of ``rounds`` passes, so load from other processes
-on a shared machine falls on both alike. A benchmark prints figures; the tests assert
-behaviour.
+to 4 KiB (what ``O_DIRECT`` needs); each side's GB/s is the bytes it moved over its own time.
+Ours and fio's passes alternate, round by round, and each figure is the median of ``rounds``
+passes (an even number by default, so each side goes first, and follows the other's writes,
+equally often), so load from other processes on a shared machine falls on both alike. A
+write pass removes the files of the last one first, and waits for the filesystem to be done
+with them, untimed. A benchmark prints figures; the tests assert behaviour.
 """
 
 from __future__ import annotations
@@ -120,6 +122,15 @@ def _fio_gbps(out: str, write: bool) -> float:
     return side["io_bytes"] / (side["runtime"] / 1e3) / 1e9 if side["runtime"] else side["bw_bytes"] / 1e9
 
 
+def _remove(directory: Path) -> None:
+    """Delete a pass's files before the next write pass, and wait until the filesystem has
+    done with them: the journal commit that frees their blocks (and, on a filesystem mounted
+    with ``discard``, the discards sent to the device then) would otherwise land inside
+    whichever timed pass, ours or fio's, commits next."""
+    shutil.rmtree(directory, ignore_errors=True)
+    os.sync()
+
+
 def _drop_cache(directory: Path) -> None:
     """Drop every file under ``directory`` from the page cache (clean pages only: written
     files were fsynced)."""
@@ -164,7 +175,7 @@ class _Ours:
         return [(self.hashes[a:b], self.region.buf[a * bb : b * bb]) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
     def write(self, direct: bool) -> float:
-        shutil.rmtree(self.root, ignore_errors=True)
+        _remove(self.root)
         io = self._io(direct)
 
         async def go() -> None:
@@ -202,7 +213,7 @@ def run_bench(
     qd: int = 4,
     total_bytes: int = 256 * MIB,
     max_files: int = 1024,
-    rounds: int = 3,
+    rounds: int = 6,
     modes: tuple[str, ...] = MODES,
 ) -> dict[str, Any]:
     """Measure every (block size, mode) for ours and fio; return a JSON-able dict whose
@@ -262,7 +273,7 @@ def _measure_size(
 
                 def run_fio(mode: str = mode, write: bool = write) -> float:
                     if write:
-                        shutil.rmtree(fio_dir, ignore_errors=True)
+                        _remove(fio_dir)
                     fio_dir.mkdir(parents=True, exist_ok=True)
                     out = subprocess.run(fio_args(mode, fio_dir, file_bytes, files, qd), capture_output=True, text=True, check=True)
                     return _fio_gbps(out.stdout, write)
@@ -313,7 +324,7 @@ def format_report(d: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``dualpath bench storage [--dir D] [--qd 4] [--total-mib 256] [--rounds 3] [--quick] [--json]``."""
+    """``dualpath bench storage [--dir D] [--qd 4] [--total-mib 256] [--rounds 6] [--quick] [--json]``."""
     import argparse
     import sys
 
@@ -321,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="where the block files go (default: the temp dir); put it on the storage to measure")
     p.add_argument("--qd", type=int, default=4, help="requests (ours) and fio jobs in flight (default 4: StorageIO's read parallelism)")
     p.add_argument("--total-mib", type=int, default=256, help="bytes of files per block size, MiB (default 256; 1,024 files at most)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating ours/fio rounds; each figure is their median (default 3)")
+    p.add_argument("--rounds", type=int, default=6, help="alternating ours/fio rounds; each figure is their median (default 6)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated modes (default all: {','.join(MODES)})")
     p.add_argument("--quick", action="store_true", help="a smoke run: 32 MiB per size, one round")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
