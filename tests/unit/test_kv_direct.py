@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dualpath.kv import PAYLOAD_OFFSET, BlockStore, CorruptBlockError, model_digest, storage
-from dualpath.kv.direct import ALIGN, CHUNK_BYTES, open_direct, read_aligned
+from dualpath.kv.direct import ALIGN, CHUNK_BYTES, WRITE_CHUNK_BYTES, open_direct, read_aligned
 
 DIGEST = model_digest("direct-test")
 
@@ -175,3 +175,23 @@ def test_a_torn_version_2_file_is_a_miss_on_the_aligned_path(stores: tuple[Block
         os.close(fd)
     assert landed == max(0, cut - PAYLOAD_OFFSET) < size
     assert heads == ([PAYLOAD_OFFSET] if cut >= PAYLOAD_OFFSET else [])
+
+
+@pytest.mark.parametrize("size", [ALIGN, WRITE_CHUNK_BYTES + 512 + 100, 3 * WRITE_CHUNK_BYTES])
+def test_an_aligned_direct_write_leaves_from_the_slot_and_equals_a_buffered_one(
+    stores: tuple[BlockStore, BlockStore], monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """Chunk by chunk from the caller's buffer, a partial last sector padded and cut off, the
+    header last: the file is byte for byte the buffered one."""
+    buffered, direct = stores
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+    def no_bounce(*args: object) -> None:
+        raise AssertionError("an aligned source went through the bounce buffer")
+
+    monkeypatch.setattr(storage, "write_direct", no_bounce)
+    slot = _slot_buffer(size + ALIGN)[:size]
+    slot[:] = data
+    assert direct.write(model_digest=DIGEST, block_hash=14, payload=slot, **_shape(size)) == PAYLOAD_OFFSET + size  # type: ignore[arg-type]
+    buffered.write(model_digest=DIGEST, block_hash=14, payload=data, **_shape(size))  # type: ignore[arg-type]
+    assert direct.path_for(DIGEST, 14).read_bytes() == buffered.path_for(DIGEST, 14).read_bytes()

@@ -25,8 +25,8 @@ byte range and a Full Block is the concatenation of its Layer Blocks.
 
 The payload starts at a 4 KiB offset so that an ``O_DIRECT`` read can land it straight in the
 caller's buffer (direct I/O needs file offsets aligned to the device's logical block). The
-padding costs no disk space where the payload is a multiple of 4 KiB: the filesystem rounds a
-file up to its block size either way. Version 1 files (the same header, the payload at
+padding costs no disk space where the payload is a multiple of 4 KiB (the filesystem rounds a
+file up to its block size either way), one 4 KiB block otherwise. Version 1 files (the same header, the payload at
 ``HEADER_BYTES``) are still read; nothing writes them. A file's size tells the two apart
 before any byte is read (``HEADER_BYTES`` or ``PAYLOAD_OFFSET`` plus the payload), and the
 header's version must agree with it.

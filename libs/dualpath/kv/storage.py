@@ -300,7 +300,7 @@ class BlockStore:
                     self._write_payload(fd, data, digest, head)
                 else:
                     checksummed = replace(header, checksum=xxhash.xxh3_64_intdigest(data))
-                    _write_all(fd, memoryview(encode_header(checksummed)), _PADDING, data)
+                    _write_all(fd, memoryview(encode_header(checksummed)), memoryview(_PADDING), data)
                 if self.fsync:
                     os.fsync(fd)
             finally:
