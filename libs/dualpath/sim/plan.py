@@ -24,8 +24,8 @@ slice stands for the whole and where it is inexact): the nodes of ``--slice-min-
 whole's size (``decode_ep`` auto gives a whole of 32 or more decode nodes 256 GPUs per group;
 the slice gets 256 too, not its own 8 x d). Offline the slice's JCT is the split's; online the
 whole's APS is the slice's x N/n. Splits that share a slice run once. Defaults: 12-24 nodes
-offline (a 1P2D slice of 3 nodes finishes ~1% before the whole, a 12-node one 0.3%), 4-12 online
-(the APS sweep's resolution, ~9%, is coarser than any slice's error). Every row reports its
+offline (smaller slices finish measurably earlier than the whole, see docs/simulator.md), 4-12
+online (the APS sweep's steps are coarser than a small slice's error). Every row reports its
 ``slice``; ``--slice-nodes 0`` simulates every split whole. The best split is then simulated
 whole (``--full-size-check``, default on): offline its JCT against the slice's; online one probe
 of the whole at each of the two rates that bracket the slice's knee, scaled (it must pass at the
@@ -185,8 +185,19 @@ class _Runs:
     with a progress bar on ``say``: runs done against those planned (exhaustive) or, for a
     search, those of its round plus an estimate of the rounds to come (``~``)."""
 
-    def __init__(self, base: SimConfig, workload: Workload, nodes: int, *, online: bool, slo: tuple[float, float], probes: int,
-                 slicing: tuple[int, int], jobs: int, say: Callable[[str], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        base: SimConfig,
+        workload: Workload,
+        nodes: int,
+        *,
+        online: bool,
+        slo: tuple[float, float],
+        probes: int,
+        slicing: tuple[int, int],
+        jobs: int,
+        say: Callable[[str], None],
+    ) -> None:
         self.base, self.workload, self.nodes, self.online, self.slo, self.probes = base, workload, nodes, online, slo, probes
         self.slicing, self.say = slicing, say
         self.metric = "max_aps" if online else "jct_s"
@@ -243,9 +254,11 @@ class _Runs:
             total, approx = done + pending + search_left(self.nodes, scores), "~"
         policy, p, d = skey
         run = self.runs[skey]
-        row = self.rows[splits[0]]
-        value = f"max APS {row['max_aps']:.1f}" if self.online and row["max_aps"] is not None else (
-            "max APS none" if self.online else f"JCT {run['jct_s']:.1f} s")  # fmt: skip
+        if self.online:  # the whole's APS (the slice's, scaled)
+            aps = self.rows[splits[0]]["max_aps"]
+            value = "max APS " + ("none passed" if aps is None else f"{aps:.1f}")
+        else:
+            value = f"JCT {run['jct_s']:.1f} s"
         names = ", ".join(f"{q}P{self.nodes - q}D" for _, q in splits)
         bar = "#" * int(BAR_WIDTH * done / max(total, done, 1))
         self.say(
@@ -303,6 +316,8 @@ def evaluate(
             runs.score(keys)
         else:
             search_splits(nodes, policies, runs.score)
+            n = len(runs.runs)
+            say(f"[plan] [{'#' * BAR_WIDTH}] {n}/{n} runs, {time.perf_counter() - runs.t0:5.0f} s: the search is done")
     finally:
         runs.close()
     rows = [runs.rows[k] for k in sorted(runs.rows, key=lambda k: (k[1], POLICIES.index(k[0])))]
@@ -340,15 +355,11 @@ def _best(rows: list[dict], online: bool) -> dict:
     return min(rows, key=lambda r: (r["jct_s"], miss(r)))
 
 
-def run_split(
-    base: SimConfig, workload: Workload, nodes: int, policy: str, p: int, *, online: bool, slo: tuple[float, float], probes: int,
-    slicing: tuple[int, int],
-) -> dict:  # fmt: skip
-    """One split's row, run on its slice in this process (``FULL_SIZE``: the whole)."""
+def _split_jct(base: SimConfig, workload: Workload, nodes: int, policy: str, p: int, slicing: tuple[int, int]) -> float:
+    """One split's offline JCT, run on its slice in this process."""
     whole = replace(base, prefill_nodes=p, decode_nodes=nodes - p, mode=policy)
-    cfg, w, s = slice_split(whole, workload, min_nodes=slicing[0], max_nodes=slicing[1], online=online)
-    run = _run_slice(cfg, w, online, slo, probes)
-    return {**_row(policy, p, nodes - p, s, run), "cpu_s": run["cpu_s"]}
+    cfg, w, _ = slice_split(whole, workload, min_nodes=slicing[0], max_nodes=slicing[1], online=False)
+    return _offline_jct(cfg, w)
 
 
 def full_size_check(
@@ -395,12 +406,21 @@ def _phases(
         ("late (mid-trajectory, warm storage)", replace(workload, turns=half, start_at=0.5)),
     ):
         found = evaluate(
-            base, w, nodes, online=False, slo=(0.0, 0.0), probes=0, say=say, exhaustive=exhaustive, jobs=jobs, policies=(policy,),
+            base,
+            w,
+            nodes,
+            online=False,
+            slo=(0.0, 0.0),
+            probes=0,
+            say=say,
+            exhaustive=exhaustive,
+            jobs=jobs,
+            policies=(policy,),
             slicing=slicing,
-        )  # fmt: skip
+        )
         jct = {r["prefill_nodes"]: r["jct_s"] for r in found.rows if "infeasible" not in r}
         if mine_p not in jct:  # the search went elsewhere: the static split is simulated for the comparison
-            jct[mine_p] = run_split(base, w, nodes, policy, mine_p, online=False, slo=(0.0, 0.0), probes=0, slicing=slicing)["jct_s"]
+            jct[mine_p] = _split_jct(base, w, nodes, policy, mine_p, slicing)
         best = min(jct, key=jct.__getitem__)
         out.append(
             {

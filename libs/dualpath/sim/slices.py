@@ -24,8 +24,8 @@ Where it is inexact:
   (``Slice.p_over_d``; near 1:2 the error is under 2%, at the extremes it is large: 1P143D is
   simulated as 1P23D with 24 nodes at most).
 - **pooling**: the scheduler balances over ``n`` nodes, not ``N``, and the offline JCT is set by
-  the last of fewer agents: small slices finish slightly earlier than the whole (docs/simulator.md
-  gives the measured gap by slice size: about 1% at 12-24 nodes, up to 2.6% at 2 nodes).
+  the last of fewer agents: a slice finishes slightly earlier than its whole, the more so the
+  fewer its nodes (docs/simulator.md gives the measured gap by slice size).
 - **online**: a probe of the slice has ``n/N`` of the whole's arrivals, so its SLO attainment is a
   coarser statistic, and the sweep's rate grid scales with the slice.
 """
