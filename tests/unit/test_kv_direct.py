@@ -97,6 +97,7 @@ def test_an_aligned_direct_read_lands_in_the_slot_and_writes_nothing_past_its_en
         raise AssertionError("an aligned destination went through the bounce buffer")
 
     monkeypatch.setattr(storage, "read_direct", no_bounce)
+    monkeypatch.setattr(storage, "IN_PLACE_MIN_BYTES", 0)  # small blocks take the same path
     buf = _slot_buffer(2 * ALIGN + size + ALIGN)
     slot = buf[2 * ALIGN : 2 * ALIGN + size]
     assert direct.read_into(model_digest=DIGEST, block_hash=10, dest=slot, **_shape(size)) == size  # type: ignore[arg-type]
@@ -109,7 +110,7 @@ def test_a_block_at_a_sector_but_not_a_page_boundary_is_read_in_place(stores: tu
     """The bundled targets' blocks are multiples of 512 bytes, not of 4 KiB: every other block
     of a slot starts mid-page, which is aligned enough where the filesystem asks for 512."""
     _, direct = stores
-    size = 3 * ALIGN + 2048  # a 1,259,520-byte block's remainder modulo 4 KiB
+    size = 256 * ALIGN + 2048  # a 1,259,520-byte block's remainder modulo 4 KiB
     data = bytes(range(256)) * (size // 256)
     direct.write(model_digest=DIGEST, block_hash=11, payload=data, **_shape(size))  # type: ignore[arg-type]
     buf = _slot_buffer(2 * size + ALIGN)
@@ -148,6 +149,7 @@ def test_a_filesystem_that_wants_more_alignment_than_it_said_falls_back_to_the_b
     buffered.write(model_digest=DIGEST, block_hash=12, payload=data, **_shape(size))  # type: ignore[arg-type]
     assert direct.path_for(DIGEST, 12).read_bytes() == buffered.path_for(DIGEST, 12).read_bytes()
     monkeypatch.setattr(direct, "_dio_align", None)
+    monkeypatch.setattr(storage, "IN_PLACE_MIN_BYTES", 0)
     dest = memoryview(bytearray(size + 1))[1:]
     assert direct.read_into(model_digest=DIGEST, block_hash=12, dest=dest, **_shape(size)) == size  # type: ignore[arg-type]
     assert bytes(dest) == data
@@ -155,11 +157,14 @@ def test_a_filesystem_that_wants_more_alignment_than_it_said_falls_back_to_the_b
 
 
 @pytest.mark.parametrize("cut", [PAYLOAD_OFFSET - 1, PAYLOAD_OFFSET, PAYLOAD_OFFSET + ALIGN, PAYLOAD_OFFSET + 5 * ALIGN - 1])
-def test_a_torn_version_2_file_is_a_miss_on_the_aligned_path(stores: tuple[BlockStore, BlockStore], cut: int) -> None:
+def test_a_torn_version_2_file_is_a_miss_on_the_aligned_path(
+    stores: tuple[BlockStore, BlockStore], monkeypatch: pytest.MonkeyPatch, cut: int
+) -> None:
     """Cut anywhere (in the header page, at the payload, mid-payload, a byte short), a file is
     refused before its payload is used: by its size, and by the read itself if it is cut
     between the size check and the read."""
     _, direct = stores
+    monkeypatch.setattr(storage, "IN_PLACE_MIN_BYTES", 0)
     size = 5 * ALIGN
     direct.write(model_digest=DIGEST, block_hash=13, payload=bytes(range(256)) * (size // 256), **_shape(size))  # type: ignore[arg-type]
     path = direct.path_for(DIGEST, 13)
@@ -195,3 +200,16 @@ def test_an_aligned_direct_write_leaves_from_the_slot_and_equals_a_buffered_one(
     assert direct.write(model_digest=DIGEST, block_hash=14, payload=slot, **_shape(size)) == PAYLOAD_OFFSET + size  # type: ignore[arg-type]
     buffered.write(model_digest=DIGEST, block_hash=14, payload=data, **_shape(size))  # type: ignore[arg-type]
     assert direct.path_for(DIGEST, 14).read_bytes() == buffered.path_for(DIGEST, 14).read_bytes()
+
+
+def test_a_block_below_the_in_place_size_is_read_through_the_bounce_buffer(
+    stores: tuple[BlockStore, BlockStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, direct = stores
+    size = storage.IN_PLACE_MIN_BYTES - ALIGN
+    data = bytes(range(256)) * (size // 256)
+    direct.write(model_digest=DIGEST, block_hash=15, payload=data, **_shape(size))  # type: ignore[arg-type]
+    monkeypatch.setattr(storage, "read_aligned", lambda *args: pytest.fail("read in place"))
+    slot = _slot_buffer(size)
+    assert direct.read_into(model_digest=DIGEST, block_hash=15, dest=slot, **_shape(size)) == size  # type: ignore[arg-type]
+    assert bytes(slot) == data

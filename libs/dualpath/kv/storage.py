@@ -10,8 +10,9 @@ whole one, and a crashed writer leaves only a ``.tmp`` file that is never read a
 Reads land directly in the caller's buffer and are verified before they are reported.
 ``direct=True`` moves the bytes with ``O_DIRECT``, bypassing the page cache, on filesystems
 that support it (``dualpath.kv.direct``): a version 2 file's payload starts at 4 KiB, so it
-lands in an aligned destination by DMA (and is written from an aligned source so); other
-buffers, and version 1 files, go through a per-thread aligned bounce buffer.
+lands in an aligned destination by DMA (from ``IN_PLACE_MIN_BYTES`` on) and is written from an
+aligned source so; other buffers, smaller reads and version 1 files go through a per-thread
+aligned bounce buffer.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from dualpath.kv.direct import PIECE_BYTES, dio_alignment, open_direct, read_ali
 from dualpath.kv.errors import BlockMissingError, CorruptBlockError
 from dualpath.kv.hashing import hash_hex
 
-__all__ = ["BLOCK_SUFFIX", "DIR_MODE", "FILE_MODE", "TEMP_SUFFIX", "BlockShape", "BlockStore"]
+__all__ = ["BLOCK_SUFFIX", "DIR_MODE", "FILE_MODE", "IN_PLACE_MIN_BYTES", "TEMP_SUFFIX", "BlockShape", "BlockStore"]
 
 BLOCK_SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
@@ -50,6 +51,10 @@ DIR_MODE = 0o700  # directories this store creates: only the owner may list or e
 FILE_MODE = 0o600  # block files (temp files included): only the owner may read them
 _VERSION_BY_EXTRA = {payload_offset(v): v for v in (1, 2)}  # a file's bytes beyond its payload -> its format
 _PADDING = bytes(PAYLOAD_OFFSET - HEADER_BYTES)  # between a version 2 header and its payload
+# Direct reads of smaller payloads bounce even into an aligned slot: where the disk is a copy
+# on the host (our VM), a small reused buffer takes it faster than a slot, and copying 256 KiB
+# out costs little (docs/results.md, "Storage against fio"). Writes leave in place at any size.
+IN_PLACE_MIN_BYTES = 1 << 20
 
 
 def _fsync_dir(path: Path) -> None:
@@ -354,9 +359,9 @@ class BlockStore:
     ) -> int:
         """Read a block's payload straight into ``dest``; return the payload size.
 
-        The payload goes from the file into ``dest[:payload_bytes]`` (by DMA with ``direct``
-        and a version 2 file, where ``dest`` is aligned; else copied from the page cache or a
-        bounce buffer), then is verified: the file's size must be its format's, the header
+        The payload goes from the file into ``dest[:payload_bytes]`` (by DMA with ``direct``,
+        a version 2 file and at least ``IN_PLACE_MIN_BYTES``, where ``dest`` is aligned; else
+        copied from the page cache or a bounce buffer), then is verified: the file's size must be its format's, the header
         fields the expected ones and the payload checksum must match. Version 1 files are read
         too. On any error the contents of ``dest`` are unspecified and must not be used.
 
@@ -423,7 +428,7 @@ class BlockStore:
             return _read_buffered(fd, head_bytes, target, on_head, on_data)
         if self._dio_align is None:
             self._dio_align = dio_alignment(fd)
-        if self._dio_align:
+        if self._dio_align and len(target) >= IN_PLACE_MIN_BYTES:
             try:
                 landed = read_aligned(fd, head_bytes, target, self._dio_align, on_head, on_data)
             except OSError as exc:
