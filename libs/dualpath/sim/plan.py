@@ -24,8 +24,10 @@ slice stands for the whole and where it is inexact): the nodes of ``--slice-min-
 whole's size (``decode_ep`` auto gives a whole of 32 or more decode nodes 256 GPUs per group;
 the slice gets 256 too, not its own 8 x d). Offline the slice's JCT is the split's; online the
 whole's APS is the slice's x N/n. Splits that share a slice run once. Defaults: 12-24 nodes
-offline (smaller slices finish measurably earlier than the whole, see docs/simulator.md), 4-12
-online (the APS sweep's steps are coarser than a small slice's error). Every row reports its
+offline (smaller slices finish measurably earlier than the whole, see docs/simulator.md), 8-16
+online (a slice with a single prefill node meets the TTFT bound at a lower rate per node than a
+larger one: its queue has no other node to spill to; 8 nodes give each side two or more inside
+the paper's range but at 1:7). Every row reports its
 ``slice``; ``--slice-nodes 0`` simulates every split whole. The best split is then simulated
 whole (``--full-size-check``, default on): offline its JCT against the slice's; online one probe
 of the whole at each of the two rates that bracket the slice's knee, scaled (it must pass at the
@@ -63,7 +65,7 @@ COARSE_POINTS = 9  # the search's first grid, per policy
 AGENTS_PER_NODE = 2048 / 6  # the paper's offline load: 2K agents on 2P4D, 48K on 48P96D
 POLICIES = ("dualpath", "basic")
 FULL_SIZE = (1, 0)  # slicing (min, max nodes) that simulates every split whole
-SLICING = {"offline": (12, 24), "online": (4, 12)}  # the default slice sizes (module docstring)
+SLICING = {"offline": (12, 24), "online": (8, 16)}  # the default slice sizes (module docstring)
 BAR_WIDTH = 30
 ATTAINMENT = 0.99  # online: the share of turns within the SLO a rate must reach (sweep_online's)
 
