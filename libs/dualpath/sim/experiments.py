@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
+from typing import Any
 
 from dualpath.compiled import status as compiled_status
 from dualpath.sim import hugepages
@@ -200,7 +201,13 @@ def sweep_online(
     own process); every probe reported, the best one's latencies as ``best``."""
     plan, state = SweepPlan(start_rate=start_rate, max_probes=probes, tolerance=tolerance, step=step), SweepState()
     best: dict | None = None
-    kw = {"slo_ttft": slo_ttft, "slo_tpot": slo_tpot, "warmup_s": warmup_s, "drain_s": drain_s, "tpot_after_second": tpot_after_second}
+    kw: dict[str, Any] = {
+        "slo_ttft": slo_ttft,
+        "slo_tpot": slo_tpot,
+        "warmup_s": warmup_s,
+        "drain_s": drain_s,
+        "tpot_after_second": tpot_after_second,
+    }
     pool = ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else None
     try:
         while rates := next_rates(plan, state, jobs):
