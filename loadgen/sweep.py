@@ -15,7 +15,7 @@ import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-__all__ = ["SweepPlan", "SweepState", "run_sweep", "next_rate", "next_rates"]
+__all__ = ["SweepPlan", "SweepState", "next_rate", "next_rates", "record", "run_sweep"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,11 +78,18 @@ async def run_sweep(plan: SweepPlan, state: SweepState, probe: Callable[[float, 
     while (rate := next_rate(plan, state)) is not None:
         point = await probe(rate, len(state.points))
         point["rate"] = rate
-        state.points.append(point)
-        if point["failed_turns"]:
-            state.stopped = f"probe at {rate:g} APS had {point['failed_turns']} failed turns"
-        elif point["passed"]:
-            state.best = max(rate, state.best or 0.0)
-        else:
-            state.lowest_failure = min(rate, state.lowest_failure or math.inf)
+        record(state, point)
     return state
+
+
+def record(state: SweepState, point: dict) -> None:
+    """Add a probed ``point`` (``rate``, ``passed``, ``failed_turns``) to ``state``: it raises the
+    highest pass, lowers the lowest failure, or (failed turns) stops the search."""
+    state.points.append(point)
+    rate = point["rate"]
+    if point["failed_turns"]:
+        state.stopped = f"probe at {rate:g} APS had {point['failed_turns']} failed turns"
+    elif point["passed"]:
+        state.best = max(rate, state.best or 0.0)
+    else:
+        state.lowest_failure = min(rate, state.lowest_failure or math.inf)

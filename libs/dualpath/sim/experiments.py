@@ -22,7 +22,7 @@ from dualpath.sim.config import ABLATION, SimConfig
 from dualpath.sim.report import run_figures
 from dualpath.sim.simulation import Simulation
 from dualpath.sim.workload import Agent, Workload, build_agents
-from loadgen.sweep import SweepPlan, SweepState, next_rates
+from loadgen.sweep import SweepPlan, SweepState, next_rates, record
 
 __all__ = ["Ticker", "run_offline", "run_online", "sweep_online"]
 
@@ -218,13 +218,9 @@ def sweep_online(
                 rows = [f.result() for f in futures]
             for rate, row in zip(rates, rows, strict=True):
                 point = _probe_point(rate, row, attainment)
-                state.points.append(point)
                 if point["passed"] and rate > (state.best or 0.0):
                     best = point
-                if point["passed"]:
-                    state.best = max(rate, state.best or 0.0)
-                else:
-                    state.lowest_failure = min(rate, state.lowest_failure or float("inf"))
+                record(state, point)
                 if say:
                     say(f"[{cfg.mode}] {rate:.3f} APS: attainment {row['attainment']}, {'pass' if point['passed'] else 'fail'}")
     finally:
