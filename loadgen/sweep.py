@@ -64,7 +64,7 @@ def next_rates(plan: SweepPlan, state: SweepState, k: int) -> list[float]:
         return [hi / plan.step ** (i + 1) for i in range(k)]
     if hi is None:
         return [lo * plan.step ** (i + 1) for i in range(k)]
-    if hi / lo - 1 <= plan.tolerance:
+    if hi / lo - 1 <= plan.tolerance + 1e-9:  # a step of exactly 1 + tolerance brackets within it
         return []
     return [lo * (hi / lo) ** ((i + 1) / (k + 1)) for i in range(k)]
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from loadgen.report import AgentRecord, LogHistogram, Slo, TurnRecord, distribution, summarize
-from loadgen.sweep import SweepPlan, SweepState, next_rate
+from loadgen.sweep import SweepPlan, SweepState, next_rate, next_rates, record
 
 SLO = Slo(ttft_s=1.0, tpot_s=0.1, attainment=0.75)
 
@@ -129,3 +129,15 @@ def test_sweep_halves_when_the_start_rate_fails_and_respects_the_probe_budget() 
         state.points.append({"rate": rate})
         state.lowest_failure = rate
     assert [p["rate"] for p in state.points] == [8.0, 4.0, 2.0] and state.best is None
+
+
+def test_a_step_of_one_plus_the_tolerance_ends_the_sweep_once_a_pass_and_a_failure_are_found() -> None:
+    """A start from a good prediction (the simulator's scale sweep) steps by exactly 1 + tolerance:
+    one pass and the failure one step above bracket the answer, with no bisection after them."""
+    plan = SweepPlan(start_rate=3.3, max_probes=10, tolerance=0.05, step=1.05)
+    state = SweepState()
+    while rates := next_rates(plan, state, 2):
+        for rate in rates:
+            record(state, {"rate": rate, "passed": rate < 3.4, "failed_turns": 0})
+    assert [p["rate"] for p in state.points] == pytest.approx([3.3, 3.3 * 1.05])
+    assert state.best == pytest.approx(3.3) and state.lowest_failure == pytest.approx(3.465)

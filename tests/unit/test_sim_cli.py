@@ -177,3 +177,32 @@ def test_plan_ranks_the_splits_of_a_budget_and_checks_the_paper_range(capsys):
     assert {(r["prefill_nodes"], r["decode_nodes"]) for r in result["frontier"]} == {(1, 2), (2, 1)}
     assert result["best"]["jct_s"] == min(r["jct_s"] for r in result["frontier"])
     assert result["no_bottleneck_range"] == pytest.approx([1 / 7, 3.5])
+
+
+def _echo(**kw) -> dict:
+    return {"kw": kw, "cpu_s": 0.0}
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_table_run_that_waits_on_another_starts_after_it_with_arguments_from_its_result(jobs):
+    """The online scale sweep starts from 2P4D's answer: ``_execute`` holds a run with ``after``
+    until the run it names has ended, sets its arguments from that result, and runs every run."""
+    from dualpath.sim.paper import Run, _execute, _scaled_start
+
+    runs = [
+        Run("big", _echo, {"start_rate": 1.0}, 50.0, ("small", lambda kw, small: {**kw, "from": small["kw"]["rate"]})),
+        Run("heavy", _echo, {}, 40.0),
+        Run("small", _echo, {"rate": 1.5}, 20.0),
+        Run("light", _echo, {}, 1.0),
+    ]
+    lines: list[str] = []
+    out = _execute(runs, jobs, lines.append)
+    assert set(out) == {"big", "heavy", "small", "light"}
+    assert out["big"]["kw"] == {"start_rate": 1.0, "from": 1.5}
+    ended = [line.split(": ")[-1].split(" (")[0] for line in lines if "s CPU" in line]
+    assert ended.index("small") < ended.index("big")
+    if jobs == 1:  # one at a time: the longest chain (small, then big) first
+        assert ended == ["small", "big", "heavy", "light"]
+    update = _scaled_start(22.0)
+    assert update({"start_rate": 0.1}, {"max_aps": 1.5}) == {"start_rate": pytest.approx(33.0), "step": 1.05}
+    assert update({"start_rate": 0.1}, {"max_aps": None}) == {"start_rate": 0.1}  # nothing passed: keep the start

@@ -18,8 +18,9 @@ Three sizes (``--size``):
 - ``full``: the same with the paper's scale runs: 48P96D with 48K agents against 2P4D with 2K,
   and 44P88D online against 2P4D.
 
-The runs are independent: they go to a process pool (``--jobs``, default every core), the
-largest first, with a progress line on stderr as each ends.
+The runs go to a process pool (``--jobs``, default every core), the largest first, with a
+progress line on stderr as each ends. They are independent but one: the online scale sweep starts
+at 2P4D's answer times the node ratio, so it waits for 2P4D's sweep (``Run.after``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from dualpath.cost import calibration
 from dualpath.sim.config import SimConfig
@@ -210,7 +212,9 @@ def _offline_run(target: str, p: int, d: int, agents: int, mode: str, turns: int
     return row
 
 
-def _online_run(target: str, p: int, d: int, mode: str, size: Size, start_rate: float, decode_ep: int = 0, jobs: int = 1) -> dict:
+def _online_run(
+    target: str, p: int, d: int, mode: str, size: Size, start_rate: float, decode_ep: int = 0, jobs: int = 1, step: float = 0.0
+) -> dict:
     cfg = _config(target, p, d, decode_ep, mode)
     w = Workload(dataset="64k", agents=1 << 20, turns=size.online_turns, start_at=size.online_start_at, duration_s=size.online_duration)
     return sweep_online(
@@ -221,7 +225,7 @@ def _online_run(target: str, p: int, d: int, mode: str, size: Size, start_rate: 
         start_rate=start_rate,
         probes=size.probes,
         tolerance=ONLINE_TOLERANCE,
-        step=ONLINE_STEP,
+        step=step or ONLINE_STEP,
         jobs=jobs,
         warmup_s=size.online_warmup,
         drain_s=ONLINE_DRAIN_S if size.online_turns is None else float("inf"),
@@ -242,30 +246,54 @@ def _start_rate(target: str, p: int, d: int, mode: str, size: Size) -> float:
     return 0.5 * nodes * snic / (45_000 * get_target(target).kv_bytes_per_token()) / size.online_turns
 
 
-def _runs(size: Size, online: bool, offline: bool, jobs: int = 1) -> list[tuple[str, Callable[..., dict], dict, float]]:
-    """Every run of the table: (name, function, its arguments, its expected cost), the costliest
-    first. The online scale run's sweep is the longest of all, so it probes ``jobs`` rates at
-    once (its own processes, beside the pool's)."""
-    runs: list[tuple[str, Callable[..., dict], dict, float]] = []
+class Run(NamedTuple):
+    """One run of the table. ``after``: the key of a run whose result this one's arguments need,
+    and the function that sets them from it (the run starts once that result is in)."""
+
+    key: str
+    fn: Callable[..., dict]
+    kw: dict
+    weight: float  # its CPU seconds, estimated (one core, compiled)
+    after: tuple[str, Callable[[dict, dict], dict]] | None = None
+
+
+def _scaled_start(factor: float) -> Callable[[dict, dict], dict]:
+    """A scale sweep's arguments from its small cluster's sweep: start at the small cluster's
+    highest pass times ``factor`` (the node ratio: the rate if throughput scales with nodes) and
+    step by the tolerance, so a cluster that scales linearly is bracketed in one round of two
+    probes (and one that does not, a round per 5% it is off)."""
+
+    def update(kw: dict, small: dict) -> dict:
+        if small.get("max_aps"):
+            return {**kw, "start_rate": small["max_aps"] * factor, "step": 1.0 + ONLINE_TOLERANCE}
+        return kw  # the small sweep found no passing rate: keep the SNIC-saturation start
+
+    return update
+
+
+def _runs(size: Size, online: bool, offline: bool, jobs: int = 1) -> list[Run]:
+    """Every run of the table with its expected cost, the costliest first. The online scale run's
+    sweep is the longest of all: it starts from 2P4D's answer (``_scaled_start``) once that is in,
+    and probes ``jobs`` rates at once (its own processes, beside the pool's)."""
+    runs: list[Run] = []
     common = {"turns": size.turns, "start_at": size.start_at}
     if offline:
         n = size.agents_660b
         for mode in ("basic-nolw", "basic", "dualpath-rr", "dualpath", "oracle"):
-            runs.append(
-                (f"ds660b 2P4D {mode}", _offline_run, {"target": "ds660b", "p": 2, "d": 4, "agents": n, "mode": mode, **common}, n / 250)
-            )
+            kw = {"target": "ds660b", "p": 2, "d": 4, "agents": n, "mode": mode, **common}
+            runs.append(Run(f"ds660b 2P4D {mode}", _offline_run, kw, n / 250))
         for factor in (0.5, 2.0):
             for mode in ("basic", "dualpath"):
                 kw = {"target": "ds660b", "p": 2, "d": 4, "agents": n, "mode": mode, "append_scale": factor, **common}
-                runs.append((f"ds660b 2P4D {mode} appends x{factor:g}", _offline_run, kw, n / 250))
+                runs.append(Run(f"ds660b 2P4D {mode} appends x{factor:g}", _offline_run, kw, n / 250))
         p, d, k = size.scale_to
         kw = {"target": "ds660b", "p": p, "d": d, "agents": n * k, "mode": "dualpath", "decode_ep": 32, **common}  # 2P4D's decode EP group
-        runs.append((f"ds660b {p}P{d}D dualpath", _offline_run, kw, n * k / 250 * (1 + p / 12)))
+        runs.append(Run(f"ds660b {p}P{d}D dualpath", _offline_run, kw, n * k / 250 * (1 + p / 12)))
         for agents in size.agents_27b:
             for p, d in ((1, 1), (2, 1), (1, 2)):
                 for mode in ("basic", "dualpath", "oracle") if (p, d) == (1, 1) else ("basic", "dualpath"):
                     kw = {"target": "ds27b", "p": p, "d": d, "agents": agents, "mode": mode, **common}
-                    runs.append((f"ds27b {p}P{d}D {mode} {agents}", _offline_run, kw, agents / 250))
+                    runs.append(Run(f"ds27b {p}P{d}D {mode} {agents}", _offline_run, kw, agents / 250))
     if online:
         scale = size.online_duration / 40 if size.online_turns is None else size.online_duration / 300
         big = size.online_scale_to
@@ -275,43 +303,69 @@ def _runs(size: Size, online: bool, offline: bool, jobs: int = 1) -> list[tuple[
             ("ds660b", *big, ("dualpath",)),
         ):
             for mode in modes:
-                ep = 32 if (p, d) == big else 0  # the scale run replicates 2P4D's decode EP group, as the offline one does
-                sweep = {"target": target, "p": p, "d": d, "mode": mode, "size": size, "decode_ep": ep}
-                sweep["jobs"] = jobs if (p, d) == big else 1
-                sweep["start_rate"] = _start_rate(target, p, d, mode, size)
-                runs.append((f"online {target} {p}P{d}D {mode}", _online_run, sweep, scale * p / 2 * (1 + p / 12)))
-    return sorted(runs, key=lambda r: -r[3])
+                sweep = {"target": target, "p": p, "d": d, "mode": mode, "size": size, "start_rate": _start_rate(target, p, d, mode, size)}
+                after = None
+                if (p, d) == big:  # replicates 2P4D's decode EP group, as the offline scale run does
+                    sweep |= {"decode_ep": 32, "jobs": jobs}
+                    after = ("online ds660b 2P4D dualpath", _scaled_start(p / 2))
+                runs.append(Run(f"online {target} {p}P{d}D {mode}", _online_run, sweep, scale * p / 2 * (1 + p / 12), after))
+    return sorted(runs, key=lambda r: -r.weight)
 
 
-def _execute(runs: list, jobs: int, say: Callable[[str], None] | None) -> dict[str, dict]:
-    """Every run, ``jobs`` at a time (1: in this process), with a progress line per run."""
+def _execute(runs: list[Run], jobs: int, say: Callable[[str], None] | None) -> dict[str, dict]:
+    """Every run, ``jobs`` at a time (1: in this process), with a progress line per run. A run
+    with ``after`` starts once the run it names has ended; the runs start in order of their
+    cost plus that of the runs waiting on them (the longest chain first)."""
     out: dict[str, dict] = {}
     t0 = time.perf_counter()
-    total_weight = sum(r[3] for r in runs) or 1.0
+    total_weight = sum(r.weight for r in runs) or 1.0
     done_weight = 0.0
+    chain = {r.key: r.weight + sum(w.weight for w in runs if w.after and w.after[0] == r.key) for r in runs}
+    waiting = [r for r in runs if r.after]
+    ready = [r for r in runs if not r.after]
 
-    def progress(key: str, result: dict) -> None:
+    def progress(run: Run, result: dict) -> None:
         nonlocal done_weight
-        done_weight += next(r[3] for r in runs if r[0] == key)
+        done_weight += run.weight
         if say:
             bar = "#" * int(30 * done_weight / total_weight)
             elapsed = time.perf_counter() - t0
-            say(f"[paper] [{bar:<30}] {len(out)}/{len(runs)} runs, {elapsed:6.0f} s: {key} ({result.get('cpu_s', 0):.0f} s CPU)")
+            say(f"[paper] [{bar:<30}] {len(out)}/{len(runs)} runs, {elapsed:6.0f} s: {run.key} ({result.get('cpu_s', 0):.0f} s CPU)")
+
+    def next_run() -> Run:
+        """The next run to start: the waiting runs whose dependency has ended join the ready
+        ones (their arguments set from its result), and the longest chain goes first."""
+        for r in [r for r in waiting if r.after and r.after[0] in out]:
+            waiting.remove(r)
+            assert r.after is not None
+            ready.append(r._replace(kw=r.after[1](r.kw, out[r.after[0]])))
+        if not ready:
+            raise RuntimeError(f"runs wait on runs that are not in the table: {[r.after for r in waiting]}")
+        ready.sort(key=lambda r: -chain[r.key])
+        return ready.pop(0)
 
     if jobs <= 1:
-        for key, fn, kw, _ in runs:
-            out[key] = _timed(fn, kw)
-            progress(key, out[key])
+        while ready or waiting:
+            run = next_run()
+            out[run.key] = _timed(run.fn, run.kw)
+            progress(run, out[run.key])
         return out
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(_timed, fn, kw): key for key, fn, kw, _ in runs}
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED)
+        futures: dict = {}
+
+        def fill() -> None:  # keep ``jobs`` runs going, so a released run does not queue behind the rest
+            while len(futures) < jobs and (ready or any(r.after and r.after[0] in out for r in waiting)):
+                run = next_run()
+                futures[pool.submit(_timed, run.fn, run.kw)] = run
+
+        fill()
+        while futures:
+            done, _ = wait(futures, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED)
             for f in done:
-                key = futures[f]
-                out[key] = f.result()
-                progress(key, out[key])
+                run = futures.pop(f)
+                out[run.key] = f.result()
+                progress(run, out[run.key])
+            fill()
             if not done and say:  # the largest runs take minutes: say that they are still going
                 share = done_weight / total_weight
                 say(f"[paper] [{'#' * int(30 * share):<30}] {len(out)}/{len(runs)} runs, {time.perf_counter() - t0:6.0f} s")
