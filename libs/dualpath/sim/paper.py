@@ -533,14 +533,41 @@ def _agents(sizes: tuple[int, ...]) -> str:
 
 
 def _latencies(sweep: dict) -> dict:
+    """A sweep's answer: the highest passing rate with its latencies, and the lowest failing rate
+    (the answer lies between them), each with its SLO attainment."""
     best = sweep.get("best") or {}
+    failures = [p for p in sweep.get("points", []) if not p["passed"]]
+    fail = min(failures, key=lambda p: p["rate"]) if failures else {}
     return {
         "aps": sweep.get("max_aps"),
+        "attainment": best.get("attainment"),
+        "fails_at_aps": fail.get("rate"),
+        "attainment_there": fail.get("attainment"),
         "ttft_s": best.get("ttft_mean"),
         "ttst_s": best.get("ttst_mean"),
         "tpot_s": best.get("pace_mean"),  # after the second token, as the paper reports it beside TTST
         "tpot_from_first_s": best.get("tpot_mean"),
     }
+
+
+def _bracket(name: str, sweep: dict) -> str:
+    """Where a sweep's answer lies: its highest pass and lowest failure, with their attainments."""
+    text = f"{name} passes at {sweep['aps'] or 0:.3g} APS ({_share(sweep['attainment'])} within the SLO)"
+    if sweep["fails_at_aps"]:
+        text += f" and fails at {sweep['fails_at_aps']:.3g} ({_share(sweep['attainment_there'])})"
+    return text
+
+
+def _share(attainment: float | None) -> str:
+    return "-" if attainment is None else f"{attainment:.1%}"
+
+
+def _ratio_range(big: dict, small: dict) -> str:
+    """The scale ratio's range from both brackets: big's pass over small's failure to big's failure
+    over small's pass."""
+    if not (big["aps"] and small["aps"] and big["fails_at_aps"] and small["fails_at_aps"]):
+        return ""
+    return f": the ratio lies in {big['aps'] / small['fails_at_aps']:.3g}-{big['fails_at_aps'] / small['aps']:.3g}"
 
 
 def _online_rows(size: Size, res: dict[str, dict], absolute: dict) -> list[dict]:
@@ -569,7 +596,8 @@ def _online_rows(size: Size, res: dict[str, dict], absolute: dict) -> list[dict]
             "online_scale_aps_ratio",
             p / 2,
             big["aps"] / small["aps"] if big["aps"] and small["aps"] else None,
-            f"{p}P{d}D / 2P4D max APS (paper 44P88D / 2P4D: 8.8 / 0.4 = 22x, the node ratio); TTFT/TTST/TPOT at max APS "
+            f"{p}P{d}D / 2P4D max APS (paper 44P88D / 2P4D: 8.8 / 0.4 = 22x, the node ratio); {_bracket(f'{p}P{d}D', big)}, "
+            f"{_bracket('2P4D', small)}{_ratio_range(big, small)}; TTFT/TTST/TPOT at max APS "
             f"{p}P{d}D {_lat(big)}, 2P4D {_lat(small)} (paper 44P88D 1.847/0.194/0.036 s, 2P4D 1.739/0.228/0.039 s)",
         )
     )
