@@ -213,7 +213,7 @@ def _offline_run(target: str, p: int, d: int, agents: int, mode: str, turns: int
 
 
 def _online_run(
-    target: str, p: int, d: int, mode: str, size: Size, start_rate: float, decode_ep: int = 0, jobs: int = 1, step: float = 0.0
+    target: str, p: int, d: int, mode: str, size: Size, start_rate: float, decode_ep: int = 0, jobs: int = 1, step: float = ONLINE_STEP
 ) -> dict:
     cfg = _config(target, p, d, decode_ep, mode)
     w = Workload(dataset="64k", agents=1 << 20, turns=size.online_turns, start_at=size.online_start_at, duration_s=size.online_duration)
@@ -225,7 +225,7 @@ def _online_run(
         start_rate=start_rate,
         probes=size.probes,
         tolerance=ONLINE_TOLERANCE,
-        step=step or ONLINE_STEP,
+        step=step,
         jobs=jobs,
         warmup_s=size.online_warmup,
         drain_s=ONLINE_DRAIN_S if size.online_turns is None else float("inf"),
@@ -332,43 +332,46 @@ def _execute(runs: list[Run], jobs: int, say: Callable[[str], None] | None) -> d
             elapsed = time.perf_counter() - t0
             say(f"[paper] [{bar:<30}] {len(out)}/{len(runs)} runs, {elapsed:6.0f} s: {run.key} ({result.get('cpu_s', 0):.0f} s CPU)")
 
-    def next_run() -> Run:
-        """The next run to start: the waiting runs whose dependency has ended join the ready
-        ones (their arguments set from its result), and the longest chain goes first."""
+    def release() -> None:
+        """The waiting runs whose dependency has ended join the ready ones, their arguments set
+        from its result; the longest chain goes first."""
         for r in [r for r in waiting if r.after and r.after[0] in out]:
             waiting.remove(r)
             assert r.after is not None
             ready.append(r._replace(kw=r.after[1](r.kw, out[r.after[0]])))
-        if not ready:
-            raise RuntimeError(f"runs wait on runs that are not in the table: {[r.after for r in waiting]}")
         ready.sort(key=lambda r: -chain[r.key])
-        return ready.pop(0)
 
+    def heartbeat() -> None:  # the largest runs take minutes: say that they are still going
+        if say:
+            bar = "#" * int(30 * done_weight / total_weight)
+            say(f"[paper] [{bar:<30}] {len(out)}/{len(runs)} runs, {time.perf_counter() - t0:6.0f} s")
+
+    release()
     if jobs <= 1:
-        while ready or waiting:
-            run = next_run()
+        while ready:
+            run = ready.pop(0)
             out[run.key] = _timed(run.fn, run.kw)
             progress(run, out[run.key])
-        return out
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        futures: dict = {}
-
-        def fill() -> None:  # keep ``jobs`` runs going, so a released run does not queue behind the rest
-            while len(futures) < jobs and (ready or any(r.after and r.after[0] in out for r in waiting)):
-                run = next_run()
-                futures[pool.submit(_timed, run.fn, run.kw)] = run
-
-        fill()
-        while futures:
-            done, _ = wait(futures, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED)
-            for f in done:
-                run = futures.pop(f)
-                out[run.key] = f.result()
-                progress(run, out[run.key])
-            fill()
-            if not done and say:  # the largest runs take minutes: say that they are still going
-                share = done_weight / total_weight
-                say(f"[paper] [{'#' * int(30 * share):<30}] {len(out)}/{len(runs)} runs, {time.perf_counter() - t0:6.0f} s")
+            release()
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures: dict = {}
+            while True:
+                while len(futures) < jobs and ready:  # a slot at a time: a released run does not queue behind the rest
+                    run = ready.pop(0)
+                    futures[pool.submit(_timed, run.fn, run.kw)] = run
+                if not futures:
+                    break
+                done, _ = wait(futures, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED)
+                for f in done:
+                    run = futures.pop(f)
+                    out[run.key] = f.result()
+                    progress(run, out[run.key])
+                release()
+                if not done:
+                    heartbeat()
+    if waiting:
+        raise RuntimeError(f"runs wait on runs that are not in the table: {[r.after[0] for r in waiting if r.after]}")
     return out
 
 
