@@ -7,6 +7,7 @@ import json
 from dualpath.cost import calibration, cost_model, get_gpu
 from dualpath.cost.calibration import CALIBRATION, KINDS, value
 from dualpath.policy.thresholds import ALPHA_SECONDS, BETA_SECONDS
+from dualpath.sim import paper
 from dualpath.sim.config import SimConfig
 
 
@@ -41,6 +42,9 @@ def test_the_gpu_profile_the_cost_model_and_the_simulator_read_the_table():
     assert (cfg.quota_s, cfg.block_tokens, cfg.decode_host_s) == (value("quota_s"), value("block_tokens"), value("decode_step_host_s"))
     assert (ALPHA_SECONDS, BETA_SECONDS) == (value("alpha_s"), value("beta_s"))
     assert cost_model("ds660b").target.kv_bytes_per_token_layer == value("mla_kv_bytes_per_token_layer")
+    table_run = paper._config("ds27b", 1, 2, 0)  # every row of `sim paper` runs this cluster config
+    assert table_run.de_read_share == value("de_snic_read_share") < 1 == cfg.de_read_share
+    assert table_run.decode_host_per_request_s == value("ds27b_decode_per_request_s")
 
 
 def test_reserving_more_hbm_leaves_less_for_kv():

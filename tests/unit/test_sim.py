@@ -104,6 +104,28 @@ def test_decode_host_time_adds_to_every_step_and_nothing_else():
         SimConfig(decode_host_s=-1e-3)
 
 
+def test_a_slower_decode_side_read_path_slows_dualpath_and_shifts_its_reads_but_not_basics():
+    """SimConfig.de_read_share: the decode nodes read storage at that share of the SNIC rate. The
+    scheduler's read-path choice sees their longer queues and moves reads to the prefill side;
+    Basic never reads there, so its run is the same to the event."""
+    full, slow = small("dualpath"), small("dualpath", de_read_share=0.5)
+    full.run()
+    slow.run()
+    assert slow.end_time > full.end_time
+
+    def decode_side(sim: Simulation) -> float:
+        return sum(s.bytes_read for n, s in sim.storage.items() if n.startswith("d")) / sum(s.bytes_read for s in sim.storage.values())
+
+    assert decode_side(slow) < decode_side(full)
+    b_full, b_slow = small("basic"), small("basic", de_read_share=0.5)
+    b_full.run()
+    b_slow.run()
+    assert (b_slow.end_time, b_slow.loop.events) == (b_full.end_time, b_full.loop.events)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="de_read_share"):
+            SimConfig(de_read_share=bad)
+
+
 def test_a_lone_dualpath_request_reads_on_the_prefill_side_when_both_queues_are_empty():
     """A tie goes to the prefill side (the classic path)."""
     sim, _ = one_request("dualpath", hit=4096, prompt=4200, gen=4)

@@ -71,6 +71,12 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--decode-host-per-request-ms", type=float, default=0.0, help="decode: host time per step per running request")
     g.add_argument(
+        "--de-read-share",
+        type=float,
+        default=1.0,
+        help="decode nodes' storage read rate as a share of the SNIC's (sim paper uses the calibration's de_snic_read_share)",
+    )
+    g.add_argument(
         "--collective-share",
         type=float,
         default=0.0,
@@ -120,6 +126,7 @@ def _config(ns: argparse.Namespace, mode: str = "dualpath"):
             collective_share=ns.collective_share,
             decode_host_s=ns.decode_host_ms / 1000,
             decode_host_per_request_s=ns.decode_host_per_request_ms / 1000,
+            de_read_share=ns.de_read_share,
         )
     except ValueError as exc:
         raise _Fail(str(exc)) from None

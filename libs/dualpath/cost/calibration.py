@@ -130,7 +130,7 @@ _CONSTANTS = (
     ),
     Constant(
         key="ds27b_decode_per_request_s",
-        value=0.27e-3,
+        value=0.30e-3,
         unit="s per running request per decode step",
         what="the DS 27B's decode step time beyond its roofline, per request in the batch (the paper table's 27B runs "
         "add it to every step)",
@@ -140,8 +140,9 @@ _CONSTANTS = (
         "40K-context request, 5.5 ms for 64 of 32K, EP 8 inside one node) makes Oracle ~3x faster than the paper's "
         "1.09-1.85x DualPath/Oracle range allows (the row 3.18-5.74x over 128-1,024 agents). A fixed time per step "
         "cannot bring the whole range in (20 ms: 1.01-1.77x; the smallest batch stays decode-latency-bound); a time per "
-        "request in the batch (sampling, streaming, each token's expert dispatch) can: 0.27 ms gives 1.55-1.76x, "
-        "0.25 ms 1.61-1.85x, 0.30 ms 1.48-1.64x. It also moves the other 27B rows, which it was not chosen for",
+        "request in the batch (sampling, streaming, each token's expert dispatch) can. With de_snic_read_share 0.78: "
+        "0.27 ms gives 1.68-1.89x, 0.30 ms 1.60-1.76x, 0.33 ms 1.53-1.66x. It also moves the other 27B rows, which it "
+        "was not chosen for",
     ),
     Constant(
         key="hbm_reserve_fraction",
@@ -218,6 +219,20 @@ _CONSTANTS = (
         source="PAPER.md §5: collectives on the high-priority lane; KV uses the rest and all idle time. The prefill "
         "all-to-all's RDMA share is ~0.2 of the CNIC while a 660B batch computes (intranode_all_to_all_us) and KV "
         "flows are far below the CNIC's rate, so it is left out",
+    ),
+    Constant(
+        key="de_snic_read_share",
+        value=0.78,
+        unit="of the SNIC rate",
+        what="the storage read rate of a decode node (the DE read path: storage -> DE buffer, then RDMA to the PE) "
+        "as a share of its SNIC's line rate; a prefill node reads at the line rate",
+        kind="fitted",
+        row="pd_speedup_max",
+        source="no published figure: the paper names the DE read path but gives no rate for it. Its storage-bound 27B "
+        "figures put it below the line rate: DualPath 1P1D over Basic up to 1.78x where one PE and one DE SNIC at the "
+        "line rate allow 2x (a share of 0.78), 1P2D up to 2.46x where three allow 3x (0.73), online 1P1D 1.67x (0.67). "
+        "Fitted to the P/D table's maximum (2.46x, 1P2D at 1,024 agents): 0.78 gives 2.46x, 1.0 gave 2.86x. "
+        "Applied by every row of sim paper; the other sim commands read at the line rate unless --de-read-share is given",
     ),
     Constant(
         key="dram_buffer_gb",

@@ -101,6 +101,9 @@ class SimConfig:
     # from the testbed's measured figure (dualpath.testbed.HostPerStep).
     decode_host_s: float = value("decode_step_host_s")
     decode_host_per_request_s: float = 0.0
+    # the decode nodes' storage read rate as a share of the SNIC's (the DE read path); 1 = the line
+    # rate. ``sim paper`` sets the calibration's fitted ``de_snic_read_share``.
+    de_read_share: float = 1.0
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -112,6 +115,8 @@ class SimConfig:
             raise ValueError("bandwidths, buffer and prefetch cache sizes, quota and pass interval must be positive")
         if min(self.decode_host_s, self.decode_host_per_request_s) < 0:
             raise ValueError("decode host times must be >= 0")
+        if not 0 < self.de_read_share <= 1:
+            raise ValueError(f"de_read_share must be in (0, 1], got {self.de_read_share}")
         if not 0 <= self.collective_share < 1:
             raise ValueError(f"collective_share must be in [0, 1), got {self.collective_share}")
         if self.engines_per_node < 0 or self.engines_per_node > self.gpus_per_node:

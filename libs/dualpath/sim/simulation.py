@@ -104,7 +104,7 @@ class Simulation:
         for node_id in range(cfg.prefill_nodes + cfg.decode_nodes):
             prefill = node_id < cfg.prefill_nodes
             name = f"p{node_id}" if prefill else f"d{node_id - cfg.prefill_nodes}"
-            read = SharedLink(self.loop, f"{name}.snic.read", snic, Series())
+            read = SharedLink(self.loop, f"{name}.snic.read", snic if prefill else snic * cfg.de_read_share, Series())
             write = SharedLink(self.loop, f"{name}.snic.write", snic, Series())
             self.storage[name] = NodeStorage(
                 node_id,
