@@ -125,6 +125,9 @@ def test_the_quick_paper_table_has_one_row_per_figure_and_the_calibration(capsys
         if not r["within"]:
             assert ">15%" in r["note"], r  # an outside row says why
     assert result["within"] == sum(r["within"] for r in rows)
+    ranged = {r["name"]: r for r in rows if "range" in r}
+    lo, hi = ranged["ds27b_1p1d_dualpath_over_oracle"]["range"]
+    assert (lo, hi) == (1.09, 1.85) and ranged["ds27b_1p1d_dualpath_over_oracle"]["paper"] == pytest.approx((lo + hi) / 2)
     keys = {c["key"] for c in result["calibration"]}
     assert {"gpu_fp8_flops", "gemm_fraction", "attention_fraction", "hbm_fraction", "snic_gbps", "decode_all_to_all_us"} <= keys
     assert result["absolute"]["offline_scale"]["paper"]["jct_s"] == 3201.0

@@ -164,7 +164,10 @@ def _row(name: str, paper: float, sim: float | None, note: str = "", lo: float |
     if off:
         why = NOTES.get(name, "differs by more than 15%: see the report")
         note = f"{note}; >15%: {why}" if note else f">15%: {why}"
-    return {"name": name, "paper": paper, "sim": sim, "ratio": ratio, "within": not off, "note": note}
+    row = {"name": name, "paper": paper, "sim": sim, "ratio": ratio, "within": not off, "note": note}
+    if lo is not None and hi is not None:
+        row["range"] = [lo, hi]  # the paper's range; ``paper`` is its middle
+    return row
 
 
 # PAPER.md's cache-compute table (GB of KV loaded per PFLOP computed, append 429): the low end

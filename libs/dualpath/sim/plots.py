@@ -51,7 +51,7 @@ def plot_snic(rows: dict, path: Path, max_lines: int = 12) -> None:
 
 def plot_paper(rows: list[dict], path: Path, title: str = "dualpath sim paper: simulated / paper figure") -> None:
     """A dot per row of ``dualpath sim paper``: sim / paper on a log axis, the +-15% band shaded;
-    rows outside it (or outside the paper's range) in red."""
+    rows outside it (or outside the paper's range, drawn as a bar) in red."""
     plt = _plt()
     rows = [r for r in rows if r.get("ratio") is not None]
     fig, ax = plt.subplots(figsize=(7.5, 0.26 * len(rows) + 1.2))
@@ -59,7 +59,11 @@ def plot_paper(rows: list[dict], path: Path, title: str = "dualpath sim paper: s
     ax.axvspan(0.85, 1.15, color="#dde8f4", zorder=0, label="within 15%")
     ax.axvline(1.0, color="#48c", lw=0.8, zorder=1)
     for y, r in zip(ys, rows):
-        ax.plot([r["ratio"]], [y], "o", ms=5, color="#2a7" if r["within"] else "#c33", zorder=2)
+        color = "#2a7" if r["within"] else "#c33"
+        if r.get("range"):  # the paper gives a range: a bar over it, relative to its middle
+            lo, hi = r["range"]
+            ax.plot([lo / r["paper"], hi / r["paper"]], [y, y], color=color, lw=4, alpha=0.35, solid_capstyle="butt", zorder=2)
+        ax.plot([r["ratio"]], [y], "o", ms=5, color=color, zorder=3)
     ax.set_yticks(ys)
     ax.set_yticklabels([r["name"] for r in rows], fontsize=7)
     ax.set_xscale("log")
@@ -68,7 +72,7 @@ def plot_paper(rows: list[dict], path: Path, title: str = "dualpath sim paper: s
     ax.set_xticks([0.1, 0.25, 0.5, 1.0, 2.0, 4.0])
     ax.get_xaxis().set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.tick_params(axis="x", labelsize=7)
-    ax.set_xlabel("simulated / paper (ratio rows: sim ratio / paper ratio)")
+    ax.set_xlabel("simulated / paper (ratio rows: sim ratio / paper ratio)\na bar: the paper's range over its middle", fontsize=9)
     inside = sum(r["within"] for r in rows)
     ax.set_title(f"{title} ({inside} of {len(rows)} within)", fontsize=9)
     fig.tight_layout()
