@@ -136,17 +136,19 @@ NOTES = {
     "both nodes' storage NICs) while Oracle is bound by decode, so the row follows the 27B's decode step: the fitted "
     "calibration ds27b_decode_per_request_s (the paper gives no compute figure for its internal 27B). With a roofline "
     "step alone Oracle is ~3x faster and the row 3.2-5.7x; docs/paper.md gives the measurements",
-    "pd_speedup_average": "the speedup follows how storage-bound the cluster is at the simulated batch sizes",
-    "pd_speedup_max": "the speedup follows how storage-bound the cluster is at the simulated batch sizes",
+    "pd_speedup_average": "the speedup follows how storage-bound the cluster is at the simulated batch sizes and the "
+    "decode nodes' read rate (the fitted calibration de_snic_read_share)",
+    "pd_speedup_max": "the speedup follows how storage-bound the cluster is at the simulated batch sizes and the "
+    "decode nodes' read rate (the fitted calibration de_snic_read_share, chosen for this row)",
     "dualpath_2p1d_over_dualpath_1p2d": "small sizes: JCT is set by a few slow agents, not by storage bandwidth",
     "basic_1p1d_over_basic_1p2d": "small sizes: JCT is set by a few slow agents, not by storage bandwidth",
     "attention_max_over_avg_first_5pct": "small sizes: a few batches in the first 5% of the job",
     "append_sweep_min": "follows the headline ratio (same configuration, appends x0.5/x1/x2)",
     "append_sweep_max": "follows the headline ratio (same configuration, appends x0.5/x1/x2)",
     "scale_offline_jct_ratio": "the larger cluster runs proportionally more agents; JCT is set by the slowest agents",
-    "online_ds27b_aps_ratio": "Basic is bound by storage-side TTFT queueing; the paper's 1.67 (under the 2x of the SNICs) "
-    "says its 27B DualPath meets another limit first: see the sweep's best point for which SLO binds the simulated "
-    "DualPath (its decode step includes the fitted ds27b_decode_per_request_s)",
+    "online_ds27b_aps_ratio": "Basic is bound by storage-side TTFT queueing; DualPath adds the decode node's SNIC at the "
+    "fitted de_snic_read_share of its rate: see the sweep's best point for which SLO binds the simulated DualPath (its "
+    "decode step includes the fitted ds27b_decode_per_request_s)",
     "online_ds660b_aps_ratio": "Basic is bound by the prefill nodes' SNICs (TTFT queueing) as in the paper; see the "
     "sweep's best point for which SLO binds the simulated DualPath (TTFT, or TPOT, which counts the wait for decode "
     "HBM) against the paper's DualPath at 0.4 APS (TTFT 1.74 s, TPOT 39 ms: a prefill-side limit)",
