@@ -11,6 +11,7 @@ from dualpath.cost import cost_model
 from dualpath.sim import SimConfig, Simulation, Workload
 from dualpath.sim.clock import EventLoop
 from dualpath.sim.network import HIGH, LOW, FluidNetwork, Link
+from dualpath.sim.report import run_figures
 from dualpath.sim.workload import Agent, build_agents
 
 
@@ -117,6 +118,10 @@ def test_a_slower_decode_side_read_path_slows_dualpath_and_shifts_its_reads_but_
         return sum(s.bytes_read for n, s in sim.storage.items() if n.startswith("d")) / sum(s.bytes_read for s in sim.storage.values())
 
     assert decode_side(slow) < decode_side(full)
+    util = run_figures(slow)["snic_read_utilisation"]  # of each node's own read rate
+    for name in ("p0", "d0"):
+        rate = slow.cfg.snic_bytes_per_s() * (1.0 if name == "p0" else 0.5)
+        assert util[name] == pytest.approx(slow.storage[name].bytes_read / slow.end_time / rate)
     b_full, b_slow = small("basic"), small("basic", de_read_share=0.5)
     b_full.run()
     b_slow.run()

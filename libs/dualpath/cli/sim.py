@@ -198,7 +198,7 @@ def format_offline(result: dict) -> str:
         )
     for k, v in result["ratios"].items():
         lines.append(f"{k}: {_f(v)}x")
-    lines.append(f"I/O bound (P+D)/P = {result['io_bound']:.2f}x")
+    lines.append(f"I/O bound (every node's read rate over the prefill nodes') = {result['io_bound']:.2f}x")
     if result.get("ablation"):
         lines.append("ablation (JCT reduction vs basic-nolw; paper, 64K: 17.21%, then 38.19% and 45.62% more):")
         for step in result["ablation"]:

@@ -110,7 +110,8 @@ def run_offline(
         "seed": workload.seed,
         "modes": rows,
         "ratios": {"basic/dualpath": ratio("basic", "dualpath"), "dualpath/oracle": ratio("dualpath", "oracle")},
-        "io_bound": (base.prefill_nodes + base.decode_nodes) / base.prefill_nodes,
+        # every node's read rate over the prefill nodes' (Basic's): the most pooling them can gain
+        "io_bound": (base.prefill_nodes + base.decode_nodes * base.de_read_share) / base.prefill_nodes,
         "ablation": [{"mode": m, "jct_s": jct[m], "reduction": 1 - jct[m] / jct[ABLATION[0]]} for m in ABLATION] if ablation else None,
         "wall_s": time.perf_counter() - t0,
         "agents_build_s": build_s,

@@ -116,9 +116,8 @@ NOTES = {
     "longest generations (decode-bound, not SNIC-bound)",
     "ds660b_2p4d_dualpath_over_oracle": "the paper says 'close to Oracle' without a figure: the row compares with 1.0. "
     "The JCT is the last agent's, its turns one after another, and each of them read on the decode side pays the "
-    "fitted de_snic_read_share (0.78 of the SNIC rate, chosen from the 27B P/D rows): with decode nodes reading at "
-    "the line rate the row is 1.15 (DualPath's last agent ends at 2,230 s instead of 2,324 s). The 27B rows and this "
-    "one ask for different shares; docs/paper.md gives both",
+    "fitted de_snic_read_share (chosen from the 27B P/D rows); with decode nodes reading at the line rate the row "
+    "sits at the band's edge. The 27B rows and this one ask for different shares; docs/paper.md gives both figures",
     "ablation_layerwise_jct_reduction_pct": "the simulated Basic is pinned at the prefill nodes' SNICs, which layer-wise prefill "
     "does not touch (its loads come from the DRAM buffer over a CNIC 8x the GPU's share of the SNIC); the paper's "
     "reason (a prefill batch without it must hold every layer's KV in HBM) caps no batch here: the 300 ms quota "

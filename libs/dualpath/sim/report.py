@@ -38,14 +38,15 @@ def _ratio(values: list[float]) -> float | None:
 
 
 def snic_series(sim: Simulation, end: float) -> tuple[float, dict[str, list[float]]]:
-    """Per-node SNIC read utilisation (0..1) on a common grid of about ``SERIES_POINTS`` bins."""
-    cap = sim.cfg.snic_bytes_per_s()
+    """Per-node SNIC read utilisation (0..1) of the node's own read rate, on a common grid of
+    about ``SERIES_POINTS`` bins."""
     width = max(s.read_link.series.width for s in sim.storage.values())  # type: ignore[union-attr]
     while end / width > SERIES_POINTS:
         width *= 2
     out = {}
     for name, s in sim.storage.items():
         bins = s.read_link.series.rebinned(width, end)  # type: ignore[union-attr]
+        cap = s.read_link.capacity  # a decode node's is the SNIC's times SimConfig.de_read_share
         out[name] = [min(1.0, b / width / cap) for b in bins]
     return width, out
 
@@ -66,9 +67,8 @@ def run_figures(sim: Simulation) -> dict:
     node_bytes = {name: s.bytes_read for name, s in sim.storage.items()}
     early_bytes = [s.read_link.series.window(0.0, early) for s in sim.storage.values()]  # type: ignore[union-attr]
     attention_early = [pe.attention.window(0.0, early) for pe in sim.prefill_engines.values()]
-    cap = sim.cfg.snic_bytes_per_s()
     width, series = snic_series(sim, end)
-    util = {n: b / max(end, 1e-9) / cap for n, b in node_bytes.items()}
+    util = {n: s.bytes_read / max(end, 1e-9) / s.read_link.capacity for n, s in sim.storage.items()}
     span = max(end, 1e-9)
     prefill_busy = [pe.busy_s / span for pe in sim.prefill_engines.values()]
     decode_busy = [de.busy_s / span for de in sim.decode_engines.values()]
