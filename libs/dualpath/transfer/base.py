@@ -197,17 +197,27 @@ def check_entries(transport: Transport, local: MemoryRegion, entries: Sequence[T
         ValueError: an entry has a negative length, a count below 1 or overlapping pieces.
     """
     total = 0
+    size = local.size
+    remote_sizes: dict[str, int] = {}  # per remote region named in the batch: its size
     for entry in entries:
-        if entry.length < 0:
+        length, count = entry.length, entry.count
+        if length < 0:
             raise ValueError(f"entry length must not be negative: {entry}")
-        if entry.count != 1:
-            if entry.count < 1:
+        local_offset, remote_offset = entry.local_offset, entry.remote_offset
+        if count == 1:  # the common case, without the properties' arithmetic
+            local_end, remote_end, nbytes = local_offset + length, remote_offset + length, length
+        else:
+            if count < 1:
                 raise ValueError(f"entry count must be at least 1: {entry}")
-            if entry.local_stride < entry.length or entry.remote_stride < entry.length:
+            if entry.local_stride < length or entry.remote_stride < length:
                 raise ValueError(f"a strided entry's strides must be at least its length (no overlap): {entry}")
-        local.check_range(entry.local_offset, entry.local_end - entry.local_offset)
-        remote = transport.descriptor(entry.remote_region)
-        if entry.remote_offset < 0 or entry.remote_end > remote.size:
-            raise OutOfBoundsError(remote.region_id, entry.remote_offset, entry.remote_end - entry.remote_offset, remote.size)
-        total += entry.nbytes
+            local_end, remote_end, nbytes = entry.local_end, entry.remote_end, entry.nbytes
+        if local_offset < 0 or local_end > size:
+            raise OutOfBoundsError(local.region_id, local_offset, local_end - local_offset, size)
+        remote_size = remote_sizes.get(entry.remote_region)
+        if remote_size is None:
+            remote_size = remote_sizes[entry.remote_region] = transport.descriptor(entry.remote_region).size
+        if remote_offset < 0 or remote_end > remote_size:
+            raise OutOfBoundsError(entry.remote_region, remote_offset, remote_end - remote_offset, remote_size)
+        total += nbytes
     return total

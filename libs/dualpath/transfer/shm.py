@@ -3,8 +3,9 @@ read or write is a memcpy between two mappings of shared memory.
 
 ``connect`` maps the remote region (by its id, see ``MemoryRegion.attach``); batches then
 copy with memoryview slice assignment (a plain ``memcpy``). Batches of at least
-``thread_copy_bytes`` are copied in a worker thread through numpy, which releases the GIL,
-so a large copy does not stall the event loop. A peer that dies leaves its shared memory
+``thread_copy_bytes`` are copied in one of the process's copy threads
+(``transfer.copy_threads``: a cheaper hand-off than ``anyio.to_thread``), one ``memmove``
+per entry with the GIL released, so a large copy does not stall the event loop. A peer that dies leaves its shared memory
 mapped here: transfers to it still complete (there is nothing that could hang).
 
 The key: shared memory has no serving side to ask, so the check is where a region is named,
@@ -23,13 +24,15 @@ or containers, not a key.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import dataclasses
 from collections.abc import Sequence
 
-import anyio
 import numpy as np
 
 from dualpath.telemetry.logs import get_logger
 from dualpath.transfer.base import Transport, check_entries
+from dualpath.transfer.copy_threads import submit_copy, wait_copy
 from dualpath.transfer.errors import AccessDeniedError, RegionInUseError, UnknownRegionError
 from dualpath.transfer.nic import DuplexNic, EmulatedNic
 from dualpath.transfer.region import MemoryRegion
@@ -126,7 +129,8 @@ class ShmTransport(Transport):
         read: bool,
         links: tuple[EmulatedNic, ...] = (),
     ) -> int:
-        """One memcpy (numpy, in a worker thread when large); see ``Transport.read``/``write``."""
+        """Copy the batch: in the loop when small, else in a copy thread (the loop copying a
+        share of large pieces meanwhile); see ``Transport.read``/``write``."""
         total = check_entries(self, local, entries)
         if total == 0:
             return 0
@@ -134,10 +138,21 @@ class ShmTransport(Transport):
         return total
 
     async def _move(self, local: MemoryRegion, entries: list[TransferEntry], read: bool, total: int) -> None:
-        if total >= self.thread_copy_bytes:
-            await anyio.to_thread.run_sync(self._copy_numpy, local, entries, read)
-        else:
+        if total < self.thread_copy_bytes:
             self._copy(local, entries, read)
+            return
+        if total < _SPLIT_PIECE_BYTES * sum(e.count for e in entries):
+            await wait_copy(submit_copy(self._copy_released, local, entries, read))
+            return
+        # Large pieces: the loop copies a share itself while a copy thread moves the rest, so
+        # the loop is at work, not asleep waiting to be woken, through most of the thread's
+        # part; it holds the loop no longer than a batch under ``thread_copy_bytes`` would.
+        mine, theirs = _split(entries, min(total, self.thread_copy_bytes) // 2)
+        pending = submit_copy(self._copy_released, local, theirs, read)
+        try:
+            self._copy_released(local, mine, read)
+        finally:
+            await wait_copy(pending)
 
     def _region(self, region_id: str) -> MemoryRegion:
         region = self._mapped.get(region_id) or self._local.get(region_id)
@@ -157,6 +172,28 @@ class ShmTransport(Transport):
             else:
                 rbuf[e.remote_offset : e.remote_offset + e.length] = lbuf[e.local_offset : e.local_offset + e.length]
 
+    def _copy_released(self, local: MemoryRegion, entries: list[TransferEntry], to_local: bool) -> None:
+        """A batch in a copy thread: every contiguous entry is one ``memmove`` with the GIL
+        released (the numpy views held here keep both mappings in place while it runs: a
+        region with views cannot be closed); strided entries go through numpy."""
+        larr = local.as_array()
+        laddr: int = larr.ctypes.data
+        mapped: dict[str, tuple[np.ndarray, int]] = {}
+        for e in entries:
+            if e.count != 1:
+                self._copy_numpy(local, [e], to_local)
+                continue
+            rarr_addr = mapped.get(e.remote_region)
+            if rarr_addr is None:
+                rarr = self._region(e.remote_region).as_array()
+                rarr_addr = mapped[e.remote_region] = (rarr, rarr.ctypes.data)
+            raddr = rarr_addr[1]
+            if to_local:
+                _memmove(laddr + e.local_offset, raddr + e.remote_offset, e.length)
+            else:
+                _memmove(raddr + e.remote_offset, laddr + e.local_offset, e.length)
+        del larr, mapped
+
     def _copy_numpy(self, local: MemoryRegion, entries: list[TransferEntry], to_local: bool) -> None:
         larr = local.as_array()  # [size] uint8
         arrays: dict[str, np.ndarray] = {}
@@ -174,6 +211,46 @@ class ShmTransport(Transport):
                 np.copyto(lview, rview)
             else:
                 np.copyto(rview, lview)
+
+
+def _split(entries: list[TransferEntry], share: int) -> tuple[list[TransferEntry], list[TransferEntry]]:
+    """The first ``share`` bytes of a batch and the rest, as two lists of entries: a
+    contiguous entry splits at any byte, a strided one between its pieces."""
+    head: list[TransferEntry] = []
+    for i, e in enumerate(entries):
+        if share <= 0:
+            return head, entries[i:]
+        nbytes = e.nbytes
+        if nbytes <= share:
+            head.append(e)
+            share -= nbytes
+            continue
+        if e.count == 1:
+            head.append(dataclasses.replace(e, length=share))
+            rest = dataclasses.replace(
+                e, local_offset=e.local_offset + share, remote_offset=e.remote_offset + share, length=e.length - share
+            )
+        else:
+            pieces = share // e.length
+            if pieces == 0:
+                return head, entries[i:]
+            head.append(dataclasses.replace(e, count=pieces))
+            rest = dataclasses.replace(
+                e,
+                count=e.count - pieces,
+                local_offset=e.local_offset + pieces * e.local_stride,
+                remote_offset=e.remote_offset + pieces * e.remote_stride,
+            )
+        return head, [rest, *entries[i + 1 :]]
+    return head, []
+
+
+#: The loop shares a threaded batch's copy only when its pieces are at least this large on
+#: average: two threads copying small pieces each release and retake the GIL per piece and
+#: hand it back and forth, which costs more than the loop's share saves.
+_SPLIT_PIECE_BYTES = 128 << 10
+
+_memmove = ctypes.memmove  # a foreign call: the GIL is released while it copies
 
 
 def _strided(arr: np.ndarray, offset: int, count: int, length: int, stride: int) -> np.ndarray:
