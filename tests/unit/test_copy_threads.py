@@ -14,7 +14,7 @@ import pytest
 
 from dualpath.transfer import MemoryRegion, TransferEntry
 from dualpath.transfer import shm as shm_module
-from dualpath.transfer.copy_threads import THREADS, run_copy
+from dualpath.transfer.copy_threads import THREADS, run_copy, submit_copy, wait_copy
 from dualpath.transfer.shm import ShmTransport
 
 pytestmark = pytest.mark.anyio
@@ -196,3 +196,54 @@ async def test_a_large_batch_of_large_pieces_lands_exactly_when_the_loop_shares_
         for region in (src, dst):
             region.close()
             region.unlink()
+
+
+async def test_a_region_can_be_closed_as_soon_as_a_threaded_batch_returns() -> None:
+    transport = ShmTransport(node_id="n", thread_copy_bytes=MIB)
+    tag = uuid.uuid4().hex[:8]
+    src = MemoryRegion(f"ct-src-{tag}", 4 * MIB)
+    try:
+        await transport.connect(transport.register(src))
+        for i in range(20):  # the copy thread must have dropped the batch's views by the time it returns
+            dst = MemoryRegion(f"ct-dst-{tag}-{i}", 4 * MIB)
+            try:
+                entries = [TransferEntry(k * 64 * 1024, src.region_id, k * 64 * 1024, 64 * 1024) for k in range(32)]
+                assert await transport.read(dst, entries) == 2 * MIB
+            finally:
+                dst.close()  # raises RegionInUseError if a view were still alive anywhere
+                dst.unlink()
+    finally:
+        await transport.close()
+        src.close()
+        src.unlink()
+
+
+async def test_a_batch_queued_behind_busy_threads_survives_its_region_being_recreated_smaller() -> None:
+    """The batch was checked against the region as it was; a reconnect to a smaller re-created
+    segment while it waits for a thread must not make the copy reach outside any mapping."""
+    rid = f"ct-re-{uuid.uuid4().hex[:8]}"
+    first_owner, second_owner, me = ShmTransport(node_id="a"), ShmTransport(node_id="a2"), ShmTransport(node_id="b")
+    big = MemoryRegion(rid, 64 * MIB)
+    local = MemoryRegion(f"ct-l-{uuid.uuid4().hex[:8]}", 64 * MIB)
+    small: MemoryRegion | None = None
+    blockers = [submit_copy(time.sleep, 0.3) for _ in range(THREADS)]  # the batch waits in the queue
+    try:
+        big.as_array()[32 * MIB :] = 7
+        await me.connect(first_owner.register(big))
+        entries = [TransferEntry(i * 65536, rid, 32 * MIB + i * 65536, 65536) for i in range(256)]
+        batch = asyncio.ensure_future(me.read(local, entries))
+        await asyncio.sleep(0.05)
+        big.close()
+        big.unlink()
+        small = MemoryRegion(rid, 4096)  # the owner re-created it, smaller
+        await me.connect(second_owner.register(small))
+        assert await batch == 16 * MIB  # read from the mapping it was checked against
+        assert (local.as_array()[: 16 * MIB] == 7).all()
+    finally:
+        for b in blockers:
+            await wait_copy(b)
+        await me.close()
+        for region in (small, local):
+            if region is not None:
+                region.close()
+                region.unlink()

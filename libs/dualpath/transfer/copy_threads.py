@@ -18,8 +18,11 @@ import contextlib
 import os
 import queue
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any
+
+import anyio
 
 __all__ = ["THREADS", "run_copy", "submit_copy", "wait_copy"]
 
@@ -50,12 +53,16 @@ def _worker(jobs: queue.SimpleQueue[_Job]) -> None:
         try:
             result = fn(*args)
         except BaseException as exc:  # handed to the waiting task, raised there
+            traceback.clear_frames(exc.__traceback__)  # its frames' locals (the batch's views) go now
             error = exc
+        # The batch's views go before the caller can learn that the copy ended: a caller that
+        # closes its region right after must not find them still alive here.
+        del fn, args
         try:
             loop.call_soon_threadsafe(_settle, fut, result, error)
         except RuntimeError:  # the loop was closed meanwhile: nobody is waiting
             pass
-        del fn, args, loop, fut, result, error  # drop the batch's memory views before waiting again
+        del loop, fut, result, error
 
 
 def _queue() -> queue.SimpleQueue[_Job]:
@@ -73,8 +80,9 @@ def _queue() -> queue.SimpleQueue[_Job]:
 
 
 def _after_fork() -> None:
-    global _jobs
+    global _jobs, _lock
     _jobs = None  # a forked child has none of the parent's threads: start its own on first use
+    _lock = threading.Lock()  # a thread of the parent may have held it at the fork
 
 
 os.register_at_fork(after_in_child=_after_fork)
@@ -97,9 +105,12 @@ async def wait_copy(fut: asyncio.Future[Any]) -> Any:
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
-        while not fut.done():  # the copy cannot be stopped: wait it out, then let the cancellation through
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait((fut,))
+        # The copy cannot be stopped: wait it out, then let the cancellation through. Shielded
+        # from anyio, which would otherwise cancel the wait again on every turn of the loop.
+        with anyio.CancelScope(shield=True):
+            while not fut.done():
+                with contextlib.suppress(asyncio.CancelledError):  # a plain task.cancel(), again
+                    await asyncio.wait((fut,))
         if not fut.cancelled():
             fut.exception()  # retrieved: a failed copy nobody waits for is not logged as lost
         raise

@@ -33,7 +33,7 @@ import numpy as np
 from dualpath.telemetry.logs import get_logger
 from dualpath.transfer.base import Transport, check_entries
 from dualpath.transfer.copy_threads import submit_copy, wait_copy
-from dualpath.transfer.errors import AccessDeniedError, RegionInUseError, UnknownRegionError
+from dualpath.transfer.errors import AccessDeniedError, OutOfBoundsError, RegionInUseError, UnknownRegionError
 from dualpath.transfer.nic import DuplexNic, EmulatedNic
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.types import RegionDescriptor, TrafficClass, TransferEntry
@@ -141,18 +141,30 @@ class ShmTransport(Transport):
         if total < self.thread_copy_bytes:
             self._copy(local, entries, read)
             return
+        larr, remote = self._views(local, entries)
         if total < _SPLIT_PIECE_BYTES * sum(e.count for e in entries):
-            await wait_copy(submit_copy(self._copy_released, local, entries, read))
+            await wait_copy(submit_copy(_copy_views, larr, remote, entries, read))
             return
         # Large pieces: the loop copies a share itself while a copy thread moves the rest, so
         # the loop is at work, not asleep waiting to be woken, through most of the thread's
         # part; it holds the loop no longer than a batch under ``thread_copy_bytes`` would.
         mine, theirs = _split(entries, min(total, self.thread_copy_bytes) // 2)
-        pending = submit_copy(self._copy_released, local, theirs, read)
+        pending = submit_copy(_copy_views, larr, remote, theirs, read)
         try:
-            self._copy_released(local, mine, read)
+            _copy_views(larr, remote, mine, read)
         finally:
             await wait_copy(pending)
+
+    def _views(self, local: MemoryRegion, entries: list[TransferEntry]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Views of ``local`` and of every remote region the batch names, taken in the loop
+        right after the batch was checked. The copy threads work on these, never on a mapping
+        looked up later (a reconnect meanwhile may replace it with a smaller one), and while
+        they are alive no mapping they view can be closed."""
+        remote: dict[str, np.ndarray] = {}
+        for e in entries:
+            if e.remote_region not in remote:
+                remote[e.remote_region] = self._region(e.remote_region).as_array()
+        return local.as_array(), remote
 
     def _region(self, region_id: str) -> MemoryRegion:
         region = self._mapped.get(region_id) or self._local.get(region_id)
@@ -171,28 +183,6 @@ class ShmTransport(Transport):
                 lbuf[e.local_offset : e.local_offset + e.length] = rbuf[e.remote_offset : e.remote_offset + e.length]
             else:
                 rbuf[e.remote_offset : e.remote_offset + e.length] = lbuf[e.local_offset : e.local_offset + e.length]
-
-    def _copy_released(self, local: MemoryRegion, entries: list[TransferEntry], to_local: bool) -> None:
-        """A batch in a copy thread: every contiguous entry is one ``memmove`` with the GIL
-        released (the numpy views held here keep both mappings in place while it runs: a
-        region with views cannot be closed); strided entries go through numpy."""
-        larr = local.as_array()
-        laddr: int = larr.ctypes.data
-        mapped: dict[str, tuple[np.ndarray, int]] = {}
-        for e in entries:
-            if e.count != 1:
-                self._copy_numpy(local, [e], to_local)
-                continue
-            rarr_addr = mapped.get(e.remote_region)
-            if rarr_addr is None:
-                rarr = self._region(e.remote_region).as_array()
-                rarr_addr = mapped[e.remote_region] = (rarr, rarr.ctypes.data)
-            raddr = rarr_addr[1]
-            if to_local:
-                _memmove(laddr + e.local_offset, raddr + e.remote_offset, e.length)
-            else:
-                _memmove(raddr + e.remote_offset, laddr + e.local_offset, e.length)
-        del larr, mapped
 
     def _copy_numpy(self, local: MemoryRegion, entries: list[TransferEntry], to_local: bool) -> None:
         larr = local.as_array()  # [size] uint8
@@ -251,6 +241,36 @@ def _split(entries: list[TransferEntry], share: int) -> tuple[list[TransferEntry
 _SPLIT_PIECE_BYTES = 128 << 10
 
 _memmove = ctypes.memmove  # a foreign call: the GIL is released while it copies
+
+
+def _copy_views(larr: np.ndarray, remote: dict[str, np.ndarray], entries: list[TransferEntry], to_local: bool) -> None:
+    """Copy a batch between views from ``ShmTransport._views``: every contiguous entry is one
+    ``memmove`` with the GIL released (a copy thread's work), a strided one goes through
+    numpy. Every entry is checked against the views first: the batch was checked against the
+    descriptors, and a raw copy must never reach outside a mapping whatever happened since."""
+    lsize, laddr = larr.size, larr.ctypes.data
+    addresses: dict[str, int] = {}
+    for e in entries:
+        rarr = remote[e.remote_region]
+        if e.local_offset < 0 or e.local_end > lsize:
+            raise OutOfBoundsError("local", e.local_offset, e.local_end - e.local_offset, lsize)
+        if e.remote_offset < 0 or e.remote_end > rarr.size:
+            raise OutOfBoundsError(e.remote_region, e.remote_offset, e.remote_end - e.remote_offset, rarr.size)
+        if e.count != 1:
+            lview = _strided(larr, e.local_offset, e.count, e.length, e.local_stride)
+            rview = _strided(rarr, e.remote_offset, e.count, e.length, e.remote_stride)
+            if to_local:
+                np.copyto(lview, rview)
+            else:
+                np.copyto(rview, lview)
+            continue
+        raddr = addresses.get(e.remote_region)
+        if raddr is None:
+            raddr = addresses[e.remote_region] = rarr.ctypes.data
+        if to_local:
+            _memmove(laddr + e.local_offset, raddr + e.remote_offset, e.length)
+        else:
+            _memmove(raddr + e.remote_offset, laddr + e.local_offset, e.length)
 
 
 def _strided(arr: np.ndarray, offset: int, count: int, length: int, stride: int) -> np.ndarray:
