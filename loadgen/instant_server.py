@@ -27,6 +27,7 @@ import json
 import math
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -37,6 +38,7 @@ __all__ = ["InstantServerConfig", "open_server", "start_instant_server", "main"]
 _TOKEN = " t"
 _CACHE_LIMIT = 100_000  # conversations remembered by the fake prefix cache
 _MAX_BODY = 64 << 20  # refuse request bodies above 64 MiB (HTTP 413)
+_EARLY_S = 1e-6  # asyncio may run a timer this much before its time: writes due within it are due
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,12 +59,13 @@ class InstantServerConfig:
 
 
 class _State:
-    """Shared across connections: configuration and the fake prefix cache."""
+    """Shared across connections: configuration, the fake prefix cache and the pacer."""
 
     def __init__(self, config: InstantServerConfig) -> None:
         self.config = config
         self.cache: dict[str, int] = {}
         self.events: dict[tuple, bytes] = {}
+        self.pacer = _Pacer()
 
     def cached_tokens(self, key: str, prompt_tokens: int, total_tokens: int) -> int:
         """Return the hit for ``key`` and remember this conversation's new length."""
@@ -186,6 +189,53 @@ def _prompt_text(body: dict, chat: bool) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
 
+class _Pacer:
+    """The paced streams' next writes, on one event-loop timer.
+
+    With thousands of streams, a ``call_later`` per token keeps as many handles in asyncio's
+    timer heap, each pushed and popped through Python-level comparisons: that was most of
+    the server's CPU, and a saturated server delays the very requests a benchmark times.
+    Every stream waits the same ``ttft_s`` for its first token and ``tpot_s`` between the
+    others, so each delay's writes fall due in the order they were scheduled: a FIFO per
+    delay keeps them sorted, and one timer is armed for the earliest head.
+    """
+
+    def __init__(self) -> None:
+        self.queues: dict[float, deque[tuple[float, _Protocol, _Completion, bool]]] = {}
+        self.timer: asyncio.TimerHandle | None = None
+        self.armed_at = math.inf
+
+    def add(self, delay: float, proto: _Protocol, completion: _Completion, first: bool) -> None:
+        """Call ``proto._paced(completion, first)`` ``delay`` seconds from now."""
+        loop = asyncio.get_running_loop()
+        due = loop.time() + delay
+        queue = self.queues.get(delay)
+        if queue is None:
+            queue = self.queues[delay] = deque()
+        queue.append((due, proto, completion, first))
+        if due < self.armed_at:
+            self._arm(loop, due)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, due: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.armed_at = due
+        self.timer = loop.call_at(due, self._fire)
+
+    def _fire(self) -> None:
+        self.timer, self.armed_at = None, math.inf
+        loop = asyncio.get_running_loop()
+        now = loop.time() + _EARLY_S
+        for queue in list(self.queues.values()):
+            while queue and queue[0][0] <= now:
+                _, proto, completion, first = queue.popleft()
+                if proto.transport is not None and proto.completion is completion:  # not closed meanwhile
+                    proto._paced(completion, first)
+        head = min((q[0][0] for q in self.queues.values() if q), default=math.inf)
+        if head < self.armed_at:
+            self._arm(loop, head)
+
+
 class _Protocol(asyncio.Protocol):
     """One HTTP/1.1 keep-alive connection; requests are answered in arrival order."""
 
@@ -193,16 +243,15 @@ class _Protocol(asyncio.Protocol):
         self.state = state
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
-        self.timer: asyncio.TimerHandle | None = None
+        self.completion: _Completion | None = None  # the paced answer in progress
         self.busy = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        self.transport = None
+        self.transport = None  # its paced writes still queued are dropped when they fall due
+        self.completion = None
 
     def data_received(self, data: bytes) -> None:
         recv_ns = time.monotonic_ns()
@@ -250,8 +299,8 @@ class _Protocol(asyncio.Protocol):
             self.transport.write(completion.stream_head() + b"".join(events) + completion.tail())
         else:
             self.busy = True
-            loop = asyncio.get_running_loop()
-            self.timer = loop.call_later(cfg.ttft_s, self._paced, completion, True)
+            self.completion = completion
+            self.state.pacer.add(cfg.ttft_s, self, completion, True)
 
     def _paced(self, completion: _Completion, first: bool) -> None:
         """Send the next token (with the tail after the last one); re-arm the timer."""
@@ -262,11 +311,10 @@ class _Protocol(asyncio.Protocol):
             out += completion.token_event()
         if completion.sent < completion.n:
             self.transport.write(out)
-            loop = asyncio.get_running_loop()
-            self.timer = loop.call_later(self.state.config.tpot_s, self._paced, completion, False)
+            self.state.pacer.add(self.state.config.tpot_s, self, completion, False)
             return
         self.transport.write(out + completion.tail())
-        self.busy, self.timer = False, None
+        self.busy, self.completion = False, None
         if self.buf:  # a pipelined request waited for this one
             self.data_received(b"")
 
