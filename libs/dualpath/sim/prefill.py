@@ -82,7 +82,7 @@ class PrefillEngineSim:
             return
         self.busy = True
         sim = self.sim
-        now, kvb, oracle = sim.loop.now, sim.kv_bytes_per_token, sim.mode.oracle
+        now, kvb, oracle = sim.loop.now, sim.kv_bytes_per_token, sim.oracle
         compute = sim.cost.prefill_time(batch.pairs())
         self.busy_s += compute
         self.attention.add(now, now + compute, batch.predicted_s)
@@ -118,7 +118,7 @@ class PrefillEngineSim:
             nbytes = share * self.cnic_in.capacity * compute
             net.start((self.cnic_in,), nbytes, _ignore, None, cls=HIGH)
             net.start((self.cnic_out,), nbytes, _ignore, None, cls=HIGH)
-        if sim.mode.layerwise:
+        if sim.layerwise:
             b.pending = 1 + len(loads) + len(b.stores)
             sim.loop.at(now + compute, self._part, b)
             for links, nbytes in loads.items():

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dualpath.policy import ReadSide
 from dualpath.sim.agent import Agent
 
 if TYPE_CHECKING:
+    from dualpath.sim.decode import DecodeEngineSim
+    from dualpath.sim.prefill import PrefillEngineSim
     from dualpath.sim.storage import NodeStorage
 
 __all__ = ["SimRequest"]
@@ -45,6 +47,10 @@ class SimRequest:
         "ttst",
     )
 
+    # set when the scheduler dispatches it (read before that: AttributeError)
+    pe: PrefillEngineSim
+    de: DecodeEngineSim
+
     def __init__(self, rid: int, agent: Agent, prompt: int, hit: int, gen: int, now: float) -> None:
         self.rid = rid
         self.key = str(rid)  # the cores' request id
@@ -52,8 +58,6 @@ class SimRequest:
         self.prompt = prompt
         self.hit = hit
         self.gen = gen
-        self.pe: Any = None  # PrefillEngineSim
-        self.de: Any = None  # DecodeEngineSim
         self.read_side: ReadSide | None = None  # None: nothing to read
         self.t_submit = now
         self.t_read = -1.0  # hit KV in a buffer

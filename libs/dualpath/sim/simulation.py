@@ -53,6 +53,10 @@ class Simulation:
     def __init__(self, cfg: SimConfig, workload: Workload, agents: list[Agent] | None = None) -> None:
         self.cfg, self.workload = cfg, workload
         self.mode = cfg.sim_mode
+        # read on every turn: native fields here, not attribute lookups on the config's objects
+        self.block_tokens: int = cfg.block_tokens
+        self.oracle: bool = self.mode.oracle
+        self.layerwise: bool = self.mode.layerwise
         self.loop = EventLoop()
         self.net = FluidNetwork(self.loop)
         self.cost = cost_model(cfg.target, cfg.gpu)  # prefill engines
@@ -139,10 +143,10 @@ class Simulation:
     def _submit(self, agent: Agent) -> None:
         k = agent.turn
         prompt = agent.ctx + agent.appends[k]
-        hit = readable_hit_blocks(prompt, agent.persisted // self.cfg.block_tokens, self.cfg.block_tokens) * self.cfg.block_tokens
+        hit = readable_hit_blocks(prompt, agent.persisted // self.block_tokens, self.block_tokens) * self.block_tokens
         self._next_rid += 1
         req = SimRequest(self._next_rid, agent, prompt, hit, agent.gens[k], self.loop.now)
-        self.scheduler.submit(req, self.cfg.block_tokens)
+        self.scheduler.submit(req, self.block_tokens)
 
     def _failed(self, req: SimRequest, reason: str) -> None:
         """The scheduler refused or gave up on a turn: its agent stops there."""
@@ -151,7 +155,7 @@ class Simulation:
 
     # -- the scheduler's commands ------------------------------------------------------------
     def _reserve(self, node: str, rid: str, nbytes: float) -> bool:
-        return True if self.mode.oracle else self.storage[node].reserve(rid, nbytes)
+        return True if self.oracle else self.storage[node].reserve(rid, nbytes)
 
     def _free(self, node: str, rid: str) -> None:
         self.storage[node].free_slot(rid)
@@ -160,14 +164,14 @@ class Simulation:
         req.pe = self.prefill_engines[cmd.prefill_engine]
         req.de = self.decode_engines[cmd.decode_engine]
         req.read_side = cmd.read_side
-        if self.mode.oracle or cmd.read_side is None:
+        if self.oracle or cmd.read_side is None:
             req.t_read = self.loop.now
             req.pe.add(req)
             return
         kvb = self.kv_bytes_per_token
         split = cmd.decision.read_split
         if split is not None:  # split read: the first blocks on the PE node, the rest on the DE node, at once
-            pe_tok = split[0] * self.cfg.block_tokens
+            pe_tok = split[0] * self.block_tokens
             req.split_de, req.reads_left = req.hit - pe_tok, 2
             self.storage[cmd.prefill_node].read(req, pe_tok * kvb, into_buffer=True, tokens=pe_tok)
             self.storage[cmd.decode_node].read(req, req.split_de * kvb, into_buffer=False, tokens=req.split_de)
@@ -195,12 +199,12 @@ class Simulation:
         self.scheduler.finished(req, req.pe.name)
         if req.buffer is not None:  # PE read path: the hits leave the prefill node's slot (prefetch: a run of its cache)
             req.buffer.free_read(req)
-        nbytes = 0.0 if self.mode.oracle else req.prompt * self.kv_bytes_per_token
+        nbytes = 0.0 if self.oracle else req.prompt * self.kv_bytes_per_token
         self.net.start((req.de.cnic_in,), nbytes, self._in_hbm, req)
 
     def _in_hbm(self, req: SimRequest) -> None:
         de = req.de
-        if not self.mode.oracle:
+        if not self.oracle:
             storage = self.node_storage[de.node_id]
             storage.keep_prompt(req)  # prefetch: the DE read path's slot stays as a run of the prompt
             storage.free_slot(req.key)
@@ -214,12 +218,12 @@ class Simulation:
             submit=req.t_submit, first=req.t_first, batch=req.t_batch, ttst=req.ttst, end=now, gen=req.gen, prompt=req.prompt, hit=req.hit
         )
         agent = req.agent
-        bt = self.cfg.block_tokens
+        bt = self.block_tokens
         # the prompt's full blocks and those the decode filled (a final token that completes a
         # block gets its flush step; any other last token's KV is never computed)
         persisted = max(req.prompt - req.prompt % bt, req.kv_blocks * bt)
         agent.ctx = req.prompt + req.gen
-        nbytes = 0.0 if self.mode.oracle else (persisted - agent.persisted) * self.kv_bytes_per_token
+        nbytes = 0.0 if self.oracle else (persisted - agent.persisted) * self.kv_bytes_per_token
         agent.persisted = persisted
         if nbytes > 0:
             self.node_storage[de.node_id].write(nbytes, self._persisted, agent)
