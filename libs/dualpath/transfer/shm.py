@@ -5,8 +5,9 @@ read or write is a memcpy between two mappings of shared memory.
 copy with memoryview slice assignment (a plain ``memcpy``). Batches of at least
 ``thread_copy_bytes`` are copied in one of the process's copy threads
 (``transfer.copy_threads``: a cheaper hand-off than ``anyio.to_thread``), one ``memmove``
-per entry with the GIL released, so a large copy does not stall the event loop. A peer that dies leaves its shared memory
-mapped here: transfers to it still complete (there is nothing that could hang).
+per entry with the GIL released, so a large copy does not stall the event loop. A peer that
+dies leaves its shared memory mapped here: transfers to it still complete (there is nothing
+that could hang).
 
 The key: shared memory has no serving side to ask, so the check is where a region is named,
 ``connect``: the descriptor's key must be the one the segment holds (``MemoryRegion.key``),
