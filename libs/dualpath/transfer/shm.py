@@ -175,7 +175,7 @@ class ShmTransport(Transport):
 
     def _copy(self, local: MemoryRegion, entries: list[TransferEntry], to_local: bool) -> None:
         if any(e.count > 1 for e in entries):
-            self._copy_numpy(local, entries, to_local)
+            _copy_views(*self._views(local, entries), entries, to_local)
             return
         lbuf = local.buf
         for e in entries:
@@ -184,24 +184,6 @@ class ShmTransport(Transport):
                 lbuf[e.local_offset : e.local_offset + e.length] = rbuf[e.remote_offset : e.remote_offset + e.length]
             else:
                 rbuf[e.remote_offset : e.remote_offset + e.length] = lbuf[e.local_offset : e.local_offset + e.length]
-
-    def _copy_numpy(self, local: MemoryRegion, entries: list[TransferEntry], to_local: bool) -> None:
-        larr = local.as_array()  # [size] uint8
-        arrays: dict[str, np.ndarray] = {}
-        for e in entries:
-            rarr = arrays.get(e.remote_region)
-            if rarr is None:
-                rarr = arrays[e.remote_region] = self._region(e.remote_region).as_array()
-            if e.count == 1:
-                lview = larr[e.local_offset : e.local_offset + e.length]
-                rview = rarr[e.remote_offset : e.remote_offset + e.length]
-            else:  # strided: one copy of count pieces
-                lview = _strided(larr, e.local_offset, e.count, e.length, e.local_stride)
-                rview = _strided(rarr, e.remote_offset, e.count, e.length, e.remote_stride)
-            if to_local:
-                np.copyto(lview, rview)
-            else:
-                np.copyto(rview, lview)
 
 
 def _split(entries: list[TransferEntry], share: int) -> tuple[list[TransferEntry], list[TransferEntry]]:
