@@ -4,10 +4,12 @@ caller, copies run off the event loop, and a cancelled caller waits for its copy
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -25,6 +27,26 @@ MIB = 1 << 20
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@contextlib.asynccontextmanager
+async def _shm_pair(size: int, seed: int) -> AsyncIterator[tuple[ShmTransport, MemoryRegion, MemoryRegion]]:
+    """A transport with 1 MiB ``thread_copy_bytes``, a random ``src`` region it serves and a
+    zeroed ``dst`` of ``size`` bytes; closed and unlinked after."""
+    tag = uuid.uuid4().hex[:8]
+    src = MemoryRegion(f"ct-src-{tag}", size)
+    dst = MemoryRegion(f"ct-dst-{tag}", size)
+    transport = ShmTransport(node_id="n", thread_copy_bytes=MIB)
+    try:
+        src.as_array()[:] = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+        dst.as_array()[:] = 0
+        await transport.connect(transport.register(src))
+        yield transport, src, dst
+    finally:
+        await transport.close()
+        for region in (src, dst):
+            region.close()
+            region.unlink()
 
 
 async def test_a_copy_runs_in_another_thread_and_returns_its_result() -> None:
@@ -112,14 +134,7 @@ async def test_a_forked_child_starts_its_own_copy_threads() -> None:
 
 
 async def test_a_large_shm_batch_lands_every_scattered_entry_through_the_copy_threads() -> None:
-    tag = uuid.uuid4().hex[:8]
-    src = MemoryRegion(f"ct-src-{tag}", 8 * MIB)
-    dst = MemoryRegion(f"ct-dst-{tag}", 8 * MIB)
-    transport = ShmTransport(node_id="n", thread_copy_bytes=MIB)
-    try:
-        src.as_array()[:] = np.random.default_rng(1).integers(0, 256, 8 * MIB, dtype=np.uint8)
-        dst.as_array()[:] = 0
-        await transport.connect(transport.register(src))
+    async with _shm_pair(8 * MIB, seed=1) as (transport, src, dst):
         block = 64 * 1024
         order = [(i * 37) % 64 for i in range(64)]  # every remote block once, out of order
         entries = [TransferEntry(i * block, src.region_id, j * block, block) for i, j in enumerate(order)]
@@ -129,11 +144,6 @@ async def test_a_large_shm_batch_lands_every_scattered_entry_through_the_copy_th
             assert np.array_equal(d[i * block : (i + 1) * block], s[j * block : (j + 1) * block])
         assert not d[64 * block :].any()  # nothing past the batch
         del d, s
-    finally:
-        await transport.close()
-        for region in (src, dst):
-            region.close()
-            region.unlink()
 
 
 def _bytes_of(entries: list[TransferEntry]) -> list[tuple[int, int]]:
@@ -162,14 +172,7 @@ def test_a_split_batch_moves_the_same_bytes_with_the_share_in_its_head() -> None
 
 @pytest.mark.parametrize("strided", [False, True])
 async def test_a_large_batch_of_large_pieces_lands_exactly_when_the_loop_shares_the_copy(strided: bool) -> None:
-    tag = uuid.uuid4().hex[:8]
-    src = MemoryRegion(f"ct-src-{tag}", 16 * MIB)
-    dst = MemoryRegion(f"ct-dst-{tag}", 16 * MIB)
-    transport = ShmTransport(node_id="n", thread_copy_bytes=MIB)
-    try:
-        src.as_array()[:] = np.random.default_rng(2).integers(0, 256, 16 * MIB, dtype=np.uint8)
-        dst.as_array()[:] = 0
-        await transport.connect(transport.register(src))
+    async with _shm_pair(16 * MIB, seed=2) as (transport, src, dst):
         piece = 256 * 1024
         if strided:  # one layer's blocks: pieces a block apart on both sides
             entries = [TransferEntry(0, src.region_id, 3 * MIB, piece, count=8, local_stride=2 * piece, remote_stride=3 * piece)]
@@ -191,11 +194,6 @@ async def test_a_large_batch_of_large_pieces_lands_exactly_when_the_loop_shares_
             for lo, ro, n in e.pieces():
                 assert np.array_equal(s[ro : ro + n], d[lo : lo + n])
         del s, d, expect
-    finally:
-        await transport.close()
-        for region in (src, dst):
-            region.close()
-            region.unlink()
 
 
 async def test_a_region_can_be_closed_as_soon_as_a_threaded_batch_returns() -> None:
