@@ -14,7 +14,7 @@ from dualpath.sim import validate
 
 pytestmark = pytest.mark.slow
 
-TOPOLOGY, DATASET, AGENTS, TURNS, SLOWDOWN = "2P2D", "48k", 24, 2, 6.0
+TOPOLOGY, DATASET, AGENTS, TURNS, SLOWDOWN = "2P2D", "48k", 48, 2, 6.0
 
 
 def _agreement(tmp_path) -> tuple[dict, dict]:
@@ -30,16 +30,18 @@ def _agreement(tmp_path) -> tuple[dict, dict]:
 
 @pytest.mark.timeout(2400)
 def test_simulator_agrees_with_the_testbed_on_a_held_out_cluster(tmp_path):
-    """The bounds are checked on a second run when the first misses them: one closed-loop testbed
-    run on a shared 2-core host can stall for part of a second (a 1.08x lead measured 1.079x once);
-    a simulator that drifted misses both runs."""
+    """48 agents keep the cluster storage-bound (dual-path about 1.3x over basic), so the 10% band
+    on the speedup separates a simulator that models the second read path from one that does not
+    (1.0x). The bounds are checked on a second run when the first misses them: one closed-loop
+    testbed run on a shared 2-core host can stall for part of a second; a simulator that drifted
+    misses both runs."""
     for run in range(2):
         tb, sim = _agreement(tmp_path / f"run-{run}")
         print(f"held-out {TOPOLOGY} {DATASET}, run {run}: testbed {tb}, simulator {sim}")
         speedup_sim, speedup_tb = sim["basic"] / sim["dualpath"], tb["basic"] / tb["dualpath"]
         misses = [f"{m}: simulator {sim[m]:.2f} s vs testbed {tb[m]:.2f} s" for m in tb if abs(sim[m] / tb[m] - 1) > 0.15]
-        if speedup_tb <= 1.08:  # storage-bound enough that the read paths matter
-            misses.append(f"testbed speedup {speedup_tb:.3f} <= 1.08")
+        if speedup_tb <= 1.15:  # storage-bound enough that a simulator without the second path would miss
+            misses.append(f"testbed speedup {speedup_tb:.3f} <= 1.15")
         if abs(speedup_sim / speedup_tb - 1) > 0.10:
             misses.append(f"speedups: simulator {speedup_sim:.3f} vs testbed {speedup_tb:.3f}")
         if not misses:
