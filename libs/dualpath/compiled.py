@@ -10,7 +10,8 @@ tree:
     dualpath compiled status    # which code this process runs, and why
 
 The same build compiles the hand-written C extensions in ``NATIVE`` (the simulator's heap
-on huge pages, ``dualpath.sim.hugepages``). The extensions live in
+on huge pages, ``dualpath.sim.hugepages``; the shm transport's batch copier,
+``dualpath.transfer.shm``). The extensions live in
 ``<venv>/dualpath-compiled/`` with a manifest of the SHA-256 of every source they were
 built from. ``activate()`` (called when ``dualpath`` is imported) installs
 an import hook that loads them only while every hash still matches: an edited source runs as
@@ -74,7 +75,10 @@ MODULES = (
 )
 
 #: Hand-written C extensions built with them (dotted name -> source, relative to ``libs``).
-NATIVE = {"dualpath.sim._hugepages": "dualpath/sim/_hugepages.c"}
+NATIVE = {
+    "dualpath.sim._hugepages": "dualpath/sim/_hugepages.c",
+    "dualpath.transfer._copier": "dualpath/transfer/_copier.c",
+}
 
 GROUP = "dualpath_compiled"  # mypyc's shared library of the group: <GROUP>__mypyc
 ENV = "DUALPATH_COMPILED"  # "0": never load the extensions
@@ -226,7 +230,7 @@ def build(out: Path | None = None, if_stale: bool = False) -> Path:
     sources = {m: _digest(_source(m)) for m in _dependencies(MODULES)}
     native_sources = {m: _digest(_SOURCE_ROOT / src) for m, src in NATIVE.items()}
     started = time.monotonic()
-    print(f"[compiled] mypyc: {len(MODULES)} modules (and {len(NATIVE)} C extension) -> {out} (~1-2 min)", flush=True)
+    print(f"[compiled] mypyc: {len(MODULES)} modules (and {len(NATIVE)} C extensions) -> {out} (~1-2 min)", flush=True)
     with tempfile.TemporaryDirectory(prefix="dualpath-mypyc-") as tmp:
         stage = Path(tmp)
         shutil.copytree(_SOURCE_ROOT / "dualpath", stage / "dualpath", ignore=shutil.ignore_patterns("__pycache__", "*.so"))

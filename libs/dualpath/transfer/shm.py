@@ -1,13 +1,16 @@
 """The same-node transport: an engine and its node's buffer share memory, so a one-sided
 read or write is a memcpy between two mappings of shared memory.
 
-``connect`` maps the remote region (by its id, see ``MemoryRegion.attach``); batches then
-copy with memoryview slice assignment (a plain ``memcpy``). Batches of at least
-``thread_copy_bytes`` are copied in one of the process's copy threads
-(``transfer.copy_threads``: a cheaper hand-off than ``anyio.to_thread``), one ``memmove``
-per entry with the GIL released, so a large copy does not stall the event loop. A peer that
-dies leaves its shared memory mapped here: transfers to it still complete (there is nothing
-that could hang).
+``connect`` maps the remote region (by its id, see ``MemoryRegion.attach``). A batch is then
+one ``_copier.Job`` (C, built with the compiled extensions): its entries checked against the
+regions and cut into pieces of at most ``_PIECE_BYTES``, which whoever copies takes one at a
+time. Below ``thread_copy_bytes`` the event loop copies them all; from there, one of the
+process's copy threads (``transfer.copy_threads``) is woken and the loop copies pieces
+meanwhile: the copy starts at once, not when the thread is awake, and two cores share it. The
+loop copies at most ``thread_copy_bytes`` itself and leaves the rest to the thread. Without the
+build, batches copy through Python (``_copy_views``: a ``memmove`` per piece, the same
+threshold). A peer that dies leaves its shared memory mapped here: transfers to it still
+complete (there is nothing that could hang).
 
 The key: shared memory has no serving side to ask, so the check is where a region is named,
 ``connect``: the descriptor's key must be the one the segment holds (``MemoryRegion.key``),
@@ -24,6 +27,7 @@ or containers, not a key.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import dataclasses
@@ -42,6 +46,18 @@ from dualpath.transfer.types import RegionDescriptor, TrafficClass, TransferEntr
 __all__ = ["ShmTransport"]
 
 _log = get_logger("transfer.shm")
+
+try:  # C, built with the compiled extensions (``dualpath compiled build``)
+    from dualpath.transfer import _copier  # type: ignore[attr-defined]
+except ImportError:  # not built (or DUALPATH_COMPILED=0): batches copy through ``_copy_views``
+    _copier = None
+
+#: A ``_copier.Job``'s pieces: a piece is what one thread claims at a time, so two threads
+#: share even a single large block.
+_PIECE_BYTES = 128 << 10
+#: How long the loop spins for pieces a copy thread is copying before it awaits the thread:
+#: a piece or two, not a large share.
+_SPIN_S = 100e-6
 
 
 class ShmTransport(Transport):
@@ -130,13 +146,49 @@ class ShmTransport(Transport):
         read: bool,
         links: tuple[EmulatedNic, ...] = (),
     ) -> int:
-        """Copy the batch: in the loop when small, else in a copy thread (the loop copying a
-        share of large pieces meanwhile); see ``Transport.read``/``write``."""
-        total = check_entries(self, local, entries)
-        if total == 0:
-            return 0
-        await self._paced(links, total, cls, self._move(local, list(entries), read, total))
-        return total
+        """Copy the batch: in the loop when small, else shared with a copy thread; see
+        ``Transport.read``/``write``."""
+        if _copier is None:
+            total = check_entries(self, local, entries)
+            if total:
+                await self._paced(links, total, cls, self._move(local, list(entries), read, total))
+            return total
+        job = self._job(local, entries, read)
+        try:
+            if job.total:
+                await self._paced(links, job.total, cls, self._run(job))
+        finally:
+            job.release()  # no copy thread touches either region after this
+        return job.total
+
+    def _job(self, local: MemoryRegion, entries: Sequence[TransferEntry], read: bool) -> _copier.Job:
+        """The batch as one ``_copier.Job``: every entry checked against its regions' extents
+        and cut into pieces. It raises what ``check_entries`` raises for the same batch."""
+        try:
+            return _copier.Job(entries, local.buf, self._resolve, read, _PIECE_BYTES)
+        except (_copier.BadEntry, UnknownRegionError):
+            check_entries(self, local, entries)  # names the first bad entry as every transport does
+            raise
+
+    def _resolve(self, region_id: str) -> tuple[memoryview, int]:
+        """A remote region's buffer and the bytes of it a batch may reach (``_copier.Job``)."""
+        size = self.descriptor(region_id).size
+        return self._region(region_id).buf, size
+
+    async def _run(self, job: _copier.Job) -> None:
+        """Copy ``job``: in the loop below ``thread_copy_bytes``; else the loop and a copy
+        thread take pieces from it at once, so the copy starts before the thread is awake,
+        and the loop copies no more than a batch it would copy alone, then goes back to
+        serving. The loop spins for the last pieces only when they are already being copied."""
+        if job.total < self.thread_copy_bytes:
+            job.copy(-1, False)  # short: the GIL stays with the loop
+            return
+        helper = submit_copy(job.copy)
+        helper.add_done_callback(_retrieve)
+        job.copy(self.thread_copy_bytes)
+        if job.claimed and job.wait(_SPIN_S):
+            return  # the thread's copy() returns having found nothing left; nobody waits for it
+        await wait_copy(helper)
 
     async def _move(self, local: MemoryRegion, entries: list[TransferEntry], read: bool, total: int) -> None:
         if total < self.thread_copy_bytes:
@@ -184,6 +236,12 @@ class ShmTransport(Transport):
                 lbuf[e.local_offset : e.local_offset + e.length] = rbuf[e.remote_offset : e.remote_offset + e.length]
             else:
                 rbuf[e.remote_offset : e.remote_offset + e.length] = lbuf[e.local_offset : e.local_offset + e.length]
+
+
+def _retrieve(fut: asyncio.Future[object]) -> None:
+    """Retrieve a helper's outcome that nobody awaits (the loop saw the job done first)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _split(entries: list[TransferEntry], share: int) -> tuple[list[TransferEntry], list[TransferEntry]]:
