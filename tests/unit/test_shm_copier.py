@@ -5,8 +5,10 @@ region once the batch has let go of it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -220,3 +222,34 @@ def test_a_region_too_small_for_its_descriptor_is_refused() -> None:
             NATIVE.Job([TransferEntry(0, src.region_id, MIB - 8, 16)], dst.buf, lambda rid: (src.buf, 2 * MIB), True, 64 * KIB)
         with pytest.raises(BufferError):  # a read-only buffer is refused before anything is copied
             NATIVE.Job([TransferEntry(0, src.region_id, 0, 16)], dst.buf, lambda rid: (bytes(16), 16), True, 64 * KIB)
+
+
+async def test_a_batch_shared_by_several_threads_lands_every_block_once(path: str) -> None:
+    async with _served(32 * MIB, seed=7) as (transport, remotes, local):
+        block = 96 * KIB  # not a multiple of the pieces: they end mid-block
+        order = [(i * 61) % 160 for i in range(160)]  # every remote block once, out of order: 15 MiB
+        entries = [TransferEntry(i * block, remotes[0].region_id, j * block, block) for i, j in enumerate(order)]
+        assert await transport.read(local, entries) == 160 * block
+        want = np.zeros(local.size, dtype=np.uint8)
+        _expected(want, {remotes[0].region_id: remotes[0].as_array()}, entries, True)
+        assert np.array_equal(local.as_array(), want)
+
+
+async def test_a_cancelled_batch_leaves_nothing_copying_once_it_returns(path: str) -> None:
+    """Cancelled while threads copy, the batch returns only when no thread can touch either
+    region any more: the local bytes stop changing and the region can be closed at once."""
+    async with _served(64 * MIB, seed=8) as (transport, remotes, local):
+        with _regions(64 * MIB) as (big,):
+            entries = [TransferEntry(i * 64 * KIB, remotes[0].region_id, i * 64 * KIB, 64 * KIB) for i in range(1024)]
+            for delay in (0.0, 0.001, 0.003):
+                big.as_array()[:] = 0
+                task = asyncio.ensure_future(transport.read(big, entries))
+                await asyncio.sleep(delay)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                snapshot = big.as_array().copy()
+                time.sleep(0.05)  # a thread still copying would change the bytes meanwhile
+                assert np.array_equal(big.as_array(), snapshot)
+            del snapshot
+        # _regions closed ``big`` above: no view of it was left behind

@@ -5,9 +5,10 @@ read or write is a memcpy between two mappings of shared memory.
 one ``_copier.Job`` (C, built with the compiled extensions): its entries checked against the
 regions and cut into pieces of at most ``_PIECE_BYTES``, which whoever copies takes one at a
 time. Below ``thread_copy_bytes`` the event loop copies them all; from there, one of the
-process's copy threads (``transfer.copy_threads``) is woken and the loop copies pieces
-meanwhile: the copy starts at once, not when the thread is awake, and two cores share it. The
-loop copies at most ``thread_copy_bytes`` itself and leaves the rest to the thread. Without the
+process's copy threads (``transfer.copy_threads``; more for larger batches, as many as the
+host has cores, up to four) is woken and the loop copies pieces meanwhile: the copy starts at
+once, not when a thread is awake, and several cores share it. The loop copies at most
+``thread_copy_bytes`` itself and leaves the rest to the threads. Without the
 build, batches copy through Python (``_copy_views``: a ``memmove`` per piece, the same
 threshold). A peer that dies leaves its shared memory mapped here: transfers to it still
 complete (there is nothing that could hang).
@@ -37,7 +38,7 @@ import numpy as np
 
 from dualpath.telemetry.logs import get_logger
 from dualpath.transfer.base import Transport, check_entries
-from dualpath.transfer.copy_threads import submit_copy, wait_copy
+from dualpath.transfer.copy_threads import THREADS, submit_copy, wait_copy
 from dualpath.transfer.errors import AccessDeniedError, OutOfBoundsError, RegionInUseError, UnknownRegionError
 from dualpath.transfer.nic import DuplexNic, EmulatedNic
 from dualpath.transfer.region import MemoryRegion
@@ -176,37 +177,43 @@ class ShmTransport(Transport):
         return self._region(region_id).buf, size
 
     async def _run(self, job: _copier.Job) -> None:
-        """Copy ``job``: in the loop below ``thread_copy_bytes``; else the loop and a copy
-        thread take pieces from it at once, so the copy starts before the thread is awake,
-        and the loop copies no more than a batch it would copy alone, then goes back to
-        serving. The loop spins for the last pieces only when they are already being copied."""
+        """Copy ``job``: in the loop below ``thread_copy_bytes``. Above, copy threads (one per
+        2 x ``thread_copy_bytes``, at most ``THREADS``) and the loop take pieces from it at
+        once: the copy starts before a thread is awake, and the loop copies no more than a
+        batch it would copy alone, then goes back to serving. It spins for the last pieces
+        only when they are already being copied."""
         if job.total < self.thread_copy_bytes:
             job.copy(-1, False)  # short: the GIL stays with the loop
             return
-        helper = submit_copy(job.copy)
-        helper.add_done_callback(_retrieve)
+        helpers = [submit_copy(job.copy) for _ in range(min(THREADS, max(1, job.total // (2 * self.thread_copy_bytes))))]
+        for helper in helpers:
+            helper.add_done_callback(_retrieve)
         job.copy(self.thread_copy_bytes)
         if job.claimed and job.wait(_SPIN_S):
-            return  # the thread's copy() returns having found nothing left; nobody waits for it
-        await wait_copy(helper)
+            return  # the threads' copy() calls return having found nothing left; nobody waits for them
+        for helper in helpers:  # cancelled meanwhile: ``_transfer`` releases the job, which stops the rest
+            await wait_copy(helper)
 
     async def _move(self, local: MemoryRegion, entries: list[TransferEntry], read: bool, total: int) -> None:
         if total < self.thread_copy_bytes:
             self._copy(local, entries, read)
             return
         larr, remote = self._views(local, entries)
-        if total < _SPLIT_PIECE_BYTES * sum(e.count for e in entries):
-            await wait_copy(submit_copy(_copy_views, larr, remote, entries, read))
-            return
-        # Large pieces: the loop copies a share itself while a copy thread moves the rest, so
-        # the loop is at work, not asleep waiting to be woken, through most of the thread's
-        # part; it holds the loop no longer than a batch under ``thread_copy_bytes`` would.
-        mine, theirs = _split(entries, min(total, self.thread_copy_bytes) // 2)
-        pending = submit_copy(_copy_views, larr, remote, theirs, read)
         try:
-            _copy_views(larr, remote, mine, read)
+            if total < _SPLIT_PIECE_BYTES * sum(e.count for e in entries):
+                await wait_copy(submit_copy(_copy_views, larr, remote, entries, read))
+                return
+            # Large pieces: the loop copies a share itself while a copy thread moves the rest, so
+            # the loop is at work, not asleep waiting to be woken, through most of the thread's
+            # part; it holds the loop no longer than a batch under ``thread_copy_bytes`` would.
+            mine, theirs = _split(entries, min(total, self.thread_copy_bytes) // 2)
+            pending = submit_copy(_copy_views, larr, remote, theirs, read)
+            try:
+                _copy_views(larr, remote, mine, read)
+            finally:
+                await wait_copy(pending)
         finally:
-            await wait_copy(pending)
+            del larr, remote  # a cancelled batch's traceback keeps this frame, not the views
 
     def _views(self, local: MemoryRegion, entries: list[TransferEntry]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Views of ``local`` and of every remote region the batch names, taken in the loop
