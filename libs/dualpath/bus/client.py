@@ -18,7 +18,7 @@ answered with an error and ``BusTimeoutError`` when nobody answered; its timeout
 
 from __future__ import annotations
 
-from asyncio import constants as asyncio_constants
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -26,9 +26,11 @@ from typing import Any, TypeVar, cast
 
 import anyio
 import nats
+import nats.aio.client
 from anyio.abc import TaskGroup
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.aio.transport import TcpTransport
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from opentelemetry import context as otel_context
@@ -50,6 +52,31 @@ ErrorCallback = Callable[[Exception], Awaitable[None]]
 DEFAULT_MAX_IN_FLIGHT = 1024  # handlers one subscription runs at once (nats.py buffers 512 Ki messages per subscription)
 _TLS_SHUTDOWN_S = 2.0  # how long closing a TLS connection waits for the server's close_notify
 _CLOSE_GRACE_S = 2.0  # how long ``close`` lets in-flight handlers finish before cancelling them
+
+
+class _BoundedCloseTransport(TcpTransport):
+    """nats.py's TCP transport, but closing a connection waits at most ``_TLS_SHUTDOWN_S``.
+
+    nats.py closes the connection to a server that stopped answering, and waits for it to be
+    closed, before it tries another server. Over TLS, closing waits for the server's
+    close_notify: up to the event loop's SSL shutdown timeout (30 s in asyncio and in uvloop,
+    which uvicorn picks when it is installed), and a server cut off by the network never
+    answers. Past the bound the connection is aborted and the wait ends with the
+    ``TimeoutError`` nats.py reports through the error callback, as before."""
+
+    async def wait_closed(self) -> None:
+        writer = self._io_writer
+        if writer is None:
+            return
+        try:
+            await asyncio.wait_for(writer.wait_closed(), _TLS_SHUTDOWN_S)
+        except TimeoutError:
+            writer.transport.abort()
+            raise TimeoutError("SSL shutdown timed out") from None
+
+
+# nats.py makes its transport by this module-level name (one per server it connects to).
+nats.aio.client.TcpTransport = _BoundedCloseTransport  # type: ignore[misc]
 
 
 async def _log_error(exc: Exception) -> None:
@@ -88,12 +115,6 @@ class Bus:
         ``options`` go to ``nats.connect`` and may carry ``user_credentials``, ``tls`` etc.
         (see ``dualpath.config.BusConfig``).
         """
-        if options.get("tls") is not None:
-            # nats.py closes a TLS connection to a server that stopped answering by waiting for
-            # its close_notify, up to asyncio's default 30 s, before it tries another server: a
-            # server cut off by the network never answers. Two seconds bound that wait (the
-            # setting is read per connection; nats.py offers no option of its own for it).
-            asyncio_constants.SSL_SHUTDOWN_TIMEOUT = min(asyncio_constants.SSL_SHUTDOWN_TIMEOUT, _TLS_SHUTDOWN_S)
         nc = await nats.connect(
             url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, error_cb=_log_error, allow_reconnect=True, **options
         )
