@@ -44,6 +44,7 @@ MODULES = (
     "dualpath.core.scheduler_queue",
     "dualpath.core.scheduler_request",
     "dualpath.cost.model",
+    "dualpath.kv.hits",
     "dualpath.node.buffer",
     "dualpath.node.prefetch",
     "dualpath.node.slots",

@@ -79,13 +79,18 @@ class DecodeStep:
         return self.decode + self.flush
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True, init=False)
 class StepOutcome:
     """What a step left: ``filled`` blocks ``(request_id, block_index)`` whose KV just became
-    complete (persist them); ``leaving`` requests done (release and answer them), with reasons."""
+    complete (persist them); ``leaving`` requests done (release and answer them), with reasons.
+    Treat it as immutable: not ``frozen``, for the written ``__init__`` (see above)."""
 
     filled: tuple[tuple[str, int], ...]
     leaving: tuple[tuple[str, str], ...]
+
+    def __init__(self, *, filled: tuple[tuple[str, int], ...], leaving: tuple[tuple[str, str], ...]) -> None:
+        self.filled = filled
+        self.leaving = leaving
 
 
 class DecodeBatcher:

@@ -25,11 +25,20 @@ class BufferFullError(Exception):
         self.free = free
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True, init=False)
 class Slot:
+    """``nbytes`` at ``offset`` of the pool, held by ``owner``. Treat it as immutable: it is not
+    ``frozen`` because a frozen dataclass's generated ``__init__`` (``object.__setattr__`` per
+    field) stays interpreted Python under mypyc, and the simulator makes one per reservation."""
+
     owner: str
     offset: int
     nbytes: int
+
+    def __init__(self, *, owner: str, offset: int, nbytes: int) -> None:
+        self.owner = owner
+        self.offset = offset
+        self.nbytes = nbytes
 
 
 class BufferPool:

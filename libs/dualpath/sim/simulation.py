@@ -87,7 +87,7 @@ class Simulation:
         self._build_nodes()
         self.prefetch = SimPrefetch(self) if self.mode.prefetch else None
         self.agents = agents if agents is not None else build_agents(workload, cfg.block_tokens)
-        self._gap = gap_sampler(workload.tool_gap_s, workload.seed)
+        self._gap = gap_sampler(workload.tool_gap_s, workload.seed) if workload.tool_gap_s > 0 else None  # None: no pauses
         self._next_rid = 0
         self._started = False  # the agents' first turns are scheduled (run goes on from where it stopped)
         self.agents_done = 0
@@ -235,7 +235,7 @@ class Simulation:
             self.prefetch.persisted(agent)  # the whole context is in storage: stage it for the next turn
         agent.turn += 1
         if agent.turn < agent.turns:
-            self.loop.at(self.loop.now + self._gap(), self._submit, agent)
+            self.loop.at(self.loop.now + (self._gap() if self._gap is not None else 0.0), self._submit, agent)
             return
         agent.done_at = self.loop.now
         self.metrics.agent_end.append(self.loop.now)
