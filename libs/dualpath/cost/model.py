@@ -79,6 +79,7 @@ class _Work:
 
 
 _PAIR_CACHE_MAX = 4096  # (cached, new) -> span sums kept between calls; cleared when full
+_PAIR_KEY = 1 << 32  # a pair's cache key is cached * _PAIR_KEY + new: an int, no tuple per lookup
 
 
 def _span_sum(cached: int, new: int, cap: int) -> int:
@@ -114,7 +115,7 @@ class CostModel:
         # Replicated weights of one layer: [dense layer, MoE layer]
         t = target
         self._replicated = (t.attn_proj_params() + t.dense_mlp_params(), t.attn_proj_params() + t.moe_replicated_params())
-        self._pairs: dict[tuple[int, int], tuple[int, int, int]] = {}  # (cached, new) -> (attn, index, dense KV) sums
+        self._pairs: dict[int, tuple[int, int, int]] = {}  # (cached, new) as one int -> (attn, index, dense KV) sums
         # Every factor of _total_time that does not depend on the batch, computed once with the
         # same operations as the per-layer methods, so the fused form gives the same floats.
         rep0, rep1 = self._replicated
@@ -151,13 +152,14 @@ class CostModel:
         pairs = self._pairs
         tokens = attn = dense_kv = index = 0
         for cached, new in batch:
-            sums = pairs.get((cached, new))
+            if cached < 0 or not 0 < new < _PAIR_KEY:  # checked before the lookup: the key is unique only in range
+                raise InvalidWorkloadError("prefill request (cached, new)", (cached, new))
+            key = cached * _PAIR_KEY + new
+            sums = pairs.get(key)
             if sums is None:  # a batcher asks for the same pairs many times while it packs
-                if cached < 0 or new < 1:
-                    raise InvalidWorkloadError("prefill request (cached, new)", (cached, new))
                 if len(pairs) >= _PAIR_CACHE_MAX:
                     pairs.clear()
-                sums = pairs[(cached, new)] = (_span_sum(cached, new, topk), _span_sum(cached, new, 0), cached + new)
+                sums = pairs[key] = (_span_sum(cached, new, topk), _span_sum(cached, new, 0), cached + new)
             tokens += new
             attn += sums[0]
             index += sums[1]
