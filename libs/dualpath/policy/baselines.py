@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from dualpath.policy.index import Candidates
-from dualpath.policy.inter import ReadChoice, assemble, choose_read_sides
+from dualpath.policy.inter import DE_CHOICE, PE_CHOICE, ReadChoice, assemble, choose_read_sides
 from dualpath.policy.state import ClusterState, EngineState
 from dualpath.policy.thresholds import Thresholds
 from dualpath.policy.values import Assignment, PendingRequest, ReadPath, ReadSide
@@ -100,9 +100,6 @@ def schedule_round_robin(
     return assemble(waiting, prefill, decode, sides, state)
 
 
-_PE_CHOICE, _DE_CHOICE = ReadChoice(ReadSide.PE, 0), ReadChoice(ReadSide.DE, 0)
-
-
 def _round_robin_sides(waiting: Sequence[PendingRequest], count: int, cursor: int) -> list[ReadChoice]:
     """Read sides of the first ``count`` requests, round robin from decision ``cursor``: PE
     on even decisions, DE on odd ones (a request's ``forced_side`` wins)."""
@@ -110,9 +107,9 @@ def _round_robin_sides(waiting: Sequence[PendingRequest], count: int, cursor: in
     for i in range(count):
         forced = waiting[i].forced_side
         if forced is not None:
-            sides.append(_PE_CHOICE if forced is ReadSide.PE else _DE_CHOICE)
+            sides.append(PE_CHOICE if forced is ReadSide.PE else DE_CHOICE)
         else:
-            sides.append(_DE_CHOICE if (cursor + i) % 2 else _PE_CHOICE)
+            sides.append(DE_CHOICE if (cursor + i) % 2 else PE_CHOICE)
     return sides
 
 

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from itertools import islice
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from dualpath.policy.index import Candidates
 from dualpath.policy.split import DE_HOP_PERCENT, split_blocks, worth_splitting
@@ -81,6 +81,12 @@ class ReadChoice(NamedTuple):
 
     side: ReadSide
     de_split_tokens: int
+
+
+# The two unsplit answers, made once: a NamedTuple's ``__new__`` runs as interpreted Python
+# even when compiled code calls it, and a pass answers once per request.
+PE_CHOICE: Final = ReadChoice(ReadSide.PE, 0)
+DE_CHOICE: Final = ReadChoice(ReadSide.DE, 0)
 
 
 def select_prefill_engines(waiting: Sequence[PendingRequest], state: ClusterState, th: Thresholds) -> list[int]:
@@ -324,7 +330,7 @@ def choose_read_sides(
             if hold_tokens:
                 opened[pe_node] = opened.get(pe_node, nodes[pe_node].reads_open) + pe_tok
                 opened[de_node] = opened.get(de_node, nodes[de_node].reads_open) + r.hit_tokens - pe_tok
-            sides.append(ReadChoice(ReadSide.PE if pe_tok else ReadSide.DE, r.hit_tokens - pe_tok if pe_tok else 0))
+            sides.append(ReadChoice(ReadSide.PE, r.hit_tokens - pe_tok) if pe_tok else DE_CHOICE)
             continue
         if forced is not None:
             pe_side = forced is ReadSide.PE
@@ -336,10 +342,10 @@ def choose_read_sides(
             pe_side = q_pe <= q_de
         node = pe_node if pe_side else de_node
         if pe_side:
-            sides.append(ReadChoice(ReadSide.PE, 0))
+            sides.append(PE_CHOICE)
             queue[pe_node] = q_pe + r.hit_tokens
         else:
-            sides.append(ReadChoice(ReadSide.DE, 0))
+            sides.append(DE_CHOICE)
             queue[de_node] = q_de + r.hit_tokens
         if hold_tokens:
             opened[node] = opened.get(node, nodes[node].reads_open) + r.hit_tokens
