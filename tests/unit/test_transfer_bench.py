@@ -88,6 +88,78 @@ def test_tcp_is_set_beside_iperf3_at_the_batch_s_size_capped_at_iperf3_s_largest
     assert "tcp_vs_iperf3" not in versus_kernel(results, [(4096, 1)], {})["4096x1"]
 
 
+def test_tcp_is_set_beside_the_region_stream_and_a_bare_pull_only_at_batches_of_a_mib_or_more() -> None:
+    results = {"tcp": {"4096x1": {"gbps": 0.5}, "2097152x4": {"gbps": 2.7}, "1048576x1": {"gbps": 3.6}}}
+    shapes = [(4096, 1), (1048576, 1), (2097152, 4)]
+    landed = {str(kernel.IPERF3_MAX_WRITE): 4.0, "4096": 1.0}  # a small write's figure is never used
+    pulled = {"1048576": 3.0, "8388608": 2.0, "4096": 0.1}  # by the batch's bytes, not capped
+    vs = versus_kernel(results, shapes, {}, landed, pulled)
+    assert "4096x1" not in vs  # no reference for it: no row
+    assert vs["1048576x1"] == {
+        "tcp_gbps": 3.6,
+        "region_stream_gbps": 4.0,
+        "tcp_vs_region_stream": 0.9,
+        "pull_gbps": 3.0,
+        "tcp_vs_pull": 1.2,
+    }
+    assert vs["2097152x4"]["tcp_vs_region_stream"] == pytest.approx(2.7 / 4.0, abs=1e-3)
+    assert vs["2097152x4"]["pull_gbps"] == 2.0
+
+
+def test_the_region_stream_moves_every_byte_and_reports_its_rate() -> None:
+    gbps = kernel.region_stream_gbps(kernel.IPERF3_MAX_WRITE, 8 << 20, 3 << 20)  # wraps the region twice
+    assert 0 < gbps < 1000
+
+
+def test_a_bare_pull_moves_whole_batches_into_the_region_and_reports_their_rate() -> None:
+    assert 0 < kernel.pull_gbps(3 << 20, 8 << 20, 4 << 20, buffer_bytes=1 << 20) < 1000  # three 1 MiB calls a batch
+    with pytest.raises(ValueError, match="region"):
+        kernel.pull_gbps(8 << 20, 8 << 20, 4 << 20)
+
+
+def test_a_pull_whose_peer_stops_mid_reply_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = kernel._PULL_SERVER.replace(
+        'n = int.from_bytes(ask, "little")', "n = int.from_bytes(ask, 'little') // 2; s.sendall(src[:n]); raise SystemExit('half sent')"
+    )
+    assert broken != kernel._PULL_SERVER
+    monkeypatch.setattr(kernel, "_PULL_SERVER", broken)
+    with pytest.raises(RuntimeError, match=r"ended after 524288 of 1048576 bytes"):
+        kernel.pull_gbps(1 << 20, 4 << 20, 2 << 20)
+
+
+def test_a_region_stream_that_ends_short_or_cannot_fit_a_write_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="region"):
+        kernel.region_stream_gbps(kernel.IPERF3_MAX_WRITE, 8 << 20, 4096)
+    short = kernel._STREAM_SENDER.replace("left = total", "left = total // 2")
+    monkeypatch.setattr(kernel, "_STREAM_SENDER", short)
+    with pytest.raises(RuntimeError, match=r"ended after 2097152 of 4194304 bytes"):
+        kernel.region_stream_gbps(64 * KIB, 4 << 20, 1 << 20)
+
+
+def test_a_bench_run_with_a_batch_of_a_mib_measures_the_region_stream_and_reports_it() -> None:
+    d = run_bench(
+        transports=["tcp"],
+        block_sizes=(1 << 20,),
+        batch_sizes=(1,),
+        max_batch_bytes=1 << 20,
+        region_bytes=2 << 20,
+        point_seconds=0.01,
+        point_bytes=4 << 20,
+        with_mooncake=False,
+        with_iperf3=False,
+        iperf3_bytes=4 << 20,
+        rounds=1,
+    )
+    json.dumps(d)
+    assert d["region_stream"]["region_bytes"] == 2 << 20
+    row = d["versus_kernel"]["1048576x1"]
+    assert row["tcp_vs_region_stream"] == pytest.approx(row["tcp_gbps"] / row["region_stream_gbps"], abs=2e-3)
+    assert row["tcp_vs_pull"] == pytest.approx(row["tcp_gbps"] / row["pull_gbps"], abs=2e-3)
+    assert d["pull"]["socket_buffer_bytes"] == 8 << 20
+    report = format_report(d)
+    assert "tcp vs the region stream, batches >= 1 MiB: worst" in report and "tcp vs a bare pull, batches >= 1 MiB: worst" in report
+
+
 def test_a_truncated_iperf3_report_is_rerun_longer_and_an_empty_one_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[int] = []
 

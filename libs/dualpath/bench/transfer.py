@@ -5,7 +5,12 @@ region served by a peer process, one batch at a time, and reports GB/s and the m
 latency, next to a plain memcpy of the same blocks (the limit on this machine) and, when
 ``mooncake-transfer-engine`` is importable, Mooncake's Transfer Engine over TCP on loopback,
 and the kernel's own single TCP stream over loopback (``iperf3``, at each batch's size up to
-its 1 MiB write; ``versus_kernel`` sets tcp beside it and shm beside memcpy). Successive
+its 1 MiB write; ``versus_kernel`` sets tcp beside it and shm beside memcpy). iperf3 streams
+and reads into one buffer that stays in cache; a batch is a pull that lands at its own
+place. So, for batches of 1 MiB or more, tcp is also set beside the same stream read into a
+region (``region_stream``) and beside a bare blocking pull of the batch's bytes (``pull``):
+both with nothing of ours in them, they say whether a gap to iperf3 is where bytes land, the
+request and reply a pull needs, or our code (``kernel.py``). Successive
 batches of a point rotate through up to 256 windows of a ``region_bytes`` region, so large
 copies come from memory rather than the CPU cache (for every column alike). The columns are
 measured interleaved, point by point, in ``rounds`` rounds, so load from other processes on a
@@ -34,11 +39,12 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dualpath.bench.kernel import IPERF3_MAX_WRITE, iperf3_gbps, iperf3_status
+from dualpath.bench.kernel import IPERF3_MAX_WRITE, iperf3_gbps, iperf3_status, pull_gbps, region_stream_gbps
 from dualpath.bench.mooncake import MooncakeLoopback, mooncake_status
 from dualpath.transfer.factory import create_transport
 from dualpath.transfer.peer import spawn_peer
 from dualpath.transfer.region import MemoryRegion
+from dualpath.transfer.tcp import SOCKET_BUFFER_BYTES as TCP_SOCKET_BUFFER_BYTES
 from dualpath.transfer.tls import TlsConfig
 from dualpath.transfer.types import TransferEntry
 
@@ -64,13 +70,18 @@ def run_bench(
     with_mooncake: bool = True,
     with_iperf3: bool = True,
     iperf3_bytes: int = 256 * MIB,
+    with_tcp_references: bool = True,
     rounds: int = 5,
     data_tls: bool = False,
 ) -> dict[str, Any]:
     """Measure every (block, batch) point for memcpy, each transport and Mooncake, and
     iperf3's single loopback stream at each batch's size (``iperf3_bytes`` a run, once a
-    round); return a msgpack/JSON-able dict (see ``format_report``). ``versus_kernel`` holds,
-    per point, tcp beside iperf3 and shm beside memcpy, with their ratios; with ``data_tls``
+    round) and, with ``with_tcp_references`` for batches of 1 MiB or more, two more of the
+    kernel's limits once a round: the same stream received into a region of the transfers'
+    size (``region_stream``) and a bare blocking pull of each batch size (``pull``, see
+    ``kernel.pull_gbps``); return a msgpack/JSON-able dict (see ``format_report``).
+    ``versus_kernel`` holds, per point, tcp beside iperf3 and those two, and shm beside
+    memcpy, with their ratios; with ``data_tls``
     (and tcp measured) ``tls_cost`` holds tcp beside ``tcp+tls``.
 
     Raises:
@@ -98,6 +109,11 @@ def run_bench(
     writes = sorted({min(b * n, IPERF3_MAX_WRITE) for b, n in shapes}) if iperf3_ok else []
     kernel: dict[str, float] = {}
     size = max(region_bytes, max_batch_bytes)
+    # Only for batches of iperf3's largest write or more: below that a Python loop's cost per
+    # call, not the kernel, would set the figure.
+    pulls = sorted({b * n for b, n in shapes if b * n >= IPERF3_MAX_WRITE}) if with_tcp_references and "tcp" in columns else []
+    landed: dict[str, float] = {}
+    pulled: dict[str, float] = {}
     started = time.perf_counter()
     floor = {
         "request_us": round(roundtrip_floor_us(0), 1),
@@ -120,6 +136,12 @@ def run_bench(
                         results[column][_key(block, batch)] = got
             for length in writes:  # best round, as for every other column
                 kernel[str(length)] = max(kernel.get(str(length), 0.0), iperf3_gbps(length, iperf3_bytes))
+            if pulls:
+                stream = region_stream_gbps(IPERF3_MAX_WRITE, iperf3_bytes, size)
+                landed[str(IPERF3_MAX_WRITE)] = max(landed.get(str(IPERF3_MAX_WRITE), 0.0), stream)
+            for length in pulls:  # socket buffers as the tcp transport sets them
+                pull = pull_gbps(length, iperf3_bytes, size, buffer_bytes=TCP_SOCKET_BUFFER_BYTES)
+                pulled[str(length)] = max(pulled.get(str(length), 0.0), pull)
     return {
         "op": op,
         "cpus": os.cpu_count(),
@@ -132,7 +154,9 @@ def run_bench(
         "mooncake": {"available": mooncake_ok, "note": mooncake_note},
         "roundtrip_floor": floor,
         "iperf3": {"available": iperf3_ok, "note": iperf3_note, "gbps_by_write_bytes": kernel},
-        "versus_kernel": versus_kernel(results, shapes, kernel),
+        "region_stream": {"region_bytes": size, "gbps_by_write_bytes": landed},
+        "pull": {"region_bytes": size, "socket_buffer_bytes": TCP_SOCKET_BUFFER_BYTES, "gbps_by_batch_bytes": pulled},
+        "versus_kernel": versus_kernel(results, shapes, kernel, landed, pulled),
         "tls_cost": tls_cost(results),
         "elapsed_s": round(time.perf_counter() - started, 1),
     }
@@ -166,10 +190,16 @@ def tls_cost(results: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[
 
 
 def versus_kernel(
-    results: dict[str, dict[str, dict[str, float]]], shapes: Sequence[tuple[int, int]], iperf3: dict[str, float]
+    results: dict[str, dict[str, dict[str, float]]],
+    shapes: Sequence[tuple[int, int]],
+    iperf3: dict[str, float],
+    region_stream: dict[str, float] | None = None,
+    pull: dict[str, float] | None = None,
 ) -> dict[str, dict]:
-    """Per point: tcp beside iperf3's stream at the batch's size (``tcp_vs_iperf3``) and shm
-    beside memcpy (``shm_vs_memcpy``), where both columns were measured."""
+    """Per point: tcp beside iperf3's stream at the batch's size (``tcp_vs_iperf3``), beside
+    the stream received into a region (``tcp_vs_region_stream``) and beside a bare pull of
+    the batch's bytes (``tcp_vs_pull``), those two from batches of 1 MiB; and shm beside
+    memcpy (``shm_vs_memcpy``); each where both columns were measured."""
     out: dict[str, dict[str, float]] = {}
     for block, batch in shapes:
         key, row = _key(block, batch), dict[str, float]()
@@ -177,6 +207,13 @@ def versus_kernel(
         stream = iperf3.get(str(min(block * batch, IPERF3_MAX_WRITE)))
         if tcp is not None and stream:
             row.update(tcp_gbps=tcp["gbps"], iperf3_gbps=stream, tcp_vs_iperf3=round(tcp["gbps"] / stream, 3))
+        big = block * batch >= IPERF3_MAX_WRITE
+        landed = (region_stream or {}).get(str(IPERF3_MAX_WRITE)) if big else None
+        if tcp is not None and landed:
+            row.update(tcp_gbps=tcp["gbps"], region_stream_gbps=landed, tcp_vs_region_stream=round(tcp["gbps"] / landed, 3))
+        pulled = (pull or {}).get(str(block * batch)) if big else None
+        if tcp is not None and pulled:
+            row.update(tcp_gbps=tcp["gbps"], pull_gbps=pulled, tcp_vs_pull=round(tcp["gbps"] / pulled, 3))
         if shm is not None and memcpy is not None:
             row.update(shm_gbps=shm["gbps"], memcpy_gbps=memcpy["gbps"], shm_vs_memcpy=round(shm["gbps"] / memcpy["gbps"], 3))
         if row:
@@ -561,20 +598,36 @@ def _tls_table(d: dict[str, Any]) -> list[str]:
 
 
 def _kernel_table(d: dict[str, Any]) -> list[str]:
-    """tcp beside iperf3 and shm beside memcpy, point by point."""
+    """tcp beside iperf3 and the region stream, and shm beside memcpy, point by point."""
     vs = d.get("versus_kernel") or {}
     if not vs:
         return []
-    lines = ["", "against the kernel: tcp vs iperf3 (one loopback stream, writes of the batch's size up to 1 MiB); shm vs memcpy"]
-    head = f"{'block':>7} {'batch':>5} {'tcp':>8} {'iperf3':>8} {'ratio':>6}   {'shm':>8} {'memcpy':>8} {'ratio':>6}"
+    lines = [
+        "",
+        "against the kernel: tcp vs iperf3 (one loopback stream, writes of the batch's size up to 1 MiB, read into one buffer)",
+        "vs the same stream read into a region of the transfers' size, and vs a bare blocking pull of the batch",
+        "(both for batches >= 1 MiB); shm vs memcpy",
+    ]
+    head = (
+        f"{'block':>7} {'batch':>5} {'tcp':>8} {'iperf3':>8} {'ratio':>6} {'region':>8} {'ratio':>6} {'pull':>8} {'ratio':>6}"
+        f"   {'shm':>8} {'memcpy':>8} {'ratio':>6}"
+    )
     lines += [head, "-" * len(head)]
     for key, row in vs.items():
         block, batch = (int(x) for x in key.split("x"))
         tcp = f"{row['tcp_gbps']:>8.3f} {row['iperf3_gbps']:>8.3f} {row['tcp_vs_iperf3']:>6.2f}" if "tcp_vs_iperf3" in row else " " * 24
+        region = f" {row['region_stream_gbps']:>8.3f} {row['tcp_vs_region_stream']:>6.2f}" if "tcp_vs_region_stream" in row else " " * 16
+        pull = f" {row['pull_gbps']:>8.3f} {row['tcp_vs_pull']:>6.2f}" if "tcp_vs_pull" in row else " " * 16
         shm = f"{row['shm_gbps']:>8.3f} {row['memcpy_gbps']:>8.3f} {row['shm_vs_memcpy']:>6.2f}" if "shm_vs_memcpy" in row else ""
-        lines.append(f"{_size(block):>7} {batch:>5} {tcp}   {shm}")
+        lines.append(f"{_size(block):>7} {batch:>5} {tcp}{region}{pull}   {shm}")
     big = {k: r for k, r in vs.items() if _batch_bytes(k) >= MIB}
-    for what, aim in (("tcp_vs_iperf3", "tcp vs iperf3"), ("shm_vs_memcpy", "shm vs memcpy")):
+    aims = (
+        ("tcp_vs_iperf3", "tcp vs iperf3"),
+        ("tcp_vs_region_stream", "tcp vs the region stream"),
+        ("tcp_vs_pull", "tcp vs a bare pull"),
+        ("shm_vs_memcpy", "shm vs memcpy"),
+    )
+    for what, aim in aims:
         have = {k: r[what] for k, r in big.items() if what in r}
         if have:
             worst = min(have, key=lambda k: have[k])

@@ -39,9 +39,11 @@ from dualpath.transfer.tcp_wire import Op
 from dualpath.transfer.tls import TlsConfig, TlsStream, tls_accept, tls_connect
 from dualpath.transfer.types import RegionDescriptor, TrafficClass, TransferEntry
 
-__all__ = ["TcpTransport"]
+__all__ = ["SOCKET_BUFFER_BYTES", "TcpTransport"]
 
 _log = get_logger("transfer.tcp")
+
+SOCKET_BUFFER_BYTES = 8 << 20  # SO_SNDBUF and SO_RCVBUF unless told otherwise
 
 # The two ends of every connection this process dialed, as (host, port) of each socket: a
 # connection between two transports of one process (tests, a single-process stack) shares
@@ -72,7 +74,7 @@ class TcpTransport(Transport):
         nic: DuplexNic | EmulatedNic | None = None,
         timeout_s: float = 30.0,
         connect_timeout_s: float = 5.0,
-        socket_buffer_bytes: int | None = 8 << 20,
+        socket_buffer_bytes: int | None = SOCKET_BUFFER_BYTES,
         busy_poll_us: float | None = None,
         tls: TlsConfig | None = None,
     ) -> None:
