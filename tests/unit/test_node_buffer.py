@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dualpath.node import BufferFullError, BufferPool, NodeBuffer, slot_key
 
@@ -99,3 +101,32 @@ def test_a_de_slot_whose_prompt_blocks_were_persisted_is_retained_whole_not_just
     node.keep_prompt(slot_key("r", 0), 7, [1, 2, 3], [4, 5], slot.offset + 3 * bb, bb)  # two prompt blocks persisted after them
     node.free("r", 0)
     assert cache.stats.retained_bytes == 5 * bb and all((7, h) in cache for h in (1, 2, 3, 4, 5))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 15), st.integers(1, 5 * 4096)), max_size=80))
+def test_the_pool_places_first_fit_and_coalesces_as_a_page_map_says(ops: list[tuple[bool, int, int]]) -> None:
+    """Against a map of 4 KiB pages: each alloc lands at the lowest run of free pages long
+    enough (runs merged when freed), slots never overlap, the free figures agree."""
+    pages = 24
+    pool, used = BufferPool(pages * 4096), [False] * pages
+    for is_alloc, owner_no, nbytes in ops:
+        owner = f"o{owner_no}"
+        if is_alloc and pool.get(owner) is None:
+            need = BufferPool.rounded(nbytes) // 4096
+            fits = [p for p in range(pages - need + 1) if not any(used[p : p + need])]
+            if not fits:
+                with pytest.raises(BufferFullError):
+                    pool.alloc(owner, nbytes)
+                continue
+            slot = pool.alloc(owner, nbytes)
+            assert (slot.offset // 4096, slot.nbytes // 4096) == (fits[0], need)
+            used[fits[0] : fits[0] + need] = [True] * need
+        elif not is_alloc:
+            slot = pool.get(owner)
+            assert pool.free(owner) == (slot is not None)
+            if slot is not None:
+                used[slot.offset // 4096 : (slot.offset + slot.nbytes) // 4096] = [False] * (slot.nbytes // 4096)
+        runs = "".join("x" if u else "." for u in used).split("x")
+        assert pool.free_bytes == used.count(False) * 4096
+        assert pool.largest_free() == max(len(r) for r in runs) * 4096

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -238,6 +239,27 @@ def test_lazy_index_walks_members_in_ascending_key_order(initial, changes):
             keys[member] = key
             index.update(member)
     assert list(index.walk()) == sorted((k, m) for m, k in keys.items())
+
+
+@SETTINGS
+@given(
+    st.dictionaries(st.integers(0, 5000), st.integers(-(10**12), 10**12), min_size=1, max_size=30),
+    st.lists(st.tuples(st.integers(0, 29), st.integers(-(10**12), 10**12)), max_size=60),
+)
+def test_lazy_index_walk_order_holds_for_sparse_member_ids_and_negative_keys(initial, changes):
+    keys = dict(initial)  # member ids far above the member count, keys either sign (a -free key)
+    members = sorted(keys)
+    index = LazyIndex(members, keys.__getitem__)
+    for which, key in changes:
+        member = members[which % len(members)]
+        keys[member] = key
+        index.update(member)
+    assert list(index.walk()) == sorted((k, m) for m, k in keys.items())
+
+
+def test_lazy_index_refuses_negative_member_ids():
+    with pytest.raises(ValueError, match="non-negative"):
+        LazyIndex([3, -1], lambda m: 0)
 
 
 def test_lazy_index_stays_exact_across_many_in_place_moves():

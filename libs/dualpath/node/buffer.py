@@ -46,7 +46,10 @@ class BufferPool:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._free: list[tuple[int, int]] = [(0, size)]  # sorted (offset, length)
+        # The free runs, sorted by offset, as two lists of ints (no tuple per run or per
+        # comparison): ``_starts[i]`` and ``_lengths[i]`` are one run.
+        self._starts: list[int] = [0]
+        self._lengths: list[int] = [size]
         self._slots: dict[str, Slot] = {}
         self.free_bytes = size  # the free runs' total, kept as slots come and go
 
@@ -57,7 +60,7 @@ class BufferPool:
 
     def largest_free(self) -> int:
         """Bytes of the largest free run: the largest slot ``alloc`` could place now."""
-        return max((n for _, n in self._free), default=0)
+        return max(self._lengths, default=0)
 
     def get(self, owner: str) -> Slot | None:
         return self._slots.get(owner)
@@ -75,12 +78,17 @@ class BufferPool:
                 raise ValueError(f"{owner} already holds {existing.nbytes} bytes, asked for {nbytes}")
             return existing
         need = self.rounded(nbytes)
-        for i, (off, length) in enumerate(self._free):
+        starts, lengths = self._starts, self._lengths
+        for i in range(len(lengths)):
+            length = lengths[i]
             if length >= need:
+                off = starts[i]
                 if length == need:
-                    del self._free[i]
+                    del starts[i]
+                    del lengths[i]
                 else:
-                    self._free[i] = (off + need, length - need)
+                    starts[i] = off + need
+                    lengths[i] = length - need
                 slot = Slot(owner=owner, offset=off, nbytes=need)
                 self._slots[owner] = slot
                 self.free_bytes -= need
@@ -93,15 +101,19 @@ class BufferPool:
         if slot is None:
             return False
         self.free_bytes += slot.nbytes
-        i = bisect.bisect_left(self._free, (slot.offset, 0))
-        self._free.insert(i, (slot.offset, slot.nbytes))
+        starts, lengths = self._starts, self._lengths
+        off, length = slot.offset, slot.nbytes
+        i = bisect.bisect_left(starts, off)
         # merge with the right neighbour, then the left one
-        if i + 1 < len(self._free) and self._free[i][0] + self._free[i][1] == self._free[i + 1][0]:
-            self._free[i] = (self._free[i][0], self._free[i][1] + self._free[i + 1][1])
-            del self._free[i + 1]
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == self._free[i][0]:
-            self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
-            del self._free[i]
+        if i < len(starts) and off + length == starts[i]:
+            length += lengths[i]
+            del starts[i]
+            del lengths[i]
+        if i > 0 and starts[i - 1] + lengths[i - 1] == off:
+            lengths[i - 1] += length
+        else:
+            starts.insert(i, off)
+            lengths.insert(i, length)
         return True
 
     def rename(self, owner: str, new_owner: str) -> Slot:

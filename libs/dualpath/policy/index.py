@@ -27,11 +27,18 @@ Entry = tuple[int, int]  # (key, member id); ties go to the lower member id
 class LazyIndex:
     """Min-index of members (ints) by an integer key read through ``key_of``."""
 
-    __slots__ = ("_dirty", "_heap", "_key_of", "_members", "_pos")
+    __slots__ = ("_dirty", "_heap", "_key_of", "_members", "_pos", "_pos_bits", "_rank_bits")
 
     def __init__(self, members: Iterable[int], key_of: Callable[[int], int]) -> None:
         self._members = tuple(members)
+        if any(m < 0 for m in self._members):
+            raise ValueError("LazyIndex members are non-negative ints")
         self._key_of = key_of
+        # ``walk`` packs (key, member, position) into one int, key * 2**rank_bits + member *
+        # 2**pos_bits + position, which orders as the tuple does (member and position fit
+        # their bits, and a negative key only scales): heapq then compares ints, not tuples.
+        self._pos_bits = max(1, len(self._members).bit_length())
+        self._rank_bits = self._pos_bits + max(1, max(self._members, default=0).bit_length())
         self._heap: list[Entry] = []  # one entry per member, ordered by (key, member)
         self._pos: dict[int, int] = {}  # each member's place in ``_heap``
         self._dirty: set[int] = set()
@@ -118,18 +125,20 @@ class LazyIndex:
         n = len(heap)
         if not n:
             return
+        pos_bits, rank_bits = self._pos_bits, self._rank_bits
+        mask = (1 << pos_bits) - 1
         key, member = heap[0]
-        frontier = [(key, member, 0)]  # (key, member, position in heap): flat tuples compare fastest
+        frontier = [(key << rank_bits) + (member << pos_bits)]  # position 0
         while frontier:
-            key, member, i = heappop(frontier)
+            i = heappop(frontier) & mask
             child = 2 * i + 1
             if child < n:
                 k, mem = heap[child]
-                heappush(frontier, (k, mem, child))
+                heappush(frontier, (k << rank_bits) + (mem << pos_bits) + child)
                 child += 1
                 if child < n:
                     k, mem = heap[child]
-                    heappush(frontier, (k, mem, child))
+                    heappush(frontier, (k << rank_bits) + (mem << pos_bits) + child)
             yield heap[i]
 
 
