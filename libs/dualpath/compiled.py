@@ -6,8 +6,13 @@ run. mypyc compiles those very files (no second copy of any algorithm) into C ex
 give the same results, several times faster. The build is optional and kept out of the source
 tree:
 
-    dualpath compiled build     # what scripts/setup.sh runs (with --if-stale)
-    dualpath compiled status    # which code this process runs, and why
+    dualpath compiled build         # what scripts/setup.sh runs (with --if-stale)
+    dualpath compiled build --pgo   # profile-guided: ~5 min, a faster simulator at scale
+    dualpath compiled status        # which code this process runs, and why
+
+``--pgo`` compiles twice: once instrumented, then, after a short training run of the
+simulator (``PGO_TRAINING``) with that build, again with the C compiler told which branches
+and calls are hot. The training only steers code layout and inlining: results are the same.
 
 The same build compiles the hand-written C extensions in ``NATIVE`` (the simulator's heap
 on huge pages, ``dualpath.sim.hugepages``; the shm transport's batch copier,
@@ -80,6 +85,18 @@ NATIVE = {
     "dualpath.sim._hugepages": "dualpath/sim/_hugepages.c",
     "dualpath.transfer._copier": "dualpath/transfer/_copier.c",
 }
+
+#: What a profile-guided build trains on (``dualpath`` arguments): short simulations of both
+#: modes, at a small and a mid scale, so the policy's paths at many engines are covered too.
+PGO_TRAINING = (
+    "sim offline --target ds660b --topology 4P8D --agents 2048 --dataset 64k --modes basic,dualpath --until 200 --progress never",
+    "sim offline --target ds660b --topology 12P24D --agents 12288 --dataset 64k --modes dualpath --until 100 --progress never",
+)
+
+# Compiler and linker flags for the mypyc group: calls between the group's own functions bind
+# inside its library (no PLT indirection per call, and the compiler may inline them).
+_CFLAGS = ("-fno-semantic-interposition",)
+_LDFLAGS = ("-Wl,-Bsymbolic-functions",)
 
 GROUP = "dualpath_compiled"  # mypyc's shared library of the group: <GROUP>__mypyc
 ENV = "DUALPATH_COMPILED"  # "0": never load the extensions
@@ -191,8 +208,15 @@ def activate() -> str:
         _state = f"pure Python: {already[0]} was imported before the hook"
         return _state
     sys.meta_path.insert(0, _Finder(files))
-    _state = f"mypyc ({len(MODULES)} modules)"
+    _state = f"mypyc ({len(MODULES)} modules{', profile-guided' if _profile_guided(build_dir()) else ''})"
     return _state
+
+
+def _profile_guided(root: Path) -> bool:
+    try:
+        return json.loads((root / MANIFEST).read_text()).get("pgo") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def status() -> str:
@@ -210,17 +234,21 @@ from setuptools import Extension, setup
 from mypyc.build import mypycify
 
 compiled = mypycify({files!r} + ["--ignore-missing-imports"], opt_level="3", multi_file=True, group_name="{group}")
+for ext in compiled:
+    ext.extra_compile_args = [*(ext.extra_compile_args or []), *{cflags!r}]
+    ext.extra_link_args = [*(ext.extra_link_args or []), *{ldflags!r}]
 native = [Extension(name, [source], extra_compile_args=["-O2"]) for name, source in {native!r}.items()]
 setup(name="{group}", ext_modules=compiled + native)
 """
 
 
-def build(out: Path | None = None, if_stale: bool = False) -> Path:
+def build(out: Path | None = None, if_stale: bool = False, pgo: bool = False) -> Path:
     """Compile ``MODULES`` with mypyc into ``out`` (default ``build_dir()``): a staged copy of
     the package is compiled, the extensions and the manifest are moved in at the end (a failed
-    build leaves the previous one, or none). Raises ``RuntimeError`` with the compiler's log."""
+    build leaves the previous one, or none). With ``pgo``, compile instrumented, train on
+    ``PGO_TRAINING`` and compile again with the profile. Raises ``RuntimeError`` with the
+    compiler's log (or the training run's output)."""
     import shutil
-    import subprocess
     import tempfile
     import time
 
@@ -231,46 +259,92 @@ def build(out: Path | None = None, if_stale: bool = False) -> Path:
     sources = {m: _digest(_source(m)) for m in _dependencies(MODULES)}
     native_sources = {m: _digest(_SOURCE_ROOT / src) for m, src in NATIVE.items()}
     started = time.monotonic()
-    print(f"[compiled] mypyc: {len(MODULES)} modules (and {len(NATIVE)} C extensions) -> {out} (~1-2 min)", flush=True)
+    how = "profile-guided: instrumented, trained, compiled again (~5 min)" if pgo else "~1-2 min"
+    print(f"[compiled] mypyc: {len(MODULES)} modules (and {len(NATIVE)} C extensions) -> {out} ({how})", flush=True)
     with tempfile.TemporaryDirectory(prefix="dualpath-mypyc-") as tmp:
         stage = Path(tmp)
         shutil.copytree(_SOURCE_ROOT / "dualpath", stage / "dualpath", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-        files = [str(Path(*m.split(".")).with_suffix(".py")) for m in MODULES]
-        (stage / "setup.py").write_text(_SETUP.format(group=GROUP, files=files, native=NATIVE))
-        log = stage / "build.log"
-        with log.open("w") as f:  # -j: the shims in parallel; the one group library compiles serially
-            rc = subprocess.call(
-                [sys.executable, "setup.py", "build_ext", "--inplace", "-j", str(os.cpu_count() or 1)],
-                cwd=stage,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, ENV: "0"},
-            )
-        if rc != 0:
-            tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
-            raise RuntimeError(f"mypyc build failed (exit {rc}):\n{tail}")
-        suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-        modules = {m: str(Path(*m.split(".")).with_suffix(suffix)) for m in MODULES}
-        native = {m: str(Path(*m.split(".")).with_suffix(suffix)) for m in NATIVE}
-        group = {f"{GROUP}__mypyc": f"{GROUP}__mypyc{suffix}"}
-        new = out.with_name(out.name + ".new")
-        shutil.rmtree(new, ignore_errors=True)
-        for rel in [*modules.values(), *native.values(), *group.values()]:
-            (new / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(stage / rel, new / rel)
-        manifest = {
-            "python": sys.implementation.cache_tag,
-            "modules": modules,
-            "native": native,
-            "group": group,
-            "sources": sources,
-            "native_sources": native_sources,
-        }
-        (new / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        shutil.rmtree(out, ignore_errors=True)
-        new.rename(out)
+        manifest = {"python": sys.implementation.cache_tag, "sources": sources, "native_sources": native_sources, "pgo": pgo}
+        if pgo:
+            # Both compiles run in the same stage directory: the profile's files are named
+            # after the object files' paths.
+            profile = stage / "profile"
+            _compile(stage, [f"-fprofile-generate={profile}", "-fprofile-update=single"], [f"-fprofile-generate={profile}"])
+            trainee = _install(stage, out.with_name(out.name + ".training"), {**manifest, "pgo": False})
+            try:
+                print(
+                    f"[compiled] training on {len(PGO_TRAINING)} short simulations ({time.monotonic() - started:.0f} s so far)", flush=True
+                )
+                _train(trainee)
+            finally:
+                shutil.rmtree(trainee, ignore_errors=True)
+            cflags = [f"-fprofile-use={profile}", "-fprofile-partial-training", "-Wno-missing-profile"]
+            _compile(stage, cflags, [], force=True)
+        else:
+            _compile(stage, [], [])
+        _install(stage, out, manifest)
     print(f"[compiled] built in {time.monotonic() - started:.0f} s", flush=True)
     return out
+
+
+def _compile(stage: Path, cflags: list[str], ldflags: list[str], *, force: bool = False) -> None:
+    """Run mypyc and the C compiler in ``stage`` (the package copied there), with ``cflags``
+    and ``ldflags`` added for the mypyc group."""
+    import subprocess
+
+    files = [str(Path(*m.split(".")).with_suffix(".py")) for m in MODULES]
+    setup = _SETUP.format(group=GROUP, files=files, native=NATIVE, cflags=[*_CFLAGS, *cflags], ldflags=[*_LDFLAGS, *ldflags])
+    (stage / "setup.py").write_text(setup)
+    log = stage / "build.log"
+    with log.open("w") as f:  # -j: the shims in parallel; the one group library compiles serially
+        rc = subprocess.call(
+            [sys.executable, "setup.py", "build_ext", "--inplace", "-j", str(os.cpu_count() or 1), *(["--force"] if force else [])],
+            cwd=stage,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, ENV: "0"},
+        )
+    if rc != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+        raise RuntimeError(f"mypyc build failed (exit {rc}):\n{tail}")
+
+
+def _install(stage: Path, out: Path, manifest: dict) -> Path:
+    """Move the extensions built in ``stage`` into ``out`` with their manifest, replacing
+    what was there only once everything is in place."""
+    import shutil
+
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    modules = {m: str(Path(*m.split(".")).with_suffix(suffix)) for m in MODULES}
+    native = {m: str(Path(*m.split(".")).with_suffix(suffix)) for m in NATIVE}
+    group = {f"{GROUP}__mypyc": f"{GROUP}__mypyc{suffix}"}
+    new = out.with_name(out.name + ".new")
+    shutil.rmtree(new, ignore_errors=True)
+    for rel in [*modules.values(), *native.values(), *group.values()]:
+        (new / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(stage / rel, new / rel)
+    (new / MANIFEST).write_text(json.dumps({**manifest, "modules": modules, "native": native, "group": group}, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    new.rename(out)
+    return out
+
+
+def _train(trainee: Path) -> None:
+    """Run ``PGO_TRAINING`` on the instrumented build in ``trainee``.
+
+    Raises:
+        RuntimeError: a run failed, or did not run the instrumented extensions.
+    """
+    import shlex
+    import subprocess
+
+    env = {**os.environ, DIR_ENV: str(trainee), ENV: "1"}
+    for args in PGO_TRAINING:
+        run = subprocess.run([sys.executable, "-m", "dualpath.cli", *shlex.split(args)], env=env, capture_output=True, text=True)
+        said = run.stdout + run.stderr
+        if run.returncode != 0 or "code: mypyc" not in said:
+            why = "it did not run the instrumented build" if run.returncode == 0 else f"exit {run.returncode}"
+            raise RuntimeError(f"profile training failed ({why}): dualpath {args}\n{said[-2000:]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,13 +355,14 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="compile the hot path with mypyc")
     b.add_argument("--if-stale", action="store_true", help="do nothing when the build matches the sources")
     b.add_argument("--out", type=Path, default=None, help=f"build directory (default: {build_dir()})")
+    b.add_argument("--pgo", action="store_true", help="profile-guided: compile, train on short simulations, compile again (~5 min)")
     sub.add_parser("status", help="which code this process runs, and why")
     ns = p.parse_args(argv)
     if ns.command == "status":
         print(status())
         return 0
     try:
-        build(ns.out, ns.if_stale)
+        build(ns.out, ns.if_stale, ns.pgo)
     except (RuntimeError, OSError) as e:
         print(f"[compiled] {e}", file=sys.stderr)
         return 1

@@ -107,3 +107,26 @@ def test_a_source_changed_after_the_build_runs_as_pure_python(tmp_path: Path):
 def test_no_build_is_pure_python_and_says_how_to_build(tmp_path: Path):
     state = _probe("from dualpath.compiled import status; print(status())", tmp_path / "none")
     assert state.strip() == "pure Python: not built (dualpath compiled build)"
+
+
+def test_profile_training_refuses_a_build_it_did_not_run_and_accepts_the_real_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """``build(pgo=True)`` trains on its instrumented build: a training run that ran pure
+    Python (here: an empty directory for a build) would steer the compiler with nothing."""
+    tiny = "sim offline --target ds27b --topology 1P1D --agents 4 --dataset 32k --turns 2 --modes dualpath --progress never"
+    monkeypatch.setattr(compiled, "PGO_TRAINING", (tiny,))
+    with pytest.raises(RuntimeError, match="did not run the instrumented build"):
+        compiled._train(tmp_path)
+    if compiled.status().startswith("mypyc"):
+        compiled._train(compiled.build_dir())  # the build this process runs: accepted
+
+
+def test_a_manifest_says_whether_the_build_is_profile_guided(tmp_path: Path):
+    if not compiled.status().startswith("mypyc"):
+        pytest.skip(f"no fresh compiled build: {compiled.status()}")
+    root = tmp_path / "build"
+    shutil.copytree(compiled.build_dir(), root)
+    manifest = json.loads((root / compiled.MANIFEST).read_text())
+    probe = "from dualpath.compiled import status; print(status())"
+    for pgo, said in ((True, ", profile-guided)"), (False, " modules)")):
+        (root / compiled.MANIFEST).write_text(json.dumps({**manifest, "pgo": pgo}))
+        assert _probe(probe, root).strip().endswith(said)
