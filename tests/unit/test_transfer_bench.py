@@ -163,14 +163,14 @@ def test_a_bench_run_with_a_batch_of_a_mib_measures_the_region_stream_and_report
 def test_a_truncated_iperf3_report_is_rerun_longer_and_an_empty_one_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[int] = []
 
-    def run(length: int, total: int, timeout_s: float) -> tuple[float, float, float]:
+    def run(length: int, total: int, timeout_s: float, congestion: str = "") -> tuple[float, float, float]:
         asked.append(total)  # the receiver counts half of a short run and all of a long one
         return (total / 2 if total < 16 * KIB * KIB else total), 0.01, total
 
     monkeypatch.setattr(kernel, "_iperf3_run", run)
     assert kernel.iperf3_gbps(4 * KIB, KIB * KIB) == pytest.approx(16 * KIB * KIB / 0.01 / 1e9)
     assert asked == [KIB * KIB, 4 * KIB * KIB, 16 * KIB * KIB]
-    monkeypatch.setattr(kernel, "_iperf3_run", lambda length, total, timeout_s: (0.0, 0.001, total))
+    monkeypatch.setattr(kernel, "_iperf3_run", lambda length, total, timeout_s, congestion="": (0.0, 0.001, total))
     with pytest.raises(RuntimeError, match="counted no bytes"):
         kernel.iperf3_gbps(4 * KIB, KIB * KIB)
 

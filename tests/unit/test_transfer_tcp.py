@@ -259,3 +259,79 @@ async def test_a_large_write_cancelled_mid_payload_lets_go_of_the_region_and_the
         for region in (local, other):
             region.close()
             region.unlink()
+
+
+def _algorithm(sock) -> str:
+    import socket
+
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode()
+
+
+def _available() -> set[str]:
+    try:
+        with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+            return set(f.read().split())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif("cubic" not in _available(), reason="the kernel offers no cubic congestion control")
+async def test_both_ends_of_a_data_connection_use_cubic_by_default_and_the_host_s_when_told(monkeypatch) -> None:
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        host = f.read().strip()
+    for env, want in ((None, "cubic"), ("", host)):
+        if env is None:
+            monkeypatch.delenv("DUALPATH_TCP_CONGESTION", raising=False)
+        else:
+            monkeypatch.setenv("DUALPATH_TCP_CONGESTION", env)
+        a, b = TcpTransport(node_id="a", timeout_s=5.0), TcpTransport(node_id="b")
+        local, remote = MemoryRegion(_rid("l"), MIB), MemoryRegion(_rid("r"), MIB)
+        try:
+            await a.start()
+            await b.start()
+            await a.connect(b.register(remote))
+            remote.as_array()[:] = 7
+            await a.read(local, [TransferEntry(0, remote.region_id, 0, MIB)])
+            assert (local.as_array() == 7).all()
+            (conn,) = a._peers.values()
+            assert _algorithm(conn.sock) == want  # the dialed end
+            assert b._listener is not None and _algorithm(b._listener) == want  # accepted sockets inherit it
+        finally:
+            await a.close()
+            await b.close()
+            for region in (local, remote):
+                region.close()
+                region.unlink()
+
+
+async def test_a_congestion_control_the_kernel_refuses_leaves_the_host_s_and_transfers_still_work() -> None:
+    import socket
+
+    from dualpath.transfer import tcp as tcp_module
+
+    sock = socket.socket()
+    try:
+        before = _algorithm(sock)
+        assert tcp_module.set_congestion(sock, "no-such-algorithm") is False
+        assert _algorithm(sock) == before
+        assert tcp_module.set_congestion(sock, "") is False  # "": nothing asked
+    finally:
+        sock.close()
+    a = TcpTransport(node_id="a", timeout_s=5.0, congestion="no-such-algorithm")
+    b = TcpTransport(node_id="b", congestion="no-such-algorithm")
+    local, remote = MemoryRegion(_rid("l"), MIB), MemoryRegion(_rid("r"), MIB)
+    try:
+        await a.start()
+        await b.start()
+        await a.connect(b.register(remote))
+        remote.as_array()[:] = 3
+        assert await a.read(local, [TransferEntry(0, remote.region_id, 0, MIB)]) == MIB
+        assert (local.as_array() == 3).all()
+        (conn,) = a._peers.values()
+        assert _algorithm(conn.sock) == before
+    finally:
+        await a.close()
+        await b.close()
+        for region in (local, remote):
+            region.close()
+            region.unlink()

@@ -47,10 +47,11 @@ def iperf3_status() -> tuple[bool, str]:
     return True, (out.splitlines() or ["iperf3"])[0]
 
 
-def iperf3_gbps(write_bytes: int, total_bytes: int, *, timeout_s: float = 60.0) -> float:
+def iperf3_gbps(write_bytes: int, total_bytes: int, *, timeout_s: float = 60.0, congestion: str = "") -> float:
     """GB/s of one iperf3 TCP stream over loopback with ``write_bytes`` writes (capped at
     ``IPERF3_MAX_WRITE``) moving ``total_bytes`` or, where the receiver's report was truncated,
-    up to ``MAX_GROWTH`` times as many.
+    up to ``MAX_GROWTH`` times as many; ``congestion`` names the TCP congestion control
+    (iperf3's ``-C``; "" the host's default).
 
     Raises:
         RuntimeError: iperf3 failed (its message included), its server did not come up, or
@@ -60,7 +61,7 @@ def iperf3_gbps(write_bytes: int, total_bytes: int, *, timeout_s: float = 60.0) 
     length = min(write_bytes, IPERF3_MAX_WRITE)
     total = max(total_bytes, length)
     while True:
-        received, seconds, sent = _iperf3_run(length, total, timeout_s)
+        received, seconds, sent = _iperf3_run(length, total, timeout_s, congestion)
         if received >= MIN_RECEIVED * sent or total >= MAX_GROWTH * total_bytes:
             break
         total *= 4
@@ -69,7 +70,7 @@ def iperf3_gbps(write_bytes: int, total_bytes: int, *, timeout_s: float = 60.0) 
     return received / seconds / 1e9
 
 
-def _iperf3_run(length: int, total: int, timeout_s: float) -> tuple[float, float, float]:
+def _iperf3_run(length: int, total: int, timeout_s: float, congestion: str = "") -> tuple[float, float, float]:
     """One server and one client run: the receiver's bytes and seconds, and the bytes sent."""
     port = str(free_port())
     server = subprocess.Popen(
@@ -77,6 +78,8 @@ def _iperf3_run(length: int, total: int, timeout_s: float) -> tuple[float, float
     )
     try:
         client = ["iperf3", "-c", "127.0.0.1", "-p", port, "-l", str(length), "-n", str(total), "-J"]
+        if congestion:
+            client += ["-C", congestion]
         deadline = time.monotonic() + 5.0
         while True:  # the server binds within milliseconds; retry the client until it has
             out = subprocess.run(client, capture_output=True, text=True, timeout=timeout_s, check=False)
@@ -100,7 +103,10 @@ _STREAM_SENDER = r"""
 import socket, sys
 port, length, total = (int(a) for a in sys.argv[1:4])
 data = memoryview(bytearray(b"\x5a" * length))
-with socket.create_connection(("127.0.0.1", port)) as s:
+with socket.socket() as s:
+    if sys.argv[4]:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, sys.argv[4].encode())
+    s.connect(("127.0.0.1", port))
     left = total
     while left > 0:
         n = s.send(data[: min(length, left)])
@@ -112,12 +118,15 @@ with socket.create_connection(("127.0.0.1", port)) as s:
 _PULL_SERVER = r"""
 import mmap, socket, sys
 port, io, size, buffers = (int(a) for a in sys.argv[1:5])
+congestion = sys.argv[5]
 region = mmap.mmap(-1, size)
 src = memoryview(region)
 src[:] = b"\x5a" * size
 s = socket.socket()
 for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF) if buffers else ():
     s.setsockopt(socket.SOL_SOCKET, opt, buffers)
+if congestion:
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
 s.connect(("127.0.0.1", port))
 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 ask, at = bytearray(8), 0
@@ -145,10 +154,11 @@ def _faulted_region(region_bytes: int) -> Iterator[memoryview]:
 
 
 @contextlib.contextmanager
-def _peer(script: str, args: list[str], timeout_s: float, buffer_bytes: int | None = None) -> Iterator[socket.socket]:
+def _peer(script: str, args: list[str], timeout_s: float, buffer_bytes: int | None = None, congestion: str = "") -> Iterator[socket.socket]:
     """Run ``script`` in another Python process that connects back to a listener here (its
-    port its first argument); yield the connection. On the way out the connection is closed
-    and the peer must exit cleanly within ``timeout_s``.
+    port its first argument, ``congestion`` its last); yield the connection, with congestion
+    control ``congestion`` ("" the host's). On the way out the connection is closed and the
+    peer must exit cleanly within ``timeout_s``.
 
     Raises:
         RuntimeError: the peer did not connect in time, or failed (its stderr's tail).
@@ -157,10 +167,12 @@ def _peer(script: str, args: list[str], timeout_s: float, buffer_bytes: int | No
         if buffer_bytes:  # accepted sockets inherit the listener's buffer sizes
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 listener.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
+        if congestion:  # accepted sockets inherit it too
+            listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         listener.settimeout(timeout_s)
-        cmd = [sys.executable, "-c", script, str(listener.getsockname()[1]), *args]
+        cmd = [sys.executable, "-c", script, str(listener.getsockname()[1]), *args, congestion]
         proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
         try:
             try:
@@ -183,11 +195,11 @@ def _peer(script: str, args: list[str], timeout_s: float, buffer_bytes: int | No
                 proc.stderr.close()
 
 
-def region_stream_gbps(write_bytes: int, total_bytes: int, region_bytes: int, *, timeout_s: float = 60.0) -> float:
+def region_stream_gbps(write_bytes: int, total_bytes: int, region_bytes: int, *, timeout_s: float = 60.0, congestion: str = "") -> float:
     """GB/s of one TCP stream over loopback, ``total_bytes`` sent in writes of ``write_bytes``
     (capped at ``IPERF3_MAX_WRITE``, as for iperf3) by another process, received with blocking
     ``recv_into`` at consecutive places in a region of ``region_bytes`` (faulted in first),
-    from its start again at its end.
+    from its start again at its end; ``congestion`` as for ``iperf3_gbps``.
 
     Raises:
         ValueError: a size is not positive, or the region is smaller than one write.
@@ -198,7 +210,10 @@ def region_stream_gbps(write_bytes: int, total_bytes: int, region_bytes: int, *,
     if length <= 0 or total_bytes <= 0 or region_bytes < length:
         raise ValueError(f"need 0 < write ({length}) <= region ({region_bytes}) and total ({total_bytes}) > 0")
     got = 0
-    with _faulted_region(region_bytes) as view, _peer(_STREAM_SENDER, [str(length), str(total_bytes)], timeout_s) as conn:
+    with (
+        _faulted_region(region_bytes) as view,
+        _peer(_STREAM_SENDER, [str(length), str(total_bytes)], timeout_s, congestion=congestion) as conn,
+    ):
         at = 0
         started = time.perf_counter()
         while got < total_bytes:
@@ -215,13 +230,22 @@ def region_stream_gbps(write_bytes: int, total_bytes: int, region_bytes: int, *,
     return got / seconds / 1e9
 
 
-def pull_gbps(batch_bytes: int, total_bytes: int, region_bytes: int, *, buffer_bytes: int | None = None, timeout_s: float = 60.0) -> float:
+def pull_gbps(
+    batch_bytes: int,
+    total_bytes: int,
+    region_bytes: int,
+    *,
+    buffer_bytes: int | None = None,
+    timeout_s: float = 60.0,
+    congestion: str = "",
+) -> float:
     """GB/s of a bare pull over loopback, one batch at a time: an 8-byte request, then the
     batch's ``batch_bytes`` from another process's region, sent and received in calls of at
     most ``IPERF3_MAX_WRITE`` with blocking sockets (``TCP_NODELAY``; ``buffer_bytes`` for
     both socket buffers when given), landing at consecutive places in a region of
     ``region_bytes``; batches until ``total_bytes`` (at least 3, after one not timed), their
-    bytes over their seconds. What the kernel gives a transfer's shape with nothing of ours.
+    bytes over their seconds; ``congestion`` as for ``iperf3_gbps``. What the kernel gives a
+    transfer's shape with nothing of ours.
 
     Raises:
         ValueError: a size is not positive, or the region is smaller than one batch.
@@ -233,7 +257,7 @@ def pull_gbps(batch_bytes: int, total_bytes: int, region_bytes: int, *, buffer_b
     args = [str(io), str(region_bytes), str(buffer_bytes or 0)]
     ask = batch_bytes.to_bytes(8, "little")
     laps: list[float] = []
-    with _faulted_region(region_bytes) as view, _peer(_PULL_SERVER, args, timeout_s, buffer_bytes) as conn:
+    with _faulted_region(region_bytes) as view, _peer(_PULL_SERVER, args, timeout_s, buffer_bytes, congestion) as conn:
         at = 0
         while len(laps) < 4 or (len(laps) - 1) * batch_bytes < total_bytes:
             if at + batch_bytes > region_bytes:

@@ -45,6 +45,7 @@ from dualpath.transfer.factory import create_transport
 from dualpath.transfer.peer import spawn_peer
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.tcp import SOCKET_BUFFER_BYTES as TCP_SOCKET_BUFFER_BYTES
+from dualpath.transfer.tcp import congestion_default
 from dualpath.transfer.tls import TlsConfig
 from dualpath.transfer.types import TransferEntry
 
@@ -109,6 +110,7 @@ def run_bench(
     writes = sorted({min(b * n, IPERF3_MAX_WRITE) for b, n in shapes}) if iperf3_ok else []
     kernel: dict[str, float] = {}
     size = max(region_bytes, max_batch_bytes)
+    congestion = congestion_default()  # the tcp transport's; the kernel's references use it too
     # Only for batches of iperf3's largest write or more: below that a Python loop's cost per
     # call, not the kernel, would set the figure.
     pulls = sorted({b * n for b, n in shapes if b * n >= IPERF3_MAX_WRITE}) if with_tcp_references and "tcp" in columns else []
@@ -135,12 +137,12 @@ def run_bench(
                     if best is None or got["gbps"] > best["gbps"]:
                         results[column][_key(block, batch)] = got
             for length in writes:  # best round, as for every other column
-                kernel[str(length)] = max(kernel.get(str(length), 0.0), iperf3_gbps(length, iperf3_bytes))
+                kernel[str(length)] = max(kernel.get(str(length), 0.0), iperf3_gbps(length, iperf3_bytes, congestion=congestion))
             if pulls:
-                stream = region_stream_gbps(IPERF3_MAX_WRITE, iperf3_bytes, size)
+                stream = region_stream_gbps(IPERF3_MAX_WRITE, iperf3_bytes, size, congestion=congestion)
                 landed[str(IPERF3_MAX_WRITE)] = max(landed.get(str(IPERF3_MAX_WRITE), 0.0), stream)
             for length in pulls:  # socket buffers as the tcp transport sets them
-                pull = pull_gbps(length, iperf3_bytes, size, buffer_bytes=TCP_SOCKET_BUFFER_BYTES)
+                pull = pull_gbps(length, iperf3_bytes, size, buffer_bytes=TCP_SOCKET_BUFFER_BYTES, congestion=congestion)
                 pulled[str(length)] = max(pulled.get(str(length), 0.0), pull)
     return {
         "op": op,
@@ -153,6 +155,7 @@ def run_bench(
         "unavailable": unavailable,
         "mooncake": {"available": mooncake_ok, "note": mooncake_note},
         "roundtrip_floor": floor,
+        "tcp_congestion": congestion or "host default",
         "iperf3": {"available": iperf3_ok, "note": iperf3_note, "gbps_by_write_bytes": kernel},
         "region_stream": {"region_bytes": size, "gbps_by_write_bytes": landed},
         "pull": {"region_bytes": size, "socket_buffer_bytes": TCP_SOCKET_BUFFER_BYTES, "gbps_by_batch_bytes": pulled},
@@ -607,6 +610,7 @@ def _kernel_table(d: dict[str, Any]) -> list[str]:
         "against the kernel: tcp vs iperf3 (one loopback stream, writes of the batch's size up to 1 MiB, read into one buffer)",
         "vs the same stream read into a region of the transfers' size, and vs a bare blocking pull of the batch",
         "(both for batches >= 1 MiB); shm vs memcpy",
+        f"TCP congestion control of tcp, iperf3 and both references: {d.get('tcp_congestion', '?')} (Mooncake keeps the host's)",
     ]
     head = (
         f"{'block':>7} {'batch':>5} {'tcp':>8} {'iperf3':>8} {'ratio':>6} {'region':>8} {'ratio':>6} {'pull':>8} {'ratio':>6}"
