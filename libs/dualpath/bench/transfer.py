@@ -45,7 +45,7 @@ from dualpath.transfer.factory import create_transport
 from dualpath.transfer.peer import spawn_peer
 from dualpath.transfer.region import MemoryRegion
 from dualpath.transfer.tcp import SOCKET_BUFFER_BYTES as TCP_SOCKET_BUFFER_BYTES
-from dualpath.transfer.tcp import congestion_default
+from dualpath.transfer.tcp import congestion_default, set_congestion
 from dualpath.transfer.tls import TlsConfig
 from dualpath.transfer.types import TransferEntry
 
@@ -110,7 +110,7 @@ def run_bench(
     writes = sorted({min(b * n, IPERF3_MAX_WRITE) for b, n in shapes}) if iperf3_ok else []
     kernel: dict[str, float] = {}
     size = max(region_bytes, max_batch_bytes)
-    congestion = congestion_default()  # the tcp transport's; the kernel's references use it too
+    congestion = _congestion_in_use()  # the tcp transport's; the kernel's references use it too
     # Only for batches of iperf3's largest write or more: below that a Python loop's cost per
     # call, not the kernel, would set the figure.
     pulls = sorted({b * n for b, n in shapes if b * n >= IPERF3_MAX_WRITE}) if with_tcp_references and "tcp" in columns else []
@@ -190,6 +190,14 @@ def tls_cost(results: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[
         for key in plain
         if key in tls
     }
+
+
+def _congestion_in_use() -> str:
+    """The congestion control the tcp transport's sockets get here ("" for the host's)."""
+    import socket
+
+    with socket.socket() as probe:
+        return set_congestion(probe, congestion_default())
 
 
 def versus_kernel(

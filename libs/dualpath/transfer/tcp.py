@@ -49,33 +49,40 @@ SOCKET_BUFFER_BYTES = 8 << 20  # SO_SNDBUF and SO_RCVBUF unless told otherwise
 # TCP congestion control of the data plane's connections. BBR (the default of many hosts)
 # paces every send with the kernel's internal timer once it leaves its startup phase: on a
 # loopback pull of a 256 KiB block that added ~18 us (55 -> 73 us) for good, and cut a 64 MiB
-# batch from 6.8 to 3.9-4.7 GB/s. Cubic sends a batch as fast as the window allows.
+# batch from 6.8 to 3.9-4.7 GB/s. Cubic (or Reno, which every process may set) sends a batch
+# as fast as the window allows.
 CONGESTION_ENV = "DUALPATH_TCP_CONGESTION"
-DEFAULT_CONGESTION = "cubic"
-_refused_congestion: set[str] = set()  # algorithms this process was refused (logged once each)
+DEFAULT_CONGESTION = "cubic,reno"  # the first the kernel accepts
+_refused_congestion: set[str] = set()  # preferences this process could set none of (logged once each)
 
 
 def congestion_default() -> str:
-    """The congestion control the data plane asks for: ``$DUALPATH_TCP_CONGESTION`` when set
-    (empty: the host's default), else ``DEFAULT_CONGESTION``."""
+    """The congestion control the data plane asks for, as a comma-separated preference list:
+    ``$DUALPATH_TCP_CONGESTION`` when set (empty: the host's default), else
+    ``DEFAULT_CONGESTION``."""
     return os.environ.get(CONGESTION_ENV, DEFAULT_CONGESTION).strip()
 
 
-def set_congestion(sock: socket.socket, name: str) -> bool:
-    """Ask for congestion control ``name`` on ``sock`` (a listener's accepted sockets inherit
-    it); False, leaving the host's default, where the kernel has no such algorithm or does
-    not allow it to this process (``net.ipv4.tcp_allowed_congestion_control``, or
-    CAP_NET_ADMIN). "" keeps the default."""
-    if not name or not hasattr(socket, "TCP_CONGESTION"):
-        return False
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
-    except OSError as exc:
-        if name not in _refused_congestion:
-            _refused_congestion.add(name)
-            _log.warning("tcp_congestion_refused", algorithm=name, error=str(exc), hint=f"{CONGESTION_ENV}='' keeps the host's")
-        return False
-    return True
+def set_congestion(sock: socket.socket, names: str) -> str:
+    """Set the first congestion control of ``names`` (comma-separated) that the kernel has and
+    allows this process (``net.ipv4.tcp_allowed_congestion_control``, or CAP_NET_ADMIN) on
+    ``sock`` (a listener's accepted sockets inherit it); returns it, or "" when none was
+    (the host's default stays, with one warning per process). "" asks for nothing."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    if not wanted or not hasattr(socket, "TCP_CONGESTION"):
+        return ""
+    errors = []
+    for name in wanted:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
+        except OSError as exc:
+            errors.append(f"{name}: {exc.strerror or exc}")
+            continue
+        return name
+    if names not in _refused_congestion:
+        _refused_congestion.add(names)
+        _log.warning("tcp_congestion_refused", wanted=names, errors="; ".join(errors), hint=f"{CONGESTION_ENV}='' keeps the host's")
+    return ""
 
 
 # The two ends of every connection this process dialed, as (host, port) of each socket: a
@@ -120,8 +127,9 @@ class TcpTransport(Transport):
         ``DUALPATH_TCP_BUSY_POLL_US`` or 250 us). ``tls``: run every connection, served and
         dialed, over mutual TLS with these files (``connect_timeout_s`` bounds the handshake);
         both ends of a link must agree. ``congestion``: the TCP congestion control of every
-        connection, served and dialed (default ``DUALPATH_TCP_CONGESTION`` or cubic; "" keeps
-        the host's; one the kernel refuses leaves the host's, with a warning)."""
+        connection, served and dialed: the first of a comma-separated list the kernel accepts
+        (default ``DUALPATH_TCP_CONGESTION`` or "cubic,reno"; "" keeps the host's, as does a
+        list the kernel refuses whole, with a warning)."""
         super().__init__(node_id=node_id, nic=nic)
         self.tls = tls
         self.host = host
