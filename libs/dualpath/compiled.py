@@ -155,23 +155,23 @@ def _stale(manifest: dict) -> str:
     return ""
 
 
-def _check(root: Path) -> tuple[str, dict[str, Path]]:
-    """The build in ``root``: ``("", extension file per module)`` when it can be loaded here,
-    else ``(why not, {})``."""
+def _check(root: Path) -> tuple[str, dict[str, Path], bool]:
+    """The build in ``root``: ``("", extension file per module, whether it is profile-guided)``
+    when it can be loaded here, else ``(why not, {}, False)``."""
     try:
         manifest = json.loads((root / MANIFEST).read_text())
     except (OSError, ValueError):
-        return "not built", {}
+        return "not built", {}, False
     try:
         why = _stale(manifest)
         files = (
             {} if why else {name: root / rel for name, rel in {**manifest["modules"], **manifest["native"], **manifest["group"]}.items()}
         )
     except (KeyError, TypeError, AttributeError):
-        return "its manifest is malformed", {}
+        return "its manifest is malformed", {}, False
     if not why and not all(f.is_file() for f in files.values()):
-        return "an extension file is missing", {}
-    return why, files
+        return "an extension file is missing", {}, False
+    return why, files, not why and manifest.get("pgo") is True
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -197,7 +197,7 @@ def activate() -> str:
     if os.environ.get(ENV, "1") == "0":
         _state = f"pure Python: {ENV}=0"
         return _state
-    why, files = _check(build_dir())
+    why, files, pgo = _check(build_dir())
     if why == "not built":
         _state = "pure Python: not built (dualpath compiled build)"
         return _state
@@ -208,15 +208,8 @@ def activate() -> str:
         _state = f"pure Python: {already[0]} was imported before the hook"
         return _state
     sys.meta_path.insert(0, _Finder(files))
-    _state = f"mypyc ({len(MODULES)} modules{', profile-guided' if _profile_guided(build_dir()) else ''})"
+    _state = f"mypyc ({len(MODULES)} modules{', profile-guided' if pgo else ''})"
     return _state
-
-
-def _profile_guided(root: Path) -> bool:
-    try:
-        return json.loads((root / MANIFEST).read_text()).get("pgo") is True
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def status() -> str:

@@ -3,8 +3,10 @@ timeouts on a peer that stops answering, and recovery after errors."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -40,11 +42,12 @@ def _rid(tag: str) -> str:
     return f"test-tcp-{tag}-{uuid.uuid4().hex[:12]}"
 
 
-@pytest.fixture
-async def duo() -> AsyncIterator[tuple[TcpTransport, TcpTransport, MemoryRegion, MemoryRegion]]:
-    a = TcpTransport(node_id="a", timeout_s=5.0)
-    b = TcpTransport(node_id="b")
-    local, remote = MemoryRegion(_rid("l"), 4 * MIB), MemoryRegion(_rid("r"), 4 * MIB)
+@contextlib.asynccontextmanager
+async def _linked(size: int = 4 * MIB, **kw) -> AsyncIterator[tuple[TcpTransport, TcpTransport, MemoryRegion, MemoryRegion]]:
+    """Initiator ``a`` connected to ``b``, which serves ``remote``; ``kw`` go to both transports."""
+    a = TcpTransport(node_id="a", timeout_s=5.0, **kw)
+    b = TcpTransport(node_id="b", **kw)
+    local, remote = MemoryRegion(_rid("l"), size), MemoryRegion(_rid("r"), size)
     try:
         await a.start()
         await b.start()
@@ -56,6 +59,12 @@ async def duo() -> AsyncIterator[tuple[TcpTransport, TcpTransport, MemoryRegion,
         for region in (local, remote):
             region.close()
             region.unlink()
+
+
+@pytest.fixture
+async def duo() -> AsyncIterator[tuple[TcpTransport, TcpTransport, MemoryRegion, MemoryRegion]]:
+    async with _linked() as linked:
+        yield linked
 
 
 async def test_a_batch_of_256_blocks_is_one_request_and_one_reply(duo, monkeypatch) -> None:
@@ -262,8 +271,6 @@ async def test_a_large_write_cancelled_mid_payload_lets_go_of_the_region_and_the
 
 
 def _algorithm(sock) -> str:
-    import socket
-
     return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode()
 
 
@@ -287,29 +294,16 @@ async def test_both_ends_of_a_data_connection_use_cubic_or_reno_by_default_and_t
             monkeypatch.delenv("DUALPATH_TCP_CONGESTION", raising=False)
         else:
             monkeypatch.setenv("DUALPATH_TCP_CONGESTION", env)
-        a, b = TcpTransport(node_id="a", timeout_s=5.0), TcpTransport(node_id="b")
-        local, remote = MemoryRegion(_rid("l"), MIB), MemoryRegion(_rid("r"), MIB)
-        try:
-            await a.start()
-            await b.start()
-            await a.connect(b.register(remote))
+        async with _linked(MIB) as (a, b, local, remote):
             remote.as_array()[:] = 7
             await a.read(local, [TransferEntry(0, remote.region_id, 0, MIB)])
             assert (local.as_array() == 7).all()
             (conn,) = a._peers.values()
             assert _algorithm(conn.sock) == want  # the dialed end
             assert b._listener is not None and _algorithm(b._listener) == want  # accepted sockets inherit it
-        finally:
-            await a.close()
-            await b.close()
-            for region in (local, remote):
-                region.close()
-                region.unlink()
 
 
 async def test_a_congestion_control_the_kernel_refuses_leaves_the_host_s_and_transfers_still_work() -> None:
-    import socket
-
     from dualpath.transfer import tcp as tcp_module
 
     sock = socket.socket()
@@ -322,21 +316,9 @@ async def test_a_congestion_control_the_kernel_refuses_leaves_the_host_s_and_tra
         assert _algorithm(sock) == "reno"
     finally:
         sock.close()
-    a = TcpTransport(node_id="a", timeout_s=5.0, congestion="no-such-algorithm")
-    b = TcpTransport(node_id="b", congestion="no-such-algorithm")
-    local, remote = MemoryRegion(_rid("l"), MIB), MemoryRegion(_rid("r"), MIB)
-    try:
-        await a.start()
-        await b.start()
-        await a.connect(b.register(remote))
+    async with _linked(MIB, congestion="no-such-algorithm") as (a, _, local, remote):
         remote.as_array()[:] = 3
         assert await a.read(local, [TransferEntry(0, remote.region_id, 0, MIB)]) == MIB
         assert (local.as_array() == 3).all()
         (conn,) = a._peers.values()
         assert _algorithm(conn.sock) == before
-    finally:
-        await a.close()
-        await b.close()
-        for region in (local, remote):
-            region.close()
-            region.unlink()

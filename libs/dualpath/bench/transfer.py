@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import socket
 import statistics
 import tempfile
 import time
@@ -194,8 +195,6 @@ def tls_cost(results: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[
 
 def _congestion_in_use() -> str:
     """The congestion control the tcp transport's sockets get here ("" for the host's)."""
-    import socket
-
     with socket.socket() as probe:
         return set_congestion(probe, congestion_default())
 
