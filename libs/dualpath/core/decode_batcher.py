@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Final
 
 from dualpath.core.batch_errors import (
     DuplicateRequestError,
@@ -38,7 +39,7 @@ from dualpath.core.batch_errors import (
 
 __all__ = ["DecodeBatcher", "DecodeStep", "StepOutcome"]
 
-CANCELLED = "cancelled"
+CANCELLED: Final = "cancelled"
 
 
 # The hot dataclasses below spell out ``__init__`` (``init=False``): mypyc compiles a written

@@ -79,7 +79,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Final, cast
 
 from dualpath.core.scheduler_events import (
     ALL_ATTEMPTS,
@@ -143,8 +143,8 @@ def _split_blocks(a: Assignment, block_tokens: int) -> tuple[int, int] | None:
     return pe_blocks, -(-a.read_tokens // block_tokens) - pe_blocks
 
 
-_DECODE = Role.DECODE
-_MAX_STAGED = 100_000  # prefetch: sessions remembered between turns (the oldest is forgotten first)
+_DECODE: Final = Role.DECODE
+_MAX_STAGED: Final = 100_000  # prefetch: sessions remembered between turns (the oldest is forgotten first)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

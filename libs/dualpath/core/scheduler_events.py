@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, Final
 
 from dualpath.policy.values import ReadSide, Role
 from dualpath.protocol.messages import ALL_ATTEMPTS, SUBMISSION_ATTEMPTS
@@ -91,7 +91,7 @@ __all__ = [
     "wire_attempt",
 ]
 
-BUFFER_FULL = 507  # DispatchFailed.code: a node buffer had no room now (back-pressure, not a failure)
+BUFFER_FULL: Final = 507  # DispatchFailed.code: a node buffer had no room now (back-pressure, not a failure)
 
 _ev = {"slots": True, "kw_only": True}  # not frozen: see the module docstring
 

@@ -11,13 +11,18 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import Final
 
 from dualpath.policy import ClusterState, NodeSpec
 from dualpath.policy.values import Role
 
 __all__ = ["ACKED", "REFLECTED", "RELEASED", "UNSEEN", "Charge", "EngineMember", "HeldTasks", "Holder", "Membership", "NodeMember"]
 
-UNSEEN, ACKED, REFLECTED, RELEASED = 0, 1, 2, 3  # Charge.state
+# Charge.state
+UNSEEN: Final = 0
+ACKED: Final = 1
+REFLECTED: Final = 2
+RELEASED: Final = 3
 
 
 class Holder:

@@ -33,13 +33,14 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from heapq import heappop, heappush
 from operator import attrgetter
+from typing import Final
 
 from dualpath.policy.history import DecodeHistory
 
 __all__ = ["QueueOrder", "Queued", "RankedQueue"]
 
-_INF = float("inf")
-_URGENT_S = 1e12  # an urgent request ranks this much earlier than its submission: ahead of any decode credit
+_INF: Final = float("inf")
+_URGENT_S: Final = 1e12  # an urgent request ranks this much earlier than its submission: ahead of any decode credit
 
 
 class Queued:
@@ -61,7 +62,7 @@ class Queued:
         return self.rank > self.rank_base - _URGENT_S / 2
 
 
-_place = attrgetter("at", "tie")  # (rank queued by, tie): unique, the queue's order
+_place: Final = attrgetter("at", "tie")  # (rank queued by, tie): unique, the queue's order
 
 
 def _rank(t: Queued) -> float:

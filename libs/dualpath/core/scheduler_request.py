@@ -8,6 +8,7 @@ Stages: ``QUEUED`` (waiting to be placed), ``RESERVING`` (its decode node's slot
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Final
 
 from dualpath.core.scheduler_events import Decision
 from dualpath.core.scheduler_members import Charge, EngineMember, NodeMember
@@ -17,7 +18,11 @@ from dualpath.policy.values import ReadSide
 
 __all__ = ["DISPATCHING", "QUEUED", "RESERVING", "RUNNING", "CoreRequest", "Submissions"]
 
-QUEUED, RESERVING, DISPATCHING, RUNNING = 0, 1, 2, 3  # CoreRequest.stage
+# CoreRequest.stage
+QUEUED: Final = 0
+RESERVING: Final = 1
+DISPATCHING: Final = 2
+RUNNING: Final = 3
 
 
 class CoreRequest(Queued):

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Final
 
 from dualpath.cost.arch import ModelTarget
 from dualpath.cost.calibration import value
@@ -78,8 +79,8 @@ class _Work:
         self.index_read = index_read  # indexer keys read from HBM
 
 
-_PAIR_CACHE_MAX = 4096  # (cached, new) -> span sums kept between calls; cleared when full
-_PAIR_KEY = 1 << 32  # a pair's cache key is cached * _PAIR_KEY + new: an int, no tuple per lookup
+_PAIR_CACHE_MAX: Final = 4096  # (cached, new) -> span sums kept between calls; cleared when full
+_PAIR_KEY: Final = 1 << 32  # a pair's cache key is cached * _PAIR_KEY + new: an int, no tuple per lookup
 
 
 def _span_sum(cached: int, new: int, cap: int) -> int:

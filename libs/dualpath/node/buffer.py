@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Final
 
 __all__ = ["BufferFullError", "BufferPool", "Slot"]
 
-_ALIGN = 4096
+_ALIGN: Final = 4096
 
 
 class BufferFullError(Exception):

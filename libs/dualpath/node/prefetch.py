@@ -53,13 +53,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Final
 
 from dualpath.node.buffer import BufferFullError, BufferPool, Slot
 
 __all__ = ["MAX_PENDING_HINTS", "PREFETCH_CACHE_GB", "PREFETCH_OWNER", "PrefetchCache", "PrefetchStats", "Run"]
 
-MAX_PENDING_HINTS = 64  # hints a node's prefetch worker keeps waiting; older ones are dropped first
-PREFETCH_OWNER = "prefetch:"  # prefix of the buffer slots that hold runs (never a request id)
+MAX_PENDING_HINTS: Final = 64  # hints a node's prefetch worker keeps waiting; older ones are dropped first
+PREFETCH_OWNER: Final = "prefetch:"  # prefix of the buffer slots that hold runs (never a request id)
 # The prefetch cache of an 8-GPU node in the testbed and the simulator, GB: the paper's Qwen
 # buffer size (PAPER.md: 80 GB for DeepSeek, 320 GB for Qwen; the SGLang+Mooncake baseline
 # needed 1.5 TB), a fraction of a Hopper node's 1-2 TB of host DRAM.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from dualpath.policy.errors import (
     DuplicateRequestError,
@@ -33,7 +34,7 @@ from dualpath.policy.values import Assignment, NodeSpec, Role
 
 __all__ = ["ClusterState", "EngineState", "NodeState"]
 
-_DECODE = Role.DECODE
+_DECODE: Final = Role.DECODE
 
 
 class EngineState:

@@ -19,11 +19,11 @@ needs, and compiled it compares without a rich comparison per step.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 __all__ = ["Deadline", "Event", "EventLoop"]
 
-_INF = float("inf")
+_INF: Final = float("inf")
 
 
 class Event:

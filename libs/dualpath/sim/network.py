@@ -25,15 +25,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from heapq import heapify, heappop, heappush
-from typing import Any
+from typing import Any, Final
 
 from dualpath.sim.clock import Deadline, EventLoop
 from dualpath.sim.series import Series
 
 __all__ = ["HIGH", "LOW", "Flow", "FluidNetwork", "Link"]
 
-HIGH, LOW = 0, 1
-_EPS_BYTES = 1e-3
+HIGH: Final = 0
+LOW: Final = 1
+_EPS_BYTES: Final = 1e-3
 
 
 class Link:
@@ -61,8 +62,8 @@ class Link:
         return f"Link({self.name}, {len(self.flows)} flows)"
 
 
-_INF = float("inf")
-_SCAN_LINKS = 12  # _max_min finds the bottleneck by a scan up to this many links, by a heap beyond
+_INF: Final = float("inf")
+_SCAN_LINKS: Final = 12  # _max_min finds the bottleneck by a scan up to this many links, by a heap beyond
 
 
 class Flow(Deadline):

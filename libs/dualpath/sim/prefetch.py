@@ -24,7 +24,7 @@ prefetcher.py``) in virtual time:
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from dualpath.node.prefetch import MAX_PENDING_HINTS, PrefetchCache, Run
 from dualpath.sim.storage import DIGEST, NodeStorage, block_hashes
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ["NodeStaging", "SimPrefetch"]
 
-CHUNK_S = 0.002  # link time of one staging chunk: how long a real read may share the link with one
+CHUNK_S: Final = 0.002  # link time of one staging chunk: how long a real read may share the link with one
 
 
 class NodeStaging:

@@ -29,6 +29,7 @@ them. Engine expiry is off (no engine dies in a simulation).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Final
 
 from dualpath.core.scheduler import CoreConfig, SchedulerCore
 from dualpath.core.scheduler_events import (
@@ -56,7 +57,8 @@ from dualpath.sim.storage import NodeStorage
 
 __all__ = ["SimScheduler"]
 
-WINDOW_MIN, WINDOW_MAX = 4, 512
+WINDOW_MIN: Final = 4
+WINDOW_MAX: Final = 512
 
 
 class SimScheduler:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Final, TypeVar
 
 from dualpath.node.buffer import BufferFullError, BufferPool
 from dualpath.node.prefetch import PREFETCH_OWNER, PrefetchCache
@@ -48,8 +48,8 @@ T = TypeVar("T")
 
 __all__ = ["DIGEST", "NodeStorage", "block_hashes"]
 
-DIGEST = 0  # the model digest of every simulated block (one model per simulation)
-_PAGE = 4096  # BufferPool's slot granularity
+DIGEST: Final = 0  # the model digest of every simulated block (one model per simulation)
+_PAGE: Final = 4096  # BufferPool's slot granularity
 
 
 def block_hashes(agent: int, blocks: int) -> list[int]:
