@@ -14,6 +14,8 @@ from dataclasses import replace
 import anyio
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dualpath.transfer import (
     MemoryRegion,
@@ -27,6 +29,7 @@ from dualpath.transfer import (
 )
 from dualpath.transfer.peer import pattern, spawn_peer
 from dualpath.transfer.tcp import TcpTransport
+from dualpath.transfer.tcp_conn import local_views
 
 pytestmark = pytest.mark.anyio
 
@@ -322,3 +325,42 @@ async def test_a_congestion_control_the_kernel_refuses_leaves_the_host_s_and_tra
         assert (local.as_array() == 3).all()
         (conn,) = a._peers.values()
         assert _algorithm(conn.sock) == before
+
+
+_entry = st.builds(
+    lambda lo, length, count, gap: TransferEntry(lo, "r", 0, length, count, (length + gap) if count > 1 else 0, length),
+    st.integers(0, 200),
+    st.integers(0, 9),
+    st.integers(1, 4),
+    st.integers(0, 3),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_entry, max_size=8), st.booleans())
+def test_local_views_are_the_entries_pieces_in_order_merged_where_adjacent(entries: list[TransferEntry], chain: bool) -> None:
+    """What a batch moves locally, against the definition: every piece of every entry in
+    order (``TransferEntry.pieces``), empty ones left out, one view wherever a piece starts
+    where the previous one ended."""
+    if chain:  # each entry starts where the one before ended: the views must merge
+        at, chained = 0, []
+        for e in entries:
+            chained.append(replace(e, local_offset=at))
+            at = e.local_end - e.local_offset + at
+        entries = chained
+    buf = memoryview(bytearray(1024))
+    base = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+    expected: list[list[int]] = []
+    for e in entries:
+        for lo, _, n in e.pieces():
+            if not n:
+                continue
+            if expected and expected[-1][1] == lo:
+                expected[-1][1] = lo + n
+            else:
+                expected.append([lo, lo + n])
+    got = []
+    for view in local_views(buf, entries):
+        start = np.frombuffer(view, dtype=np.uint8).ctypes.data - base
+        got.append([start, start + view.nbytes])
+    assert got == expected

@@ -232,7 +232,7 @@ class TcpTransport(Transport):
             return 0
         peer_of = self._peer_of
         first = peer_of[entries[0].remote_region]
-        if all(peer_of[e.remote_region] == first for e in entries):  # the usual batch: one peer
+        if all(peer_of[region] == first for region in {e.remote_region for e in entries}):  # the usual batch: one peer
             groups = {first: _Group(first, list(entries))}
         else:
             groups = {}

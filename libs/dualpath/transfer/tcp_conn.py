@@ -329,18 +329,35 @@ def _scratch(nbytes: int) -> list[memoryview]:
 
 def local_views(buf: memoryview, entries: Sequence[TransferEntry]) -> list[memoryview]:
     """The local ranges of ``entries`` in order, as few views as possible: entries (or
-    pieces) that follow each other in local memory share one view; empty ranges are left out."""
-    ranges: list[list[int]] = []  # [start, end] of each view
+    pieces) that follow each other in local memory share one view; empty ranges are left out.
+
+    Per entry it reads the fields, not the properties: a batch of small blocks has hundreds
+    of entries and this runs for every one of them."""
+    starts: list[int] = []
+    ends: list[int] = []
+    end = -1  # where the last view ends (-1: no view yet)
     for e in entries:
-        if not e.nbytes:
+        length, count = e.length, e.count
+        if not length:
             continue
-        pieces = ((e.local_offset, e.nbytes),) if e.local_contiguous else ((lo, n) for lo, _, n in e.pieces())
-        for lo, n in pieces:
-            if ranges and ranges[-1][1] == lo:
-                ranges[-1][1] = lo + n
+        stride = e.local_stride
+        if count == 1 or stride == length:  # one contiguous range
+            lo = e.local_offset
+            if lo == end:
+                end = ends[-1] = lo + length * count
             else:
-                ranges.append([lo, lo + n])
-    return [buf[lo:hi] for lo, hi in ranges]
+                starts.append(lo)
+                end = lo + length * count
+                ends.append(end)
+            continue
+        for lo in range(e.local_offset, e.local_offset + count * stride, stride):
+            if lo == end:
+                end = ends[-1] = lo + length
+            else:
+                starts.append(lo)
+                end = lo + length
+                ends.append(end)
+    return [buf[lo:hi] for lo, hi in zip(starts, ends, strict=True)]
 
 
 def _release(views: list[memoryview]) -> None:

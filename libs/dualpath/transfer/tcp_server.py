@@ -438,23 +438,31 @@ def _resolve(
             raise AccessDeniedError(name, f"at node {node_id!r}")
         regions.append(region)
     bufs = [r.buf for r in regions]
+    sizes = [r.size for r in regions]
     arrays: dict[int, np.ndarray] = {}
     views: list[memoryview] = []
+    append = views.append
     arr = strided = None
     staged = 0  # bytes of gather/scatter copies so far
     try:
         for slot, offset, length, count, stride in ENTRY.iter_unpack(rows):
             if slot >= n_regions:
                 raise TransferError("an entry names a region outside the region table")
-            if count < 1 or (count > 1 and stride < length):
+            if count == 1:  # the common entry, checked without the strided arithmetic
+                if offset > sizes[slot] or length > sizes[slot] - offset:
+                    raise OutOfBoundsError(regions[slot].region_id, offset, length, sizes[slot])
+                if length:
+                    append(bufs[slot][offset : offset + length])
+                continue
+            if count < 1 or stride < length:
                 raise TransferError(f"bad strided entry: count {count}, stride {stride}, length {length}")
-            size = regions[slot].size
+            size = sizes[slot]
             span = (count - 1) * stride + length
             if offset > size or span > size - offset:
                 raise OutOfBoundsError(regions[slot].region_id, offset, span, size)
             if not length:
                 continue
-            if count == 1 or stride == length:
+            if stride == length:
                 views.append(bufs[slot][offset : offset + length * count])
                 continue
             staged += length * count
