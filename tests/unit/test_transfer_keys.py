@@ -27,7 +27,7 @@ from dualpath.transfer import (
 from dualpath.transfer import shm as shm_module
 from dualpath.transfer.region import KEY_BYTES
 from dualpath.transfer.tcp import TcpTransport
-from dualpath.transfer.tcp_wire import REQUEST, decode_table, encode_request
+from dualpath.transfer.tcp_wire import ENTRY, REQUEST, decode_table, encode_request
 from dualpath.transfer.tcp_wire import Op as WireOp
 
 pytestmark = pytest.mark.anyio
@@ -117,6 +117,15 @@ def test_the_request_frame_carries_each_region_once_with_its_key_beside_its_id(r
     assert magic == b"DPq3" and (n_regions, n_entries) == (2, 64)
     table = decode_table(frame[REQUEST.size : REQUEST.size + table_len], n_regions)
     assert table == [(b.region_id, b.key), (a.region_id, a.key)]
+    rows = frame[REQUEST.size + table_len :]
+    assert [table[slot][0] for slot, *_ in ENTRY.iter_unpack(rows)] == [e.remote_region for e in entries]  # each entry's own region
+    # An id equal to a region's but another str object (as one decoded off the wire is) names the same slot.
+    twin = [dataclasses.replace(e, remote_region="".join(e.remote_region)) for e in entries[:3]]
+    assert twin[0].remote_region == entries[0].remote_region and twin[0].remote_region is not entries[0].remote_region
+    twin_frame = encode_request(WireOp.READ, 1, 7, [*entries[:3], *twin], 0, {a.region_id: a.key, b.region_id: b.key})
+    (_, _, _, n_twin, _, twin_len, _, _) = REQUEST.unpack_from(twin_frame)
+    assert n_twin == 2
+    assert [slot for slot, *_ in ENTRY.iter_unpack(twin_frame[REQUEST.size + twin_len :])] == [0, 1, 0, 0, 1, 0]
     unkeyed = encode_request(WireOp.READ, 1, 7, entries[:1], 0, {})
     (_, _, _, n, _, tlen, _, _) = REQUEST.unpack_from(unkeyed)
     assert decode_table(unkeyed[REQUEST.size : REQUEST.size + tlen], n)[0][1] == bytes(16)  # no region has it

@@ -199,6 +199,7 @@ def check_entries(transport: Transport, local: MemoryRegion, entries: Sequence[T
     total = 0
     size = local.size
     remote_sizes: dict[str, int] = {}  # per remote region named in the batch: its size
+    region, remote_size = None, 0  # the last entry's remote region and its size: a batch names few
     for entry in entries:
         length, count = entry.length, entry.count
         if length < 0:
@@ -214,9 +215,10 @@ def check_entries(transport: Transport, local: MemoryRegion, entries: Sequence[T
             local_end, remote_end, nbytes = entry.local_end, entry.remote_end, entry.nbytes
         if local_offset < 0 or local_end > size:
             raise OutOfBoundsError(local.region_id, local_offset, local_end - local_offset, size)
-        remote_size = remote_sizes.get(entry.remote_region)
-        if remote_size is None:
-            remote_size = remote_sizes[entry.remote_region] = transport.descriptor(entry.remote_region).size
+        if entry.remote_region is not region:
+            region = entry.remote_region
+            known = remote_sizes.get(region)
+            remote_size = remote_sizes[region] = transport.descriptor(region).size if known is None else known
         if remote_offset < 0 or remote_end > remote_size:
             raise OutOfBoundsError(entry.remote_region, remote_offset, remote_end - remote_offset, remote_size)
         total += nbytes

@@ -128,11 +128,12 @@ def encode_request(
     """
     index: dict[str, int] = {}
     flat: list[int] = []  # [n_entries * 5]
+    last, slot = None, 0  # the previous entry's region and its slot: a batch names few regions
     for entry in entries:
         rid = entry.remote_region
-        slot = index.get(rid)
-        if slot is None:
-            slot = index[rid] = len(index)
+        if rid is not last:
+            last = rid
+            slot = index.setdefault(rid, len(index))
         flat += (slot, entry.remote_offset, entry.length, entry.count, entry.remote_stride)
     records: list[bytes] = []
     for rid in index:
