@@ -49,6 +49,35 @@ def wait_until(pred: Callable[[], bool], timeout: float, step: float = 0.1, desc
         time.sleep(step)
 
 
+def first_served(probe: Callable[[], bool], timeout: float, *, since: float | None = None, every: float = 0.5, workers: int = 32) -> float:
+    """Seconds from ``since`` (a ``time.monotonic()``; default now) until one of a stream of
+    overlapping probes succeeds: a new ``probe()`` starts every ``every`` s, each waits as long
+    as it needs. A probe sent while the stack cannot answer hangs until it can, so sequential
+    probes with a timeout would add up to one timeout of their own to the time measured;
+    overlapping ones see the first answer when it comes. Raises AssertionError ``timeout`` s
+    after ``since``."""
+    t0 = time.monotonic() if since is None else since
+    done: list[float] = []
+
+    def one() -> None:
+        try:
+            if probe():
+                done.append(time.monotonic() - t0)
+        except Exception:  # noqa: BLE001 - a probe against a recovering stack may fail
+            pass
+
+    pool = cf.ThreadPoolExecutor(workers)
+    try:
+        while not done:
+            if time.monotonic() - t0 > timeout:
+                raise AssertionError(f"no probe succeeded within {timeout:.0f}s")
+            pool.submit(one)
+            time.sleep(every)
+        return min(done)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # probes still in flight end on their own timeout
+
+
 def client(stack, timeout: float = 60.0) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=timeout)
 

@@ -50,7 +50,8 @@ Respond = Callable[[Any], Awaitable[None]]  # publishes a reply (a message, or i
 ErrorCallback = Callable[[Exception], Awaitable[None]]
 
 DEFAULT_MAX_IN_FLIGHT = 1024  # handlers one subscription runs at once (nats.py buffers 512 Ki messages per subscription)
-_TLS_SHUTDOWN_S = 2.0  # how long closing a TLS connection waits for the server's close_notify
+_TLS_SHUTDOWN_S = 0.5  # how long closing a TLS connection waits for the server's close_notify
+_RECONNECT_WAIT_S = 0.5  # the pause before trying a server again that already failed in this outage
 _CLOSE_GRACE_S = 2.0  # how long ``close`` lets in-flight handlers finish before cancelling them
 
 
@@ -77,6 +78,32 @@ class _BoundedCloseTransport(TcpTransport):
 
 # nats.py makes its transport by this module-level name (one per server it connects to).
 nats.aio.client.TcpTransport = _BoundedCloseTransport  # type: ignore[misc]
+
+
+class ReconnectOrder:
+    """Which server of a cluster a client tries next after it lost its connection: the one it
+    lost last of all.
+
+    nats.py shuffles its servers and tries them in turn. A server cut off by the network fails
+    a connect only after the connect timeout (2 s), so a client whose shuffle puts that server
+    first waits those seconds before it tries a live one. Here a server counts its failed
+    tries in this outage, and the one just lost counts one more: every other server is tried
+    once before it, then all take turns (a client that cannot reach any server keeps trying
+    each one, and finds the lost one when it is the only one back). A server is tried at once
+    the first time; a second try waits ``_RECONNECT_WAIT_S``, as nats.py's own order does.
+    """
+
+    def __init__(self) -> None:
+        self.lost = ""  # host:port of the server the client was last connected to
+
+    def connected(self, url: Any) -> None:
+        self.lost = url.netloc if url is not None else ""
+
+    def __call__(self, servers: list[nats.aio.client.Server], info: dict[str, Any]) -> tuple[nats.aio.client.Server | None, float]:
+        if not servers:
+            return None, 0.0
+        pick = min(servers, key=lambda s: s.reconnects + (s.uri.netloc == self.lost))  # first of the equals: nats.py shuffled them
+        return pick, (_RECONNECT_WAIT_S if pick.reconnects > 0 else 0.0)
 
 
 async def _log_error(exc: Exception) -> None:
@@ -115,9 +142,29 @@ class Bus:
         ``options`` go to ``nats.connect`` and may carry ``user_credentials``, ``tls`` etc.
         (see ``dualpath.config.BusConfig``).
         """
-        nc = await nats.connect(
-            url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, error_cb=_log_error, allow_reconnect=True, **options
+        nc, order = nats.NATS(), ReconnectOrder()
+
+        async def disconnected() -> None:
+            if not nc.is_closed:  # a close calls this too
+                log.warning("nats_disconnected", server=order.lost)
+
+        async def reconnected() -> None:
+            order.connected(nc.connected_url)
+            log.info("nats_reconnected", server=order.lost)
+
+        options = {"reconnect_time_wait": _RECONNECT_WAIT_S, **options}  # a float: nats.py annotates an int, sleeps any number
+        await nc.connect(
+            url,
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_to_server_handler=order,
+            error_cb=_log_error,
+            disconnected_cb=disconnected,
+            reconnected_cb=reconnected,
+            allow_reconnect=True,
+            **options,
         )
+        order.connected(nc.connected_url)
         return cls(nc, name, tasks)
 
     @classmethod

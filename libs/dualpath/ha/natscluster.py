@@ -40,6 +40,12 @@ def _conf(
         f"listen: {host}:{port}",
         f"max_payload: {MAX_PAYLOAD}",
         f'jetstream {{ store_dir: "{store}", max_memory_store: 268435456, max_file_store: 4294967296 }}',
+        # A server drops a route (and the subscriptions it carried) after this many PINGs go
+        # unanswered. By default that takes 2 x 2 minutes. Until then, the survivors of a partition
+        # still route requests to queue subscribers behind the cut server, and those requests are
+        # lost. Clients already ping every 2 s: the server pings only a silent connection.
+        "ping_interval: 2s",
+        "ping_max: 3",
     ]
     if auth is not None:
         lines.append(f'include "{auth.name}"')  # relative to this file: the users and their permissions
