@@ -120,3 +120,19 @@ async def test_a_client_whose_server_stops_answering_reconnects_to_a_live_one_fi
             finally:
                 os.kill(proc.pid, signal.SIGCONT)
             assert tried and tried[0] != before, (before, tried)
+
+
+def test_the_other_servers_drop_their_route_to_a_server_that_stops_answering(cluster, tmp_path) -> None:
+    """Within 3 route PINGs 2 s apart (the default is 2 x 2 minutes): until a route is dropped,
+    the survivors still send requests to queue subscribers behind it, and those are lost."""
+    stopped = cluster.specs[0].name
+    os.kill(cluster.procs[0].pid, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        logs = [tmp_path / f"{s.name}.log" for s in cluster.specs[1:]]
+        while not all(f"Stale Connection - Remote: {stopped}" in log.read_text() for log in logs):
+            assert time.monotonic() - started < 12, [log.read_text()[-2000:] for log in logs]
+            time.sleep(0.2)
+    finally:
+        os.kill(cluster.procs[0].pid, signal.SIGCONT)
+    print(f"routes to {stopped} dropped {time.monotonic() - started:.1f} s after it stopped")

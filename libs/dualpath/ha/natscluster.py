@@ -40,12 +40,6 @@ def _conf(
         f"listen: {host}:{port}",
         f"max_payload: {MAX_PAYLOAD}",
         f'jetstream {{ store_dir: "{store}", max_memory_store: 268435456, max_file_store: 4294967296 }}',
-        # A server drops a route (and the subscriptions it carried) after this many PINGs go
-        # unanswered. By default that takes 2 x 2 minutes. Until then, the survivors of a partition
-        # still route requests to queue subscribers behind the cut server, and those requests are
-        # lost. Clients already ping every 2 s: the server pings only a silent connection.
-        "ping_interval: 2s",
-        "ping_max: 3",
     ]
     if auth is not None:
         lines.append(f'include "{auth.name}"')  # relative to this file: the users and their permissions
@@ -54,7 +48,13 @@ def _conf(
     if cluster_port is not None:
         route_list = ", ".join(f"nats-route://{h}:{p}" for h, p in routes)
         route_tls = f", {tls.strip()}" if tls else ""  # routes between servers are mutual TLS too
-        lines.append(f"cluster {{ name: dualpath, listen: {host}:{cluster_port}, routes: [{route_list}]{route_tls} }}")
+        # A server drops a route (and the subscriptions it carried) after 3 PINGs 2 s apart go
+        # unanswered; by default, 2 x 2 minutes, during which the survivors of a partition still
+        # route requests to queue subscribers behind the cut server, and lose them. Routes only:
+        # a client pings its server itself, and a server that pinged clients this often would
+        # drop one whose event loop is busy for a few seconds (a service starting on a loaded host).
+        pings = "ping_interval: 2s, ping_max: 3"
+        lines.append(f"cluster {{ name: dualpath, listen: {host}:{cluster_port}, routes: [{route_list}], {pings}{route_tls} }}")
     return "\n".join(lines) + "\n"
 
 
