@@ -19,6 +19,7 @@ answered with an error and ``BusTimeoutError`` when nobody answered; its timeout
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ ErrorCallback = Callable[[Exception], Awaitable[None]]
 DEFAULT_MAX_IN_FLIGHT = 1024  # handlers one subscription runs at once (nats.py buffers 512 Ki messages per subscription)
 _TLS_SHUTDOWN_S = 0.5  # how long closing a TLS connection waits for the server's close_notify
 _RECONNECT_WAIT_S = 0.5  # the pause before trying a server again that already failed in this outage
+_ROUND_TRIP_S, _ROUND_TRIP_TRY_S = 10.0, 2.0  # ``_round_trip``: in all (nats.py's flush default), one PING
 _CLOSE_GRACE_S = 2.0  # how long ``close`` lets in-flight handlers finish before cancelling them
 
 
@@ -274,13 +276,33 @@ class Bus:
 
         self._served.append(served)
         self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_inline if inline else on_msg))
-        await self.nc.flush()  # the server knows the subscription before anyone is told we serve
+        await self._round_trip()  # the server knows the subscription before anyone is told we serve
+
+    async def _round_trip(self, timeout: float = _ROUND_TRIP_S) -> None:
+        """Wait until the server has everything sent so far (a PING answered), across a
+        reconnection: the PING of a flush can go out on a connection that drops before the PONG
+        comes back, and nats.py then waits out the whole timeout. A try that takes more than
+        ``_ROUND_TRIP_TRY_S`` is given up and another PING sent (on the new connection, whose
+        subscriptions nats.py has replayed), until ``timeout``.
+
+        Raises:
+            nats.errors.FlushTimeoutError: no PING answered within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                await self.nc.flush(timeout=min(_ROUND_TRIP_TRY_S, left))  # type: ignore[arg-type]  # a float; annotated int
+                return
+            except NatsTimeoutError:
+                if time.monotonic() + 0.01 >= deadline:
+                    raise
 
     async def subscribe_raw(self, subject: str, cb: Callable[[Msg], Awaitable[None]]) -> Subscription:
         """Subscribe ``cb`` to raw messages; it runs in order, in the subscription's own delivery task."""
         sub = await self.nc.subscribe(subject, cb=cb)
         self._subs.append(sub)
-        await self.nc.flush()
+        await self._round_trip()
         return sub
 
     async def _refuse(self, served: _Served, raw: Msg) -> None:
