@@ -223,15 +223,37 @@ def compiled(module: str) -> bool:
 
 
 _SETUP = """\
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 from mypyc.build import mypycify
+
+
+class parallel_build_ext(build_ext):
+    # build_ext's -j builds extensions in parallel, but the C files of one extension one after
+    # the other; the mypyc group is one extension of one C file per module (multi_file)
+    def build_extensions(self):
+        compile_files = self.compiler.compile
+
+        def compile_in_parallel(sources, *args, **kwargs):
+            with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+                return [o for objs in pool.map(lambda s: compile_files([s], *args, **kwargs), sources) for o in objs]
+
+        self.compiler.compile = compile_in_parallel
+        try:
+            super().build_extensions()
+        finally:
+            self.compiler.compile = compile_files
+
 
 compiled = mypycify({files!r} + ["--ignore-missing-imports"], opt_level="3", multi_file=True, group_name="{group}")
 for ext in compiled:
     ext.extra_compile_args = [*(ext.extra_compile_args or []), *{cflags!r}]
     ext.extra_link_args = [*(ext.extra_link_args or []), *{ldflags!r}]
 native = [Extension(name, [source], extra_compile_args=["-O2"]) for name, source in {native!r}.items()]
-setup(name="{group}", ext_modules=compiled + native)
+setup(name="{group}", ext_modules=compiled + native, cmdclass={{"build_ext": parallel_build_ext}})
 """
 
 
@@ -252,7 +274,7 @@ def build(out: Path | None = None, if_stale: bool = False, pgo: bool = False) ->
     sources = {m: _digest(_source(m)) for m in _dependencies(MODULES)}
     native_sources = {m: _digest(_SOURCE_ROOT / src) for m, src in NATIVE.items()}
     started = time.monotonic()
-    how = "profile-guided: instrumented, trained, compiled again (~5 min)" if pgo else "~1-2 min"
+    how = "profile-guided: instrumented, trained, compiled again (~5 min)" if pgo else "~2-3 min"
     print(f"[compiled] mypyc: {len(MODULES)} modules (and {len(NATIVE)} C extensions) -> {out} ({how})", flush=True)
     with tempfile.TemporaryDirectory(prefix="dualpath-mypyc-") as tmp:
         stage = Path(tmp)
@@ -289,7 +311,7 @@ def _compile(stage: Path, cflags: list[str], ldflags: list[str], *, force: bool 
     setup = _SETUP.format(group=GROUP, files=files, native=NATIVE, cflags=[*_CFLAGS, *cflags], ldflags=[*_LDFLAGS, *ldflags])
     (stage / "setup.py").write_text(setup)
     log = stage / "build.log"
-    with log.open("w") as f:  # -j: the shims in parallel; the one group library compiles serially
+    with log.open("w") as f:  # -j: the extensions in parallel; parallel_build_ext: the C files of each
         rc = subprocess.call(
             [sys.executable, "setup.py", "build_ext", "--inplace", "-j", str(os.cpu_count() or 1), *(["--force"] if force else [])],
             cwd=stage,
