@@ -201,6 +201,9 @@ def test_the_overhead_benchmark_reports_both_legs_for_loadgen_and_probe() -> Non
             assert phase[leg]["loadgen_ms"]["n"] > 0
     assert r["load"]["legs"]["added"]["probe_ms"]["n"] > 0  # the probe ran beside the load
     assert r["load"]["legs"]["added"]["loadgen_ms"]["p50"] > 0 and isinstance(r["meets_target"], bool)
+    assert r["meets_aim"] == (
+        r["added_p50_ms"] < 1.0 and r["added_p99_ms"] < 5.0 and r["agents_per_core"] >= 5000 and r["load"]["errors"] == 0
+    )
 
 
 def test_agents_spread_over_processes_are_merged_into_one_report_with_every_turn() -> None:
