@@ -213,3 +213,31 @@ async def test_the_service_answers_inline_lookups_and_commits_and_garbage_with_a
     finally:
         await index.close()
         await nc.close()
+
+
+async def test_a_stream_not_found_for_a_moment_after_it_was_created_is_followed_once_it_is(js_server):
+    """On a cluster, a stream just created (two replicas starting at once) answered "stream not
+    found" to the next request of the replica that found it missing; that replica must wait for
+    it, not die. Here the server is real and the two 404s are injected."""
+    from nats.js.errors import NotFoundError
+
+    nc = await nats.connect(js_server.url)
+    js = nc.jetstream()
+    real, calls = js.stream_info, []
+
+    async def flaky(name, *args, **kwargs):
+        calls.append(name)
+        if len(calls) in (2, 3):  # the first is the real "not found" that makes it create the stream
+            raise NotFoundError(code=404, err_code=10059, description="stream not found")
+        return await real(name, *args, **kwargs)
+
+    js.stream_info = flaky
+    index = ReplicatedIndex(js, "t", SUBJECT)
+    try:
+        await index.start(replicas=1, timeout=20)
+        assert len(calls) >= 4
+        await index.commit(7, [11, 12])
+        assert index.longest_prefix(7, [11, 12, 13]) == 2
+    finally:
+        await index.close()
+        await nc.close()

@@ -146,10 +146,20 @@ class ReplicatedIndex:
         Raises:
             ReplicationError: JetStream did not answer within ``timeout``.
         """
-        deadline = asyncio.get_running_loop().time() + timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         await self._ensure_stream(replicas, deadline)
         self._replicas = replicas
-        last = await self._follow()
+        while True:
+            try:
+                last = await self._follow()
+                break
+            except NotFoundError as exc:
+                # A stream just created on a cluster can be "not found" for a moment (seen when
+                # two replicas start at once: one created it, the other's next request failed)
+                if loop.time() >= deadline:
+                    raise ReplicationError(f"stream {self.stream}: not found after it was created: {exc}") from exc
+                await asyncio.sleep(0.2)
         if last > self.applied:
             await asyncio.wait_for(self.wait_applied(last), max(1.0, deadline - asyncio.get_running_loop().time()))
         log.info("index_replayed", blocks=len(self.index), applied=self.applied, stream=self.stream)
