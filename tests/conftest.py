@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 
@@ -25,6 +29,42 @@ def tiny_model(tmp_path_factory) -> Path:
     from dualpath.model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, seed=0)
+
+
+def spawn_nats(cmd: list[str], url: str, log: Path, timeout: float = 15.0) -> subprocess.Popen:
+    """Start a ``nats-server`` command (a ``nats_servers`` spec's ``cmd``), appending its output
+    to ``log``, and return once ``url``'s port accepts connections."""
+    with log.open("a") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    u = urlparse(url)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((u.hostname, u.port), timeout=0.2).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"nats-server at {url} did not start:\n{log.read_text()[-2000:]}") from None
+            time.sleep(0.05)
+
+
+def pause(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped: the signal is delivered
+    asynchronously, and on a busy host a thread still running can answer one more message."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):
+                continue  # a thread that just exited
+        if states and all(s in "Tt" for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: thread states {states}"
+        time.sleep(0.005)
 
 
 @pytest.fixture()

@@ -7,14 +7,12 @@ The server's configuration is the one the launcher writes (``nats_servers`` with
 from __future__ import annotations
 
 import asyncio
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import msgpack
 import nats
 import pytest
+from conftest import spawn_nats
 from nats.errors import Error as NatsError
 
 from dualpath.bus import Bus
@@ -44,17 +42,7 @@ class Server:
         self.tls = ClusterTls(root / "tls", hosts=["127.0.0.1"]) if tls else None
         spec = nats_servers(1, root, auth=self.auth, tls=self.tls)[0]
         self.url, self.log = spec.url, root / "nats.log"
-        with self.log.open("w") as out:
-            self.proc = subprocess.Popen(spec.cmd, stdout=out, stderr=subprocess.STDOUT)
-        host, port = spec.url.rsplit("/", 1)[1].split(":")
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection((host, int(port)), timeout=0.2).close()
-                break
-            except OSError:
-                assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()
-                time.sleep(0.05)
+        self.proc = spawn_nats(spec.cmd, spec.url, self.log)
 
     def options(self, identity: Identity) -> dict:
         out = self.auth.connect_options(identity)

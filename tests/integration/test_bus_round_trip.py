@@ -9,14 +9,10 @@ PING is in flight, is killed, and a new one takes its port.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
 import time
-from urllib.parse import urlparse
 
 import pytest
+from conftest import pause, spawn_nats
 
 from dualpath.bus import Bus
 from dualpath.ha.natscluster import nats_servers
@@ -30,41 +26,28 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def _start(cmd: list[str], url: str, log) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    u = urlparse(url)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection((u.hostname, u.port), timeout=0.2).close()
-            return proc
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, "nats-server did not start"
-            time.sleep(0.05)
-
-
 async def test_serve_returns_when_its_ping_was_lost_with_a_dropped_connection(tmp_path) -> None:
     spec = nats_servers(1, tmp_path)[0]
-    with (tmp_path / "nats.log").open("w") as log:
-        proc = _start(spec.cmd, spec.url, log)
-        try:
-            async with Bus.open(spec.url, "probe") as bus:
+    log = tmp_path / "nats.log"
+    proc = spawn_nats(spec.cmd, spec.url, log)
+    try:
+        async with Bus.open(spec.url, "probe") as bus:
 
-                async def state(_req: m.StateRequest) -> m.StateReply:
-                    return m.StateReply(prefill_engines=1, decode_engines=1, nodes=2, queued=0, running=0, policy="p")
+            async def state(_req: m.StateRequest) -> m.StateReply:
+                return m.StateReply(prefill_engines=1, decode_engines=1, nodes=2, queued=0, running=0, policy="p")
 
-                os.kill(proc.pid, signal.SIGSTOP)
-                started = time.monotonic()
-                serving = asyncio.ensure_future(bus.serve("t.state", state, m.StateRequest))
-                await asyncio.sleep(0.3)  # SUB and PING are in the socket, unanswered
-                proc.kill()
-                proc.wait(5)
-                proc = _start(spec.cmd, spec.url, log)  # the same port: the client reconnects to it
-                await asyncio.wait_for(serving, 8.0)  # nats.py's flush alone raises after 10 s
-                took = time.monotonic() - started
-                reply = await bus.request("t.state", m.StateRequest(), m.StateReply, timeout=5.0)
-                assert reply.nodes == 2
-                print(f"serve returned {took:.1f} s after its PING went out")
-        finally:
+            pause(proc.pid)
+            started = time.monotonic()
+            serving = asyncio.ensure_future(bus.serve("t.state", state, m.StateRequest))
+            await asyncio.sleep(0.3)  # SUB and PING are in the socket, unanswered
             proc.kill()
             proc.wait(5)
+            proc = spawn_nats(spec.cmd, spec.url, log)  # the same port: the client reconnects to it
+            await asyncio.wait_for(serving, 8.0)  # nats.py's flush alone raises after 10 s
+            took = time.monotonic() - started
+            reply = await bus.request("t.state", m.StateRequest(), m.StateReply, timeout=5.0)
+            assert reply.nodes == 2
+            print(f"serve returned {took:.1f} s after its PING went out")
+    finally:
+        proc.kill()
+        proc.wait(5)
