@@ -208,15 +208,17 @@ class Bus:
             ProtocolError: the answer was not a ``reply_type``.
         """
         data, headers = encode(msg), self._headers()
+        deadline = time.monotonic() + timeout
         try:
             try:
                 reply = await self.nc.request(subject, data, timeout=timeout, headers=headers)
             except NoRespondersError:
                 # A fresh connection can be told "no responders" for a subject that was just
                 # served from another connection (seen in ~7% of tries on a busy host); after a
-                # round trip to the server the answer is the real one.
-                await self.nc.flush()
-                reply = await self.nc.request(subject, data, timeout=timeout, headers=headers)
+                # round trip to the server the answer is the real one. Both stay within ``timeout``.
+                await self._round_trip(timeout=max(deadline - time.monotonic(), 0.01))
+                left = max(deadline - time.monotonic(), 0.01)
+                reply = await self.nc.request(subject, data, timeout=left, headers=headers)
         except NoRespondersError:
             raise BusTimeoutError(subject, timeout, no_responders=True) from None
         except NatsTimeoutError:
