@@ -14,6 +14,7 @@ from dataclasses import replace
 import anyio
 import numpy as np
 import pytest
+from conftest import pause
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -175,7 +176,7 @@ async def test_a_stopped_peer_fails_the_transfer_with_a_timeout_instead_of_hangi
     peer = spawn_peer("tcp", {rid: 16 * MIB})
     try:
         await transport.connect(peer.descriptors[rid])
-        os.kill(peer.proc.pid, signal.SIGSTOP)
+        pause(peer.proc.pid)  # stopped for sure: a peer still running could answer the read
         started = anyio.current_time()
         with anyio.fail_after(5), pytest.raises(TransferTimeoutError):
             await transport.read(local, [TransferEntry(0, rid, 0, 16 * MIB)])
