@@ -32,6 +32,7 @@ class _Conn:
 
     def __init__(self, stalled: bool) -> None:
         self.stalled, self.requests, self.flush_timeouts = stalled, 0, []
+        self.is_reconnecting = False
 
     async def request(self, subject, data, timeout, headers=None):
         self.requests += 1

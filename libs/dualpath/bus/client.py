@@ -32,7 +32,7 @@ from anyio.abc import TaskGroup
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.aio.transport import TcpTransport
-from nats.errors import NoRespondersError
+from nats.errors import FlushTimeoutError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
@@ -54,6 +54,7 @@ DEFAULT_MAX_IN_FLIGHT = 1024  # handlers one subscription runs at once (nats.py 
 _TLS_SHUTDOWN_S = 0.5  # how long closing a TLS connection waits for the server's close_notify
 _RECONNECT_WAIT_S = 0.5  # the pause before trying a server again that already failed in this outage
 _ROUND_TRIP_S, _ROUND_TRIP_TRY_S = 10.0, 2.0  # ``_round_trip``: in all (nats.py's flush default), one PING
+_RECONNECT_POLL_S = 0.02  # ``_round_trip``: how often it looks whether a reconnection is done
 _CLOSE_GRACE_S = 2.0  # how long ``close`` lets in-flight handlers finish before cancelling them
 
 
@@ -285,7 +286,8 @@ class Bus:
         reconnection: the PING of a flush can go out on a connection that drops before the PONG
         comes back, and nats.py then waits out the whole timeout. A try that takes more than
         ``_ROUND_TRIP_TRY_S`` is given up and another PING sent (on the new connection, whose
-        subscriptions nats.py has replayed), until ``timeout``.
+        subscriptions nats.py has replayed), until ``timeout``. While the client is reconnecting
+        it waits for the new connection: nats.py's flush would return at once without a PING.
 
         Raises:
             nats.errors.FlushTimeoutError: no PING answered within ``timeout``.
@@ -293,12 +295,21 @@ class Bus:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
+            if left <= 0:
+                raise FlushTimeoutError
+            if self.nc.is_reconnecting:
+                # nats.py's flush returns at once, with no PING, while its read loop is down:
+                # wait for the new connection instead.
+                await asyncio.sleep(min(_RECONNECT_POLL_S, left))
+                continue
             try:
                 await self.nc.flush(timeout=min(_ROUND_TRIP_TRY_S, left))  # type: ignore[arg-type]  # a float; annotated int
-                return
             except NatsTimeoutError:
                 if time.monotonic() + 0.01 >= deadline:
                     raise
+                continue
+            if not self.nc.is_reconnecting:  # else that flush was the no-PING one: go round again
+                return
 
     async def subscribe_raw(self, subject: str, cb: Callable[[Msg], Awaitable[None]]) -> Subscription:
         """Subscribe ``cb`` to raw messages; it runs in order, in the subscription's own delivery task."""
