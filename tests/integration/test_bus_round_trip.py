@@ -27,19 +27,19 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+async def _state(_req: m.StateRequest) -> m.StateReply:
+    return m.StateReply(prefill_engines=1, decode_engines=1, nodes=2, queued=0, running=0, policy="p")
+
+
 async def test_serve_returns_when_its_ping_was_lost_with_a_dropped_connection(tmp_path) -> None:
     spec = nats_servers(1, tmp_path)[0]
     log = tmp_path / "nats.log"
     proc = spawn_nats(spec.cmd, spec.url, log)
     try:
         async with Bus.open(spec.url, "probe") as bus:
-
-            async def state(_req: m.StateRequest) -> m.StateReply:
-                return m.StateReply(prefill_engines=1, decode_engines=1, nodes=2, queued=0, running=0, policy="p")
-
             pause(proc.pid)
             started = time.monotonic()
-            serving = asyncio.ensure_future(bus.serve("t.state", state, m.StateRequest))
+            serving = asyncio.ensure_future(bus.serve("t.state", _state, m.StateRequest))
             await asyncio.sleep(0.3)  # SUB and PING are in the socket, unanswered
             proc.kill()
             proc.wait(5)
@@ -62,16 +62,12 @@ async def test_serve_called_while_the_client_reconnects_returns_once_the_server_
     proc = spawn_nats(spec.cmd, spec.url, log)
     try:
         async with Bus.open(spec.url, "probe") as bus:
-
-            async def state(_req: m.StateRequest) -> m.StateReply:
-                return m.StateReply(prefill_engines=1, decode_engines=1, nodes=2, queued=0, running=0, policy="p")
-
             proc.kill()
             proc.wait(5)
             with anyio.fail_after(5):
                 while not bus.nc.is_reconnecting:
                     await asyncio.sleep(0.01)
-            serving = asyncio.ensure_future(bus.serve("t.state", state, m.StateRequest))
+            serving = asyncio.ensure_future(bus.serve("t.state", _state, m.StateRequest))
             await asyncio.sleep(1.0)
             assert not serving.done(), "serve returned while no server was up"
             proc = spawn_nats(spec.cmd, spec.url, log)

@@ -161,7 +161,7 @@ class ReplicatedIndex:
                     raise ReplicationError(f"stream {self.stream}: not found after it was created: {exc}") from exc
                 await asyncio.sleep(0.2)
         if last > self.applied:
-            await asyncio.wait_for(self.wait_applied(last), max(1.0, deadline - asyncio.get_running_loop().time()))
+            await asyncio.wait_for(self.wait_applied(last), max(1.0, deadline - loop.time()))
         log.info("index_replayed", blocks=len(self.index), applied=self.applied, stream=self.stream)
 
     async def _follow(self) -> int:
