@@ -4,6 +4,7 @@ listener on the scheduler's submit subject."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import socket
@@ -98,6 +99,51 @@ def start_stack(model: Path, storage: Path, run_dir: Path, *, topology: str = "1
 
 
 _STACKS: list = []  # every stack start_stack made, checked for refused NATS operations when its module ends
+
+
+# ---- SDK clients ---------------------------------------------------------------------------
+# A test's SDK clients are closed when the test ends. One left to the garbage collector is closed
+# by its own finalizer only when nothing holds it; in a reference cycle (a traceback, a stream)
+# the collector may finalize its pooled sockets first, and their ResourceWarning fails whichever
+# test the collection happens to run in.
+_CLIENTS: list = []
+
+
+def openai_client(url: str, timeout: float = 120.0):
+    """The OpenAI SDK on the gateway at ``url`` (no retries), closed when the test ends."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+    _CLIENTS.append(client)
+    return client
+
+
+def anthropic_client(url: str, timeout: float = 120.0):
+    """The Anthropic SDK on the gateway at ``url`` (no retries), closed when the test ends."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=timeout)
+    _CLIENTS.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True)
+def _close_sdk_clients():
+    yield
+    while _CLIENTS:
+        _CLIENTS.pop().close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collect_cycles_of_the_module():
+    """Objects a module's tests left in reference cycles are collected when the module ends.
+
+    A socket that a client library abandons in a cycle (nats.py does on a refused or dropped
+    connection) is closed only by the garbage collector, and its ResourceWarning is raised in
+    whichever test the next collection happens to run in, often a module later. Collecting here
+    reports it in the module that made it, under that module's warning filters."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -241,40 +287,35 @@ def converse(
     """
     import time
 
-    import openai
-
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    client = openai_client(url)
     messages, out = [{"role": "system", "content": "You are an agent."}], []
-    try:
-        for i, text in enumerate(turns):
-            if i and gap_s:
-                time.sleep(gap_s)
-            messages.append({"role": "user", "content": text})
-            r = client.chat.completions.create(
-                model=model,
-                messages=messages,  # type: ignore[arg-type]
-                max_tokens=max_tokens,
-                temperature=0,
-                logprobs=True,
-                extra_body={"dualpath_read_path": read_path},
-                extra_headers=headers or {},
-            )
-            c = r.choices[0]
-            record = (r.model_extra or {}).get("dualpath", {})
-            assert c.logprobs is not None and c.logprobs.content is not None and r.usage is not None
-            details = r.usage.prompt_tokens_details
-            out.append(
-                {
-                    "text": c.message.content,
-                    "logprobs": [t.logprob for t in c.logprobs.content],
-                    "cached": details.cached_tokens if details else 0,
-                    "path": record.get("read_path"),
-                    "split": record.get("read_split"),
-                }
-            )
-            messages.append({"role": "assistant", "content": c.message.content or ""})
-    finally:
-        client.close()
+    for i, text in enumerate(turns):
+        if i and gap_s:
+            time.sleep(gap_s)
+        messages.append({"role": "user", "content": text})
+        r = client.chat.completions.create(
+            model=model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=max_tokens,
+            temperature=0,
+            logprobs=True,
+            extra_body={"dualpath_read_path": read_path},
+            extra_headers=headers or {},
+        )
+        c = r.choices[0]
+        record = (r.model_extra or {}).get("dualpath", {})
+        assert c.logprobs is not None and c.logprobs.content is not None and r.usage is not None
+        details = r.usage.prompt_tokens_details
+        out.append(
+            {
+                "text": c.message.content,
+                "logprobs": [t.logprob for t in c.logprobs.content],
+                "cached": details.cached_tokens if details else 0,
+                "path": record.get("read_path"),
+                "split": record.get("read_split"),
+            }
+        )
+        messages.append({"role": "assistant", "content": c.message.content or ""})
     return out
 
 

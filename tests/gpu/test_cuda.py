@@ -100,8 +100,7 @@ def test_prefill_throughput_on_a_larger_random_model_is_reported(tmp_path):
 
 @pytest.mark.slow
 def test_a_cuda_stack_serves_both_read_paths_bitwise_equal_and_matching_the_cpu_reference(model_dir, tmp_path):
-    import openai
-    from conftest import start_stack
+    from conftest import openai_client, start_stack
 
     turns = [
         "Read the failing test and tell me what it checks, in detail please. " * 3,
@@ -113,7 +112,7 @@ def test_a_cuda_stack_serves_both_read_paths_bitwise_equal_and_matching_the_cpu_
     for path in ("pe", "de"):
         s = start_stack(model_dir, tmp_path / path / "storage", tmp_path / path / "run", device="cuda")
         try:
-            client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
+            client = openai_client(s.url)
             messages, out = [{"role": "system", "content": "You are an agent."}], []
             for text in turns:
                 messages.append({"role": "user", "content": text})

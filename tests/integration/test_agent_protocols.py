@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SubmitTap, prefetch_counters, start_stack
+from conftest import SubmitTap, anthropic_client, openai_client, prefetch_counters, start_stack
 
 from dualpath.bus.auth import Identity
 from dualpath.bus.embedded import free_port
@@ -100,17 +100,9 @@ def replica(stack, tmp_path_factory):
         gw.stop()
 
 
-def _anthropic(url: str):
-    return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
-
-
-def _openai(url: str):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 # ---- Anthropic Messages ----------------------------------------------------------------------------
 def test_anthropic_sdk_second_turn_reads_the_first_turns_kv_as_cache_read_tokens(stack):
-    client = _anthropic(stack.url)
+    client = anthropic_client(stack.url)
     system = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
     messages: list[dict] = [{"role": "user", "content": [{"type": "text", "text": "Read main.py and list its functions."}]}]
     first = client.messages.create(model=MODEL, max_tokens=8, system=system, messages=messages, extra_body={"temperature": 0})
@@ -133,7 +125,7 @@ def test_anthropic_sdk_second_turn_reads_the_first_turns_kv_as_cache_read_tokens
 
 
 def test_anthropic_sdk_tool_use_round_trip_streamed_and_not(stack):
-    client = _anthropic(stack.url)
+    client = anthropic_client(stack.url)
     messages: list[dict] = [{"role": "user", "content": "What is the weather in Paris?"}]
     forced = client.messages.create(
         model=MODEL, max_tokens=120, messages=messages, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"}
@@ -169,7 +161,7 @@ def test_anthropic_sdk_tool_use_round_trip_streamed_and_not(stack):
 
 
 def test_anthropic_stop_sequence_ends_the_answer_and_is_named(stack):
-    client = _anthropic(stack.url)
+    client = anthropic_client(stack.url)
     ask = {"model": MODEL, "max_tokens": 12, "messages": [{"role": "user", "content": "Count."}], "extra_body": {"temperature": 0}}
     text = client.messages.create(**ask).content[0].text
     stop = next(text[i : i + 2] for i in range(3, 10) if text.find(text[i : i + 2]) == i)  # first seen at i
@@ -180,7 +172,7 @@ def test_anthropic_stop_sequence_ends_the_answer_and_is_named(stack):
 
 
 def test_anthropic_errors_use_anthropics_shape_and_status(stack):
-    client = _anthropic(stack.url)
+    client = anthropic_client(stack.url)
     with pytest.raises(anthropic.NotFoundError) as nf:
         client.messages.create(model="no-such-model", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
     assert nf.value.body["type"] == "error" and nf.value.body["error"]["type"] == "not_found_error"
@@ -213,7 +205,7 @@ def test_anthropic_errors_use_anthropics_shape_and_status(stack):
 
 
 def test_metadata_user_id_is_the_session_the_scheduler_sees(stack):
-    client = _anthropic(stack.url)
+    client = anthropic_client(stack.url)
     with SubmitTap(stack) as tap:
         r = client.messages.create(
             model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}], metadata={"user_id": "agent-42"}
@@ -224,7 +216,7 @@ def test_metadata_user_id_is_the_session_the_scheduler_sees(stack):
 def test_sessions_from_the_protocols_are_prefetched_between_turns_without_a_session_header(stack):
     """A Messages conversation with ``metadata.user_id`` and a Responses chain: when a turn ends,
     the scheduler hints the session's blocks to the prefill node; one without a session gets none."""
-    client, responses = _anthropic(stack.url), _openai(stack.url)
+    client, responses = anthropic_client(stack.url), openai_client(stack.url)
 
     def two_turns(text: str, **session) -> None:
         messages: list[dict] = [{"role": "user", "content": text * 8}]
@@ -250,7 +242,7 @@ def test_sessions_from_the_protocols_are_prefetched_between_turns_without_a_sess
 
 # ---- OpenAI Responses ------------------------------------------------------------------------------
 def test_responses_previous_response_id_continues_a_stored_conversation_from_the_cache(stack):
-    client = _openai(stack.url)
+    client = openai_client(stack.url)
     with SubmitTap(stack) as tap:
         first = client.responses.create(model=MODEL, instructions=SYSTEM, input="List the files.", max_output_tokens=8, temperature=0)
         second = client.responses.create(
@@ -273,7 +265,7 @@ def test_responses_previous_response_id_continues_a_stored_conversation_from_the
 
 
 def test_responses_stream_emits_the_semantic_events_and_stores_the_result(stack):
-    client = _openai(stack.url)
+    client = openai_client(stack.url)
     events = list(client.responses.create(model=MODEL, input="Say something.", max_output_tokens=6, stream=True))
     kinds = [e.type for e in events]
     assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
@@ -285,7 +277,7 @@ def test_responses_stream_emits_the_semantic_events_and_stores_the_result(stack)
 
 
 def test_responses_function_call_round_trip_and_json_schema_output(stack):
-    client = _openai(stack.url)
+    client = openai_client(stack.url)
     tools = [{"type": "function", "name": "get_weather", "description": "The weather.", "parameters": WEATHER["input_schema"]}]
     hosted = [{"type": "web_search"}]  # sent by Codex; not run here, left out of the prompt
     call = client.responses.create(
@@ -330,7 +322,7 @@ def test_responses_function_call_round_trip_and_json_schema_output(stack):
 
 
 def test_responses_errors_name_the_field(stack):
-    client = _openai(stack.url)
+    client = openai_client(stack.url)
     with pytest.raises(openai.BadRequestError, match="input_image"):
         client.responses.create(model=MODEL, input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
     with pytest.raises(openai.BadRequestError, match="background"):
@@ -343,40 +335,40 @@ def test_responses_errors_name_the_field(stack):
 
 # ---- replicas, restart, reasoning ---------------------------------------------------------------------
 def test_a_stored_response_is_read_by_another_gateway_replica_and_survives_its_restart(stack, replica):
-    first = _openai(stack.url).responses.create(model=MODEL, input="Remember this.", max_output_tokens=4)
-    assert _openai(replica.url).responses.retrieve(first.id).output_text == first.output_text
+    first = openai_client(stack.url).responses.create(model=MODEL, input="Remember this.", max_output_tokens=4)
+    assert openai_client(replica.url).responses.retrieve(first.id).output_text == first.output_text
     replica.stop()
     replica.start()
-    later = _openai(replica.url).responses.create(model=MODEL, input="And now?", previous_response_id=first.id, max_output_tokens=4)
+    later = openai_client(replica.url).responses.create(model=MODEL, input="And now?", previous_response_id=first.id, max_output_tokens=4)
     assert later.usage.input_tokens_details.cached_tokens > 0
-    assert _openai(stack.url).responses.retrieve(later.id).previous_response_id == first.id
+    assert openai_client(stack.url).responses.retrieve(later.id).previous_response_id == first.id
 
 
 def test_reasoning_parser_moves_an_r1_answer_into_reasoning_in_every_protocol(replica):
-    chat = _openai(replica.url).chat.completions.create(
+    chat = openai_client(replica.url).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Think."}], max_tokens=8, temperature=0
     )
     message = chat.choices[0].message
     assert len(message.model_extra["reasoning_content"]) == 8 and not message.content  # never closed: all reasoning
 
     chunks = list(
-        _openai(replica.url).chat.completions.create(
+        openai_client(replica.url).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Think."}], max_tokens=8, stream=True, temperature=0
         )
     )
     streamed = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks if c.choices)
     assert streamed == message.model_extra["reasoning_content"]
 
-    msg = _anthropic(replica.url).messages.create(
+    msg = anthropic_client(replica.url).messages.create(
         model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Think."}], extra_body={"temperature": 0}
     )
     assert [b.type for b in msg.content] == ["thinking"] and msg.content[0].thinking == streamed  # no text after it
-    with _anthropic(replica.url).messages.stream(
+    with anthropic_client(replica.url).messages.stream(
         model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Think."}], extra_body={"temperature": 0}
     ) as s:
         thinking = "".join(ev.delta.thinking for ev in s if ev.type == "content_block_delta" and ev.delta.type == "thinking_delta")
     assert thinking == streamed
 
-    resp = _openai(replica.url).responses.create(model=MODEL, input="Think.", max_output_tokens=8, temperature=0)
+    resp = openai_client(replica.url).responses.create(model=MODEL, input="Think.", max_output_tokens=8, temperature=0)
     assert resp.output[0].type == "reasoning" and resp.output[0].content[0].text == streamed
     assert resp.usage.output_tokens_details.reasoning_tokens == 8

@@ -6,9 +6,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 
 import httpx
-import openai
 import pytest
-from conftest import start_stack
+from conftest import openai_client, start_stack
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +18,7 @@ def test_requests_wait_for_room_in_a_full_node_buffer_instead_of_failing(tiny_mo
     # prompt needs ~0.6 MiB of slot, so a 1 MiB buffer holds one request at a time.
     s = start_stack(tiny_model, tmp_path / "storage", tmp_path / "run", buffer_mb=1, read_path=read_path)
     try:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=180)
+        client = openai_client(s.url, 180)
         name = tiny_model.resolve().name
 
         def agent(i: int) -> list[int]:

@@ -3,9 +3,8 @@ over mutual TLS, and the answers and cache hits are those of a stack without it.
 
 from __future__ import annotations
 
-import openai
 import pytest
-from conftest import start_stack
+from conftest import openai_client, start_stack
 
 pytestmark = pytest.mark.slow
 
@@ -17,7 +16,7 @@ TURNS = [
 
 def _conversation(url: str) -> list[tuple[str, int, list[float]]]:
     """(answer, cached prompt tokens, logprobs) of each turn of a chat that extends itself."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(url)
     model = client.models.list().data[0].id
     messages = [{"role": "system", "content": "You are a coding agent."}]
     out = []

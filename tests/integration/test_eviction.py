@@ -3,9 +3,8 @@ storage stays bounded by ``--capacity-blocks``; conversations keep working meanw
 
 from __future__ import annotations
 
-import openai
 import pytest
-from conftest import start_stack
+from conftest import openai_client, start_stack
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +15,7 @@ def test_evicted_blocks_files_are_deleted_and_storage_stays_within_capacity(tiny
     storage = tmp_path / "storage"
     s = start_stack(tiny_model, storage, tmp_path / "run", extra_env={"DUALPATH_CAPACITY_BLOCKS": str(CAPACITY)})
     try:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        client = openai_client(s.url)
         name = tiny_model.resolve().name
         messages, cached = [], []
         for turn in range(5):  # ~5 x 300 tokens: well over CAPACITY blocks of 64 tokens

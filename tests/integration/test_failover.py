@@ -9,9 +9,8 @@ import signal
 import threading
 
 import httpx
-import openai
 import pytest
-from conftest import start_stack
+from conftest import openai_client, start_stack
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +20,7 @@ def test_requests_survive_an_engine_killed_mid_flight(tiny_model, tmp_path, vict
     # No supervision here: this checks re-dispatch alone (a supervised restart would bring the
     # victim back under the same name; tests/faults covers restarts).
     s = start_stack(tiny_model, tmp_path / "storage", tmp_path / "run", engines_per_node=2, supervise=False)
-    client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    client = openai_client(s.url)
     try:
         model = client.models.list().data[0].id
         prompts = [f"agent {i} asks about failure handling " * 12 for i in range(8)]

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import openai
 import pytest
 import torch
-from conftest import start_stack
+from conftest import openai_client, start_stack
 
 from dualpath.kv import BlockStore, block_hashes, model_digest
 from dualpath.model import Decoder, Tokenizer
@@ -26,7 +25,7 @@ USER_TURNS = [
 
 def run_conversation(url: str, model: str, read_path: str | None = None, turns=USER_TURNS, max_tokens: int = 40):
     """A 5-turn chat where each prompt extends the previous prompt and answer."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(url)
     messages = [{"role": "system", "content": "You are a coding agent."}]
     out = []
     for text in turns:

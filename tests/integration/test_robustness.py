@@ -8,9 +8,8 @@ from pathlib import Path
 
 import msgpack
 import nats
-import openai
 import pytest
-from conftest import start_stack
+from conftest import openai_client, start_stack
 
 from dualpath.kv import BlockStore, block_hashes, model_digest
 from dualpath.model import Tokenizer
@@ -74,7 +73,7 @@ def test_garbage_on_every_service_subject_gets_an_error_reply_and_the_service_ke
     assert len(answers) == 8 * len(GARBAGE)
     assert all(code == 400 for _, code in answers), answers
     stack.check_alive()
-    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    client = openai_client(stack.url, 60)
     model = client.models.list().data[0].id
     assert client.completions.create(model=model, prompt="still alive?", max_tokens=4, temperature=0).choices[0].text
 
@@ -86,7 +85,7 @@ def _chat(client, model, messages, max_tokens=8):
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_a_corrupt_or_truncated_block_file_is_a_miss_and_is_recomputed(stack, tiny_model, damage):
-    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    client = openai_client(stack.url, 60)
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": f"{damage}: " + "the quick brown fox jumps over the lazy dog " * 6}]
     first, cached = _chat(client, model, messages)

@@ -8,7 +8,7 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import start_stack
+from conftest import openai_client, start_stack
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ def stack(tiny_model, tmp_path_factory):
 
 
 def _client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(stack.url, 60)
 
 
 def test_openai_client_completes_without_streaming(stack, tiny_model):

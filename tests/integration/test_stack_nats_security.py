@@ -8,9 +8,8 @@ import asyncio
 import ssl
 
 import nats
-import openai
 import pytest
-from conftest import start_stack
+from conftest import openai_client, start_stack
 
 from dualpath.protocol.subjects import Role, Subjects
 
@@ -29,7 +28,7 @@ def stack(tiny_model, tmp_path_factory):
 
 def test_every_service_runs_as_its_own_identity_over_mutual_tls(stack):
     assert stack.nats_url.startswith("tls://")
-    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai_client(stack.url, 60)
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": "tell me about the two paths " * 12}]
     first = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)

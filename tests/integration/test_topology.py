@@ -7,9 +7,8 @@ import subprocess
 import sys
 
 import httpx
-import openai
 import pytest
-from conftest import start_stack
+from conftest import openai_client, start_stack
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +18,7 @@ def test_2p1d_with_two_engines_per_node_spreads_requests_over_engines(tiny_model
     try:
         health = httpx.get(s.url + "/health").json()
         assert (health["prefill_engines"], health["decode_engines"]) == (4, 2)
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        client = openai_client(s.url)
         model = client.models.list().data[0].id
 
         def one(i: int):

@@ -17,9 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
-from conftest import start_stack
+from conftest import openai_client, start_stack
 
 from dualpath.bus.embedded import free_port
 from dualpath.cli.trace import main as trace_main
@@ -54,7 +53,7 @@ def traced_run(tiny_model, tmp_path_factory) -> Iterator[TracedRun]:
     stack = start_stack(tiny_model, base / "storage", base / "run", extra_env=env)
     rids, paths, cached = [], [], []
     try:
-        client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        client = openai_client(stack.url, 60)
         model = client.models.list().data[0].id
         messages = [{"role": "system", "content": "You are a coding agent. Read the repository layout carefully first. " * 4}]
         for text, path in (("List the files that hold the scheduler.", "pe"), ("Tool output: core.py. Open it.", "de")):
