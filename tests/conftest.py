@@ -141,9 +141,15 @@ def _collect_cycles_of_the_module():
     A socket that a client library abandons in a cycle (nats.py does on a refused or dropped
     connection) is closed only by the garbage collector, and its ResourceWarning is raised in
     whichever test the next collection happens to run in, often a module later. Collecting here
-    reports it in the module that made it, under that module's warning filters."""
+    reports it in the module that made it, under that module's warning filters.
+
+    What survives is frozen (``gc.freeze``): the imports (torch, transformers), the session's
+    fixtures and caches, most of the heap, which every later full collection would otherwise walk
+    again. Unreachable objects are still freed by their reference counts; only a cycle
+    among them that becomes garbage later stays until the process ends."""
     yield
     gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="module", autouse=True)
