@@ -291,8 +291,6 @@ def converse(
     call time between turns. Per turn: text, logprobs, cached tokens, and the response's
     ``dualpath`` extension (read path, read split).
     """
-    import time
-
     client = openai_client(url)
     messages, out = [{"role": "system", "content": "You are an agent."}], []
     for i, text in enumerate(turns):

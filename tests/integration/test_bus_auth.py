@@ -23,7 +23,7 @@ from dualpath.protocol import messages as m
 from dualpath.protocol.subjects import Role, Subjects
 
 # nats.py leaves the socket of a refused connection for the garbage collector to close, which
-# Python reports as an unraisable ResourceWarning in whichever test runs next.
+# Python reports as an unraisable ResourceWarning; conftest collects them when this module ends.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 NS = "dp"

@@ -9,7 +9,6 @@ its port, and nothing answers on them.
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import signal
 import subprocess
@@ -25,7 +24,7 @@ from dualpath.bus.client import _RECONNECT_WAIT_S, ReconnectOrder
 from dualpath.ha.natscluster import nats_servers
 
 # nats.py leaves the socket of a connection it gave up on for the garbage collector, which Python
-# reports as an unraisable ResourceWarning; the cluster collects them when it stops, here.
+# reports as an unraisable ResourceWarning; conftest collects them when this module ends, here.
 pytestmark = [pytest.mark.anyio, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 
 
@@ -70,7 +69,6 @@ class _Cluster:
             p.terminate()
         for p in self.procs:
             p.wait(10)
-        gc.collect()
 
 
 @pytest.fixture
